@@ -1,0 +1,43 @@
+"""meganeura: portable GPU training and inference through WebGPU (Vulkan, Metal, DX12).
+
+Build a typed static graph, compile it (autodiff, optimizer, memory plan, WGSL), run it::
+
+    import meganeura as mn
+    g = mn.GraphBuilder()
+    x = g.input("x", (64, 784))
+    ...
+    program = mn.compile(g.build(), mn.CompileOptions(loss="loss", optimizer=mn.optim.AdamW()))
+
+The GPU runtime (``meganeura.runtime``, wgpu) is imported lazily, so graph building,
+autodiff and code generation work without a GPU.
+"""
+
+from . import nn, optim
+from .autodiff import differentiate
+from .compile import CompileOptions, compile
+from .dtypes import DType, bool_, f16, f32, i32, u32
+from .graph.builder import GraphBuilder, GraphTypeError, Tensor
+from .graph.interpret import interpret
+from .graph.ir import Graph, Node, TensorType
+from .graph.verify import GraphError, verify
+from .ops.functional import (
+    add, amax, broadcast_to, cast, cross_entropy, div, eq, exp, flatten, greater, less, linear,
+    log, log_softmax, matmul, maximum, mean, minimum, mse_loss, mul, ne, neg, permute, relu,
+    reshape, sigmoid, softmax, sqrt, stop_gradient, sub, tanh, transpose, where,
+)
+from .ops.functional import sum  # noqa: A004
+from .schedule.planner import plan_memory
+from .schedule.program import Program
+from .training import Trainer, compile_for
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompileOptions", "DType", "Graph", "GraphBuilder", "GraphError", "GraphTypeError", "Node",
+    "Program", "Tensor", "TensorType", "Trainer", "add", "amax", "bool_", "broadcast_to",
+    "cast", "compile", "compile_for", "cross_entropy", "differentiate", "div", "eq", "exp",
+    "f16", "f32", "flatten", "greater", "i32", "interpret", "less", "linear", "log",
+    "log_softmax", "matmul", "maximum", "mean", "minimum", "mse_loss", "mul", "ne", "neg", "nn",
+    "optim", "permute", "plan_memory", "relu", "reshape", "sigmoid", "softmax", "sqrt",
+    "stop_gradient", "sub", "sum", "tanh", "transpose", "u32", "verify", "where",
+]

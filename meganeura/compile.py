@@ -1,0 +1,174 @@
+"""The pipeline in one place: graph -> (differentiate -> apply_optimizer) -> simplify ->
+schedule -> plan_memory -> lower to WGSL -> Program.
+
+Every stage is a pure function; ``compile`` only strings them together, times each stage and
+assembles the Program's buffer table. Nothing here touches a GPU: adapter limits come in as
+a ``Limits`` value (``Session`` users get them from ``meganeura.runtime.get_device``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .autodiff import differentiate
+from .codegen.kernel import Limits, ScratchRef, ValueRef
+from .graph.ir import Graph
+from .optim import Optimizer, apply_optimizer
+from .passes import cse, dce
+from .schedule.planner import plan_memory
+from .schedule.program import (
+    BufferSpec,
+    Dispatch,
+    LabelCheck,
+    MemoryReport,
+    Program,
+    TensorSlot,
+)
+from .schedule.schedule import schedule
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What to build from a graph.
+
+    Attributes:
+        loss: name of the scalar output to minimize; None compiles inference only.
+        optimizer: the update appended after the backward pass (needs ``loss``).
+        max_grad_norm: clip gradients by global L2 norm before the update (None: no clip).
+        trainable: names of the parameters to train; None trains every parameter.
+    """
+
+    loss: str | None = None
+    optimizer: Optimizer | None = None
+    max_grad_norm: float | None = None
+    trainable: tuple[str, ...] | None = None
+
+
+def build_training_graph(graph: Graph, options: CompileOptions) -> Graph:
+    """Forward graph -> forward + backward + optimizer update (unsimplified)."""
+    if options.loss is None or options.optimizer is None:
+        raise ValueError("training needs both CompileOptions.loss and CompileOptions.optimizer")
+    params = [n for n in graph.leaves("parameter")
+              if options.trainable is None or n.name in options.trainable]
+    if options.trainable is not None:
+        missing = set(options.trainable) - {n.name for n in params}
+        if missing:
+            raise ValueError(f"trainable names not parameters of the graph: {sorted(missing)}")
+    g, grads = differentiate(graph, options.loss, [p.id for p in params])
+    return apply_optimizer(g, grads, options.optimizer, options.max_grad_norm)
+
+
+def compile(graph: Graph, options: CompileOptions | None = None,  # noqa: A001
+            limits: Limits | None = None) -> Program:
+    """Compile ``graph`` into a Program.
+
+    Args:
+        graph: a verified forward graph (from ``GraphBuilder.build``).
+        options: what to build; default inference only.
+        limits: adapter limits; default WebGPU's minimums.
+
+    Returns:
+        A Program whose ``meta`` holds the compile time per stage (seconds) and the options.
+
+    Raises:
+        ValueError: for inconsistent options, or a tensor larger than one storage binding.
+    """
+    options = options or CompileOptions()
+    limits = limits or Limits()
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if options.optimizer is not None:
+        graph = build_training_graph(graph, options)
+    times["autodiff"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    graph, _ = dce(graph)
+    graph, _ = cse(graph)
+    graph, _ = dce(graph)
+    times["passes"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    sched = schedule(graph, limits)
+    times["codegen"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    plan = plan_memory(sched.intervals)
+    times["plan_memory"] = time.perf_counter() - t
+
+    program = _assemble(graph, sched, plan, limits)
+    meta = dict(program.meta)
+    meta["compile_seconds"] = times
+    meta["num_nodes"] = len(graph.nodes)
+    if options.optimizer is not None:
+        meta["optimizer"] = options.optimizer.config()
+        meta["max_grad_norm"] = options.max_grad_norm
+    return program.replace(meta=meta)
+
+
+def _assemble(graph: Graph, sched, plan, limits: Limits) -> Program:
+    buffers: list[BufferSpec] = []
+    buffer_of: dict[int, int] = {}
+    slots = {"input": {}, "parameter": {}, "state": {}}
+    outputs: dict[str, TensorSlot] = {}
+
+    def new_buffer(size: int, role, name=None) -> int:
+        if size > limits.max_storage_buffer_binding_size:
+            raise ValueError(
+                f"tensor {name or 'intermediate'} needs {size} bytes, more than the adapter's "
+                f"largest storage binding ({limits.max_storage_buffer_binding_size} bytes)"
+            )
+        buffers.append(BufferSpec(len(buffers), max(4, (size + 3) // 4 * 4), role, name))
+        return len(buffers) - 1
+
+    for node in graph.nodes:
+        if node.op in slots:
+            b = new_buffer(node.type.nbytes, node.op, node.name)
+            buffer_of[node.id] = b
+            slots[node.op][node.name] = TensorSlot(b, node.type.shape, node.type.dtype)
+    for name, v in graph.outputs:
+        r = sched.root[v]
+        if r not in buffer_of:
+            buffer_of[r] = new_buffer(graph.nodes[r].type.nbytes, "output", name)
+        t = graph.nodes[v].type
+        outputs[name] = TensorSlot(buffer_of[r], t.shape, t.dtype)
+    pinned_bytes = sum(b.size for b in buffers)
+
+    pool = [new_buffer(size, "intermediate") for size in plan.buffer_sizes]
+
+    dispatches: list[Dispatch] = []
+    for nid, ks in sched.dispatches:
+        ids: list[int] = []
+        writes: list[bool] = []
+        for bnd in ks.bindings:
+            if isinstance(bnd, ValueRef):
+                r = sched.root[bnd.node]
+                buf = buffer_of[r] if r in buffer_of else pool[plan.assignment[r]]
+            else:
+                assert isinstance(bnd, ScratchRef)
+                buf = pool[plan.assignment[(nid, bnd.key)]]
+            ids.append(buf)
+            writes.append(bnd.write)
+        if len(set(ids)) != len(ids):
+            raise AssertionError(f"kernel {ks.name} binds one buffer twice: {ids}")
+        dispatches.append(Dispatch(ks.name, ks.wgsl, tuple(ids), tuple(writes), ks.grid,
+                                   ks.flops, ks.bytes))
+
+    checks = []
+    for node in graph.nodes:
+        if node.op == "cross_entropy":
+            target = graph.nodes[sched.root[node.inputs[1]]]
+            if target.op == "input":
+                checks.append(LabelCheck(target.name, graph.nodes[node.inputs[0]].type.shape[1],
+                                         node.attr("ignore_index")))
+
+    return Program(
+        buffers=tuple(buffers),
+        dispatches=tuple(dispatches),
+        inputs=slots["input"],
+        outputs=outputs,
+        parameters=slots["parameter"],
+        state=slots["state"],
+        label_checks=tuple(checks),
+        memory=MemoryReport(plan.planned_bytes, plan.naive_bytes, pinned_bytes),
+    )

@@ -1,0 +1,294 @@
+"""GraphBuilder and Tensor: the only way to make a graph.
+
+Every ``add`` runs the op's type rule before the node exists, so errors surface at the line
+of user code that wrote the bad op, with the op, its operands' types and that line quoted.
+Tensors are handles (builder, node id); arithmetic on them appends nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dtypes import DType, f32
+from .ir import AttrValue, Graph, Node, TensorType, make_attrs
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class GraphTypeError(TypeError):
+    """An op was given operands its type rule rejects. The message names the op, each
+    operand with its type, and the user's source line."""
+
+
+def _user_location() -> str:
+    """``file:line`` of the innermost frame outside the meganeura package."""
+    f = sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not os.path.abspath(fn).startswith(_PKG_DIR + os.sep):
+            return f"{os.path.basename(fn)}:{f.f_lineno}"
+        f = f.f_back
+    return "<unknown>"
+
+
+class GraphBuilder:
+    """Appends typed nodes; ``build()`` returns the frozen Graph.
+
+    Args:
+        graph: optional graph to extend (autodiff and the optimizer append to a copy).
+
+    Example:
+        >>> g = GraphBuilder()
+        >>> x = g.input("x", (64, 784))
+        >>> w = g.parameter("w", (10, 784))
+        >>> y = x @ w.T
+    """
+
+    def __init__(self, graph: Graph | None = None) -> None:
+        self.nodes: list[Node] = list(graph.nodes) if graph is not None else []
+        self.outputs: dict[str, int] = dict(graph.outputs) if graph is not None else {}
+        self._names: dict[str, int] = {n.name: n.id for n in self.nodes if n.name is not None}
+        self._constants: dict[tuple, int] = {}
+
+    # ---- leaves -------------------------------------------------------------------------
+    def _leaf(self, op: str, name: str, shape: Sequence[int], dtype: DType) -> Tensor:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{op} name must be a non-empty string, got {name!r}")
+        if name in self._names:
+            prev = self.nodes[self._names[name]]
+            raise ValueError(f"{op} name {name!r} already used by %{prev.id} ({prev.op}, {prev.loc})")
+        try:
+            shape = tuple(int(s) for s in shape)
+        except TypeError:
+            raise TypeError(f"{op} {name!r}: shape must be a sequence of ints, got {shape!r}")
+        t = TensorType(shape, dtype)
+        node = Node(len(self.nodes), op, (), (), t, name, _user_location())
+        self.nodes.append(node)
+        self._names[name] = node.id
+        return Tensor(self, node.id)
+
+    def input(self, name: str, shape: Sequence[int], dtype: DType = f32) -> Tensor:
+        """A value fed by the host before each step (a batch, labels, a learning rate)."""
+        return self._leaf("input", name, shape, dtype)
+
+    def parameter(self, name: str, shape: Sequence[int], dtype: DType = f32) -> Tensor:
+        """A trainable tensor that persists across steps."""
+        return self._leaf("parameter", name, shape, dtype)
+
+    def state(self, name: str, shape: Sequence[int], dtype: DType = f32) -> Tensor:
+        """A persistent, non-trainable tensor, zero at start (optimizer moments)."""
+        return self._leaf("state", name, shape, dtype)
+
+    def constant(self, value: float | int | bool, dtype: DType = f32) -> Tensor:
+        """A scalar baked into the program. Equal constants are shared."""
+        if isinstance(value, (np.generic,)):
+            value = value.item()
+        if dtype.is_floating:
+            value = float(value)
+            if not np.isfinite(value):
+                raise ValueError(f"constant {value} is not finite; WGSL has no inf/NaN literals")
+        elif dtype is DType.bool:
+            value = bool(value)
+        else:
+            value = int(value)
+        key = (value, dtype)
+        if key in self._constants:
+            return Tensor(self, self._constants[key])
+        node = Node(
+            len(self.nodes), "constant", (), make_attrs({"value": value}), TensorType((), dtype),
+            None, _user_location(),
+        )
+        self.nodes.append(node)
+        self._constants[key] = node.id
+        return Tensor(self, node.id)
+
+    # ---- ops ----------------------------------------------------------------------------
+    def add(self, op: str, inputs: Sequence[Tensor], attrs: dict[str, AttrValue] | None = None) -> Tensor:
+        """Append ``op(inputs, **attrs)`` after checking its type rule.
+
+        Raises:
+            GraphTypeError: when the type rule rejects the operands.
+            KeyError: for an unknown op name.
+        """
+        from ..ops import OPS
+        from ..ops.registry import ShapeError
+
+        if op not in OPS:
+            raise KeyError(f"unknown op {op!r}")
+        d = OPS[op]
+        for t in inputs:
+            if not isinstance(t, Tensor):
+                raise GraphTypeError(f"{op}: operand {t!r} is not a Tensor")
+            if t.builder is not self:
+                raise GraphTypeError(f"{op}: operand %{t.id} belongs to another graph")
+        if d.arity is not None and len(inputs) != d.arity:
+            raise GraphTypeError(f"{op} takes {d.arity} operands, got {len(inputs)}")
+        attrs = dict(attrs or {})
+        types = [self.nodes[t.id].type for t in inputs]
+        try:
+            out = d.infer(types, attrs)
+        except ShapeError as e:
+            loc = _user_location()
+            ops = ", ".join(f"%{t.id}: {ty}" for t, ty in zip(inputs, types))
+            shown = {k: v for k, v in attrs.items()}
+            raise GraphTypeError(f"{op}({ops}{', ' if shown else ''}"
+                                 f"{', '.join(f'{k}={v!r}' for k, v in shown.items())}) "
+                                 f"at {loc}: {e}") from None
+        node = Node(
+            len(self.nodes), op, tuple(t.id for t in inputs), make_attrs(attrs), out, None,
+            _user_location(),
+        )
+        self.nodes.append(node)
+        return Tensor(self, node.id)
+
+    def output(self, name: str, tensor: Tensor) -> Tensor:
+        """Name a value so it can be fetched after each step."""
+        if tensor.builder is not self:
+            raise GraphTypeError(f"output {name!r}: tensor belongs to another graph")
+        if name in self.outputs and self.outputs[name] != tensor.id:
+            raise ValueError(f"output name {name!r} already used")
+        self.outputs[name] = tensor.id
+        return tensor
+
+    def tensor(self, node_id: int) -> Tensor:
+        return Tensor(self, node_id)
+
+    def build_unverified(self) -> Graph:
+        """Freeze without the unused-input check (for passes that append to a graph)."""
+        from .verify import verify
+
+        g = Graph(tuple(self.nodes), tuple(self.outputs.items()))
+        verify(g, allow_unused_inputs=True)
+        return g
+
+    def build(self) -> Graph:
+        """Freeze into a Graph and verify it (raises GraphError on a broken invariant)."""
+        from .verify import verify
+
+        g = Graph(tuple(self.nodes), tuple(self.outputs.items()))
+        verify(g)
+        return g
+
+
+@dataclass(frozen=True, eq=False)
+class Tensor:
+    """A handle to one value of a graph under construction."""
+
+    builder: GraphBuilder
+    id: int
+
+    @property
+    def node(self) -> Node:
+        return self.builder.nodes[self.id]
+
+    @property
+    def type(self) -> TensorType:
+        return self.node.type
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.node.type.shape
+
+    @property
+    def dtype(self) -> DType:
+        return self.node.type.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"Tensor(%{self.id}: {self.type})"
+
+    def _lift(self, other) -> Tensor:
+        if isinstance(other, Tensor):
+            return other
+        if isinstance(other, (int, float, bool, np.generic)):
+            return self.builder.constant(other, self.dtype)
+        raise TypeError(f"cannot combine {self!r} with {type(other).__name__}")
+
+    def __add__(self, o):
+        return self.builder.add("add", [self, self._lift(o)])
+
+    def __radd__(self, o):
+        return self.builder.add("add", [self._lift(o), self])
+
+    def __sub__(self, o):
+        return self.builder.add("sub", [self, self._lift(o)])
+
+    def __rsub__(self, o):
+        return self.builder.add("sub", [self._lift(o), self])
+
+    def __mul__(self, o):
+        return self.builder.add("mul", [self, self._lift(o)])
+
+    def __rmul__(self, o):
+        return self.builder.add("mul", [self._lift(o), self])
+
+    def __truediv__(self, o):
+        return self.builder.add("div", [self, self._lift(o)])
+
+    def __rtruediv__(self, o):
+        return self.builder.add("div", [self._lift(o), self])
+
+    def __neg__(self):
+        return self.builder.add("neg", [self])
+
+    def __matmul__(self, o):
+        return self.builder.add("matmul", [self, o])
+
+    def __gt__(self, o):
+        return self.builder.add("greater", [self, self._lift(o)])
+
+    def __lt__(self, o):
+        return self.builder.add("less", [self, self._lift(o)])
+
+    __hash__ = object.__hash__
+
+    # shape sugar
+    @property
+    def T(self) -> Tensor:  # noqa: N802 - PyTorch spelling
+        """Reverse all dims (for 2-D: the transpose), like ``torch.Tensor.T``."""
+        return self.permute(tuple(reversed(range(self.ndim))))
+
+    @property
+    def mT(self) -> Tensor:  # noqa: N802 - PyTorch spelling
+        """Transpose of the last two dims."""
+        return self.transpose(-2, -1)
+
+    def permute(self, *dims) -> Tensor:
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = tuple(dims[0])
+        return self.builder.add("permute", [self], {"dims": tuple(int(d) for d in dims)})
+
+    def transpose(self, dim0: int, dim1: int) -> Tensor:
+        n = self.ndim
+        perm = list(range(n))
+        a, b = dim0 % n if n else 0, dim1 % n if n else 0
+        perm[a], perm[b] = perm[b], perm[a]
+        return self.permute(tuple(perm))
+
+    def reshape(self, *shape) -> Tensor:
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return self.builder.add("reshape", [self], {"shape": tuple(int(s) for s in shape)})
+
+    def sum(self, dim=None, keepdim: bool = False) -> Tensor:
+        from ..ops import functional as F
+
+        return F.sum(self, dim, keepdim)
+
+    def mean(self, dim=None, keepdim: bool = False) -> Tensor:
+        from ..ops import functional as F
+
+        return F.mean(self, dim, keepdim)
+
+    def max(self, dim=None, keepdim: bool = False) -> Tensor:
+        from ..ops import functional as F
+
+        return F.amax(self, dim, keepdim)

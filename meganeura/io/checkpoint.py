@@ -1,0 +1,197 @@
+"""Training checkpoints: tensors in safetensors, everything else as one JSON metadata string.
+
+Role in the pipeline: the persistence boundary of training. A checkpoint holds the host copies of
+parameters and optimizer state (``tensors``) plus a JSON-serializable ``metadata`` dict (step,
+epoch, config, RNG state, ...). The format is plain safetensors
+(https://huggingface.co/docs/safetensors), so other tools can read the tensors; the metadata sits
+in the header's ``__metadata__`` map as a single JSON string under the key ``"meganeura"``,
+because safetensors metadata is str -> str only.
+
+Invariants:
+    * Saving is atomic: the bytes go to a temporary file in the destination directory, are
+      flushed and fsync'ed, then ``os.replace``'d onto the path. A crash or error mid-save leaves
+      the previous checkpoint untouched and removes the temporary file.
+    * Loading either returns exactly what was saved or raises ``CheckpointError`` naming the
+      path and the offending key; it never returns a partial or silently reshaped state.
+    * Metadata round-trips through JSON: ints of any size (a PCG64 ``bit_generator.state`` holds
+      128-bit ints) come back exact; tuples come back as lists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.numpy
+
+__all__ = ["METADATA_KEY", "CheckpointError", "load_checkpoint", "save_checkpoint"]
+
+METADATA_KEY = "meganeura"
+
+# Writes go out in chunks so a failure can happen part-way through, as a full disk would.
+_CHUNK_BYTES = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or does not match what the caller expects."""
+
+
+def _write_payload(f, payload: bytes) -> None:
+    """Write ``payload`` to the open binary file ``f``; tests replace it to simulate a crash."""
+    view = memoryview(payload)
+    for start in range(0, len(view), _CHUNK_BYTES):
+        f.write(view[start : start + _CHUNK_BYTES])
+
+
+def _fsync_directory(directory: Path) -> None:
+    # Makes the rename itself durable on POSIX; Windows cannot open directories, so skip there.
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    path: str | Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, Any]
+) -> None:
+    """Atomically write ``tensors`` and ``metadata`` to a safetensors file.
+
+    Args:
+        path: destination file; its directory must exist. An existing file is replaced only
+            once the new one is completely on disk.
+        tensors: name -> array of any dtype safetensors supports (bool, ints, float16/32/64).
+            Non-contiguous arrays are copied; 0-d arrays keep shape ``()``.
+        metadata: JSON-serializable mapping (str keys; lists, dicts, str, int, float, bool, None).
+            Numpy scalars and arrays are not JSON: convert them (``.item()``, ``.tolist()``).
+
+    Raises:
+        TypeError: a tensor is not a numpy array, or metadata is not JSON-serializable. Raised
+            before anything is written.
+        OSError: the file cannot be written; the previous checkpoint, if any, is intact.
+    """
+    path = Path(path)
+    for name, value in tensors.items():
+        if not isinstance(value, np.ndarray):
+            raise TypeError(f"tensor {name!r} is {type(value).__name__}, expected np.ndarray")
+    try:
+        meta_json = json.dumps(dict(metadata), sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint metadata is not JSON-serializable: {e}") from e
+    payload = safetensors.numpy.save(
+        # Not np.ascontiguousarray: it turns 0-d arrays (a step counter) into shape [1].
+        {name: np.require(value, requirements="C") for name, value in tensors.items()},
+        metadata={METADATA_KEY: meta_json},
+    )
+
+    directory = path.parent if str(path.parent) else Path(".")
+    # Same directory as the target: os.replace is atomic only within one filesystem.
+    fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            _write_payload(f, payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        # BaseException too: a KeyboardInterrupt mid-save must not leave a stray temp file.
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_directory(directory)
+
+
+def _read_metadata(path: Path, data: bytes) -> dict:
+    # Header layout (safetensors spec): u64 little-endian length N, then N bytes of JSON.
+    # safetensors.numpy.load has already validated it, so only our own key can be wrong here.
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    raw = (header.get("__metadata__") or {}).get(METADATA_KEY)
+    if raw is None:
+        raise CheckpointError(
+            f"{path}: no {METADATA_KEY!r} metadata; not a checkpoint written by save_checkpoint"
+        )
+    try:
+        metadata = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: {METADATA_KEY!r} metadata is not valid JSON: {e}") from e
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: metadata is a {type(metadata).__name__}, expected object")
+    return metadata
+
+
+def _check_expected(
+    path: Path,
+    tensors: Mapping[str, np.ndarray],
+    expected: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+) -> None:
+    missing = sorted(set(expected) - set(tensors))
+    unknown = sorted(set(tensors) - set(expected))
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if unknown:
+            parts.append(f"unknown keys {unknown}")
+        raise CheckpointError(f"{path}: {'; '.join(parts)}")
+    mismatches = []
+    for name in sorted(expected):
+        shape, dtype = tuple(expected[name][0]), np.dtype(expected[name][1])
+        actual = tensors[name]
+        if actual.shape != shape or actual.dtype != dtype:
+            mismatches.append(
+                f"{name!r}: expected {dtype}{list(shape)}, got {actual.dtype}{list(actual.shape)}"
+            )
+    if mismatches:
+        raise CheckpointError(f"{path}: shape/dtype mismatch: " + "; ".join(mismatches))
+
+
+def load_checkpoint(
+    path: str | Path,
+    expected: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None = None,
+) -> tuple[dict[str, np.ndarray], dict]:
+    """Read a checkpoint written by :func:`save_checkpoint`.
+
+    Args:
+        path: the safetensors file.
+        expected: optional name -> (shape, dtype) that the tensors must match exactly: the same
+            set of names, and per name the same shape and dtype. ``None`` skips the check.
+
+    Returns:
+        ``(tensors, metadata)``: writable arrays by name (copies, not views), and the metadata
+        dict as JSON decoded it.
+
+    Raises:
+        CheckpointError: the file is missing, unreadable, truncated or not safetensors; it lacks
+            the ``"meganeura"`` metadata; or it disagrees with ``expected`` (missing or unknown
+            keys listed, or per key the expected vs actual shape and dtype). Messages name
+            ``path``.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint {path} does not exist") from e
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
+    try:
+        tensors = safetensors.numpy.load(data)
+    except Exception as e:  # safetensors raises SafetensorError, ValueError, ... by version
+        raise CheckpointError(
+            f"{path}: corrupt or truncated safetensors file ({len(data)} bytes): {e}"
+        ) from e
+    metadata = _read_metadata(path, data)
+    if expected is not None:
+        _check_expected(path, tensors, expected)
+    # np.frombuffer views can be read-only depending on the safetensors version; own the memory.
+    tensors = {name: np.array(value, copy=True) for name, value in tensors.items()}
+    return tensors, metadata

@@ -1,0 +1,1 @@
+"""Model definitions used by the CLI, tests and benchmarks."""

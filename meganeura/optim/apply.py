@@ -1,0 +1,45 @@
+"""``apply_optimizer``: append gradient clipping and one update op per parameter."""
+
+from __future__ import annotations
+
+from ..graph.builder import GraphBuilder
+from ..graph.ir import Graph
+from ..ops import functional as F
+from .optimizers import Optimizer
+
+HYPER_INPUT = "optim.hyper"
+
+
+def apply_optimizer(
+    graph: Graph, grads: dict[int, int], optimizer: Optimizer, max_grad_norm: float | None = None
+) -> Graph:
+    """Return ``graph`` plus the optimizer's update of every parameter in ``grads``.
+
+    Args:
+        graph: a graph holding parameters and their gradients.
+        grads: parameter node id -> gradient node id (from ``differentiate``).
+        optimizer: SGD, Adam or AdamW.
+        max_grad_norm: clip gradients by their global L2 norm, as
+            torch.nn.utils.clip_grad_norm_: coefficient ``min(1, max / (norm + 1e-6))``.
+            The norm before clipping is exposed as the output ``grad_norm``.
+
+    Adds the input ``optim.hyper`` (f32[optimizer.hyper_size]), fed each step by the host.
+    """
+    b = GraphBuilder(graph)
+    hyper = b.input(HYPER_INPUT, (optimizer.hyper_size,))
+    pairs = [(b.tensor(p), b.tensor(g)) for p, g in grads.items()]
+    if max_grad_norm is not None:
+        if max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
+        total = None
+        for _, g in pairs:
+            sq = F.sum(g * g)
+            total = sq if total is None else total + sq
+        norm = F.sqrt(total)
+        b.output("grad_norm", norm)
+        clip = F.minimum(float(max_grad_norm) / (norm + 1e-6), 1.0)
+    else:
+        clip = b.constant(1.0)
+    for p, g in pairs:
+        optimizer.append_update(b, p, g, hyper, clip)
+    return b.build_unverified()

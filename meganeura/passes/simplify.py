@@ -1,0 +1,77 @@
+"""Dead-code elimination and common-subexpression elimination.
+
+Both keep every named leaf that the remaining graph needs, every output and every node with
+effects (optimizer updates); ``input`` leaves are always kept so a compiled program's feed
+signature never changes because a pass found an input unused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..graph.ir import Graph, Node
+from ..ops import OPS
+
+
+def renumber(graph: Graph, keep: list[bool], remap: dict[int, int] | None = None
+             ) -> tuple[Graph, dict[int, int]]:
+    """Drop nodes whose ``keep`` flag is False and renumber the rest densely.
+
+    Args:
+        keep: one flag per node.
+        remap: optional pre-mapping of node ids to equivalent earlier ids (CSE).
+
+    Returns:
+        (new graph, old id -> new id for kept nodes).
+    """
+    remap = remap or {}
+    new_id: dict[int, int] = {}
+    nodes: list[Node] = []
+    for n in graph.nodes:
+        if not keep[n.id]:
+            continue
+        ins = tuple(new_id[remap.get(i, i)] for i in n.inputs)
+        new_id[n.id] = len(nodes)
+        nodes.append(dataclasses.replace(n, id=len(nodes), inputs=ins))
+    for old, target in remap.items():
+        if target in new_id:
+            new_id.setdefault(old, new_id[target])
+    outs = tuple((k, new_id[remap.get(v, v)]) for k, v in graph.outputs)
+    return Graph(tuple(nodes), outs), new_id
+
+
+def _is_effect(n: Node) -> bool:
+    d = OPS.get(n.op)
+    return d is not None and bool(d.writes)
+
+
+def dce(graph: Graph) -> tuple[Graph, dict[int, int]]:
+    """Remove nodes that neither reach an output nor an effect."""
+    live = [False] * len(graph.nodes)
+    for _, v in graph.outputs:
+        live[v] = True
+    for n in graph.nodes:
+        if _is_effect(n) or n.op == "input":
+            live[n.id] = True
+    for n in reversed(graph.nodes):
+        if live[n.id]:
+            for i in n.inputs:
+                live[i] = True
+    return renumber(graph, live)
+
+
+def cse(graph: Graph) -> tuple[Graph, dict[int, int]]:
+    """Merge nodes with the same op, operands and attributes (leaves and effects excluded)."""
+    seen: dict[tuple, int] = {}
+    remap: dict[int, int] = {}
+    keep = [True] * len(graph.nodes)
+    for n in graph.nodes:
+        if n.name is not None or _is_effect(n):
+            continue
+        key = (n.op, tuple(remap.get(i, i) for i in n.inputs), n.attrs, n.type)
+        if key in seen:
+            remap[n.id] = seen[key]
+            keep[n.id] = False
+        else:
+            seen[key] = n.id
+    return renumber(graph, keep, remap)

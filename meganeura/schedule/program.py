@@ -1,0 +1,133 @@
+"""The compiled artifact: a plain, serializable description of buffers and dispatches.
+
+A Program is what every stage before the runtime produces and the only thing the runtime
+consumes. It holds no GPU objects: buffers are sizes and roles, dispatches are WGSL sources
+with bindings (buffer ids in binding order) and grids. The runtime creates each buffer once,
+each pipeline once (cached by source hash) and each bind group once, then replays the
+dispatch list in one command encoder per step.
+
+Invariants:
+  * every ``Dispatch.bindings[i]`` names a buffer in ``buffers``; binding ``i`` of group 0 in
+    the WGSL source is that buffer, read-only when ``Dispatch.writes[i]`` is False;
+  * no buffer is bound twice in one dispatch with write access;
+  * grids are at most the adapter's workgroups-per-dimension limit (codegen folds them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..dtypes import DType
+
+BufferRole = Literal["input", "parameter", "state", "output", "intermediate"]
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One GPU storage buffer.
+
+    Attributes:
+        id: index into Program.buffers.
+        size: bytes (a multiple of 4, at least 4).
+        role: what lives there. ``parameter`` and ``state`` persist across steps; ``input`` is
+            written by the host before each step; ``output`` is read back on request;
+            ``intermediate`` buffers are shared by values with disjoint lifetimes.
+        name: the user-visible name for pinned buffers, else None.
+    """
+
+    id: int
+    size: int
+    role: BufferRole
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One compute dispatch.
+
+    Attributes:
+        name: kernel name for errors and profiles (``"%12 matmul"``).
+        wgsl: complete WGSL source with entry point ``main``; shapes are baked in.
+        bindings: buffer ids, binding index i -> bindings[i], all in group 0.
+        writes: for each binding, whether the shader writes it (storage read_write).
+        grid: workgroup counts (x, y, z).
+        flops: arithmetic operations, for profiles (0 when unknown).
+        bytes: bytes read + written, for profiles (0 when unknown).
+    """
+
+    name: str
+    wgsl: str
+    bindings: tuple[int, ...]
+    writes: tuple[bool, ...]
+    grid: tuple[int, int, int]
+    flops: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where a named tensor lives: buffer id, byte offset, shape and dtype."""
+
+    buffer: int
+    shape: tuple[int, ...]
+    dtype: DType
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class LabelCheck:
+    """A host-side check run before each step: input ``name`` holds class indices that must
+    lie in [0, num_classes) or equal ``ignore_index``."""
+
+    name: str
+    num_classes: int
+    ignore_index: int | None
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of intermediate storage: planned (after buffer sharing) and naive (one buffer
+    per value), plus pinned bytes (parameters, optimizer state, inputs, outputs)."""
+
+    planned_bytes: int
+    naive_bytes: int
+    pinned_bytes: int
+
+
+@dataclass(frozen=True)
+class Program:
+    """Everything the runtime needs to run one step.
+
+    Attributes:
+        buffers: all storage buffers.
+        dispatches: the step, in order.
+        inputs: fed by the host each step, by name.
+        outputs: readable after a step, by name (``"loss"``, ``"logits"`` ...).
+        parameters: trainable tensors, by name; persistent.
+        state: optimizer state (``"fc1.weight.exp_avg"`` ...), persistent, zero-initialized.
+        label_checks: host-side validations of integer class-index inputs.
+        memory: planner report.
+        meta: free-form JSON-serializable facts (optimizer config, compile timings ...).
+    """
+
+    buffers: tuple[BufferSpec, ...]
+    dispatches: tuple[Dispatch, ...]
+    inputs: dict[str, TensorSlot]
+    outputs: dict[str, TensorSlot]
+    parameters: dict[str, TensorSlot]
+    state: dict[str, TensorSlot] = field(default_factory=dict)
+    label_checks: tuple[LabelCheck, ...] = ()
+    memory: MemoryReport | None = None
+    meta: dict = field(default_factory=dict)
+
+    def replace(self, **changes) -> Program:
+        return dataclasses.replace(self, **changes)

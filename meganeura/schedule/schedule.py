@@ -1,0 +1,94 @@
+"""Scheduling: graph -> ordered dispatches with symbolic bindings, and value lifetimes.
+
+Node order is already a valid schedule; this stage decides which nodes need kernels (those
+whose values reach an output or an effect, judged by what each kernel really binds after
+constant inlining and transpose folding), resolves views (``reshape``, ``stop_gradient``) to
+the value whose buffer they share, and measures each value's lifetime in dispatch positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..codegen.kernel import KernelSource, Limits, ScratchRef, ValueRef
+from ..codegen.wgsl import lower, reads
+from ..graph.ir import Graph
+from ..ops import OPS
+from .planner import Interval
+
+VIEW_OPS = frozenset({"reshape", "stop_gradient"})
+PINNED_LEAVES = frozenset({"input", "parameter", "state"})
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Ordered dispatches plus what the planner and assembler need.
+
+    Attributes:
+        dispatches: (node id, KernelSource) in execution order.
+        root: node id -> id of the value whose storage it uses (itself unless a view).
+        pinned: root ids that own a buffer for the whole program.
+        intervals: lifetimes of the other roots and of scratch, keyed by root id or
+            (node id, scratch key).
+    """
+
+    dispatches: tuple[tuple[int, KernelSource], ...]
+    root: dict[int, int]
+    pinned: frozenset[int]
+    intervals: tuple[Interval, ...]
+
+
+def schedule(graph: Graph, limits: Limits) -> Schedule:
+    """Order the kernels of ``graph`` and compute value lifetimes (see module docstring).
+
+    Raises:
+        ValueError: when an output is a constant (it has no storage to read back).
+    """
+    n = len(graph.nodes)
+    needed = [False] * n
+    for _, v in graph.outputs:
+        needed[v] = True
+    for node in graph.nodes:
+        if node.op in OPS and OPS[node.op].writes:
+            needed[node.id] = True
+    for node in reversed(graph.nodes):
+        if not needed[node.id]:
+            continue
+        operands = node.inputs if node.op in VIEW_OPS else reads(graph, node.id)
+        for i in operands:
+            needed[i] = True
+
+    root: dict[int, int] = {}
+    for node in graph.nodes:
+        root[node.id] = root[node.inputs[0]] if node.op in VIEW_OPS else node.id
+
+    pinned = {node.id for node in graph.nodes if node.op in PINNED_LEAVES}
+    for name, v in graph.outputs:
+        if graph.nodes[root[v]].op == "constant":
+            raise ValueError(f"output {name!r} is a constant; it has no storage")
+        pinned.add(root[v])
+
+    dispatches: list[tuple[int, KernelSource]] = []
+    for node in graph.nodes:
+        if needed[node.id] and node.op in OPS and node.op not in VIEW_OPS:
+            dispatches.extend((node.id, ks) for ks in lower(graph, node.id, limits))
+
+    first: dict = {}
+    last: dict = {}
+    sizes: dict = {}
+    for pos, (nid, ks) in enumerate(dispatches):
+        for b in ks.bindings:
+            if isinstance(b, ValueRef):
+                key = root[b.node]
+                if key in pinned:
+                    continue
+                sizes[key] = graph.nodes[key].type.nbytes
+            elif isinstance(b, ScratchRef):
+                key = (nid, b.key)
+                sizes[key] = b.nbytes
+            else:  # pragma: no cover - codegen contract
+                raise TypeError(f"unknown binding {b!r}")
+            first.setdefault(key, pos)
+            last[key] = pos
+    intervals = tuple(Interval(k, sizes[k], first[k], last[k]) for k in first)
+    return Schedule(tuple(dispatches), root, frozenset(pinned), intervals)

@@ -1,0 +1,126 @@
+"""Trainer: a compiled training step with its optimizer's host-side bookkeeping.
+
+The Trainer owns the step counter and the learning-rate schedule; each ``step`` computes the
+optimizer's hyper vector on the host (float64 math, fed as f32), feeds it with the batch, and
+runs the whole forward + backward + update as one GPU submission. A step that fails
+validation raises before anything is uploaded, leaving parameters, optimizer state and the
+step counter as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .codegen.kernel import Limits
+from .compile import CompileOptions, compile
+from .graph.ir import Graph
+from .io.checkpoint import load_checkpoint, save_checkpoint
+from .optim import HYPER_INPUT, Optimizer
+from .schedule.program import Program
+
+
+def device_limits(device) -> Limits:
+    """The codegen Limits of a runtime Device."""
+    return Limits(
+        max_workgroups_per_dimension=device.max_compute_workgroups_per_dimension,
+        max_workgroup_storage_size=device.max_compute_workgroup_storage_size,
+        max_invocations_per_workgroup=device.max_compute_invocations_per_workgroup,
+        max_storage_buffer_binding_size=device.max_storage_buffer_binding_size,
+        shader_f16="shader-f16" in device.features,
+        subgroups="subgroup" in device.features,
+    )
+
+
+def compile_for(graph: Graph, options: CompileOptions | None = None, device=None):
+    """Compile ``graph`` for ``device`` (default device when None) and open a Session.
+
+    Returns:
+        (Program, Session).
+    """
+    from .runtime import Session, get_device
+
+    device = device or get_device()
+    program = compile(graph, options, device_limits(device))
+    return program, Session(program, device)
+
+
+class Trainer:
+    """Compiles ``graph`` for training and runs steps.
+
+    Args:
+        graph: forward graph with a scalar output named ``loss``.
+        optimizer: SGD, Adam or AdamW.
+        loss: name of the output to minimize.
+        schedule: step -> learning rate; default the optimizer's constant ``lr``.
+        max_grad_norm: clip gradients by global L2 norm (None: no clipping).
+        device: a runtime Device; default the cached default device.
+    """
+
+    def __init__(self, graph: Graph, optimizer: Optimizer, loss: str = "loss",
+                 schedule: Callable[[int], float] | None = None,
+                 max_grad_norm: float | None = None, device=None) -> None:
+        self.optimizer = optimizer
+        self.schedule = schedule or (lambda step: optimizer.lr)
+        options = CompileOptions(loss=loss, optimizer=optimizer, max_grad_norm=max_grad_norm)
+        self.program: Program
+        self.program, self.session = compile_for(graph, options, device)
+        self.step_count = 0
+
+    @property
+    def inputs(self) -> list[str]:
+        """Names the caller feeds each step (the optimizer's hyper vector excluded)."""
+        return [n for n in self.program.inputs if n != HYPER_INPUT]
+
+    def lr(self) -> float:
+        """Learning rate of the next step."""
+        return float(self.schedule(self.step_count))
+
+    def step(self, feeds: Mapping[str, np.ndarray], fetch: Sequence[str] = ("loss",)) -> dict:
+        """One optimizer step on one batch; returns the fetched outputs.
+
+        Raises:
+            InputError: bad feeds (nothing is changed).
+        """
+        full = dict(feeds)
+        if HYPER_INPUT in full:
+            raise ValueError(f"{HYPER_INPUT!r} is computed by the Trainer; do not feed it")
+        full[HYPER_INPUT] = self.optimizer.hyper(self.step_count, self.lr())
+        out = self.session.run(full, fetch)
+        self.step_count += 1
+        return out
+
+    def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
+        """Write initial parameter values (every parameter must be given)."""
+        self.session.load_state_dict(
+            {**{k: self.session.read(k) for k in self.program.state}, **params}
+        )
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Current parameter values, read back from the device."""
+        return {k: self.session.read(k) for k in self.program.parameters}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Parameters and optimizer state."""
+        return self.session.state_dict()
+
+    def save(self, path: str | Path, metadata: Mapping | None = None) -> None:
+        """Write parameters, optimizer state, step counter and ``metadata`` atomically."""
+        meta = {"step": self.step_count, "optimizer": self.optimizer.config(),
+                **(metadata or {})}
+        save_checkpoint(path, self.state_dict(), meta)
+
+    def load(self, path: str | Path) -> dict:
+        """Restore a checkpoint written by ``save``; returns its metadata.
+
+        Raises:
+            CheckpointError: missing file, corrupt file, missing/unknown keys, bad shapes.
+        """
+        expected = {k: (s.shape, s.dtype.numpy) for k, s in
+                    {**self.program.parameters, **self.program.state}.items()}
+        tensors, meta = load_checkpoint(path, expected)
+        self.session.load_state_dict(tensors)
+        self.step_count = int(meta.get("step", 0))
+        return meta
