@@ -1,0 +1,193 @@
+"""Adapter selection and the process-wide device cache.
+
+This is the only place that requests wgpu adapters and devices. A :class:`Device` wraps one
+``GPUDevice`` requested with the adapter's maximum limits and the optional features meganeura
+uses (``shader-f16``, ``subgroup``, ``timestamp-query``) when the adapter has them.
+
+Invariants:
+  * one ``Device`` per adapter-selection string per process (:func:`get_device` caches them),
+    so pipelines compiled for one Session are reused by the next;
+  * limits are read back from the created device, never assumed; they are plain ints;
+  * library code never reads environment variables: the CLI passes the selection string in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import wgpu
+
+from .pipelines import PipelineCache
+
+# Optional features requested when the adapter offers them: f16 storage for the fast path,
+# subgroup operations for reductions, timestamps for profiles.
+USEFUL_FEATURES = ("shader-f16", "subgroup", "timestamp-query")
+
+# Limits a compute-only runtime depends on; if the adapter refuses its own maximum for some
+# graphics limit we retry with only these.
+_COMPUTE_LIMITS = (
+    "max-storage-buffer-binding-size",
+    "max-buffer-size",
+    "max-compute-workgroups-per-dimension",
+    "max-compute-workgroup-storage-size",
+    "max-compute-invocations-per-workgroup",
+    "max-compute-workgroup-size-x",
+    "max-compute-workgroup-size-y",
+    "max-compute-workgroup-size-z",
+    "max-storage-buffers-per-shader-stage",
+    "max-bindings-per-bind-group",
+)
+
+_DEVICES: dict[str | None, Device] = {}
+
+
+def describe_adapter(info: Mapping[str, Any]) -> str:
+    """One line naming an adapter, e.g. ``llvmpipe (LLVM 15.0.6, 256 bits) [Vulkan, CPU]``.
+
+    Args:
+        info: an adapter's ``info`` mapping (``device``, ``backend_type``, ``adapter_type`` ...).
+    """
+    name = info.get("device") or info.get("description") or info.get("vendor") or "unknown"
+    return f"{name} [{info.get('backend_type', '?')}, {info.get('adapter_type', '?')}]"
+
+
+def _matches(info: Mapping[str, Any], needle: str) -> bool:
+    fields = ("device", "description", "vendor", "backend_type")
+    return any(needle in str(info.get(f, "")).casefold() for f in fields)
+
+
+def _select_adapter(adapter: str | None) -> wgpu.GPUAdapter:
+    if adapter is None:
+        found = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+        if found is None:
+            raise RuntimeError("no WebGPU adapter is available (no Vulkan, Metal or DX12 driver)")
+        return found
+    needle = adapter.strip().casefold()
+    candidates = wgpu.gpu.enumerate_adapters_sync()
+    for cand in candidates:
+        if _matches(cand.info, needle):
+            return cand
+    listing = "\n".join(f"  - {describe_adapter(c.info)}" for c in candidates) or "  (none)"
+    raise RuntimeError(f"no adapter matches {adapter!r}; available adapters:\n{listing}")
+
+
+def _request_device(adapter: wgpu.GPUAdapter) -> wgpu.GPUDevice:
+    features = [f for f in USEFUL_FEATURES if f in adapter.features]
+    limits = dict(adapter.limits)
+    compute_limits = {k: v for k, v in limits.items() if k in _COMPUTE_LIMITS}
+    errors = []
+    for required in (limits, compute_limits):
+        try:
+            return adapter.request_device_sync(
+                label="meganeura", required_features=features, required_limits=required
+            )
+        except Exception as e:  # retried with fewer limits, then all reasons reported
+            errors.append(f"{type(e).__name__}: {e}")
+    raise RuntimeError(
+        f"could not create a device on {describe_adapter(adapter.info)}:\n" + "\n".join(errors)
+    )
+
+
+class Device:
+    """A wgpu device with its adapter facts, limits and pipeline cache.
+
+    Attributes:
+        adapter: the ``GPUAdapter`` it came from.
+        gpu: the ``GPUDevice``.
+        info: adapter info as a plain dict (``device``, ``vendor``, ``backend_type`` ...).
+        features: enabled feature names.
+        limits: every device limit, by WebGPU name (``max-buffer-size`` ...).
+        max_storage_buffer_binding_size: bytes one storage binding may span.
+        max_buffer_size: bytes one buffer may hold.
+        max_compute_workgroups_per_dimension: largest workgroup count per grid axis.
+        max_compute_workgroup_storage_size: bytes of ``var<workgroup>`` memory.
+        max_compute_invocations_per_workgroup: product of a workgroup size's axes.
+        max_storage_buffers_per_shader_stage: storage bindings one kernel may declare.
+        pipelines: compute pipelines compiled on this device, by WGSL hash.
+    """
+
+    def __init__(self, adapter: wgpu.GPUAdapter, gpu: wgpu.GPUDevice):
+        self.adapter = adapter
+        self.gpu = gpu
+        self.info: dict[str, Any] = dict(adapter.info)
+        self.features: frozenset[str] = frozenset(str(f) for f in gpu.features)
+        self.limits: dict[str, int] = {k: int(v) for k, v in dict(gpu.limits).items()}
+        lim = self.limits
+        self.max_storage_buffer_binding_size = lim["max-storage-buffer-binding-size"]
+        self.max_buffer_size = lim["max-buffer-size"]
+        self.max_compute_workgroups_per_dimension = lim["max-compute-workgroups-per-dimension"]
+        self.max_compute_workgroup_storage_size = lim["max-compute-workgroup-storage-size"]
+        self.max_compute_invocations_per_workgroup = lim["max-compute-invocations-per-workgroup"]
+        self.max_storage_buffers_per_shader_stage = lim["max-storage-buffers-per-shader-stage"]
+        self.pipelines = PipelineCache(gpu)
+
+    @classmethod
+    def open(cls, adapter: str | None = None) -> Device:
+        """Request a new (uncached) device; prefer :func:`get_device`.
+
+        Args:
+            adapter: case-insensitive substring of the adapter's device name, description,
+                vendor or backend (``"llvmpipe"``, ``"nvidia"``, ``"vulkan"``); None takes the
+                high-performance default.
+
+        Raises:
+            RuntimeError: no adapter at all, none matching (the message lists them), or the
+                device request failed.
+        """
+        found = _select_adapter(adapter)
+        return cls(found, _request_device(found))
+
+    @property
+    def name(self) -> str:
+        """The adapter's one-line description (:func:`describe_adapter`)."""
+        return describe_adapter(self.info)
+
+    def __repr__(self) -> str:
+        return f"<meganeura Device {self.name}>"
+
+
+def get_device(adapter: str | None = None) -> Device:
+    """The cached device for an adapter selection, created on first use.
+
+    Args:
+        adapter: see :meth:`Device.open`. The cache key is the stripped, case-folded string.
+
+    Raises:
+        RuntimeError: as :meth:`Device.open`.
+    """
+    key = None if adapter is None else adapter.strip().casefold()
+    dev = _DEVICES.get(key)
+    if dev is None:
+        dev = _DEVICES[key] = Device.open(adapter)
+    return dev
+
+
+def format_info(device: Device) -> str:
+    """A human-readable report for ``meganeura info``: adapter, backend, features, limits.
+
+    Args:
+        device: the device to describe.
+    """
+    info = device.info
+    lines = [
+        f"adapter:      {info.get('device', '')}",
+        f"vendor:       {info.get('vendor', '')} (0x{int(info.get('vendor_id', 0)):04x})",
+        f"backend:      {info.get('backend_type', '')}",
+        f"adapter type: {info.get('adapter_type', '')}",
+        f"driver:       {info.get('description', '')}",
+        "features:     "
+        + ", ".join(f"{f}={'yes' if f in device.features else 'no'}" for f in USEFUL_FEATURES),
+        f"adapter has:  {len(device.adapter.features)} features, {len(device.features)} enabled",
+        "limits:",
+    ]
+    main = (
+        "max_storage_buffer_binding_size",
+        "max_buffer_size",
+        "max_compute_workgroups_per_dimension",
+        "max_compute_workgroup_storage_size",
+        "max_compute_invocations_per_workgroup",
+        "max_storage_buffers_per_shader_stage",
+    )
+    lines += [f"  {k:<40} {getattr(device, k):>14,}" for k in main]
+    return "\n".join(lines)

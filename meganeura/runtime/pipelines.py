@@ -1,0 +1,226 @@
+"""Compute pipelines, compiled once per device and cached by the hash of their WGSL.
+
+wgpu-py 0.32 (wgpu-native) validates synchronously: a failing ``create_shader_module``,
+``create_compute_pipeline``, ``create_bind_group`` or ``GPUCommandEncoder.finish`` raises
+``wgpu.GPUValidationError`` from that very call (the native error callback fires during the call
+and wgpu-py re-raises it). Error scopes are not implemented by that backend, and the
+uncaptured-error handler only logs errors raised outside a call. This module turns every such
+failure into a :class:`KernelError` naming the kernel, so a broken shader can never run as a
+silent no-op.
+
+Invariants:
+  * layouts are explicit, one storage binding per ``Dispatch.bindings`` entry in group 0,
+    ``read-only-storage`` or ``storage`` from ``Dispatch.writes``; ``layout="auto"`` is avoided
+    because it drops bindings the shader never uses, which then makes bind-group creation fail;
+  * the cache key is (sha256 of the WGSL, writes flags): identical kernels in one program or
+    across programs share one pipeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import wgpu
+
+if TYPE_CHECKING:
+    from ..schedule.program import Dispatch, Program
+    from .device import Device
+
+_RW = wgpu.BufferBindingType.storage
+_RO = wgpu.BufferBindingType.read_only_storage
+
+
+class KernelError(RuntimeError):
+    """A program cannot run on this device: a kernel's WGSL or bindings fail validation, or a
+    kernel or buffer exceeds an adapter limit. The message names the kernel (``Dispatch.name``)
+    or buffer, and carries wgpu's compile or validation message or the limit."""
+
+
+def wgsl_hash(wgsl: str) -> str:
+    """Hex sha256 of a WGSL source, the pipeline cache key."""
+    return hashlib.sha256(wgsl.encode("utf-8")).hexdigest()
+
+
+class PipelineCache:
+    """Pipelines and bind group layouts of one ``GPUDevice``.
+
+    Attributes:
+        gpu: the device they are created on.
+        compiled: number of pipelines actually compiled (cache misses), for tests and reports.
+    """
+
+    def __init__(self, gpu: wgpu.GPUDevice):
+        self.gpu = gpu
+        self.compiled = 0
+        self._layouts: dict[tuple[bool, ...], tuple[wgpu.GPUBindGroupLayout, object]] = {}
+        self._pipelines: dict[tuple[str, tuple[bool, ...]], wgpu.GPUComputePipeline] = {}
+
+    def __len__(self) -> int:
+        return len(self._pipelines)
+
+    def layout(self, writes: tuple[bool, ...]) -> wgpu.GPUBindGroupLayout:
+        """The bind group layout for group 0 with one storage binding per ``writes`` flag.
+
+        Args:
+            writes: per binding, True for ``var<storage, read_write>``.
+        """
+        return self._layout_pair(writes)[0]
+
+    def _layout_pair(self, writes: tuple[bool, ...]):
+        pair = self._layouts.get(writes)
+        if pair is None:
+            entries = [
+                {
+                    "binding": i,
+                    "visibility": wgpu.ShaderStage.COMPUTE,
+                    "buffer": {"type": _RW if w else _RO},
+                }
+                for i, w in enumerate(writes)
+            ]
+            label = "rw" + "".join("w" if w else "r" for w in writes)
+            bgl = self.gpu.create_bind_group_layout(label=label, entries=entries)
+            pl = self.gpu.create_pipeline_layout(label=label, bind_group_layouts=[bgl])
+            pair = self._layouts[writes] = (bgl, pl)
+        return pair
+
+    def get(self, name: str, wgsl: str, writes: tuple[bool, ...]) -> wgpu.GPUComputePipeline:
+        """The compute pipeline for a kernel, compiling it on first request.
+
+        Args:
+            name: kernel name, used in labels and errors.
+            wgsl: complete WGSL source with entry point ``main``; group 0, binding i is the
+                i-th storage buffer.
+            writes: per binding, whether the shader declares it ``read_write``.
+
+        Raises:
+            KernelError: the WGSL does not compile, or its declarations do not match
+                ``writes`` (a binding missing from the layout, or read/write access differing).
+        """
+        writes = tuple(bool(w) for w in writes)
+        key = (wgsl_hash(wgsl), writes)
+        pipeline = self._pipelines.get(key)
+        if pipeline is not None:
+            return pipeline
+        try:
+            module = self.gpu.create_shader_module(label=name, code=wgsl)
+        except wgpu.GPUError as e:
+            raise KernelError(f"kernel {name!r}: WGSL failed to compile:\n{e}") from e
+        _, layout = self._layout_pair(writes)
+        try:
+            pipeline = self.gpu.create_compute_pipeline(
+                label=name, layout=layout, compute={"module": module, "entry_point": "main"}
+            )
+        except wgpu.GPUError as e:
+            access = ", ".join(f"{i}:{'read_write' if w else 'read'}" for i, w in enumerate(writes))
+            raise KernelError(
+                f"kernel {name!r}: pipeline creation failed (bindings declared by the program: "
+                f"{access or 'none'}):\n{e}"
+            ) from e
+        self.compiled += 1
+        self._pipelines[key] = pipeline
+        return pipeline
+
+    def bind_group(
+        self, name: str, writes: tuple[bool, ...], buffers: Sequence[wgpu.GPUBuffer]
+    ) -> wgpu.GPUBindGroup:
+        """A bind group for group 0 binding whole ``buffers`` in order.
+
+        Raises:
+            KernelError: wgpu rejects it (e.g. a buffer without STORAGE usage).
+        """
+        entries = [{"binding": i, "resource": {"buffer": b}} for i, b in enumerate(buffers)]
+        try:
+            return self.gpu.create_bind_group(
+                label=name, layout=self.layout(tuple(bool(w) for w in writes)), entries=entries
+            )
+        except wgpu.GPUError as e:
+            raise KernelError(f"kernel {name!r}: bind group creation failed:\n{e}") from e
+
+
+def check_limits(program: Program, device: Device) -> None:
+    """Check a program's buffers and dispatches against the device's limits before creating
+    anything, so an oversized program fails with a message naming the culprit and the limit.
+
+    Raises:
+        KernelError: a buffer over ``max_buffer_size``; a binding over
+            ``max_storage_buffer_binding_size``; a grid over
+            ``max_compute_workgroups_per_dimension``; more bindings than
+            ``max_storage_buffers_per_shader_stage``; a binding naming no buffer; bindings and
+            writes of different lengths; a buffer bound twice in one dispatch with write access
+            (wgpu rejects that usage conflict).
+        ValueError: buffer ids that are not their positions.
+    """
+    bufs = program.buffers
+    for i, b in enumerate(bufs):
+        if b.id != i:
+            raise ValueError(f"buffer at position {i} has id {b.id}; ids must be positions")
+        if b.size > device.max_buffer_size:
+            raise KernelError(
+                f"buffer {i} ({b.role} {b.name or ''}) is {b.size:,} bytes, over this "
+                f"adapter's max_buffer_size of {device.max_buffer_size:,}"
+            )
+    lim_grid, lim_bind = (
+        device.max_compute_workgroups_per_dimension,
+        device.max_storage_buffer_binding_size,
+    )
+    for d in program.dispatches:
+        where = f"kernel {d.name!r}"
+        if len(d.bindings) != len(d.writes):
+            raise KernelError(f"{where}: {len(d.bindings)} bindings but {len(d.writes)} writes")
+        if len(d.bindings) > device.max_storage_buffers_per_shader_stage:
+            raise KernelError(
+                f"{where} binds {len(d.bindings)} storage buffers, over this adapter's "
+                f"max_storage_buffers_per_shader_stage of "
+                f"{device.max_storage_buffers_per_shader_stage}"
+            )
+        if len(d.grid) != 3 or any(g < 0 or g > lim_grid for g in d.grid):
+            raise KernelError(
+                f"{where}: grid {tuple(d.grid)} exceeds this adapter's "
+                f"max_compute_workgroups_per_dimension of {lim_grid} (or is not 3 counts)"
+            )
+        written: set[int] = set()
+        for i, (bid, w) in enumerate(zip(d.bindings, d.writes, strict=True)):
+            if not 0 <= bid < len(bufs):
+                raise KernelError(f"{where}: binding {i} names buffer {bid}, which does not exist")
+            size = max(-(-bufs[bid].size // 4) * 4, 4)  # as allocated
+            if size > lim_bind:
+                raise KernelError(
+                    f"{where}: binding {i} (buffer {bid}, {size:,} bytes) exceeds this "
+                    f"adapter's max_storage_buffer_binding_size of {lim_bind:,}"
+                )
+            if bid in written or (w and bid in d.bindings[:i]):
+                raise KernelError(
+                    f"{where}: buffer {bid} is bound more than once with write access (binding {i})"
+                )
+            if w:
+                written.add(bid)
+
+
+def find_invalid_dispatch(
+    cache: PipelineCache,
+    dispatches: Sequence[Dispatch],
+    bind_groups: Sequence[wgpu.GPUBindGroup],
+    err: Exception,
+) -> KernelError:
+    """Name the dispatch that made a recorded command buffer fail ``finish``.
+
+    wgpu's message for a failing dispatch does not name the pipeline, so each dispatch is
+    recorded alone (never submitted) until one fails. Only used on the error path.
+
+    Returns:
+        A KernelError naming the first failing kernel, or wrapping ``err`` if none fails alone.
+    """
+    for d, bg in zip(dispatches, bind_groups, strict=True):
+        enc = cache.gpu.create_command_encoder()
+        cp = enc.begin_compute_pass()
+        cp.set_pipeline(cache.get(d.name, d.wgsl, d.writes))
+        cp.set_bind_group(0, bg)
+        cp.dispatch_workgroups(*d.grid)
+        cp.end()
+        try:
+            enc.finish()
+        except wgpu.GPUError as e:
+            return KernelError(f"kernel {d.name!r} failed validation when recorded:\n{e}")
+    return KernelError(f"the step's command buffer failed validation:\n{err}")
