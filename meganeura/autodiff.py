@@ -39,7 +39,7 @@ def _resolve(graph: Graph, ref: int | str) -> int:
 
 
 def differentiate(
-    graph: Graph, loss: int | str, wrt: Sequence[int | str]
+    graph: Graph, loss: int | str, wrt: Sequence[int | str], unreachable: str = "zero"
 ) -> tuple[Graph, dict[int, int]]:
     """Append the gradients of ``loss`` with respect to ``wrt`` to ``graph``.
 
@@ -47,10 +47,12 @@ def differentiate(
         graph: the forward graph.
         loss: node id, output name or leaf name of a floating scalar.
         wrt: node ids or leaf names (usually the parameters).
+        unreachable: what a ``wrt`` value that does not influence the loss gets: ``"zero"``
+            an explicit zero gradient (a broadcast constant), ``"omit"`` no entry (as
+            PyTorch leaves its ``.grad`` None, so optimizers skip it).
 
     Returns:
-        (new graph, {wrt node id: gradient node id}). A value that does not influence the
-        loss gets an explicit zero gradient (a broadcast constant).
+        (new graph, {wrt node id: gradient node id}).
 
     Raises:
         ValueError: when ``loss`` is not a floating scalar, or a rule is missing for an op on
@@ -113,6 +115,8 @@ def differentiate(
     out: dict[int, int] = {}
     for w in wrt_ids:
         g = total(w)
+        if g is None and unreachable == "omit":
+            continue
         if g is None:
             t = graph.nodes[w].type
             g = F.broadcast_to(b.constant(0.0, t.dtype), t.shape)

@@ -28,18 +28,31 @@ def cmd_info(args) -> int:
 def cmd_train(args) -> int:
     from .recipes.mnist import MnistConfig, train
 
-    cfg = MnistConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                      weight_decay=args.weight_decay, schedule=args.schedule,
-                      warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm,
-                      hidden=args.hidden, seed=args.seed, data=args.data, out=args.out)
+    cfg = MnistConfig(
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        schedule=args.schedule,
+        warmup_steps=args.warmup_steps,
+        max_grad_norm=args.max_grad_norm,
+        hidden=args.hidden,
+        seed=args.seed,
+        data=args.data,
+        out=args.out,
+    )
     dev = _device(args)
     print(f"device: {dev.name}")
     s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
     mem = s["memory"]
-    print(f"steps: {s['steps']}  final loss: {s['final_loss']:.4f}  "
-          f"throughput: {s['samples_per_second']:,.0f} samples/s")
-    print(f"step memory: {mem['planned_bytes']:,} B planned intermediates "
-          f"(naive {mem['naive_bytes']:,} B), {mem['pinned_bytes']:,} B pinned")
+    print(
+        f"steps: {s['steps']}  final loss: {s['final_loss']:.4f}  "
+        f"throughput: {s['samples_per_second']:,.0f} samples/s"
+    )
+    print(
+        f"step memory: {mem['planned_bytes']:,} B planned intermediates "
+        f"(naive {mem['naive_bytes']:,} B), {mem['pinned_bytes']:,} B pinned"
+    )
     print(f"checkpoint: {s['checkpoint']}")
     if "loss_plot" in s:
         print(f"loss curve: {s['loss_plot']}")

@@ -49,18 +49,25 @@ def build_training_graph(graph: Graph, options: CompileOptions) -> Graph:
     """Forward graph -> forward + backward + optimizer update (unsimplified)."""
     if options.loss is None or options.optimizer is None:
         raise ValueError("training needs both CompileOptions.loss and CompileOptions.optimizer")
-    params = [n for n in graph.leaves("parameter")
-              if options.trainable is None or n.name in options.trainable]
+    params = [
+        n
+        for n in graph.leaves("parameter")
+        if options.trainable is None or n.name in options.trainable
+    ]
     if options.trainable is not None:
         missing = set(options.trainable) - {n.name for n in params}
         if missing:
             raise ValueError(f"trainable names not parameters of the graph: {sorted(missing)}")
-    g, grads = differentiate(graph, options.loss, [p.id for p in params])
+    # Parameters that do not reach the loss get no update (PyTorch: .grad stays None).
+    g, grads = differentiate(graph, options.loss, [p.id for p in params], unreachable="omit")
     return apply_optimizer(g, grads, options.optimizer, options.max_grad_norm)
 
 
-def compile(graph: Graph, options: CompileOptions | None = None,  # noqa: A001
-            limits: Limits | None = None) -> Program:
+def compile(
+    graph: Graph,
+    options: CompileOptions | None = None,  # noqa: A001
+    limits: Limits | None = None,
+) -> Program:
     """Compile ``graph`` into a Program.
 
     Args:
@@ -151,16 +158,22 @@ def _assemble(graph: Graph, sched, plan, limits: Limits) -> Program:
             writes.append(bnd.write)
         if len(set(ids)) != len(ids):
             raise AssertionError(f"kernel {ks.name} binds one buffer twice: {ids}")
-        dispatches.append(Dispatch(ks.name, ks.wgsl, tuple(ids), tuple(writes), ks.grid,
-                                   ks.flops, ks.bytes))
+        dispatches.append(
+            Dispatch(ks.name, ks.wgsl, tuple(ids), tuple(writes), ks.grid, ks.flops, ks.bytes)
+        )
 
     checks = []
     for node in graph.nodes:
         if node.op == "cross_entropy":
             target = graph.nodes[sched.root[node.inputs[1]]]
             if target.op == "input":
-                checks.append(LabelCheck(target.name, graph.nodes[node.inputs[0]].type.shape[1],
-                                         node.attr("ignore_index")))
+                checks.append(
+                    LabelCheck(
+                        target.name,
+                        graph.nodes[node.inputs[0]].type.shape[1],
+                        node.attr("ignore_index"),
+                    )
+                )
 
     return Program(
         buffers=tuple(buffers),

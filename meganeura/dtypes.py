@@ -61,7 +61,9 @@ class DType(enum.Enum):
         for t in DType:
             if t.numpy == d:
                 return t
-        raise TypeError(f"dtype {d} has no meganeura equivalent (supported: f32, f16, i32, u32, bool)")
+        raise TypeError(
+            f"dtype {d} has no meganeura equivalent (supported: f32, f16, i32, u32, bool)"
+        )
 
 
 f32 = DType.f32

@@ -59,9 +59,15 @@ class Trainer:
         device: a runtime Device; default the cached default device.
     """
 
-    def __init__(self, graph: Graph, optimizer: Optimizer, loss: str = "loss",
-                 schedule: Callable[[int], float] | None = None,
-                 max_grad_norm: float | None = None, device=None) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        optimizer: Optimizer,
+        loss: str = "loss",
+        schedule: Callable[[int], float] | None = None,
+        max_grad_norm: float | None = None,
+        device=None,
+    ) -> None:
         self.optimizer = optimizer
         self.schedule = schedule or (lambda step: optimizer.lr)
         options = CompileOptions(loss=loss, optimizer=optimizer, max_grad_norm=max_grad_norm)
@@ -108,8 +114,7 @@ class Trainer:
 
     def save(self, path: str | Path, metadata: Mapping | None = None) -> None:
         """Write parameters, optimizer state, step counter and ``metadata`` atomically."""
-        meta = {"step": self.step_count, "optimizer": self.optimizer.config(),
-                **(metadata or {})}
+        meta = {"step": self.step_count, "optimizer": self.optimizer.config(), **(metadata or {})}
         save_checkpoint(path, self.state_dict(), meta)
 
     def load(self, path: str | Path) -> dict:
@@ -118,8 +123,10 @@ class Trainer:
         Raises:
             CheckpointError: missing file, corrupt file, missing/unknown keys, bad shapes.
         """
-        expected = {k: (s.shape, s.dtype.numpy) for k, s in
-                    {**self.program.parameters, **self.program.state}.items()}
+        expected = {
+            k: (s.shape, s.dtype.numpy)
+            for k, s in {**self.program.parameters, **self.program.state}.items()
+        }
         tensors, meta = load_checkpoint(path, expected)
         self.session.load_state_dict(tensors)
         self.step_count = int(meta.get("step", 0))

@@ -61,11 +61,16 @@ class GraphBuilder:
             raise ValueError(f"{op} name must be a non-empty string, got {name!r}")
         if name in self._names:
             prev = self.nodes[self._names[name]]
-            raise ValueError(f"{op} name {name!r} already used by %{prev.id} ({prev.op}, {prev.loc})")
+            raise ValueError(
+                f"{op} name {name!r} at {_user_location()} already used by %{prev.id} "
+                f"({prev.op}, {prev.loc})"
+            )
         try:
             shape = tuple(int(s) for s in shape)
         except TypeError:
-            raise TypeError(f"{op} {name!r}: shape must be a sequence of ints, got {shape!r}")
+            raise TypeError(
+                f"{op} {name!r}: shape must be a sequence of ints, got {shape!r}"
+            ) from None
         t = TensorType(shape, dtype)
         node = Node(len(self.nodes), op, (), (), t, name, _user_location())
         self.nodes.append(node)
@@ -96,19 +101,26 @@ class GraphBuilder:
             value = bool(value)
         else:
             value = int(value)
-        key = (value, dtype)
+        key = (repr(value), dtype)  # repr keeps -0.0 apart from 0.0
         if key in self._constants:
             return Tensor(self, self._constants[key])
         node = Node(
-            len(self.nodes), "constant", (), make_attrs({"value": value}), TensorType((), dtype),
-            None, _user_location(),
+            len(self.nodes),
+            "constant",
+            (),
+            make_attrs({"value": value}),
+            TensorType((), dtype),
+            None,
+            _user_location(),
         )
         self.nodes.append(node)
         self._constants[key] = node.id
         return Tensor(self, node.id)
 
     # ---- ops ----------------------------------------------------------------------------
-    def add(self, op: str, inputs: Sequence[Tensor], attrs: dict[str, AttrValue] | None = None) -> Tensor:
+    def add(
+        self, op: str, inputs: Sequence[Tensor], attrs: dict[str, AttrValue] | None = None
+    ) -> Tensor:
         """Append ``op(inputs, **attrs)`` after checking its type rule.
 
         Raises:
@@ -136,11 +148,18 @@ class GraphBuilder:
             loc = _user_location()
             ops = ", ".join(f"%{t.id}: {ty}" for t, ty in zip(inputs, types))
             shown = {k: v for k, v in attrs.items()}
-            raise GraphTypeError(f"{op}({ops}{', ' if shown else ''}"
-                                 f"{', '.join(f'{k}={v!r}' for k, v in shown.items())}) "
-                                 f"at {loc}: {e}") from None
+            raise GraphTypeError(
+                f"{op}({ops}{', ' if shown else ''}"
+                f"{', '.join(f'{k}={v!r}' for k, v in shown.items())}) "
+                f"at {loc}: {e}"
+            ) from None
         node = Node(
-            len(self.nodes), op, tuple(t.id for t in inputs), make_attrs(attrs), out, None,
+            len(self.nodes),
+            op,
+            tuple(t.id for t in inputs),
+            make_attrs(attrs),
+            out,
+            None,
             _user_location(),
         )
         self.nodes.append(node)

@@ -65,6 +65,13 @@ def interpret(
                     target = params if leaf.op == "parameter" else st
                     target[leaf.name] = np.asarray(value, leaf.type.dtype.numpy)
                 v = np.zeros((), np.uint32)
+            elif (
+                float64
+                and n.op == "cast"
+                and n.type.dtype.is_floating
+                and args[0].dtype.kind == "f"
+            ):
+                v = args[0]  # float64 mode keeps full precision through float->float casts
             else:
                 v = d.reference(args, n.attr_dict)
         vals.append(np.asarray(v).astype(dt, copy=False).reshape(n.type.shape))

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Union
 
 from ..dtypes import DType
 
-AttrValue = Union[int, float, bool, str, None, tuple]
+AttrValue = int | float | bool | str | None | tuple
 
 
 @dataclass(frozen=True)

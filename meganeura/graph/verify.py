@@ -43,7 +43,7 @@ def verify(graph: Graph, allow_unused_inputs: bool = False) -> None:
         types = [graph.nodes[j].type for j in n.inputs]
         try:
             t = OPS[n.op].infer(types, n.attr_dict)
-        except TypeError as e:
+        except (TypeError, KeyError, ValueError) as e:
             raise GraphError(f"ill-typed node {format_node(n)}: {e}") from None
         if t != n.type:
             raise GraphError(f"stored type {n.type} != inferred {t}: {format_node(n)}")

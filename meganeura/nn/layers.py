@@ -40,8 +40,9 @@ class Linear(Module):
     kaiming_uniform_ with a = sqrt(5) that PyTorch uses reduces to this bound).
     """
 
-    def __init__(self, b: GraphBuilder, name: str, in_features: int, out_features: int,
-                 bias: bool = True) -> None:
+    def __init__(
+        self, b: GraphBuilder, name: str, in_features: int, out_features: int, bias: bool = True
+    ) -> None:
         super().__init__()
         bound = 1.0 / math.sqrt(in_features)
         self.weight = b.parameter(f"{name}.weight", (out_features, in_features))

@@ -81,6 +81,11 @@ def _ce_grad(node, i, o, g):
 
 DEFS = [
     OpDef("cross_entropy", _ce_type, cross_entropy_np, _ce_grad, arity=2),
-    OpDef("cross_entropy_backward", _ce_bwd_type, cross_entropy_backward_np,
-          differentiable=False, arity=3),
+    OpDef(
+        "cross_entropy_backward",
+        _ce_bwd_type,
+        cross_entropy_backward_np,
+        differentiable=False,
+        arity=3,
+    ),
 ]

@@ -44,10 +44,18 @@ def _log_softmax_grad(node, i, o, g):
 
 
 DEFS = [
-    OpDef("softmax", _softmax_type,
-          lambda x, a: np.exp(log_softmax_np(x[0], a["dim"])).astype(x[0].dtype),
-          _softmax_grad, arity=1),
-    OpDef("log_softmax", _softmax_type,
-          lambda x, a: log_softmax_np(x[0], a["dim"]).astype(x[0].dtype),
-          _log_softmax_grad, arity=1),
+    OpDef(
+        "softmax",
+        _softmax_type,
+        lambda x, a: np.exp(log_softmax_np(x[0], a["dim"])).astype(x[0].dtype),
+        _softmax_grad,
+        arity=1,
+    ),
+    OpDef(
+        "log_softmax",
+        _softmax_type,
+        lambda x, a: log_softmax_np(x[0], a["dim"]).astype(x[0].dtype),
+        _log_softmax_grad,
+        arity=1,
+    ),
 ]

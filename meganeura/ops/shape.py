@@ -31,6 +31,8 @@ def _permute_type(types, attrs):
 def _broadcast_type(types, attrs):
     (t,) = types
     shape = tuple(attrs["shape"])
+    if any(s < 0 for s in shape):
+        raise ShapeError(f"target shape {list(shape)} has a negative dim")
     if len(shape) < t.ndim:
         raise ShapeError(f"cannot broadcast {list(t.shape)} to fewer dims {list(shape)}")
     for s, d in zip(reversed(t.shape), reversed(shape)):
@@ -46,14 +48,29 @@ def _permute_grad(node, i, o, g):
 
 
 DEFS = [
-    OpDef("reshape", _reshape_type, lambda x, a: x[0].reshape(a["shape"]),
-          lambda n, i, o, g: (F.reshape(g, i[0].shape),), arity=1),
-    OpDef("permute", _permute_type, lambda x, a: np.ascontiguousarray(np.transpose(x[0], a["dims"])),
-          _permute_grad, arity=1),
+    OpDef(
+        "reshape",
+        _reshape_type,
+        lambda x, a: x[0].reshape(a["shape"]),
+        lambda n, i, o, g: (F.reshape(g, i[0].shape),),
+        arity=1,
+    ),
+    OpDef(
+        "permute",
+        _permute_type,
+        lambda x, a: np.ascontiguousarray(np.transpose(x[0], a["dims"])),
+        _permute_grad,
+        arity=1,
+    ),
     # The gradient is g itself: autodiff sums it back over the broadcast dims.
-    OpDef("broadcast_to", _broadcast_type,
-          lambda x, a: np.ascontiguousarray(np.broadcast_to(x[0], a["shape"])),
-          lambda n, i, o, g: (g,), arity=1),
-    OpDef("stop_gradient", lambda t, a: t[0], lambda x, a: x[0], lambda n, i, o, g: (None,),
-          arity=1),
+    OpDef(
+        "broadcast_to",
+        _broadcast_type,
+        lambda x, a: np.ascontiguousarray(np.broadcast_to(x[0], a["shape"])),
+        lambda n, i, o, g: (g,),
+        arity=1,
+    ),
+    OpDef(
+        "stop_gradient", lambda t, a: t[0], lambda x, a: x[0], lambda n, i, o, g: (None,), arity=1
+    ),
 ]

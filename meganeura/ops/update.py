@@ -12,7 +12,8 @@ Formulas follow torch.optim (single-tensor implementations, PyTorch 2.x docs):
         d = d + momentum*buf (nesterov) or buf;  p -= lr*d.         hyper = [lr, first_step]
   adam: g += wd*p (Adam) or p *= 1 - lr*wd (AdamW);  m += (1-b1)*(g-m);
         v = b2*v + (1-b2)*g*g;  p -= step_size * m / (sqrt(v)/bc2_sqrt + eps)
-        with step_size = lr/(1-b1^t), bc2_sqrt = sqrt(1-b2^t).       hyper = [lr, step_size, bc2_sqrt]
+        with step_size = lr/(1-b1^t), bc2_sqrt = sqrt(1-b2^t).
+        hyper = [lr, step_size, bc2_sqrt]
 """
 
 from __future__ import annotations
@@ -82,8 +83,15 @@ def _adam_np(xs, a):
 
 DEFS = [
     OpDef("sgd_update", _update_type(0, 2), _sgd_np, differentiable=False, writes=(0,), arity=4),
-    OpDef("sgd_momentum_update", _update_type(1, 2), _sgd_np, differentiable=False,
-          writes=(0, 4), arity=5),
-    OpDef("adam_update", _update_type(2, 3), _adam_np, differentiable=False, writes=(0, 4, 5),
-          arity=6),
+    OpDef(
+        "sgd_momentum_update",
+        _update_type(1, 2),
+        _sgd_np,
+        differentiable=False,
+        writes=(0, 4),
+        arity=5,
+    ),
+    OpDef(
+        "adam_update", _update_type(2, 3), _adam_np, differentiable=False, writes=(0, 4, 5), arity=6
+    ),
 ]

@@ -35,15 +35,20 @@ class Optimizer:
         """The f32 hyper vector for optimizer step ``step`` (0-based) at learning rate ``lr``."""
         raise NotImplementedError
 
-    def append_update(self, b: GraphBuilder, param: Tensor, grad: Tensor, hyper: Tensor,
-                      clip: Tensor) -> Tensor:
-        state = [b.state(f"{param.node.name}.{s}", param.shape, param.dtype)
-                 for s in self.state_suffixes]
+    def append_update(
+        self, b: GraphBuilder, param: Tensor, grad: Tensor, hyper: Tensor, clip: Tensor
+    ) -> Tensor:
+        state = [
+            b.state(f"{param.node.name}.{s}", param.shape, param.dtype) for s in self.state_suffixes
+        ]
         return b.add(self.op, [param, grad, hyper, clip, *state], self.attrs())
 
     def config(self) -> dict:
         """JSON-serializable description (stored in checkpoints)."""
-        return {"type": type(self).__name__, **{f.name: getattr(self, f.name) for f in fields(self)}}
+        return {
+            "type": type(self).__name__,
+            **{f.name: getattr(self, f.name) for f in fields(self)},
+        }
 
 
 @dataclass(frozen=True)
@@ -75,9 +80,13 @@ class SGD(Optimizer):
         return ("momentum_buffer",) if self.momentum else ()
 
     def attrs(self) -> dict:
-        return {"momentum": float(self.momentum), "dampening": float(self.dampening),
-                "weight_decay": float(self.weight_decay), "nesterov": bool(self.nesterov),
-                "maximize": bool(self.maximize)}
+        return {
+            "momentum": float(self.momentum),
+            "dampening": float(self.dampening),
+            "weight_decay": float(self.weight_decay),
+            "nesterov": bool(self.nesterov),
+            "maximize": bool(self.maximize),
+        }
 
     def hyper(self, step: int, lr: float) -> np.ndarray:
         return np.array([lr, 1.0 if step == 0 else 0.0], np.float32)
@@ -98,7 +107,12 @@ class Adam(Optimizer):
 
     def __post_init__(self) -> None:
         b1, b2 = self.betas
-        if not (0 <= b1 < 1 and 0 <= b2 < 1) or self.eps < 0 or self.lr < 0:
+        if (
+            not (0 <= b1 < 1 and 0 <= b2 < 1)
+            or self.eps < 0
+            or self.lr < 0
+            or self.weight_decay < 0
+        ):
             raise ValueError(f"invalid {type(self).__name__} settings: {self}")
         object.__setattr__(self, "betas", (float(b1), float(b2)))
 
@@ -107,9 +121,14 @@ class Adam(Optimizer):
     state_suffixes: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
 
     def attrs(self) -> dict:
-        return {"beta1": self.betas[0], "beta2": self.betas[1], "eps": float(self.eps),
-                "weight_decay": float(self.weight_decay), "decoupled": self.decoupled,
-                "maximize": bool(self.maximize)}
+        return {
+            "beta1": self.betas[0],
+            "beta2": self.betas[1],
+            "eps": float(self.eps),
+            "weight_decay": float(self.weight_decay),
+            "decoupled": self.decoupled,
+            "maximize": bool(self.maximize),
+        }
 
     def hyper(self, step: int, lr: float) -> np.ndarray:
         t = step + 1

@@ -13,8 +13,9 @@ from ..graph.ir import Graph, Node
 from ..ops import OPS
 
 
-def renumber(graph: Graph, keep: list[bool], remap: dict[int, int] | None = None
-             ) -> tuple[Graph, dict[int, int]]:
+def renumber(
+    graph: Graph, keep: list[bool], remap: dict[int, int] | None = None
+) -> tuple[Graph, dict[int, int]]:
     """Drop nodes whose ``keep`` flag is False and renumber the rest densely.
 
     Args:
@@ -68,7 +69,8 @@ def cse(graph: Graph) -> tuple[Graph, dict[int, int]]:
     for n in graph.nodes:
         if n.name is not None or _is_effect(n):
             continue
-        key = (n.op, tuple(remap.get(i, i) for i in n.inputs), n.attrs, n.type)
+        attrs = tuple((k, repr(v)) for k, v in n.attrs)  # repr keeps -0.0 apart from 0.0
+        key = (n.op, tuple(remap.get(i, i) for i in n.inputs), attrs, n.type)
         if key in seen:
             remap[n.id] = seen[key]
             keep[n.id] = False

@@ -44,12 +44,12 @@ def _schedule(cfg: MnistConfig, total_steps: int):
         return get_schedule("constant", lr=cfg.lr)
     if cfg.schedule == "warmup":
         return get_schedule("warmup", lr=cfg.lr, warmup_steps=max(cfg.warmup_steps, 1))
-    return get_schedule("cosine", lr=cfg.lr, total_steps=total_steps,
-                        warmup_steps=cfg.warmup_steps)
+    return get_schedule("cosine", lr=cfg.lr, total_steps=total_steps, warmup_steps=cfg.warmup_steps)
 
 
-def predict_logits(params: dict[str, np.ndarray], x: np.ndarray, sizes, batch: int = 500,
-                   device=None) -> np.ndarray:
+def predict_logits(
+    params: dict[str, np.ndarray], x: np.ndarray, sizes, batch: int = 500, device=None
+) -> np.ndarray:
     """Logits for standardized images ``x`` f32[N, 784] with an inference program.
 
     The last chunk is zero-padded to the program's static batch and the padding dropped.
@@ -69,8 +69,13 @@ def predict_logits(params: dict[str, np.ndarray], x: np.ndarray, sizes, batch: i
     return np.concatenate(out)
 
 
-def train(cfg: MnistConfig, resume: str | None = None, device=None, progress: bool = True,
-          max_steps: int | None = None) -> dict:
+def train(
+    cfg: MnistConfig,
+    resume: str | None = None,
+    device=None,
+    progress: bool = True,
+    max_steps: int | None = None,
+) -> dict:
     """Run the recipe; returns a summary dict (accuracy, losses, paths, timings).
 
     Args:
@@ -88,9 +93,13 @@ def train(cfg: MnistConfig, resume: str | None = None, device=None, progress: bo
     total = steps_per_epoch * cfg.epochs
 
     net = build_mlp(cfg.batch_size, sizes)
-    trainer = Trainer(net.graph, AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay),
-                      schedule=_schedule(cfg, total), max_grad_norm=cfg.max_grad_norm,
-                      device=device)
+    trainer = Trainer(
+        net.graph,
+        AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay),
+        schedule=_schedule(cfg, total),
+        max_grad_norm=cfg.max_grad_norm,
+        device=device,
+    )
     data_rng = np.random.default_rng(cfg.seed + 1)
     epoch0, losses = 0, []
     if resume:
@@ -107,8 +116,13 @@ def train(cfg: MnistConfig, resume: str | None = None, device=None, progress: bo
     seen = 0
     stopped = False
     for epoch in range(epoch0, cfg.epochs):
-        bar = tqdm(iterate_batches(len(x_train), cfg.batch_size, data_rng), total=steps_per_epoch,
-                   desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not progress, leave=False)
+        bar = tqdm(
+            iterate_batches(len(x_train), cfg.batch_size, data_rng),
+            total=steps_per_epoch,
+            desc=f"epoch {epoch + 1}/{cfg.epochs}",
+            disable=not progress,
+            leave=False,
+        )
         epoch_t = time.perf_counter()
         for k, idx in enumerate(bar):
             loss = float(trainer.step({"x": x_train[idx], "y": data.y_train[idx]})["loss"])
@@ -130,10 +144,16 @@ def train(cfg: MnistConfig, resume: str | None = None, device=None, progress: bo
     params = trainer.parameters()
     logits = predict_logits(params, x_test, sizes, device=device)
     acc = float((logits.argmax(1) == data.y_test).mean())
-    summary = {"test_accuracy": acc, "steps": trainer.step_count, "train_seconds": train_s,
-               "samples_per_second": seen / train_s if train_s else 0.0,
-               "checkpoint": str(ckpt), "final_loss": losses[-1] if losses else None,
-               "memory": asdict(trainer.program.memory), "losses": losses}
+    summary = {
+        "test_accuracy": acc,
+        "steps": trainer.step_count,
+        "train_seconds": train_s,
+        "samples_per_second": seen / train_s if train_s else 0.0,
+        "checkpoint": str(ckpt),
+        "final_loss": losses[-1] if losses else None,
+        "memory": asdict(trainer.program.memory),
+        "losses": losses,
+    }
     png = out / "loss.png"
     if _plot(losses, steps_per_epoch, png):
         summary["loss_plot"] = str(png)
@@ -141,9 +161,16 @@ def train(cfg: MnistConfig, resume: str | None = None, device=None, progress: bo
 
 
 def _meta(cfg, epoch, rng, losses, mean, std) -> dict:
-    return {"config": asdict(cfg), "epoch": epoch, "data_rng": rng.bit_generator.state,
-            "losses": losses, "mean": float(mean), "std": float(std), "model": "mlp",
-            "sizes": [784, cfg.hidden, 10]}
+    return {
+        "config": asdict(cfg),
+        "epoch": epoch,
+        "data_rng": rng.bit_generator.state,
+        "losses": losses,
+        "mean": float(mean),
+        "std": float(std),
+        "model": "mlp",
+        "sizes": [784, cfg.hidden, 10],
+    }
 
 
 def _plot(losses, steps_per_epoch: int, path: Path) -> bool:
@@ -181,5 +208,9 @@ def predict(checkpoint: str, data: str | None = None, count: int = 10, device=No
     x, _, _ = standardize(ds.x_test, meta["mean"], meta["std"])
     logits = predict_logits(tensors, x, sizes, device=device)
     pred = logits.argmax(1)
-    return {"test_accuracy": float((pred == ds.y_test).mean()), "n": len(pred),
-            "predictions": pred[:count].tolist(), "labels": ds.y_test[:count].tolist()}
+    return {
+        "test_accuracy": float((pred == ds.y_test).mean()),
+        "n": len(pred),
+        "predictions": pred[:count].tolist(),
+        "labels": ds.y_test[:count].tolist(),
+    }

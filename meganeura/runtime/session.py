@@ -98,6 +98,7 @@ class Session:
         self._closed = False
         gpu = self.device.gpu
         self._gpu, self._queue = gpu, gpu.queue
+        self._sync_buffer = None
         check_limits(program, self.device)
         self._buffers = [
             gpu.create_buffer(
@@ -411,6 +412,18 @@ class Session:
         for b, data in ready:
             self._upload(b, data)
         return missing, unexpected
+
+    def synchronize(self) -> None:
+        """Block until all work submitted to this device has finished (for timing).
+
+        wgpu-py 0.32's ``on_submitted_work_done_sync`` fails in its FFI layer, so this reads
+        4 bytes back instead: a read waits for every earlier submission.
+        """
+        if self._sync_buffer is None:
+            self._sync_buffer = self._gpu.create_buffer(
+                size=4, usage=wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+            )
+        self._queue.read_buffer(self._sync_buffer, 0, 4)
 
     def close(self) -> None:
         """Free the GPU buffers now; the Session cannot be used afterwards."""

@@ -1,0 +1,109 @@
+"""Benchmark: the MNIST MLP (784-128-10, ReLU, cross-entropy, AdamW) forward and training
+step at batch 64 and 1024, meganeura vs PyTorch (CUDA when available, else CPU), same run.
+
+Usage: python bench/mlp.py [--repeats 20] [--out-name mlp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import timeit, write  # noqa: E402
+from meganeura.models.mlp import build_mlp  # noqa: E402
+from meganeura.optim import AdamW  # noqa: E402
+from meganeura.runtime import get_device  # noqa: E402
+from meganeura.training import Trainer, compile_for  # noqa: E402
+
+
+def torch_cases(batch: int, params: dict, x: np.ndarray, y: np.ndarray, repeats: int):
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = torch.nn.Sequential(
+        torch.nn.Linear(784, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
+    ).to(dev)
+    with torch.no_grad():
+        for name, p in zip(
+            ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], model.parameters()
+        ):
+            p.copy_(torch.from_numpy(params[name]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    tx, ty = torch.from_numpy(x).to(dev), torch.from_numpy(y).long().to(dev)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+
+    def fwd():
+        with torch.no_grad():
+            model(tx)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(tx), ty).backward()
+        opt.step()
+
+    return timeit(fwd, sync, repeats=repeats), timeit(step, sync, repeats=repeats), dev
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out-name", default="mlp")
+    ap.add_argument("--adapter", default=os.environ.get("MEGANEURA_ADAPTER"))
+    args = ap.parse_args()
+    device = get_device(args.adapter)
+    rng = np.random.default_rng(0)
+    results = []
+    for batch in (64, 1024):
+        x = rng.standard_normal((batch, 784)).astype(np.float32)
+        y = rng.integers(0, 10, batch).astype(np.int32)
+        net = build_mlp(batch)
+        params = net.model.init_parameters(np.random.default_rng(0))
+        trainer = Trainer(net.graph, AdamW(lr=1e-3, weight_decay=0.01), device=device)
+        trainer.load_parameters(params)
+        infer = build_mlp(batch, labels=False)
+        _, sess = compile_for(infer.graph, device=device)
+        sess.load_state_dict(params)
+
+        def ours_forward(sess=sess, x=x):
+            sess.run({"x": x})
+
+        def ours_train(trainer=trainer, x=x, y=y):
+            trainer.step({"x": x, "y": y}, fetch=())
+
+        ours_fwd = timeit(ours_forward, sess.synchronize, repeats=args.repeats)
+        ours_step = timeit(ours_train, trainer.session.synchronize, repeats=args.repeats)
+        t_fwd, t_step, tdev = torch_cases(batch, params, x, y, args.repeats)
+        for case, ours, theirs in (("forward", ours_fwd, t_fwd), ("train_step", ours_step, t_step)):
+            results.append(
+                {
+                    "case": f"mlp_{case}_b{batch}",
+                    "metric": "ms",
+                    "ours": ours["median"],
+                    "torch": theirs["median"],
+                    "speedup": theirs["median"] / ours["median"],
+                    "ours_min": ours["min"],
+                    "torch_min": theirs["min"],
+                    "torch_device": tdev,
+                    "dispatches": len(trainer.program.dispatches)
+                    if case == "train_step"
+                    else len(sess.program.dispatches),
+                }
+            )
+            r = results[-1]
+            print(
+                f"{r['case']:<24} ours {r['ours']:8.3f} ms   torch({tdev}) {r['torch']:8.3f} ms"
+                f"   speedup {r['speedup']:.2f}x   dispatches {r['dispatches']}"
+            )
+    path = write(args.out_name, device, results)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

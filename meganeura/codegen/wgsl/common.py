@@ -1,0 +1,298 @@
+"""Shared pieces of every WGSL emitter: literals, bindings, grid folding and index math.
+
+Invariants kept here, so that each emitter cannot get them wrong on its own:
+  * a graph value is bound at most once per kernel (reads of the same value, or of views of
+    it, share one binding; a value both read and written gets one ``read_write`` binding);
+  * views (``reshape``, ``stop_gradient``) are resolved to the value that owns the buffer,
+    and constants are inlined as exact literals, never bound;
+  * literals never spell inf or NaN (WGSL rejects them): f32 constants are printed as the exact
+    decimal of their float32 value, integers with an ``i``/``u`` suffix;
+  * all index math is u32, with shapes and strides baked in; every bound value has fewer than
+    2^31 elements and fits the adapter's storage-binding limit, else ``ValueError`` names it;
+  * a 1-D logical grid of G workgroups is folded into up to three dimensions of at most
+    ``limits.max_workgroups_per_dimension`` each; shaders rebuild the linear id and drop the
+    padding groups (``linear_workgroup``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...dtypes import DType
+from ...graph.ir import Graph, Node, TensorType
+from ..kernel import KernelSource, Limits, ScratchRef, ValueRef
+
+VIEW_OPS = frozenset({"reshape", "stop_gradient"})
+# u32 index math stays exact while every flat index (and index + one workgroup) is below 2^31.
+MAX_ELEMENTS = 2**31 - 1
+WG = 256  # default workgroup size: WebGPU guarantees 256 invocations per workgroup
+ENTRY_ARGS = (
+    "@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, "
+    "@builtin(local_invocation_index) lid: u32"
+)
+
+
+# ---- literals ---------------------------------------------------------------------------------
+def f32_literal(value: float) -> str:
+    """Exact WGSL literal of ``float32(value)``, e.g. ``1.0``, ``1e-06``, ``(-0.5)``.
+
+    Raises:
+        ValueError: for inf or NaN, which WGSL cannot spell.
+    """
+    with np.errstate(over="ignore"):
+        v = float(np.float32(value))
+    if not math.isfinite(v):
+        raise ValueError(f"{value!r} is not a finite float32; WGSL has no inf/NaN literals")
+    # repr of the float64 holding a float32 is its exact shortest decimal, so WGSL's
+    # abstract-float -> f32 conversion is exact (no second rounding at the range edge).
+    text = repr(abs(v))
+    if "." not in text and "e" not in text:
+        text += ".0"
+    return f"(-{text})" if math.copysign(1.0, v) < 0 else text
+
+
+def int_literal(value: int, dtype: DType) -> str:
+    """WGSL literal of an integer in ``dtype`` (i32 wraps like NumPy's astype; bool -> 0u/1u)."""
+    if dtype is DType.bool:
+        return "1u" if value else "0u"
+    if dtype is DType.u32:
+        return f"{int(value) % 2**32}u"
+    v = int(np.array(value).astype(np.int64).astype(np.int32))
+    if v == -(2**31):
+        return "(-2147483647i - 1i)"  # 2147483648i alone is out of range
+    return f"(-{-v}i)" if v < 0 else f"{v}i"
+
+
+def literal(value: float | int | bool, dtype: DType) -> str:
+    """Literal of a constant node's value in its dtype."""
+    if dtype.is_floating:
+        return f32_literal(float(value))
+    return int_literal(int(value), dtype)
+
+
+def zero(dtype: DType) -> str:
+    return literal(0, dtype)
+
+
+def u(n: int) -> str:
+    """A u32 literal for index math."""
+    return f"{n}u"
+
+
+# ---- graph helpers ----------------------------------------------------------------------------
+def resolve_view(graph: Graph, vid: int) -> int:
+    """The id of the value that owns ``vid``'s buffer (following reshape/stop_gradient)."""
+    while graph[vid].op in VIEW_OPS:
+        vid = graph[vid].inputs[0]
+    return vid
+
+
+def is_constant(graph: Graph, vid: int) -> bool:
+    return graph[resolve_view(graph, vid)].op == "constant"
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return tuple(reversed(out))
+
+
+def broadcast_strides(src: Sequence[int], out: Sequence[int]) -> tuple[int, ...]:
+    """Strides to read a contiguous ``src`` broadcast (NumPy rule) to ``out``; 0 on new dims."""
+    st = contiguous_strides(src)
+    pad = len(out) - len(src)
+    return tuple(0 if d < pad or src[d - pad] == 1 else st[d - pad] for d in range(len(out)))
+
+
+def coalesce(
+    shape: Sequence[int], strides: Sequence[Sequence[int]]
+) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """Drop size-1 dims and merge neighbours that every stride list walks contiguously.
+
+    Fewer dims means fewer divisions per element; the flat iteration order is unchanged.
+    """
+    dims = [(n, [s[d] for s in strides]) for d, n in enumerate(shape) if n != 1]
+    merged: list[tuple[int, list[int]]] = []
+    for n, st in dims:
+        if merged:
+            pn, pst = merged[-1]
+            if all(p == q * n for p, q in zip(pst, st, strict=True)):
+                merged[-1] = (pn * n, st)
+                continue
+        merged.append((n, st))
+    out_shape = tuple(n for n, _ in merged)
+    return out_shape, [tuple(st[k] for _, st in merged) for k in range(len(strides))]
+
+
+def strided_index(flat: str, shape: Sequence[int], strides: Sequence[int]) -> str:
+    """u32 expression of the offset of flat row-major index ``flat`` over ``shape``, read
+    with ``strides`` (shape and strides baked in, so divisions are by constants)."""
+    terms, inner, total = [], 1, math.prod(shape)
+    flat = flat if flat.isidentifier() else f"({flat})"
+    for n, s in zip(reversed(shape), reversed(strides), strict=True):
+        if n != 1 and s != 0:
+            coord = flat if inner == 1 else f"({flat} / {u(inner)})"
+            if inner * n < total:
+                coord = f"({coord} % {u(n)})"
+            terms.append(coord if s == 1 else f"{coord} * {u(s)}")
+        inner *= n
+    return " + ".join(reversed(terms)) or "0u"
+
+
+def check_numel(graph: Graph, vid: int, limits: Limits) -> None:
+    """Raise ValueError when value ``vid`` cannot be indexed in u32 or bound in one binding."""
+    t = graph[vid].type
+    if t.numel > MAX_ELEMENTS:
+        raise ValueError(
+            f"%{vid} ({graph[vid].op}: {t}) has {t.numel} elements; u32 index math in the "
+            f"generated kernels needs fewer than 2^31"
+        )
+    if t.nbytes > limits.max_storage_buffer_binding_size:
+        raise ValueError(
+            f"%{vid} ({graph[vid].op}: {t}) needs {t.nbytes} bytes, above the adapter's "
+            f"storage binding limit of {limits.max_storage_buffer_binding_size}"
+        )
+
+
+# ---- grid -------------------------------------------------------------------------------------
+def fold_grid(groups: int, limits: Limits) -> tuple[int, int, int]:
+    """Spread ``groups`` workgroups over (x, y, z) within the per-dimension limit.
+
+    Raises:
+        ValueError: when even three dimensions cannot hold them.
+    """
+    m = limits.max_workgroups_per_dimension
+    x = max(1, min(groups, m))
+    y = max(1, min(-(-groups // x), m))
+    z = -(-groups // (x * y))
+    if z > m:
+        raise ValueError(f"{groups} workgroups exceed a {m}^3 grid")
+    return (x, y, max(z, 1))
+
+
+def linear_workgroup(groups: int, grid: tuple[int, int, int]) -> str:
+    """Statements defining ``wg``, the linear workgroup id, and dropping padding groups.
+
+    The early return depends only on workgroup-uniform builtins, so barriers after it stay in
+    uniform control flow.
+    """
+    x, y, z = grid
+    if y == 1 and z == 1:
+        return "  let wg = wid.x;\n"
+    expr = "wid.x + nwg.x * wid.y" if z == 1 else "wid.x + nwg.x * (wid.y + nwg.y * wid.z)"
+    check = "" if x * y * z == groups else f"  if (wg >= {u(groups)}) {{ return; }}\n"
+    return f"  let wg = {expr};\n{check}"
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Src:
+    """How a kernel reads one IR value: a binding name, or an inlined literal."""
+
+    type: TensorType
+    name: str | None = None
+    literal: str | None = None
+
+    @property
+    def dtype(self) -> DType:
+        return self.type.dtype
+
+    def at(self, index: str) -> str:
+        """WGSL expression of element ``index`` (the literal itself for constants)."""
+        return self.literal if self.literal is not None else f"{self.name}[{index}]"
+
+
+class KernelBuilder:
+    """Collects the bindings of one kernel and assembles its WGSL.
+
+    Binding variables are named ``g_<name>`` so they never collide with the locals emitters
+    use.
+
+    Args:
+        graph: the graph being lowered.
+        node: the node this kernel belongs to (names the kernel, errors quote it).
+        limits: adapter limits (binding sizes are checked against them).
+    """
+
+    def __init__(self, graph: Graph, node: Node, limits: Limits) -> None:
+        self.graph, self.node, self.limits = graph, node, limits
+        self._refs: list[ValueRef | ScratchRef] = []
+        self._decls: list[tuple[str, str]] = []  # (name, element type) per binding
+        self._by_value: dict[int, int] = {}
+
+    def _bind_value(self, vid: int, name: str, write: bool) -> str:
+        root = resolve_view(self.graph, vid)
+        if root in self._by_value:
+            k = self._by_value[root]
+            if write and not self._refs[k].write:
+                self._refs[k] = ValueRef(root, write=True)
+            return self._decls[k][0]
+        check_numel(self.graph, root, self.limits)
+        dtype = self.graph[root].type.dtype
+        if dtype is DType.f16:
+            raise NotImplementedError(f"%{root}: f16 storage is not lowered yet (needs shader-f16)")
+        self._by_value[root] = len(self._refs)
+        self._refs.append(ValueRef(root, write=write))
+        self._decls.append((f"g_{name}", dtype.wgsl))
+        return f"g_{name}"
+
+    def read(self, vid: int, name: str) -> Src:
+        """Bind value ``vid`` for reading (or inline it when it is a constant)."""
+        root = resolve_view(self.graph, vid)
+        n = self.graph[root]
+        t = self.graph[vid].type
+        if n.op == "constant":
+            return Src(t, literal=literal(n.attr("value"), n.type.dtype))
+        return Src(t, name=self._bind_value(vid, name, write=False))
+
+    def write(self, vid: int, name: str) -> str:
+        """Bind value ``vid`` (the node's output, or an input updated in place) for writing."""
+        return self._bind_value(vid, name, write=True)
+
+    def scratch(self, key: str, count: int, dtype: DType, name: str) -> str:
+        """Bind node-private scratch storage of ``count`` elements of ``dtype``."""
+        self._refs.append(ScratchRef(key, max(count, 1) * dtype.itemsize, dtype))
+        self._decls.append((f"g_{name}", dtype.wgsl))
+        return f"g_{name}"
+
+    def finish(
+        self,
+        suffix: str,
+        body: str,
+        workgroup_size: int,
+        groups: int,
+        helpers: str = "",
+        flops: int = 0,
+        nbytes: int = 0,
+    ) -> KernelSource:
+        """Assemble the kernel: declarations, helper functions, then ``main``.
+
+        ``body`` runs after ``wg`` (the linear workgroup id, padding dropped) is defined.
+        """
+        grid = fold_grid(groups, self.limits)
+        decls = []
+        for i, ((name, ty), ref) in enumerate(zip(self._decls, self._refs, strict=True)):
+            access = "read_write" if ref.write else "read"
+            decls.append(f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{ty}>;")
+        src = "\n".join(decls) + "\n\n"
+        if helpers:
+            src += helpers.strip("\n") + "\n\n"
+        src += f"@compute @workgroup_size({workgroup_size})\nfn main({ENTRY_ARGS}) {{\n"
+        src += linear_workgroup(groups, grid) + body.rstrip() + "\n}\n"
+        name = f"%{self.node.id} {self.node.op}" + (f" {suffix}" if suffix else "")
+        return KernelSource(name, src, tuple(self._refs), grid, flops, nbytes)
+
+
+def indent(text: str, level: int = 1) -> str:
+    pad = "  " * level
+    return "".join(pad + line if line.strip() else line for line in text.splitlines(True))
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,133 @@
+"""Row-parallel reduction scaffolding shared by reductions, softmax and cross-entropy.
+
+A "row" is one group of elements reduced together (a reduction's group, a softmax row). A
+``RowPlan`` assigns ``ox`` rows to each workgroup, on consecutive lanes, and ``ry`` threads to
+each row; workgroup size is ``ox * ry``. Thread ``lid`` handles row lane ``x = lid % ox`` and
+element slice ``y = lid / ox`` (elements y, y + ry, ...), then the ``ry`` partial results of a
+row are combined pairwise in workgroup memory. Three shapes cover the cases:
+  * contiguous rows of >= 64 elements: one workgroup per row (``ox = 1``), coalesced along it;
+  * strided rows (reduced dim not innermost): 32 neighbouring rows per workgroup, so each load
+    instruction reads 32 neighbouring addresses;
+  * short rows (< 64 elements): one thread per row, no workgroup memory.
+Threads whose row lies past the end still run every barrier (barriers must stay in uniform
+control flow); they read a clamped, valid row and never store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .common import WG, next_pow2, u
+
+SHORT_ROW = 64  # below this a row is summed serially by one thread
+STRIDED_LANES = 32
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """``ox`` rows per workgroup, ``ry`` threads per row."""
+
+    ox: int
+    ry: int
+
+    @property
+    def size(self) -> int:
+        return self.ox * self.ry
+
+
+def plan_rows(n_rows: int, row_len: int, contiguous: bool) -> RowPlan:
+    """Pick the workgroup shape for ``n_rows`` rows of ``row_len`` elements each.
+
+    Args:
+        contiguous: whether consecutive elements of a row are adjacent in memory.
+    """
+    if row_len < SHORT_ROW:
+        return RowPlan(min(WG, max(32, next_pow2(n_rows))), 1)
+    if contiguous:
+        return RowPlan(1, min(WG, next_pow2(row_len)))
+    ox = min(STRIDED_LANES, next_pow2(n_rows))
+    return RowPlan(ox, WG // ox)
+
+
+def thread_coords(plan: RowPlan, row_group: str, n_rows: int) -> str:
+    """Statements defining ``x``, ``y``, ``row`` (may be past the end), ``live`` and
+    ``rowc`` (the row clamped into range, safe to read)."""
+    x = "0u" if plan.ox == 1 else f"lid % {u(plan.ox)}"
+    y = "lid" if plan.ox == 1 else f"lid / {u(plan.ox)}"
+    if plan.ry == 1:
+        y = "0u"
+    return (
+        f"  let x = {x};\n  let y = {y};\n"
+        f"  let row = {row_group} * {u(plan.ox)} + x;\n"
+        f"  let live = row < {u(n_rows)};\n"
+        f"  let rowc = min(row, {u(n_rows - 1)});\n"
+    )
+
+
+def strided_loop(
+    plan: RowPlan,
+    begin: str,
+    end: str,
+    update: Callable[[str], str],
+    per_thread: int,
+    zero: str | None = None,
+    acc: str = "acc",
+) -> str:
+    """Loop ``r`` over this thread's elements ``begin + y, begin + y + ry, ... < end``.
+
+    Args:
+        update: given an accumulator name, the statements folding element ``r`` into it.
+        acc: the thread's accumulator variable, declared by the caller.
+        per_thread: the most elements one thread sees (decides blocking).
+        zero: the additive identity; when given and a thread sees many elements, they are
+            summed in blocks of 16 into a fresh partial first, so the rounding error of the
+            running sum grows with count/16 rather than count (f32 accuracy for groups of
+            millions). Leave None for idempotent combines (max), which never need it.
+    """
+    ry = u(plan.ry)
+    if zero is None or per_thread <= SHORT_ROW:
+        return (
+            f"  for (var r = {begin} + y; r < {end}; r = r + {ry}) {{\n"
+            f"{_indent(update(acc), 2)}  }}\n"
+        )
+    return (
+        f"  for (var r0 = {begin} + y; r0 < {end}; r0 = r0 + {u(plan.ry * 16)}) {{\n"
+        f"    var part = {zero};\n"
+        f"    for (var j = 0u; j < 16u; j = j + 1u) {{\n"
+        f"      let r = r0 + j * {ry};\n"
+        f"      if (r < {end}) {{\n{_indent(update('part'), 4)}      }}\n"
+        f"    }}\n"
+        f"    {acc} = {acc} + part;\n"
+        f"  }}\n"
+    )
+
+
+def tree(
+    plan: RowPlan, shared: str, value: str, combine: Callable[[str, str], str], result: str
+) -> str:
+    """Combine the ``ry`` per-thread values of each row pairwise; every thread of the row gets
+    the total in ``result``. Ends with a barrier so ``shared`` can be reused at once."""
+    if plan.ry == 1:
+        return f"  let {result} = {value};\n"
+    lines = [f"  {shared}[lid] = {value};", "  workgroupBarrier();"]
+    s = plan.ry // 2
+    while s >= 1:
+        other = f"{shared}[lid + {u(s * plan.ox)}]"
+        lines.append(f"  if (y < {u(s)}) {{ {shared}[lid] = {combine(f'{shared}[lid]', other)}; }}")
+        lines.append("  workgroupBarrier();")
+        s //= 2
+    lines += [f"  let {result} = {shared}[x];", "  workgroupBarrier();"]
+    return "\n".join(lines) + "\n"
+
+
+def shared_decl(plan: RowPlan, name: str, ty: str) -> str:
+    """Module-scope workgroup array for ``tree`` (empty when rows need no tree)."""
+    if plan.ry == 1:
+        return ""
+    return f"var<workgroup> {name}: array<{ty}, {plan.size}>;\n"
+
+
+def _indent(text: str, level: int) -> str:
+    pad = "  " * level
+    return "".join(pad + line if line.strip() else line for line in text.splitlines(True))

@@ -1,0 +1,167 @@
+"""End-to-end training on the GPU (lavapipe on CI): optimizer steps against torch.optim,
+bit-identical resume, and bad input that must leave parameters untouched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from meganeura.io.checkpoint import CheckpointError, save_checkpoint
+from meganeura.models.mlp import build_mlp
+from meganeura.optim import SGD, Adam, AdamW
+from meganeura.runtime import InputError
+from meganeura.training import Trainer
+
+pytestmark = pytest.mark.gpu
+
+SIZES = (20, 16, 5)
+BATCH = 8
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((BATCH, SIZES[0])).astype(np.float32)
+    y = rng.integers(0, SIZES[-1], BATCH).astype(np.int32)
+    return x, y
+
+
+def _trainer(gpu_device, opt, max_grad_norm=None):
+    net = build_mlp(BATCH, SIZES)
+    params = net.model.init_parameters(np.random.default_rng(1))
+    tr = Trainer(net.graph, opt, max_grad_norm=max_grad_norm, device=gpu_device)
+    tr.load_parameters(params)
+    return tr, params
+
+
+def _torch_steps(params, opt_name, kw, batches, max_grad_norm=None):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(SIZES[0], SIZES[1]), torch.nn.ReLU(), torch.nn.Linear(SIZES[1], SIZES[2])
+    )
+    names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    with torch.no_grad():
+        for n, p in zip(names, model.parameters()):
+            p.copy_(torch.from_numpy(params[n]))
+    opt = getattr(torch.optim, opt_name)(model.parameters(), **kw)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(
+            model(torch.from_numpy(x)), torch.from_numpy(y).long()
+        )
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    return {n: p.detach().numpy() for n, p in zip(names, model.parameters())}, losses
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+CASES = [
+    (SGD(lr=0.1), "SGD", {"lr": 0.1}),
+    (
+        SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+        "SGD",
+        {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2},
+    ),
+    (Adam(lr=1e-2, weight_decay=1e-2), "Adam", {"lr": 1e-2, "weight_decay": 1e-2}),
+    (AdamW(lr=1e-2, weight_decay=0.1), "AdamW", {"lr": 1e-2, "weight_decay": 0.1}),
+]
+
+
+@pytest.mark.parametrize("opt,tname,kw", CASES, ids=["sgd", "sgd_nesterov_wd", "adam", "adamw"])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_steps_match_torch_optim(gpu_device, opt, tname, kw, clip):
+    tr, params = _trainer(gpu_device, opt, max_grad_norm=clip)
+    batches = [_data(s) for s in range(3)]
+    ours_losses = [float(tr.step({"x": x, "y": y})["loss"]) for x, y in batches]
+    ref, ref_losses = _torch_steps(params, tname, kw, batches, clip)
+    np.testing.assert_allclose(ours_losses, ref_losses, rtol=1e-5)
+    got = tr.parameters()
+    for name, want in ref.items():
+        assert _rel(got[name], want) <= 1e-6, (name, _rel(got[name], want))
+        assert not np.array_equal(got[name], params[name]), f"{name} did not move"
+
+
+def test_one_step_matches_torch_to_1e6(gpu_device):
+    tr, params = _trainer(gpu_device, AdamW(lr=1e-3, weight_decay=0.01))
+    x, y = _data(7)
+    tr.step({"x": x, "y": y})
+    ref, _ = _torch_steps(params, "AdamW", {"lr": 1e-3, "weight_decay": 0.01}, [(x, y)])
+    for name, want in ref.items():
+        assert _rel(tr.parameters()[name], want) <= 1e-6
+
+
+def test_resume_is_bit_identical(gpu_device, tmp_path):
+    batches = [_data(s) for s in range(6)]
+    a, _ = _trainer(gpu_device, AdamW(lr=1e-2))
+    for x, y in batches:
+        a.step({"x": x, "y": y})
+
+    b, _ = _trainer(gpu_device, AdamW(lr=1e-2))
+    for x, y in batches[:3]:
+        b.step({"x": x, "y": y})
+    b.save(tmp_path / "ck.safetensors", {"note": "half way"})
+    c, _ = _trainer(gpu_device, AdamW(lr=1e-2))  # fresh weights, then overwritten by load
+    meta = c.load(tmp_path / "ck.safetensors")
+    assert meta["note"] == "half way" and c.step_count == 3
+    for x, y in batches[3:]:
+        c.step({"x": x, "y": y})
+    sa, sc = a.state_dict(), c.state_dict()
+    assert sa.keys() == sc.keys() and len(sa) == 12  # 4 params + 8 Adam moments
+    for k in sa:
+        assert np.array_equal(sa[k], sc[k]), k
+
+
+@pytest.mark.parametrize(
+    "feeds,match",
+    [
+        ({"x": np.zeros((BATCH, 19), np.float32)}, "'x'"),
+        ({"x": np.zeros((BATCH, SIZES[0]), np.float64)}, "'x'"),
+        ({"y": np.zeros(BATCH, np.int64)}, "'y'"),
+        ({"y": np.full(BATCH, SIZES[-1], np.int32)}, "'y'"),
+        ({"y": np.full(BATCH, -1, np.int32)}, "'y'"),
+    ],
+    ids=["x_shape", "x_dtype", "y_dtype", "label_too_big", "label_negative"],
+)
+def test_bad_feed_raises_and_leaves_parameters(gpu_device, feeds, match):
+    tr, _ = _trainer(gpu_device, AdamW(lr=1e-2))
+    x, y = _data()
+    tr.step({"x": x, "y": y})
+    before = tr.state_dict()
+    with pytest.raises(InputError, match=match):
+        tr.step({"x": x, "y": y, **feeds})
+    after = tr.state_dict()
+    assert tr.step_count == 1
+    for k in before:
+        assert np.array_equal(before[k], after[k]), k
+
+
+def test_missing_input_named(gpu_device):
+    tr, _ = _trainer(gpu_device, SGD(lr=0.1))
+    with pytest.raises(InputError, match="'y'"):
+        tr.step({"x": _data()[0]})
+
+
+def test_checkpoint_with_missing_or_unknown_keys(gpu_device, tmp_path):
+    tr, _ = _trainer(gpu_device, SGD(lr=0.1))
+    good = tr.state_dict()
+    missing = dict(good)
+    missing.pop("fc2.bias")
+    save_checkpoint(tmp_path / "m.safetensors", missing, {"step": 0})
+    with pytest.raises(CheckpointError, match="fc2.bias"):
+        tr.load(tmp_path / "m.safetensors")
+    extra = {**good, "fc3.weight": np.zeros(3, np.float32)}
+    save_checkpoint(tmp_path / "u.safetensors", extra, {"step": 0})
+    with pytest.raises(CheckpointError, match="fc3.weight"):
+        tr.load(tmp_path / "u.safetensors")
+    data = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "t.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError):
+        tr.load(tmp_path / "t.safetensors")
+    for k, v in tr.state_dict().items():
+        assert np.array_equal(v, good[k]), k
