@@ -36,15 +36,17 @@ def torch_cases(batch: int, params: dict, x: np.ndarray, y: np.ndarray, repeats:
         ):
             p.copy_(torch.from_numpy(params[name]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    tx, ty = torch.from_numpy(x).to(dev), torch.from_numpy(y).long().to(dev)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
+    # Both frameworks upload the batch from host memory on every call, as a training loop
+    # over host data must; meganeura's Session.run does the same through queue.write_buffer.
     def fwd():
         with torch.no_grad():
-            model(tx)
+            model(torch.from_numpy(x).to(dev))
 
     def step():
         opt.zero_grad(set_to_none=True)
+        tx, ty = torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev).long()
         torch.nn.functional.cross_entropy(model(tx), ty).backward()
         opt.step()
 
