@@ -53,6 +53,8 @@ class TensorType:
 
 
 LEAF_OPS = frozenset({"input", "parameter", "state", "constant"})
+# Ops whose value is their operand's storage reinterpreted (contiguous, row-major): no kernel.
+VIEW_OPS = frozenset({"reshape", "stop_gradient"})
 PERSISTENT_OPS = frozenset({"parameter", "state"})
 
 

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 from ..codegen.kernel import KernelSource, Limits, ScratchRef, ValueRef
 from ..codegen.wgsl import lower, reads
-from ..graph.ir import Graph
+from ..graph.ir import VIEW_OPS, Graph
 from ..ops import OPS
 from .planner import Interval
 
-VIEW_OPS = frozenset({"reshape", "stop_gradient"})
 PINNED_LEAVES = frozenset({"input", "parameter", "state"})
 
 

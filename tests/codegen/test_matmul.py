@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meganeura.codegen.wgsl import reads
+from meganeura.codegen.wgsl import matmul, reads
 from meganeura.codegen.wgsl.matmul import LARGE, SMALL, choose_tiling
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
@@ -20,19 +20,27 @@ def _randn(*shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
+@pytest.fixture(params=[SMALL, LARGE], ids=["64x64", "128x128"])
+def tiling(request, monkeypatch):
+    """Force one tiling, so both are tested on shapes small enough for lavapipe."""
+    monkeypatch.setattr(matmul, "choose_tiling", lambda *args: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize(
     "m,k,n", [(1, 1, 1), (3, 7, 5), (64, 784, 128), (257, 1000, 3), (300, 37, 260), (128, 8, 512)]
 )
-def test_matmul_shapes(m, k, n):
+def test_matmul_shapes(m, k, n, tiling):
     b = GraphBuilder()
     x, w = b.input("x", (m, k)), b.input("w", (k, n))
     b.output("y", x @ w)
     check(b.build(), {"x": _randn(m, k), "w": _randn(k, n)})
 
 
-def test_both_tilings_are_exercised():
-    assert choose_tiling(300, 260, 37) is LARGE and choose_tiling(128, 512, 8) is LARGE
-    assert choose_tiling(64, 128, 784) is SMALL and choose_tiling(257, 3, 1000) is SMALL
+def test_large_tiles_only_when_there_are_enough():
+    assert choose_tiling(4096, 4096, 4096) is LARGE and choose_tiling(2048, 4096, 8) is LARGE
+    assert choose_tiling(1024, 1024, 1024) is SMALL and choose_tiling(257, 3, 1000) is SMALL
+    assert choose_tiling(1024, 1024, 64, batch=8) is LARGE
 
 
 @pytest.mark.parametrize(
@@ -40,7 +48,7 @@ def test_both_tilings_are_exercised():
     [((2, 3, 5, 6), (6, 4)), ((3, 1, 5, 6), (1, 4, 6, 7)), ((4, 9, 3), (4, 3, 70)),
      ((2, 1, 65, 17), (3, 17, 66)), ((1, 5, 6), (3, 6, 7))],
 )  # fmt: skip
-def test_batched_broadcast(sa, sb):
+def test_batched_broadcast(sa, sb, tiling):
     b = GraphBuilder()
     x, w = b.input("x", sa), b.input("w", sb)
     b.output("y", x @ w)

@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ...graph.ir import LEAF_OPS, Graph
+from ...ops import OPS
 from ..kernel import KernelSource, Limits
+from . import attention, conv, indexing, norm
 from .common import VIEW_OPS, resolve_view
 from .elementwise import BINARY, UNARY, lower_broadcast_to, lower_elementwise, lower_permute
 from .matmul import lower_matmul, matmul_operands
@@ -45,9 +47,15 @@ LOWERINGS: dict[str, Lowering] = {
     "sgd_update": lower_update,
     "sgd_momentum_update": lower_update,
     "adam_update": lower_update,
+    # Families added later keep their tables beside their emitters.
+    **indexing.LOWERINGS,
+    **conv.LOWERINGS,
+    **norm.LOWERINGS,
+    **attention.LOWERINGS,
 }
 
-EFFECT_OPS = frozenset({"sgd_update", "sgd_momentum_update", "adam_update"})
+# Ops that write some operands in place (optimizer updates, running-stat updates).
+EFFECT_OPS = frozenset(name for name, d in OPS.items() if d.writes)
 
 
 def lower(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:

@@ -17,19 +17,22 @@ Invariants kept here, so that each emitter cannot get them wrong on its own:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ...dtypes import DType
-from ...graph.ir import Graph, Node, TensorType
+from ...graph.ir import VIEW_OPS, Graph, Node, TensorType  # VIEW_OPS re-exported
 from ..kernel import KernelSource, Limits, ScratchRef, ValueRef
 
-VIEW_OPS = frozenset({"reshape", "stop_gradient"})
 # u32 index math stays exact while every flat index (and index + one workgroup) is below 2^31.
 MAX_ELEMENTS = 2**31 - 1
 WG = 256  # default workgroup size: WebGPU guarantees 256 invocations per workgroup
+# Elements per thread in one-thread-per-element kernels. Issuing the loads of several elements
+# before any store lets each thread keep more memory requests in flight: a 64M-element f32
+# add ran at 0.81 TB/s with one element per thread and 1.43 TB/s with four (H200, Vulkan).
+PER_THREAD = 4
 ENTRY_ARGS = (
     "@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, "
     "@builtin(local_invocation_index) lid: u32"
@@ -190,6 +193,30 @@ def linear_workgroup(groups: int, grid: tuple[int, int, int]) -> str:
     return f"  let wg = {expr};\n{check}"
 
 
+def element_slots(n: int) -> tuple[str, int, Callable[[int, str], str]]:
+    """Scaffolding for kernels that map ``PER_THREAD`` elements to each thread.
+
+    Element ``e`` of a thread is ``i{e}`` (block of ``PER_THREAD * WG`` per workgroup, strided
+    by ``WG`` so each load instruction of a warp stays coalesced); ``j{e}`` is the same id
+    clamped into range, safe to read from even in the last, partial block.
+
+    Returns:
+        (statements defining i0.. and j0.., workgroup count, guard) where
+        ``guard(e, stmt)`` wraps a store of element e so it is skipped past the end.
+    """
+    block = PER_THREAD * WG
+    tail = n % block != 0
+    lines = [f"  let i0 = wg * {u(block)} + lid;"]
+    lines += [f"  let i{e} = i0 + {u(e * WG)};" for e in range(1, PER_THREAD)]
+    for e in range(PER_THREAD):
+        lines.append(f"  let j{e} = min(i{e}, {u(n - 1)});" if tail else f"  let j{e} = i{e};")
+
+    def guard(e: int, stmt: str) -> str:
+        return f"if (i{e} < {u(n)}) {{ {stmt} }}" if tail else stmt
+
+    return "\n".join(lines) + "\n", -(-n // block), guard
+
+
 # ---- kernels ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Src:
@@ -239,8 +266,7 @@ class KernelBuilder:
             raise NotImplementedError(f"%{root}: f16 storage is not lowered yet (needs shader-f16)")
         self._by_value[root] = len(self._refs)
         self._refs.append(ValueRef(root, write=write))
-        self._decls.append((f"g_{name}", dtype.wgsl))
-        return f"g_{name}"
+        return self._declare(name, dtype)
 
     def read(self, vid: int, name: str) -> Src:
         """Bind value ``vid`` for reading (or inline it when it is a constant)."""
@@ -258,8 +284,14 @@ class KernelBuilder:
     def scratch(self, key: str, count: int, dtype: DType, name: str) -> str:
         """Bind node-private scratch storage of ``count`` elements of ``dtype``."""
         self._refs.append(ScratchRef(key, max(count, 1) * dtype.itemsize, dtype))
-        self._decls.append((f"g_{name}", dtype.wgsl))
-        return f"g_{name}"
+        return self._declare(name, dtype)
+
+    def _declare(self, name: str, dtype: DType) -> str:
+        var = f"g_{name}"
+        if any(var == d for d, _ in self._decls):
+            var = f"{var}_{len(self._decls)}"  # two bindings asked for the same name
+        self._decls.append((var, dtype.wgsl))
+        return var
 
     def finish(
         self,
@@ -290,9 +322,11 @@ class KernelBuilder:
 
 
 def indent(text: str, level: int = 1) -> str:
+    """``text`` with every non-blank line indented by ``level`` steps of two spaces."""
     pad = "  " * level
     return "".join(pad + line if line.strip() else line for line in text.splitlines(True))
 
 
 def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())

@@ -1,12 +1,12 @@
-"""Elementwise lowerings: unary math, binary arithmetic, comparisons, ``where``, ``cast``, and
-the strided copies ``broadcast_to`` and ``permute``.
+"""Elementwise lowerings: unary math, binary arithmetic, comparisons, ``where``, ``cast``, and the
+strided copies ``broadcast_to`` and ``permute``.
 
-One thread per output element, workgroups of 256. Every operand is read through baked
-strides (0 on broadcast dims, NumPy's rule), with size-1 dims dropped and contiguous runs
-merged first; an operand laid out exactly like the output is read at the flat index with no
-index math. Semantics follow each op's NumPy reference: integer ops wrap, i32 division
-truncates toward zero (as ``astype`` truncates NumPy's true division), comparisons yield bool
-stored as u32 0/1, and ``tanh``/``sigmoid`` use formulas that cannot overflow.
+Four output elements per thread (``common.element_slots``), workgroups of 256. Every operand is
+read through baked strides (0 on broadcast dims, NumPy's rule), with size-1 dims dropped and
+contiguous runs merged first; an operand laid out exactly like the output is read at the flat
+index with no index math. Semantics follow each op's NumPy reference: integer ops wrap, i32
+division truncates toward zero (as ``astype`` truncates NumPy's true division), comparisons
+yield bool stored as u32 0/1, and ``tanh``/``sigmoid`` use formulas that cannot overflow.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from ...dtypes import DType
 from ...graph.ir import Graph
 from ..kernel import KernelSource, Limits
 from .common import (
+    PER_THREAD,
     WG,
     KernelBuilder,
     Src,
     broadcast_strides,
     coalesce,
     contiguous_strides,
+    element_slots,
     f32_literal,
     strided_index,
-    u,
 )
 
 # tanh: Cephes' tanhf polynomial below |x| = 0.625 (where 1 - 2e/(1+e) would cancel), and
@@ -117,8 +118,9 @@ def emit_map(
     helpers: str = "",
     suffix: str = "",
 ) -> KernelSource:
-    """One thread per element of ``out_vid``: ``out[i] = expr`` where ``expr`` names operand k
-    as ``v{k}``, read through ``strides`` (aligned to the output shape).
+    """``out[i] = expr`` for every element of ``out_vid``, ``PER_THREAD`` elements per thread,
+    where ``expr`` names operand k as ``v{k}``, read through ``strides`` (aligned to the output
+    shape). All loads of a thread come before its stores.
 
     Args:
         kb: the kernel's builder; operands must already be bound through it.
@@ -132,16 +134,19 @@ def emit_map(
     live = [k for k, (s, _) in enumerate(operands) if s.literal is None]
     cshape, cstrides = coalesce(shape, [contiguous_strides(shape)] + [operands[k][1] for k in live])
     identity = cstrides[0]
-    lines = [f"  let i = wg * {u(WG)} + lid;", f"  if (i >= {u(n)}) {{ return; }}"]
+    slots, groups, guard = element_slots(n)
+    lines = [slots.rstrip()]
     for k, (src, _) in enumerate(operands):
         if src.literal is not None:
             lines.append(f"  let v{k} = {src.literal};")
             continue
         st = cstrides[1 + live.index(k)]
-        index = "i" if st == identity else strided_index("i", cshape, st)
-        lines.append(f"  let v{k} = {src.at(index)};")
-    lines.append(f"  {out}[i] = {expr};")
-    groups = -(-n // WG)
+        for e in range(PER_THREAD):
+            index = f"j{e}" if st == identity else strided_index(f"j{e}", cshape, st)
+            lines.append(f"  let v{k}_{e} = {src.at(index)};")
+    for e in range(PER_THREAD):
+        lets = " ".join(f"let v{k} = v{k}_{e};" for k in live)
+        lines.append(f"  {{ {lets} {guard(e, f'{out}[i{e}] = {expr};')} }}")
     nbytes = kb.graph[out_vid].type.nbytes + sum(
         s.type.nbytes for s, _ in operands if s.literal is None
     )

@@ -15,31 +15,30 @@ counts valid rows (only when rows can be ignored and the reduction is ``mean``),
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ...dtypes import DType
 from ...graph.ir import Graph
 from ..kernel import KernelSource, Limits
 from .common import KernelBuilder, f32_literal, indent, int_literal, u
 from .elementwise import lower_fill
-from .rows import RowPlan, plan_rows, shared_decl, strided_loop, thread_coords, tree
+from .rows import RowPlan, for_each, plan_rows, shared_decl, strided_loop, thread_coords, tree
 
 _MAX = lambda a, b: f"max({a}, {b})"  # noqa: E731
 _ADD = lambda a, b: f"{a} + {b}"  # noqa: E731
 
 
-def _max_sum(plan: RowPlan, read, n: int) -> str:
+def _max_sum(plan: RowPlan, read: Callable[[str], str], n: int) -> str:
     """Statements leaving the row's ``mx`` and ``lse`` (log of the sum of exp(x - mx)) in
     every thread of the row; ``read(j)`` is element j of the row."""
     per_thread = -(-n // plan.ry)
     body = f"  var m_acc = {read(f'min(y, {u(n - 1)})')};\n"
-    body += strided_loop(
-        plan, "0u", u(n), lambda a: f"{a} = max({a}, {read('r')});\n", per_thread, acc="m_acc"
-    )
+    body += strided_loop(plan, "0u", u(n), read, _MAX, per_thread, acc="m_acc")
     body += tree(plan, "red", "m_acc", _MAX, "mx")
     body += "  var s_acc = 0.0;\n"
     body += strided_loop(
-        plan, "0u", u(n), lambda a: f"{a} = {a} + exp({read('r')} - mx);\n", per_thread, "0.0",
-        acc="s_acc",
-    )  # fmt: skip
+        plan, "0u", u(n), lambda r: f"exp({read(r)} - mx)", _ADD, per_thread, "0.0", "s_acc"
+    )
     body += tree(plan, "red", "s_acc", _ADD, "total")
     return body + "  let lse = log(total);\n"
 
@@ -73,7 +72,7 @@ def lower_softmax(graph: Graph, node_id: int, limits: Limits) -> list[KernelSour
     body += _max_sum(plan, lambda j: x.at(idx(j)), n)
     value = "(v - mx) - lse" if node.op == "log_softmax" else "exp((v - mx) - lse)"
     write = f"let v = {x.at(idx('r'))};\n{out}[{idx('r')}] = {value};\n"
-    body += "  if (live) {\n" + indent(strided_loop(plan, "0u", u(n), lambda a: write, 0), 1)
+    body += "  if (live) {\n" + indent(for_each(plan, "0u", u(n), write), 1)
     body += "  }\n"
     groups = -(-rows // plan.ox)
     helpers = shared_decl(plan, "red", "f32")
@@ -125,10 +124,8 @@ def lower_cross_entropy(graph: Graph, node_id: int, limits: Limits) -> list[Kern
     out = kb2.write(node_id, "out")
     one = RowPlan(1, 256)
     body = thread_coords(one, "wg", 1) + "  var acc = vec2<f32>(0.0, 0.0);\n"
-    body += strided_loop(
-        one, "0u", u(n), lambda a: f"{a} = {a} + vec2<f32>({loss2}[r], {cnt2}[r]);\n",
-        -(-n // 256), "vec2<f32>(0.0, 0.0)",
-    )  # fmt: skip
+    pair = lambda r: f"vec2<f32>({loss2}[{r}], {cnt2}[{r}])"  # noqa: E731
+    body += strided_loop(one, "0u", u(n), pair, _ADD, -(-n // 256), "vec2<f32>(0.0, 0.0)")
     body += tree(one, "red", "acc", _ADD, "total")
     result = "total.x / max(total.y, 1.0)" if reduction == "mean" else "total.x"
     body += f"  if (lid == 0u) {{ {out}[0] = {result}; }}\n"
@@ -150,10 +147,8 @@ def lower_cross_entropy_backward(graph: Graph, node_id: int, limits: Limits) -> 
         div = kb.scratch("divisor", 1, node.type.dtype, "divisor")
         one = RowPlan(1, 256)
         body = thread_coords(one, "wg", 1) + "  var acc = 0u;\n"
-        valid = _valid_expr(tgt.at("r"), ignore)
-        body += strided_loop(
-            one, "0u", u(n), lambda a: f"{a} = {a} + select(0u, 1u, {valid});\n", 0
-        )
+        flag = lambda r: f"select(0u, 1u, {_valid_expr(tgt.at(r), ignore)})"  # noqa: E731
+        body += strided_loop(one, "0u", u(n), flag, _ADD, -(-n // 256))
         body += tree(one, "red", "acc", _ADD, "total")
         body += f"  if (lid == 0u) {{ {div}[0] = max(f32(total), 1.0); }}\n"
         kernels.append(kb.finish("count", body, 256, 1, shared_decl(one, "red", "u32")))
@@ -177,10 +172,10 @@ def lower_cross_entropy_backward(graph: Graph, node_id: int, limits: Limits) -> 
         f"  let scale = {g.at('0u')} / {divisor};\n"
     )
     write = (
-        f"let q = exp(({x.at('base + r')} - mx) - lse) - select(0.0, 1.0, r == tc);\n"
-        f"{out}[base + r] = select(0.0, q * scale, valid);\n"
+        f"let d = exp(({x.at('base + r')} - mx) - lse) - select(0.0, 1.0, r == tc);\n"
+        f"{out}[base + r] = select(0.0, d * scale, valid);\n"
     )
-    body += "  if (live) {\n" + indent(strided_loop(plan, "0u", u(c), lambda a: write, 0), 1)
+    body += "  if (live) {\n" + indent(for_each(plan, "0u", u(c), write), 1)
     body += "  }\n"
     groups = -(-n // plan.ox)
     helpers = shared_decl(plan, "red", "f32")

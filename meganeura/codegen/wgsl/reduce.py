@@ -120,14 +120,7 @@ def _pass(
         zero_lit = zero(dtype)
         body += f"  var acc = {zero_lit};\n"
     per_thread = -(-chunk // plan.ry)
-    body += strided_loop(
-        plan,
-        "r_begin",
-        "r_end",
-        lambda a: f"{a} = {combine(a, elem('r'))};\n",
-        per_thread,
-        zero_lit,
-    )
+    body += strided_loop(plan, "r_begin", "r_end", elem, combine, per_thread, zero_lit)
     body += tree(plan, "red", "acc", combine, "total")
     body += f"  if (live && y == 0u) {{\n    {store('total')}\n  }}\n"
     helpers = shared_decl(plan, "red", wgsl_t)

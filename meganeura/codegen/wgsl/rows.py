@@ -18,9 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .common import WG, next_pow2, u
+from .common import WG, indent, next_pow2, u
 
 SHORT_ROW = 64  # below this a row is summed serially by one thread
+UNROLL = 4  # loads in flight per thread in reduction loops
+BLOCK = 16  # elements per partial sum when a thread sums many
 STRIDED_LANES = 32
 
 
@@ -69,38 +71,70 @@ def strided_loop(
     plan: RowPlan,
     begin: str,
     end: str,
-    update: Callable[[str], str],
+    value: Callable[[str], str],
+    combine: Callable[[str, str], str],
     per_thread: int,
     zero: str | None = None,
     acc: str = "acc",
 ) -> str:
-    """Loop ``r`` over this thread's elements ``begin + y, begin + y + ry, ... < end``.
+    """Fold this thread's elements ``begin + y, begin + y + ry, ... < end`` into ``acc``.
+
+    Loads come ``UNROLL`` at a time (indices clamped into range, so always valid), before
+    they are combined, so several memory requests are in flight per thread; out-of-range
+    ones are then dropped by a select.
 
     Args:
-        update: given an accumulator name, the statements folding element ``r`` into it.
-        acc: the thread's accumulator variable, declared by the caller.
-        per_thread: the most elements one thread sees (decides blocking).
+        value: WGSL expression of the element at a given index expression.
+        combine: how two partial results combine (``a + b``, ``max(a, b)``).
+        per_thread: the most elements one thread sees (decides unrolling and blocking).
         zero: the additive identity; when given and a thread sees many elements, they are
-            summed in blocks of 16 into a fresh partial first, so the rounding error of the
-            running sum grows with count/16 rather than count (f32 accuracy for groups of
-            millions). Leave None for idempotent combines (max), which never need it.
+            summed in blocks of ``BLOCK`` into a fresh partial first, so the rounding error of
+            the running sum grows with count / BLOCK rather than count (f32 accuracy for
+            groups of millions). Leave None for idempotent combines (max).
+        acc: the accumulator variable, declared by the caller.
     """
-    ry = u(plan.ry)
+    ry = plan.ry
+    if per_thread <= 2:
+        return (
+            f"  for (var r = {begin} + y; r < {end}; r = r + {u(ry)}) {{\n"
+            f"    {acc} = {combine(acc, value('r'))};\n  }}\n"
+        )
+
+    def unrolled(target: str, first: str, pad: str) -> str:
+        lines = [f"{pad}let r{k} = {first} + {u(k * ry)};" for k in range(UNROLL)]
+        lines += [f"{pad}let e{k} = {value(f'min(r{k}, {end} - 1u)')};" for k in range(UNROLL)]
+        lines += [
+            f"{pad}{target} = select({target}, {combine(target, f'e{k}')}, r{k} < {end});"
+            for k in range(UNROLL)
+        ]
+        return "\n".join(lines) + "\n"
+
+    step = u(UNROLL * ry)
     if zero is None or per_thread <= SHORT_ROW:
         return (
-            f"  for (var r = {begin} + y; r < {end}; r = r + {ry}) {{\n"
-            f"{_indent(update(acc), 2)}  }}\n"
+            f"  for (var q = {begin} + y; q < {end}; q = q + {step}) {{\n"
+            f"{unrolled(acc, 'q', '    ')}  }}\n"
         )
     return (
-        f"  for (var r0 = {begin} + y; r0 < {end}; r0 = r0 + {u(plan.ry * 16)}) {{\n"
+        f"  for (var q0 = {begin} + y; q0 < {end}; q0 = q0 + {u(BLOCK * ry)}) {{\n"
         f"    var part = {zero};\n"
-        f"    for (var j = 0u; j < 16u; j = j + 1u) {{\n"
-        f"      let r = r0 + j * {ry};\n"
-        f"      if (r < {end}) {{\n{_indent(update('part'), 4)}      }}\n"
-        f"    }}\n"
+        f"    for (var q = q0; q < min(q0 + {u(BLOCK * ry)}, {end}); q = q + {step}) {{\n"
+        f"{unrolled('part', 'q', '      ')}    }}\n"
         f"    {acc} = {acc} + part;\n"
         f"  }}\n"
     )
+
+
+def for_each(plan: RowPlan, begin: str, end: str, body: str) -> str:
+    """Run ``body`` for each of this thread's elements ``r`` (no accumulation), ``UNROLL``
+    elements per loop trip so their loads can be issued together."""
+    ry = plan.ry
+    lines = [f"  for (var q = {begin} + y; q < {end}; q = q + {u(UNROLL * ry)}) {{"]
+    for k in range(UNROLL):
+        r = "q" if k == 0 else f"q + {u(k * ry)}"
+        lines.append(f"    {{\n      let r = {r};\n      if (r < {end}) {{")
+        lines.append(indent(body, 4).rstrip("\n") + "\n      }\n    }")
+    return "\n".join(lines) + "\n  }\n"
 
 
 def tree(
@@ -126,8 +160,3 @@ def shared_decl(plan: RowPlan, name: str, ty: str) -> str:
     if plan.ry == 1:
         return ""
     return f"var<workgroup> {name}: array<{ty}, {plan.size}>;\n"
-
-
-def _indent(text: str, level: int) -> str:
-    pad = "  " * level
-    return "".join(pad + line if line.strip() else line for line in text.splitlines(True))
