@@ -1,0 +1,53 @@
+"""Regenerate docs/performance.md's result tables from bench/results/*.json.
+
+Usage: python bench/report.py   (rewrites the block between the GENERATED markers)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "performance.md"
+BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def table(path: Path) -> str:
+    doc = json.loads(path.read_text())
+    m, v = doc["machine"], doc["versions"]
+    lines = [
+        f"### {path.stem}",
+        "",
+        f"Machine: {m.get('adapter')}; PyTorch on {m.get('torch_device')}; "
+        + ", ".join(f"{k} {val}" for k, val in v.items()),
+        "",
+        "| case | metric | meganeura | PyTorch | speedup |",
+        "|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+        lines.append(
+            f"| {r['case']} | {r['metric']} | {_fmt(r['ours'])} | {_fmt(r['torch'])} "
+            f"| {r['speedup']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    files = sorted((ROOT / "bench" / "results").glob("*.json"))
+    body = "\n".join(table(f) for f in files)
+    text = DOC.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    DOC.write_text(f"{head}{BEGIN}\n{body}{END}{tail}")
+    print(f"updated {DOC} from {len(files)} result files")
+
+
+if __name__ == "__main__":
+    main()
