@@ -1,4 +1,4 @@
-"""Command line: ``meganeura info | train mnist | predict``.
+"""Command line: ``meganeura info | train mnist | predict | profile mnist``.
 
 This is the only place that reads environment variables (``MEGANEURA_ADAPTER``: a substring
 of the adapter to use, e.g. ``nvidia`` or ``llvmpipe``).
@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 
 def _device(args):
@@ -43,7 +44,11 @@ def cmd_train(args) -> int:
     )
     dev = _device(args)
     print(f"device: {dev.name}")
+    cache = dev.pipelines
+    before = (cache.compiled, cache.hits, cache.shader_seconds + cache.pipeline_seconds)
     s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
+    compiled, hits = cache.compiled - before[0], cache.hits - before[1]
+    pipeline_s = cache.shader_seconds + cache.pipeline_seconds - before[2]
     mem = s["memory"]
     print(
         f"steps: {s['steps']}  final loss: {s['final_loss']:.4f}  "
@@ -52,6 +57,13 @@ def cmd_train(args) -> int:
     print(
         f"step memory: {mem['planned_bytes']:,} B planned intermediates "
         f"(naive {mem['naive_bytes']:,} B), {mem['pinned_bytes']:,} B pinned"
+    )
+    graph_s = sum(s["compile_seconds"].values()) if "compile_seconds" in s else None
+    print(
+        "compile: "
+        + (f"{graph_s:.3f} s graph -> Program, " if graph_s is not None else "")
+        + f"{pipeline_s:.3f} s creating {compiled} pipelines ({hits} reused) for the training "
+        "and evaluation programs"
     )
     print(f"checkpoint: {s['checkpoint']}")
     if "loss_plot" in s:
@@ -72,6 +84,58 @@ def cmd_predict(args) -> int:
     return 0
 
 
+def _seconds(parts: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+
+
+def cmd_profile(args) -> int:
+    import numpy as np
+
+    from .compile import compile
+    from .models.mlp import build_mlp
+    from .optim import HYPER_INPUT, AdamW
+    from .runtime import Session
+    from .runtime.profiler import ProfilerError
+    from .training import Trainer, device_limits
+
+    dev = _device(args)
+    print(f"device: {dev.name}")
+    train = args.mode == "train"
+    t = time.perf_counter()
+    net = build_mlp(args.batch_size, (784, args.hidden, 10), labels=train)
+    graph_s = time.perf_counter() - t
+    rng = np.random.default_rng(args.seed)
+    x = rng.standard_normal((args.batch_size, 784), dtype=np.float32)
+    if train:
+        trainer = Trainer(net.graph, AdamW(lr=1e-3, weight_decay=0.01), device=dev)
+        program, session = trainer.program, trainer.session
+        program.meta["compile_seconds"] = {"graph": graph_s, **program.meta["compile_seconds"]}
+        trainer.load_parameters(net.model.init_parameters(rng))
+        y = rng.integers(0, 10, args.batch_size, dtype=np.int32)
+        hyper = trainer.optimizer.hyper(trainer.step_count, trainer.lr())
+        feeds = {"x": x, "y": y, HYPER_INPUT: hyper}
+    else:
+        program = compile(net.graph, limits=device_limits(dev), graph_seconds=graph_s)
+        session = Session(program, dev)
+        session.load_state_dict(net.model.init_parameters(rng))
+        feeds = {"x": x}
+    cs, ss = program.meta["compile_seconds"], session.setup_seconds
+    print(f"compile: {sum(cs.values()):.3f} s graph -> Program ({_seconds(cs)})")
+    print(
+        f"session: {sum(ss.values()):.3f} s setup ({_seconds(ss)}); pipelines "
+        f"{session.pipelines_compiled} compiled, {session.pipelines_reused} reused"
+    )
+    try:
+        prof = session.profile(feeds, args.repeats, args.warmup, args.timestamps)
+    except ProfilerError as e:
+        print(f"meganeura profile: {e}", file=sys.stderr)
+        return 2
+    print(prof.table(by=args.by))
+    trace = args.trace or f"runs/profile/mnist-{args.mode}.json"
+    print(f"trace: {prof.write_trace(trace)} (open in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meganeura", description=__doc__.splitlines()[0])
     p.add_argument("--adapter", help="substring of the adapter to use (env MEGANEURA_ADAPTER)")
@@ -79,7 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("info", help="print the adapter, backend, features and limits")
 
-    t = sub.add_parser("train", help="train a model")
+    t = sub.add_parser(
+        "train",
+        help="train the MNIST MLP with AdamW, evaluate it, write a checkpoint and loss curve, "
+        "and print throughput, memory and compile time",
+    )
     t.add_argument("job", choices=["mnist"], help="the job to run")
     t.add_argument("--data", help="folder of MNIST IDX files (default: embedded 5k subset)")
     t.add_argument("--epochs", type=int, default=10)
@@ -100,12 +168,55 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--data", help="folder of MNIST IDX files (default: as in training)")
     r.add_argument("--count", type=int, default=10, help="predictions to print")
     r.add_argument("--json", action="store_true", help="also print the result as JSON")
+
+    f = sub.add_parser(
+        "profile",
+        help="time every GPU dispatch of one step with timestamp queries; print a per-kernel "
+        "table and write a Chrome/Perfetto trace",
+    )
+    f.add_argument("job", choices=["mnist"], help="the model to profile (the MNIST MLP)")
+    f.add_argument("--batch-size", type=int, default=64, help="rows per step (default 64)")
+    f.add_argument("--hidden", type=int, default=128, help="hidden width (default 128)")
+    mode = f.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--train",
+        dest="mode",
+        action="store_const",
+        const="train",
+        help="a training step: forward, backward and AdamW update (default)",
+    )
+    mode.add_argument(
+        "--forward",
+        dest="mode",
+        action="store_const",
+        const="forward",
+        help="an inference step: logits only",
+    )
+    f.set_defaults(mode="train")
+    f.add_argument("--repeats", type=int, default=10, help="profiled steps, averaged")
+    f.add_argument("--warmup", type=int, default=2, help="unprofiled steps first")
+    f.add_argument(
+        "--by",
+        choices=["dispatch", "op"],
+        default="dispatch",
+        help="table rows: one per dispatch, or one per op kind (all matmuls together)",
+    )
+    f.add_argument(
+        "--timestamps",
+        choices=["auto", "inside", "passes"],
+        default="auto",
+        help="inside: timestamps between dispatches of the step's one pass; passes: one pass per "
+        "dispatch with begin/end timestamps; auto: inside when the adapter allows it",
+    )
+    f.add_argument("--trace", help="trace file to write (default runs/profile/mnist-MODE.json)")
+    f.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"info": cmd_info, "train": cmd_train, "predict": cmd_predict}[args.command]
+    handlers = {"info": cmd_info, "train": cmd_train, "predict": cmd_predict}
+    handler = {**handlers, "profile": cmd_profile}[args.command]
     return handler(args)
 
 

@@ -67,6 +67,7 @@ def compile(
     graph: Graph,
     options: CompileOptions | None = None,  # noqa: A001
     limits: Limits | None = None,
+    graph_seconds: float | None = None,
 ) -> Program:
     """Compile ``graph`` into a Program.
 
@@ -74,16 +75,20 @@ def compile(
         graph: a verified forward graph (from ``GraphBuilder.build``).
         options: what to build; default inference only.
         limits: adapter limits; default WebGPU's minimums.
+        graph_seconds: time the caller spent building ``graph``, recorded as stage ``graph``.
 
     Returns:
-        A Program whose ``meta`` holds the compile time per stage (seconds) and the options.
+        A Program whose ``meta["compile_seconds"]`` holds wall seconds per stage, in order:
+        ``graph`` (only when given), ``autodiff`` (backward + optimizer, 0 for inference),
+        ``passes`` (dce, cse), ``codegen`` (schedule + lowering to WGSL), ``plan_memory``,
+        ``assemble`` (buffer table and dispatches); ``meta`` also holds the options.
 
     Raises:
         ValueError: for inconsistent options, or a tensor larger than one storage binding.
     """
     options = options or CompileOptions()
     limits = limits or Limits()
-    times: dict[str, float] = {}
+    times: dict[str, float] = {} if graph_seconds is None else {"graph": float(graph_seconds)}
     t0 = time.perf_counter()
     if options.optimizer is not None:
         graph = build_training_graph(graph, options)
@@ -103,7 +108,9 @@ def compile(
     plan = plan_memory(sched.intervals)
     times["plan_memory"] = time.perf_counter() - t
 
+    t = time.perf_counter()
     program = _assemble(graph, sched, plan, limits)
+    times["assemble"] = time.perf_counter() - t
     meta = dict(program.meta)
     meta["compile_seconds"] = times
     meta["num_nodes"] = len(graph.nodes)

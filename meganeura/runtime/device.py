@@ -2,7 +2,8 @@
 
 This is the only place that requests wgpu adapters and devices. A :class:`Device` wraps one
 ``GPUDevice`` requested with the adapter's maximum limits and the optional features meganeura
-uses (``shader-f16``, ``subgroup``, ``timestamp-query``) when the adapter has them.
+uses (``shader-f16``, ``subgroup``, ``timestamp-query``, ``timestamp-query-inside-passes``) when
+the adapter has them.
 
 Invariants:
   * one ``Device`` per adapter-selection string per process (:func:`get_device` caches them),
@@ -21,8 +22,9 @@ import wgpu
 from .pipelines import PipelineCache
 
 # Optional features requested when the adapter offers them: f16 storage for the fast path,
-# subgroup operations for reductions, timestamps for profiles.
-USEFUL_FEATURES = ("shader-f16", "subgroup", "timestamp-query")
+# subgroup operations for reductions, timestamps for profiles (inside a pass where possible, so
+# a profiled step keeps the ordinary step's single compute pass).
+USEFUL_FEATURES = ("shader-f16", "subgroup", "timestamp-query", "timestamp-query-inside-passes")
 
 # Limits a compute-only runtime depends on; if the adapter refuses its own maximum for some
 # graphics limit we retry with only these.

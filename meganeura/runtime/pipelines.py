@@ -14,11 +14,18 @@ Invariants:
     because it drops bindings the shader never uses, which then makes bind-group creation fail;
   * the cache key is (sha256 of the WGSL, writes flags): identical kernels in one program or
     across programs share one pipeline.
+
+The cache lives in memory for the process. wgpu-py 0.32 bundles wgpu-native 29.0.1.1, whose C
+API has no pipeline-cache objects (the ``pipeline-cache`` feature is listed, but
+``wgpuDeviceCreatePipelineCache`` does not exist; gfx-rs/wgpu-native#618 adds it), so compiled
+pipelines cannot be persisted from here. Drivers keep their own on-disk caches (Mesa:
+``~/.cache/mesa_shader_cache``; NVIDIA: its GLCache), see docs/profiling.md.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -49,11 +56,18 @@ class PipelineCache:
     Attributes:
         gpu: the device they are created on.
         compiled: number of pipelines actually compiled (cache misses), for tests and reports.
+        hits: number of requests answered from the cache.
+        shader_seconds: wall time spent in ``create_shader_module`` (WGSL parse + validate).
+        pipeline_seconds: wall time spent in ``create_compute_pipeline`` (WGSL -> SPIR-V and the
+            driver's pipeline creation).
     """
 
     def __init__(self, gpu: wgpu.GPUDevice):
         self.gpu = gpu
         self.compiled = 0
+        self.hits = 0
+        self.shader_seconds = 0.0
+        self.pipeline_seconds = 0.0
         self._layouts: dict[tuple[bool, ...], tuple[wgpu.GPUBindGroupLayout, object]] = {}
         self._pipelines: dict[tuple[str, tuple[bool, ...]], wgpu.GPUComputePipeline] = {}
 
@@ -102,11 +116,16 @@ class PipelineCache:
         key = (wgsl_hash(wgsl), writes)
         pipeline = self._pipelines.get(key)
         if pipeline is not None:
+            self.hits += 1
             return pipeline
+        t0 = time.perf_counter()
         try:
             module = self.gpu.create_shader_module(label=name, code=wgsl)
         except wgpu.GPUError as e:
             raise KernelError(f"kernel {name!r}: WGSL failed to compile:\n{e}") from e
+        finally:
+            t1 = time.perf_counter()
+            self.shader_seconds += t1 - t0
         _, layout = self._layout_pair(writes)
         try:
             pipeline = self.gpu.create_compute_pipeline(
@@ -118,6 +137,8 @@ class PipelineCache:
                 f"kernel {name!r}: pipeline creation failed (bindings declared by the program: "
                 f"{access or 'none'}):\n{e}"
             ) from e
+        finally:
+            self.pipeline_seconds += time.perf_counter() - t1
         self.compiled += 1
         self._pipelines[key] = pipeline
         return pipeline

@@ -3,7 +3,9 @@
 A Session creates every buffer, pipeline and bind group once. ``run`` validates every feed on the
 host, uploads the inputs, records one command encoder holding one compute pass with every
 dispatch in order plus copies of the fetched outputs into a persistent staging buffer, submits
-once, and maps the staging buffer to read the outputs.
+once, and maps the staging buffer to read the outputs. Host-side checks of feeds live in
+:mod:`.slots`; ``profile`` (timestamps per dispatch) lives in :mod:`.profiler` and leaves ``run``
+uninstrumented.
 
 Invariants:
   * nothing reaches the GPU before every feed (names, shapes, exact dtypes, label ranges) has
@@ -17,16 +19,20 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import wgpu
 
-from ..dtypes import DType
-from ..schedule.program import Program, TensorSlot
+from ..schedule.program import Program
 from .device import Device, get_device
 from .pipelines import check_limits, find_invalid_dispatch
+from .slots import BoundSlot, InputError, bind_slots, ceil_to, check_labels, checked, decode
+
+if TYPE_CHECKING:
+    from .profiler import Profile
 
 _USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 _STAGING_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
@@ -34,14 +40,6 @@ _STAGING_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
 # written through a mapping, wgpu-native#305); our staging buffers are only written by copies in
 # the step's own submit. Measured on lavapipe: 124 us vs 148 us for a 4-byte fetch.
 _map_mode: object = "READ_NOSYNC"
-
-
-class InputError(ValueError):
-    """A feed, write or state dict does not match the program; nothing was uploaded."""
-
-
-def _ceil(n: int, k: int) -> int:
-    return -(-n // k) * k
 
 
 def _map_read(buf: wgpu.GPUBuffer, offset: int, size: int) -> None:
@@ -55,28 +53,17 @@ def _map_read(buf: wgpu.GPUBuffer, offset: int, size: int) -> None:
         buf.map_async(_map_mode, offset, size).sync_wait()
 
 
-@dataclass(frozen=True)
-class _Bound:
-    """A named slot resolved against its GPU buffer, with 4-byte-aligned copy bounds."""
-
-    name: str
-    kinds: tuple[str, ...]  # of "parameter", "state", "input", "output"; usually one
-    slot: TensorSlot
-    buffer: wgpu.GPUBuffer
-    start: int  # aligned down to 4: copies and writes need 4-byte granularity
-    length: int  # aligned up to 4
-    pad_free: bool  # no other named slot shares [start, start + length)
-
-    def what(self) -> str:
-        return f"{self.kinds[0]} {self.name!r}"
-
-
 class Session:
     """Runs one Program on one device.
 
     Attributes:
         program: the Program (read-only).
         device: the Device it runs on.
+        setup_seconds: wall time of construction by part: ``buffers`` (creation and slot
+            binding), ``pipelines`` (compiling or fetching from the device's cache),
+            ``bind_groups``, ``validate`` (limit checks and one recorded, never submitted, step).
+        pipelines_compiled: pipelines this Session compiled (misses of the device's cache).
+        pipelines_reused: pipelines it found already compiled on the device.
     """
 
     def __init__(self, program: Program, device: Device | None = None):
@@ -99,70 +86,52 @@ class Session:
         gpu = self.device.gpu
         self._gpu, self._queue = gpu, gpu.queue
         self._sync_buffer = None
+        t0 = time.perf_counter()
         check_limits(program, self.device)
+        t1 = time.perf_counter()
         self._buffers = [
             gpu.create_buffer(
                 label=f"b{b.id} {b.role}{' ' + b.name if b.name else ''}",
-                size=_ceil(max(b.size, 4), 4),
+                size=ceil_to(max(b.size, 4), 4),
                 usage=_USAGE,
             )
             for b in program.buffers
         ]
-        self._bound = self._bind_slots()
+        self._bound = bind_slots(program, self._buffers)
         for lc in program.label_checks:
             if lc.name not in program.inputs or not program.inputs[lc.name].dtype.is_integer:
                 raise ValueError(f"label check names {lc.name!r}, which is not an integer input")
-        self._plan = self._build_plan()
         self._staging, self._stage_at = self._build_staging()
+        t2 = time.perf_counter()
+        cache = self.device.pipelines
+        compiled, hits = cache.compiled, cache.hits
+        self._plan = self._build_plan()
+        self.pipelines_compiled = cache.compiled - compiled
+        self.pipelines_reused = cache.hits - hits
+        t3 = time.perf_counter()
         # Record (never submit) one step now: draw-time validation, such as a buffer smaller than
         # a fixed-size array the shader declares, then fails here rather than at the first run.
         self._record(tuple(program.outputs))
+        t4 = time.perf_counter()
+        self.setup_seconds = {
+            "buffers": t2 - t1,
+            "pipelines": t3 - t2 - self._bind_group_seconds,
+            "bind_groups": self._bind_group_seconds,
+            "validate": (t1 - t0) + (t4 - t3),
+        }
 
     # ----------------------------------------------------------------------------- setup
 
-    def _bind_slots(self) -> dict[str, _Bound]:
-        p = self.program
-        named: dict[str, tuple[TensorSlot, list[str]]] = {}
-        groups = {"parameter": p.parameters, "state": p.state, "input": p.inputs}
-        for kind, slots in {**groups, "output": p.outputs}.items():
-            for name, s in slots.items():
-                if not 0 <= s.buffer < len(p.buffers):
-                    raise ValueError(
-                        f"{kind} {name!r} lives in buffer {s.buffer}, which does not exist"
-                    )
-                if s.offset < 0 or s.offset + s.nbytes > p.buffers[s.buffer].size:
-                    raise ValueError(
-                        f"{kind} {name!r} ({s.offset}+{s.nbytes} bytes) lies "
-                        f"outside buffer {s.buffer} ({p.buffers[s.buffer].size} B)"
-                    )
-                if name in named and named[name][0] != s:
-                    raise ValueError(
-                        f"{name!r} names two different slots ({named[name][1][0]} and {kind})"
-                    )
-                named.setdefault(name, (s, []))[1].append(kind)
-        bound: dict[str, _Bound] = {}
-        for name, (s, kinds) in named.items():
-            start = s.offset - s.offset % 4
-            length = _ceil(s.offset + s.nbytes, 4) - start
-            pad_free = not any(
-                o.buffer == s.buffer
-                and other != name
-                and o.offset < start + length
-                and o.offset + o.nbytes > start
-                for other, (o, _) in named.items()
-            )
-            bound[name] = _Bound(
-                name, tuple(kinds), s, self._buffers[s.buffer], start, length, pad_free
-            )
-        return bound
-
     def _build_plan(self):
         cache, plan, last = self.device.pipelines, [], None
-        self._bind_groups = []
+        self._bind_groups, self._pipelines, self._bind_group_seconds = [], [], 0.0
         for d in self.program.dispatches:
             pipeline = cache.get(d.name, d.wgsl, d.writes)
+            t = time.perf_counter()
             bg = cache.bind_group(d.name, d.writes, [self._buffers[i] for i in d.bindings])
+            self._bind_group_seconds += time.perf_counter() - t
             self._bind_groups.append(bg)
+            self._pipelines.append(pipeline)
             if 0 in d.grid:
                 continue  # an empty grid is a valid no-op; skip it rather than encode it
             # set_pipeline is skipped when consecutive dispatches share a pipeline.
@@ -180,7 +149,7 @@ class Session:
                 chunks.append(0)
                 used = 0
             at[name] = (len(chunks) - 1, used)
-            used = _ceil(used + b.length, 8)
+            used = ceil_to(used + b.length, 8)
             chunks[-1] = max(used, 8)
         staging = [
             self._gpu.create_buffer(label=f"staging {i}", size=s, usage=_STAGING_USAGE)
@@ -188,47 +157,7 @@ class Session:
         ]
         return staging, at
 
-    # ----------------------------------------------------------------------------- host checks
-
-    def _checked(self, b: _Bound, value) -> np.ndarray:
-        """The array as it will be uploaded (u32 for bool), after strict checks."""
-        s, want = b.slot, b.slot.dtype.numpy
-        if not isinstance(value, (np.ndarray, np.generic)):
-            raise InputError(
-                f"{b.what()}: expected a NumPy array of shape {s.shape} and dtype "
-                f"{want}, got {type(value).__name__} (use np.asarray(x, "
-                f"dtype=np.{want}))"
-            )
-        if value.dtype != want:
-            raise InputError(
-                f"{b.what()}: expected dtype {want}, got {value.dtype} (convert "
-                f"with .astype(np.{want}))"
-            )
-        if value.shape != s.shape:
-            raise InputError(f"{b.what()}: expected shape {s.shape}, got {value.shape}")
-        if s.dtype is DType.bool:
-            return np.asarray(value, dtype=np.uint32)
-        return np.ascontiguousarray(value)
-
-    def _check_labels(self, feeds: Mapping[str, np.ndarray]) -> None:
-        for lc in self.program.label_checks:
-            x = feeds[lc.name]
-            bad = (x < 0) | (x >= lc.num_classes)
-            if lc.ignore_index is not None:
-                bad &= x != lc.ignore_index
-            if bad.any():
-                flat = int(np.argmax(bad.reshape(-1)))
-                idx = np.unravel_index(flat, x.shape) if x.ndim else ()
-                allowed = f"[0, {lc.num_classes})"
-                if lc.ignore_index is not None:
-                    allowed += f" or {lc.ignore_index} (ignore_index)"
-                raise InputError(
-                    f"input {lc.name!r}: class index {x.reshape(-1)[flat]} at index "
-                    f"{tuple(int(i) for i in idx)} is outside {allowed}; "
-                    f"{int(bad.sum())} value(s) out of range"
-                )
-
-    def _upload(self, b: _Bound, data: np.ndarray) -> None:
+    def _upload(self, b: BoundSlot, data: np.ndarray) -> None:
         raw = data.reshape(-1).view(np.uint8)
         if raw.size == 0:
             return
@@ -245,19 +174,11 @@ class Session:
         block[head : head + raw.size] = raw
         self._queue.write_buffer(b.buffer, b.start, block)
 
-    @staticmethod
-    def _decode(b: _Bound, raw, head: int) -> np.ndarray:
-        s = b.slot
-        n = int(np.prod(s.shape, dtype=np.int64))
-        store = np.dtype(np.uint32) if s.dtype is DType.bool else s.dtype.numpy
-        out = np.frombuffer(raw, dtype=store, count=n, offset=head).reshape(s.shape)
-        return out != 0 if s.dtype is DType.bool else out.copy()
-
     def _live(self) -> None:
         if self._closed:
             raise RuntimeError("this Session is closed")
 
-    def _slot(self, name: str, kinds: tuple[str, ...]) -> _Bound:
+    def _slot(self, name: str, kinds: tuple[str, ...]) -> BoundSlot:
         b = self._bound.get(name)
         if b is None or not set(b.kinds) & set(kinds):
             names = sorted(n for n, x in self._bound.items() if set(x.kinds) & set(kinds))
@@ -286,6 +207,13 @@ class Session:
         fetch = (fetch,) if isinstance(fetch, str) else tuple(dict.fromkeys(fetch))
         for name in fetch:
             self._slot(name, ("output",))
+        self._feed(feeds)
+        commands = self._record(fetch)
+        self._queue.submit([commands])
+        return self._read_staged(fetch)
+
+    def _feed(self, feeds: Mapping[str, np.ndarray]) -> None:
+        """Check every feed, then upload them (nothing is uploaded if one is rejected)."""
         inputs = self.program.inputs
         unknown = sorted(set(feeds) - set(inputs))
         missing = sorted(set(inputs) - set(feeds))
@@ -294,14 +222,43 @@ class Session:
                 f"feeds do not match the program's inputs: missing {missing}, "
                 f"unknown {unknown} (inputs: {sorted(inputs)})"
             )
-        ready = [(self._bound[n], self._checked(self._bound[n], v)) for n, v in feeds.items()]
-        self._check_labels(feeds)
+        ready = [(self._bound[n], checked(self._bound[n], v)) for n, v in feeds.items()]
+        check_labels(self.program, feeds)
         for b, data in ready:
             self._upload(b, data)
 
-        commands = self._record(fetch)
-        self._queue.submit([commands])
-        return self._read_staged(fetch)
+    def profile(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        repeats: int = 1,
+        warmup: int = 1,
+        method: str = "auto",
+    ) -> Profile:
+        """Time every dispatch of the step on the GPU with timestamp queries.
+
+        Runs ``warmup`` ordinary steps, then ``repeats`` profiled steps with timestamps around
+        each dispatch. Each step changes parameters and state exactly as :meth:`run` does.
+        :meth:`run` itself is not instrumented.
+
+        Args:
+            feeds: as for :meth:`run`.
+            repeats: profiled steps (at least 1).
+            warmup: ordinary steps first (drivers compile lazily on first dispatch).
+            method: ``"inside"`` (timestamps inside the step's one pass), ``"passes"`` (a pass
+                per dispatch) or ``"auto"`` (inside when the device allows it).
+
+        Returns:
+            A :class:`~meganeura.runtime.profiler.Profile`: per-dispatch GPU times, a table and a
+            Chrome trace.
+
+        Raises:
+            ProfilerError: the device lacks ``timestamp-query`` (or, for ``"inside"``,
+                ``timestamp-query-inside-passes``).
+            InputError: as :meth:`run`.
+        """
+        from .profiler import profile_session
+
+        return profile_session(self, feeds, repeats=repeats, warmup=warmup, method=method)
 
     def _record(self, fetch: tuple[str, ...]) -> wgpu.GPUCommandBuffer:
         enc = self._gpu.create_command_encoder()
@@ -344,7 +301,7 @@ class Session:
                 for n in names:
                     b = self._bound[n]
                     head = self._stage_at[n][1] - lo + b.slot.offset - b.start
-                    out[n] = self._decode(b, raw, head)
+                    out[n] = decode(b, raw, head)
             finally:
                 buf.unmap()
         return out
@@ -363,7 +320,7 @@ class Session:
         if b.length == 0:
             return np.zeros(b.slot.shape, b.slot.dtype.numpy)
         raw = self._queue.read_buffer(b.buffer, b.start, b.length)
-        return self._decode(b, raw, b.slot.offset - b.start)
+        return decode(b, raw, b.slot.offset - b.start)
 
     def write(self, name: str, value: np.ndarray) -> None:
         """Overwrite an input, parameter or state slot; checked as strictly as ``run`` feeds.
@@ -373,7 +330,7 @@ class Session:
         """
         self._live()
         b = self._slot(name, ("input", "parameter", "state"))
-        self._upload(b, self._checked(b, value))
+        self._upload(b, checked(b, value))
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters and optimizer state by name, as host copies."""
@@ -405,9 +362,7 @@ class Session:
                 f"unexpected keys {unexpected}"
             )
         ready = [
-            (self._bound[n], self._checked(self._bound[n], v))
-            for n, v in state.items()
-            if n in known
+            (self._bound[n], checked(self._bound[n], v)) for n, v in state.items() if n in known
         ]
         for b, data in ready:
             self._upload(b, data)

@@ -1,0 +1,132 @@
+"""Named slots of a Program resolved against GPU buffers, and the host-side checks of data
+written to them.
+
+Invariants:
+  * every feed, write and state-dict entry is checked (exact shape and NumPy dtype, class-index
+    ranges) before anything is uploaded, so a rejected call changes nothing on the GPU;
+  * copy bounds are 4-byte aligned (``start`` down, ``length`` up), as copies and writes need;
+  * ``bool`` slots are ``u32`` (0/1) on the GPU and ``np.bool_`` on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import wgpu
+
+from ..dtypes import DType
+from ..schedule.program import Program, TensorSlot
+
+
+class InputError(ValueError):
+    """A feed, write or state dict does not match the program; nothing was uploaded."""
+
+
+def ceil_to(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+@dataclass(frozen=True)
+class BoundSlot:
+    """A named slot resolved against its GPU buffer, with 4-byte-aligned copy bounds."""
+
+    name: str
+    kinds: tuple[str, ...]  # of "parameter", "state", "input", "output"; usually one
+    slot: TensorSlot
+    buffer: wgpu.GPUBuffer
+    start: int  # aligned down to 4: copies and writes need 4-byte granularity
+    length: int  # aligned up to 4
+    pad_free: bool  # no other named slot shares [start, start + length)
+
+    def what(self) -> str:
+        return f"{self.kinds[0]} {self.name!r}"
+
+
+def bind_slots(p: Program, buffers: Sequence[wgpu.GPUBuffer]) -> dict[str, BoundSlot]:
+    """Resolve every named slot of ``p`` against its buffer.
+
+    Raises:
+        ValueError: a slot outside its buffer, or one name naming two different slots.
+    """
+    named: dict[str, tuple[TensorSlot, list[str]]] = {}
+    groups = {"parameter": p.parameters, "state": p.state, "input": p.inputs}
+    for kind, slots in {**groups, "output": p.outputs}.items():
+        for name, s in slots.items():
+            if not 0 <= s.buffer < len(p.buffers):
+                raise ValueError(
+                    f"{kind} {name!r} lives in buffer {s.buffer}, which does not exist"
+                )
+            if s.offset < 0 or s.offset + s.nbytes > p.buffers[s.buffer].size:
+                raise ValueError(
+                    f"{kind} {name!r} ({s.offset}+{s.nbytes} bytes) lies "
+                    f"outside buffer {s.buffer} ({p.buffers[s.buffer].size} B)"
+                )
+            if name in named and named[name][0] != s:
+                raise ValueError(
+                    f"{name!r} names two different slots ({named[name][1][0]} and {kind})"
+                )
+            named.setdefault(name, (s, []))[1].append(kind)
+    bound: dict[str, BoundSlot] = {}
+    for name, (s, kinds) in named.items():
+        start = s.offset - s.offset % 4
+        length = ceil_to(s.offset + s.nbytes, 4) - start
+        pad_free = not any(
+            o.buffer == s.buffer
+            and other != name
+            and o.offset < start + length
+            and o.offset + o.nbytes > start
+            for other, (o, _) in named.items()
+        )
+        bound[name] = BoundSlot(name, tuple(kinds), s, buffers[s.buffer], start, length, pad_free)
+    return bound
+
+
+def checked(b: BoundSlot, value) -> np.ndarray:
+    """The array as it will be uploaded (u32 for bool), after strict checks."""
+    s, want = b.slot, b.slot.dtype.numpy
+    if not isinstance(value, (np.ndarray, np.generic)):
+        raise InputError(
+            f"{b.what()}: expected a NumPy array of shape {s.shape} and dtype "
+            f"{want}, got {type(value).__name__} (use np.asarray(x, "
+            f"dtype=np.{want}))"
+        )
+    if value.dtype != want:
+        raise InputError(
+            f"{b.what()}: expected dtype {want}, got {value.dtype} (convert "
+            f"with .astype(np.{want}))"
+        )
+    if value.shape != s.shape:
+        raise InputError(f"{b.what()}: expected shape {s.shape}, got {value.shape}")
+    if s.dtype is DType.bool:
+        return np.asarray(value, dtype=np.uint32)
+    return np.ascontiguousarray(value)
+
+
+def check_labels(program: Program, feeds: Mapping[str, np.ndarray]) -> None:
+    """Raise InputError if a class-index input holds an out-of-range value."""
+    for lc in program.label_checks:
+        x = feeds[lc.name]
+        bad = (x < 0) | (x >= lc.num_classes)
+        if lc.ignore_index is not None:
+            bad &= x != lc.ignore_index
+        if bad.any():
+            flat = int(np.argmax(bad.reshape(-1)))
+            idx = np.unravel_index(flat, x.shape) if x.ndim else ()
+            allowed = f"[0, {lc.num_classes})"
+            if lc.ignore_index is not None:
+                allowed += f" or {lc.ignore_index} (ignore_index)"
+            raise InputError(
+                f"input {lc.name!r}: class index {x.reshape(-1)[flat]} at index "
+                f"{tuple(int(i) for i in idx)} is outside {allowed}; "
+                f"{int(bad.sum())} value(s) out of range"
+            )
+
+
+def decode(b: BoundSlot, raw, head: int) -> np.ndarray:
+    s = b.slot
+    n = int(np.prod(s.shape, dtype=np.int64))
+    store = np.dtype(np.uint32) if s.dtype is DType.bool else s.dtype.numpy
+    out = np.frombuffer(raw, dtype=store, count=n, offset=head).reshape(s.shape)
+    return out != 0 if s.dtype is DType.bool else out.copy()

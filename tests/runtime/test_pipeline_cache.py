@@ -1,0 +1,82 @@
+"""Pipeline reuse across Sessions, and the setup/compile time records.
+
+wgpu-py 0.32 offers no persistent pipeline cache (see meganeura/runtime/pipelines.py), so the
+cache under test is the device's in-process one: a second Session of the same program compiles
+nothing. Assertions are on counters and record keys, never on durations.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from meganeura.compile import CompileOptions, compile
+from meganeura.dtypes import DType
+from meganeura.models.mlp import build_mlp
+from meganeura.optim import AdamW
+from meganeura.schedule.program import BufferSpec, Dispatch, Program, TensorSlot
+
+N = 256
+
+
+def _program(tag: str) -> Program:
+    # The tag makes the WGSL unique to this test run, so the first Session must compile it.
+    def kernel(op: str) -> str:
+        return (
+            "@group(0) @binding(0) var<storage, read> x: array<f32>;\n"
+            "@group(0) @binding(1) var<storage, read_write> y: array<f32>;\n"
+            "@compute @workgroup_size(64)\n"
+            "fn main(@builtin(global_invocation_id) g: vec3<u32>) {\n"
+            f"  if (g.x >= {N}u) {{ return; }}\n  y[g.x] = {op};\n}}\n// {tag}\n"
+        )
+
+    f32 = DType.f32
+    return Program(
+        buffers=(
+            BufferSpec(0, N * 4, "input", "x"),
+            BufferSpec(1, N * 4, "intermediate"),
+            BufferSpec(2, N * 4, "output", "z"),
+        ),
+        dispatches=(
+            Dispatch("%1 double", kernel("2.0 * x[g.x]"), (0, 1), (False, True), (4, 1, 1)),
+            Dispatch("%2 square", kernel("x[g.x] * x[g.x]"), (1, 2), (False, True), (4, 1, 1)),
+            Dispatch("%3 double", kernel("2.0 * x[g.x]"), (1, 2), (False, True), (4, 1, 1)),
+        ),
+        inputs={"x": TensorSlot(0, (N,), f32)},
+        outputs={"z": TensorSlot(2, (N,), f32)},
+        parameters={},
+    )
+
+
+@pytest.mark.gpu
+def test_second_session_reuses_every_pipeline(gpu_device):
+    from meganeura.runtime import Session
+
+    program = _program(uuid.uuid4().hex)
+    cache = gpu_device.pipelines
+    compiled, hits = cache.compiled, cache.hits
+    with Session(program, gpu_device) as first:
+        # Two distinct kernels; the third dispatch repeats the first.
+        assert (first.pipelines_compiled, first.pipelines_reused) == (2, 1)
+        assert (cache.compiled, cache.hits) == (compiled + 2, hits + 1)
+        assert set(first.setup_seconds) == {"buffers", "pipelines", "bind_groups", "validate"}
+        assert all(v >= 0 for v in first.setup_seconds.values())
+    with Session(program, gpu_device) as second:
+        assert (second.pipelines_compiled, second.pipelines_reused) == (0, 3)
+        assert cache.compiled == compiled + 2
+        x = np.arange(N, dtype=np.float32)
+        np.testing.assert_array_equal(second.run({"x": x}, ["z"])["z"], 4 * x)
+    assert cache.shader_seconds > 0 and cache.pipeline_seconds > 0
+
+
+def test_compile_records_every_stage():
+    net = build_mlp(8, (784, 16, 10))
+    options = CompileOptions(loss="loss", optimizer=AdamW(lr=1e-3))
+    times = compile(net.graph, options, graph_seconds=0.25).meta["compile_seconds"]
+    assert list(times) == ["graph", "autodiff", "passes", "codegen", "plan_memory", "assemble"]
+    assert times["graph"] == 0.25
+    assert all(v >= 0 for v in times.values())
+    inference = compile(build_mlp(8, (784, 16, 10), labels=False).graph)
+    assert "graph" not in inference.meta["compile_seconds"]
