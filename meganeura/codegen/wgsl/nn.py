@@ -7,10 +7,13 @@ of any magnitude are safe, and mirrors its NumPy reference's formula: softmax is
 (outer, inner) pair as a row with stride ``inner``.
 
 cross_entropy takes two dispatches: per-row losses and valid flags into scratch, then one
-workgroup sums both (pairwise) and divides by max(count, 1) for ``mean``. Its backward first
-counts valid rows (only when rows can be ignored and the reduction is ``mean``), then writes
-``(softmax - onehot) * g / divisor`` per row, 0 on ignored rows; targets are clamped into
-[0, C) so a bad label can never read out of bounds (the host rejects them before a step).
+workgroup sums both (pairwise) and divides by max(count, 1) for ``mean`` (``"none"``: one
+dispatch writing the row losses). With label smoothing e a row loss is
+``lse - (1 - e) * z[target] - e * mean(z)`` (one more row sum). Its backward first counts
+valid rows (only when rows can be ignored and the reduction is ``mean``), then writes
+``(softmax - (1 - e) * onehot - e / C) * g / divisor`` per row, 0 on ignored rows; targets are
+clamped into [0, C) so a bad label can never read out of bounds (the host rejects them before
+a step).
 """
 
 from __future__ import annotations
@@ -90,33 +93,54 @@ def _valid_expr(t: str, ignore: int | None) -> str:
     return "true" if ignore is None else f"({t} != {int_literal(ignore, DType.i32)})"
 
 
+def _smoothing(node) -> float:
+    return float(node.attr("label_smoothing", 0.0) or 0.0)
+
+
 def lower_cross_entropy(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
-    """Mean or summed cross-entropy over rows not ignored; two dispatches."""
+    """Cross-entropy over rows not ignored: row losses (into the output for ``"none"``, else
+    into scratch, then one workgroup sums them and divides by max(count, 1) for ``mean``)."""
     node = graph[node_id]
     n, c, ignore, reduction = _ce_dims(graph, node_id)
     if n == 0 or c == 0:
         return lower_fill(graph, node_id, limits, 0.0)
+    ls = _smoothing(node)
     plan = plan_rows(n, c, True)
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(node.inputs[0], "logits")
     tgt = kb.read(node.inputs[1], "labels")
-    loss = kb.scratch("rows", n, node.type.dtype, "row_loss")
-    cnt = kb.scratch("valid", n, node.type.dtype, "row_valid")
+    if reduction == "none":
+        loss, cnt = kb.write(node_id, "out"), None
+    else:
+        loss = kb.scratch("rows", n, node.type.dtype, "row_loss")
+        cnt = kb.scratch("valid", n, node.type.dtype, "row_valid")
     body = thread_coords(plan, "wg", n) + f"  let base = rowc * {u(c)};\n"
     body += _max_sum(plan, lambda j: x.at(f"base + {j}"), c)
+    picked = f"({x.at('base + tc')} - mx)"
+    if ls:
+        # label smoothing: lse - (1 - e) * z[t] - e * mean(z), z = x - mx
+        z = lambda j: f"({x.at(f'base + {j}')} - mx)"  # noqa: E731
+        body += "  var z_acc = 0.0;\n"
+        body += strided_loop(plan, "0u", u(c), z, _ADD, -(-c // plan.ry), "0.0", "z_acc")
+        body += tree(plan, "red", "z_acc", _ADD, "zsum")
+        row = f"lse - {f32_literal(1.0 - ls)} * {picked} - {f32_literal(ls / c)} * zsum"
+    else:
+        row = f"lse - {picked}"
     body += (
         "  if (live && y == 0u) {\n"
         f"    let t = {tgt.at('rowc')};\n"
         f"    let valid = {_valid_expr('t', ignore)};\n"
         f"    let tc = u32(clamp(t, 0i, {int_literal(c - 1, DType.i32)}));\n"
-        f"    {loss}[row] = select(0.0, lse - ({x.at('base + tc')} - mx), valid);\n"
-        f"    {cnt}[row] = select(0.0, 1.0, valid);\n"
-        "  }\n"
+        f"    {loss}[row] = select(0.0, {row}, valid);\n"
+        + (f"    {cnt}[row] = select(0.0, 1.0, valid);\n" if cnt else "")
+        + "  }\n"
     )
     groups = -(-n // plan.ox)
     rows_k = kb.finish(
         "rows", body, plan.size, groups, shared_decl(plan, "red", "f32"), flops=4 * n * c
     )
+    if reduction == "none":
+        return [rows_k]
 
     kb2 = KernelBuilder(graph, node, limits)
     loss2 = kb2.scratch("rows", n, node.type.dtype, "row_loss")
@@ -134,11 +158,13 @@ def lower_cross_entropy(graph: Graph, node_id: int, limits: Limits) -> list[Kern
 
 
 def lower_cross_entropy_backward(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
-    """``(softmax(logits) - onehot(target)) * g / divisor`` per row; 0 on ignored rows."""
+    """``(softmax(logits) - (1 - e) * onehot(target) - e / C) * g / divisor`` per row (e the
+    label smoothing; g per row for ``"none"``); 0 on ignored rows."""
     node = graph[node_id]
     n, c, ignore, reduction = _ce_dims(graph, node_id)
     if n == 0 or c == 0:
         return []
+    ls = _smoothing(node)
     kernels = []
     counted = ignore is not None and reduction == "mean"
     if counted:
@@ -169,10 +195,13 @@ def lower_cross_entropy_backward(graph: Graph, node_id: int, limits: Limits) -> 
         f"  let t = {tgt.at('rowc')};\n"
         f"  let valid = {_valid_expr('t', ignore)};\n"
         f"  let tc = u32(clamp(t, 0i, {int_literal(c - 1, DType.i32)}));\n"
-        f"  let scale = {g.at('0u')} / {divisor};\n"
+        f"  let scale = {g.at('rowc' if reduction == 'none' else '0u')} / {divisor};\n"
     )
+    onehot = f"select(0.0, {f32_literal(1.0 - ls)}, r == tc)"
+    if ls:
+        onehot += f" - {f32_literal(ls / c)}"
     write = (
-        f"let d = exp(({x.at('base + r')} - mx) - lse) - select(0.0, 1.0, r == tc);\n"
+        f"let d = exp(({x.at('base + r')} - mx) - lse) - {onehot};\n"
         f"{out}[base + r] = select(0.0, d * scale, valid);\n"
     )
     body += "  if (live) {\n" + indent(for_each(plan, "0u", u(c), write), 1)
