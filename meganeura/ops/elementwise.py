@@ -1,18 +1,27 @@
 """Elementwise ops: unary math, binary arithmetic with NumPy broadcasting, comparisons,
-``where`` and ``cast``.
+logical ops, ``pow``, ``clamp``, ``where`` and ``cast``; activations live in ``activation``,
+whose ``DEFS`` are appended here and whose functions are re-exported.
 
 Binary ops require equal dtypes (no implicit promotion) and broadcast shapes by NumPy's rule
 (https://numpy.org/doc/stable/user/basics.broadcasting.html). Gradients are written for the
 broadcast shape; autodiff sums them back to each operand's shape in one central place.
+Semantics are PyTorch's where it differs from NumPy (``sign`` of NaN is 0, ``clamp`` with
+``min > max`` gives ``max``, ``pow`` and its gradients at 0). The user-facing functions at the
+end carry PyTorch's names, some shadowing builtins (``abs``, ``pow``) inside this module.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..dtypes import DType
+from ..graph.builder import Tensor
 from ..graph.ir import TensorType
+from . import activation
 from . import functional as F
+from .activation import gelu, leaky_relu, sigmoid_np, silu, softplus  # noqa: F401 (re-exported)
 from .registry import OpDef, ShapeError
 
 
@@ -79,16 +88,6 @@ def _cast(types, attrs):
     return TensorType(t.shape, DType(attrs["dtype"]))
 
 
-def _sigmoid_np(x):
-    # Split by sign so exp never overflows (float64 reference keeps full accuracy).
-    out = np.empty_like(x)
-    pos = x >= 0
-    out[pos] = 1.0 / (1.0 + np.exp(-x[pos]))
-    ex = np.exp(x[~pos])
-    out[~pos] = ex / (1.0 + ex)
-    return out
-
-
 def _zero_like_where(cond, g):
     return F.where(cond, g, F.zero(g))
 
@@ -130,7 +129,7 @@ DEFS = [
     OpDef(
         "sigmoid",
         _float_unary,
-        lambda x, a: _sigmoid_np(x[0]),
+        lambda x, a: sigmoid_np(x[0]),
         lambda n, i, o, g: (g * o * (1.0 - o),),
         arity=1,
     ),
@@ -182,3 +181,258 @@ DEFS = [
         arity=1,
     ),
 ]
+
+
+# ---- math ops added for the workloads and torch parity ----------------------------------------
+def _float_binary(types, attrs):
+    a, b = types
+    if a.dtype is not b.dtype or not a.dtype.is_floating:
+        raise ShapeError(f"expects two floating operands of one dtype, got {a.dtype} and {b.dtype}")
+    return TensorType(broadcast_shapes(a.shape, b.shape), a.dtype)
+
+
+def _logical(types, attrs):
+    if len({t.dtype for t in types}) > 1:
+        raise ShapeError(f"dtype mismatch {' vs '.join(str(t.dtype) for t in types)}")
+    return TensorType(broadcast_shapes(*(t.shape for t in types)), DType.bool)
+
+
+def _clamp_type(types, attrs):
+    (t,) = types
+    if t.dtype is DType.bool:
+        raise ShapeError("clamp of bool; cast to a numeric dtype first")
+    bound_type = float if t.dtype.is_floating else int
+    for k in ("min", "max"):
+        v = attrs.get(k)
+        if v is not None and (type(v) is not bound_type or (t.dtype is DType.u32 and v < 0)):
+            raise ShapeError(f"clamp {k}={v!r} is not a valid {bound_type.__name__} for {t.dtype}")
+    return t
+
+
+def _sign_np(x):
+    return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)  # 0 for NaN, as torch.sign
+
+
+_erf_vec = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _erf_np(x):
+    return _erf_vec(x).astype(x.dtype)
+
+
+def _pow_np(a, b):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return np.power(a, b)
+
+
+def _clamp_np(x, attrs):
+    if attrs.get("min") is not None:
+        x = np.maximum(x, attrs["min"])
+    if attrs.get("max") is not None:
+        x = np.minimum(x, attrs["max"])
+    return x
+
+
+def _constant_value(t: Tensor) -> float | None:
+    return float(t.node.attr("value")) if t.node.op == "constant" else None
+
+
+def _pow_grad(n, i, o, g):
+    """torch's pow_backward_self / pow_backward_exponent: ``b * a^(b-1)`` (0 where b == 0)
+    and ``out * log(a)`` (0 where a == 0 and b >= 0)."""
+    a, b = i
+    e = _constant_value(b)
+    if e is not None:  # tensor ** scalar: exponent arithmetic in Python, no grad for b
+        if e == 0.0:
+            return None, None
+        if e in (1.0, 2.0):
+            return (g if e == 1.0 else g * (a * 2.0)), None
+        return g * (pow(a, e - 1.0) * e), None
+    ga = g * F.where(F.eq(b, 0.0), 0.0, b * pow(a, b - 1.0))
+    c = _constant_value(a)
+    if c is not None and c > 0.0:  # scalar ** tensor
+        return None, g * (o * math.log(c))
+    zero_base = logical_and(F.eq(a, 0.0), F.greater_equal(b, 0.0))
+    return ga, g * F.where(zero_base, 0.0, o * F.log(a))
+
+
+def _clamp_grad(n, i, o, g):
+    """Gradient passes where ``min <= x <= max`` (bounds included, as torch.clamp)."""
+    x, lo, hi = i[0], n.attr("min"), n.attr("max")
+    inside = None if lo is None else F.greater_equal(x, lo)
+    if hi is not None:
+        le = F.less_equal(x, hi)
+        inside = le if inside is None else logical_and(inside, le)
+    return (F.where(inside, g, 0.0),)
+
+
+def _math(name, infer, ref, grad=None) -> OpDef:
+    return OpDef(name, infer, lambda x, a: ref(x[0]), grad, grad is not None, arity=1)
+
+
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+MATH_DEFS = [
+    _math("abs", _numeric_unary, np.abs, lambda n, i, o, g: (g * sign(i[0]),)),
+    _math("sign", _numeric_unary, _sign_np),
+    _math("reciprocal", _float_unary, lambda x: 1 / x, lambda n, i, o, g: ((g * o) * (-o),)),
+    # d/dx x^-1/2 = -x^-3/2 / 2 = out / (-2 x)
+    _math("rsqrt", _float_unary, lambda x: 1 / np.sqrt(x),
+          lambda n, i, o, g: ((g * o) / (i[0] * -2.0),)),
+    _math("sin", _float_unary, np.sin, lambda n, i, o, g: (g * cos(i[0]),)),
+    _math("cos", _float_unary, np.cos, lambda n, i, o, g: (-g * sin(i[0]),)),
+    _math("erf", _float_unary, _erf_np,
+          lambda n, i, o, g: (g * (F.exp(i[0] * (-i[0])) * _TWO_OVER_SQRT_PI),)),
+    _math("log1p", _float_unary, np.log1p, lambda n, i, o, g: (g / (i[0] + 1.0),)),
+    _math("expm1", _float_unary, np.expm1, lambda n, i, o, g: (g * (o + 1.0),)),
+    _math("logical_not", _logical, np.logical_not),
+    OpDef("pow", _float_binary, lambda x, a: _pow_np(x[0], x[1]), _pow_grad, arity=2),
+    OpDef("clamp", _clamp_type, lambda x, a: _clamp_np(x[0], a), _clamp_grad, arity=1),
+    *(
+        OpDef(f"logical_{k}", _logical, lambda x, a, f=f: f(x[0], x[1]), differentiable=False,
+              arity=2)
+        for k, f in (("and", np.logical_and), ("or", np.logical_or), ("xor", np.logical_xor))
+    ),
+]  # fmt: skip
+DEFS += MATH_DEFS + activation.DEFS
+
+
+# ---- user-facing functions (torch names; re-exported by meganeura.ops.functional) -------------
+def _unary(op: str, x: Tensor, attrs: dict | None = None) -> Tensor:
+    return x.builder.add(op, [x], attrs)
+
+
+def abs(input: Tensor) -> Tensor:  # noqa: A001, A002 - PyTorch's names
+    """``|x|`` (torch.abs), f32/i32/u32, any shape; gradient ``sign(x)`` (0 at 0, as torch).
+
+    Raises:
+        GraphTypeError: for bool.
+    """
+    return _unary("abs", input)
+
+
+def sign(input: Tensor) -> Tensor:  # noqa: A002
+    """-1, 0 or 1 by the sign of x (torch.sign: 0 for +-0 and NaN), same dtype; no gradient
+    flows through it (torch's is zero).
+
+    Raises:
+        GraphTypeError: for bool.
+    """
+    return _unary("sign", input)
+
+
+def reciprocal(input: Tensor) -> Tensor:  # noqa: A002
+    """``1 / x`` (torch.reciprocal), f32; gradient ``-1/x^2``."""
+    return _unary("reciprocal", input)
+
+
+def rsqrt(input: Tensor) -> Tensor:  # noqa: A002
+    """``1 / sqrt(x)`` (torch.rsqrt), f32; inf at 0, NaN below; gradient ``-x^-1.5 / 2``."""
+    return _unary("rsqrt", input)
+
+
+def sin(input: Tensor) -> Tensor:  # noqa: A002
+    """``sin(x)`` (torch.sin), f32; within 1e-7 absolute for ``|x| <= 8192`` on every adapter
+    (Cephes range reduction in the kernel), less accurate beyond."""
+    return _unary("sin", input)
+
+
+def cos(input: Tensor) -> Tensor:  # noqa: A002
+    """``cos(x)`` (torch.cos), f32; accuracy as ``sin``."""
+    return _unary("cos", input)
+
+
+def erf(input: Tensor) -> Tensor:  # noqa: A002
+    """The error function (torch.erf), f32, within 1 ulp (FreeBSD msun's erff); gradient
+    ``2/sqrt(pi) * exp(-x^2)``."""
+    return _unary("erf", input)
+
+
+def log1p(input: Tensor) -> Tensor:  # noqa: A002
+    """``log(1 + x)`` accurate for tiny x (torch.log1p), f32; gradient ``1 / (1 + x)``."""
+    return _unary("log1p", input)
+
+
+def expm1(input: Tensor) -> Tensor:  # noqa: A002
+    """``exp(x) - 1`` accurate for tiny x (torch.expm1), f32; gradient ``exp(x)``."""
+    return _unary("expm1", input)
+
+
+def pow(input, exponent) -> Tensor:  # noqa: A001, A002
+    """``input ** exponent`` elementwise with broadcasting (torch.pow); either operand may be a
+    Python number (lifted to the other's dtype), f32 only.
+
+    torch semantics: a negative base with an integer exponent keeps the sign of odd powers, with
+    a non-integer exponent gives NaN; ``x ** 0`` is 1; ``0 ** b`` is 0 (b > 0) or inf (b < 0).
+    Gradients (torch's pow_backward): ``b * a^(b-1)`` for the base (0 where b == 0), and
+    ``out * log(a)`` for the exponent (0 where a == 0 and b >= 0).
+
+    Raises:
+        TypeError: when neither operand is a Tensor.
+        GraphTypeError: for non-floating operands or shapes that do not broadcast.
+    """
+    like = input if isinstance(input, Tensor) else exponent
+    if not isinstance(like, Tensor):
+        raise TypeError("pow: at least one operand must be a meganeura Tensor")
+    ops = [x if isinstance(x, Tensor) else like.builder.constant(x, like.dtype)
+           for x in (input, exponent)]  # fmt: skip
+    return like.builder.add("pow", ops)
+
+
+def clamp(input: Tensor, min: float | None = None, max: float | None = None) -> Tensor:  # noqa: A002
+    """``min(max(x, min), max)`` with scalar bounds (torch.clamp): NaN stays NaN, ``min > max``
+    gives ``max`` everywhere; the gradient passes where ``min <= x <= max`` (bounds included).
+    f32, i32 or u32 (integer tensors need integral bounds). An infinite bound that clips
+    nothing is dropped.
+
+    Raises:
+        ValueError: when both bounds are None, or a bound is NaN or would clip to inf.
+        TypeError: for tensor bounds or a non-integral bound of an integer tensor.
+    """
+    if min is None and max is None:
+        raise ValueError("clamp: at least one of min and max must not be None")
+    attrs = {}
+    for key, v, drop in (("min", min, -math.inf), ("max", max, math.inf)):
+        if v is None:
+            continue
+        if isinstance(v, Tensor):
+            raise TypeError("clamp: tensor bounds are not supported; use maximum/minimum")
+        if math.isnan(v) or (math.isinf(v) and v != drop):
+            raise ValueError(f"clamp: {key}={v!r} is not representable in a kernel")
+        if v == drop:
+            continue
+        if input.dtype.is_floating:
+            attrs[key] = float(v)
+        elif float(v).is_integer():
+            attrs[key] = int(v)
+        else:
+            raise TypeError(f"clamp: {key}={v!r} is not integral for a {input.dtype} tensor")
+    return _unary("clamp", input, attrs) if attrs else input
+
+
+def _logical_op(op: str, a, b) -> Tensor:
+    like = a if isinstance(a, Tensor) else b
+    if not isinstance(like, Tensor):
+        raise TypeError(f"{op}: at least one operand must be a meganeura Tensor")
+    ops = [x if isinstance(x, Tensor) else like.builder.constant(x, like.dtype) for x in (a, b)]
+    return like.builder.add(op, ops)
+
+
+def logical_and(input, other) -> Tensor:  # noqa: A002
+    """Elementwise ``input != 0 and other != 0`` as bool, broadcasting (torch.logical_and).
+    Operands share one dtype (Python values are lifted to it)."""
+    return _logical_op("logical_and", input, other)
+
+
+def logical_or(input, other) -> Tensor:  # noqa: A002
+    """Elementwise ``input != 0 or other != 0`` as bool (torch.logical_or)."""
+    return _logical_op("logical_or", input, other)
+
+
+def logical_xor(input, other) -> Tensor:  # noqa: A002
+    """Elementwise ``(input != 0) != (other != 0)`` as bool (torch.logical_xor)."""
+    return _logical_op("logical_xor", input, other)
+
+
+def logical_not(input: Tensor) -> Tensor:  # noqa: A002
+    """Elementwise ``input == 0`` as bool (torch.logical_not), any dtype."""
+    return _unary("logical_not", input)

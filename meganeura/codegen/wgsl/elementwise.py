@@ -1,5 +1,6 @@
-"""Elementwise lowerings: unary math, binary arithmetic, comparisons, ``where``, ``cast``, and the
-strided copies ``broadcast_to`` and ``permute``.
+"""Elementwise lowerings: unary math and activations (and their one-kernel backward ops), binary
+arithmetic, ``pow``, comparisons, logical ops, ``where``, ``cast``, and the strided copies
+``broadcast_to`` and ``permute``.
 
 Four output elements per thread (``common.element_slots``), workgroups of 256. Every operand is
 read through baked strides (0 on broadcast dims, NumPy's rule), with size-1 dims dropped and
@@ -7,6 +8,9 @@ contiguous runs merged first; an operand laid out exactly like the output is rea
 index with no index math. Semantics follow each op's NumPy reference: integer ops wrap, i32
 division truncates toward zero (as ``astype`` truncates NumPy's true division), comparisons
 yield bool stored as u32 0/1, and ``tanh``/``sigmoid`` use formulas that cannot overflow.
+Math WGSL lacks or specifies loosely (erf, sin/cos, log1p, expm1, pow, the gelu forms) comes
+from ``mathlib`` helper functions, emitted per kernel for the ops it computes; op attributes
+(slopes, bounds, beta) are baked in as literals.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from ...dtypes import DType
-from ...graph.ir import Graph
+from ...graph.ir import Graph, Node
 from ..kernel import KernelSource, Limits
 from .common import (
     PER_THREAD,
@@ -27,45 +33,85 @@ from .common import (
     contiguous_strides,
     element_slots,
     f32_literal,
+    literal,
+    resolve_view,
     strided_index,
+    zero,
 )
+from .mathlib import helper_source
 
-# tanh: Cephes' tanhf polynomial below |x| = 0.625 (where 1 - 2e/(1+e) would cancel), and
-# exp(-2|x|), which only underflows, above it; drivers' tanh can return NaN past |x| ~ 44.
-TANH_HELPER = """
-fn tanh_stable(x: f32) -> f32 {
-  let a = abs(x);
-  let z = x * x;
-  let p = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
-            + 1.33314422036e-1) * z - 3.33332819422e-1) * z * x + x;
-  let e = exp(-2.0 * a);
-  let r = 1.0 - 2.0 * e / (1.0 + e);
-  return select(select(r, -r, x < 0.0), p, a < 0.625);
-}
-"""
-# sigmoid: exp of a non-positive number never overflows; pick the form by sign.
-SIGMOID_HELPER = """
-fn sigmoid_stable(x: f32) -> f32 {
-  let e = exp(-abs(x));
-  return select(e / (1.0 + e), 1.0 / (1.0 + e), x >= 0.0);
-}
-"""
-
-Expr = Callable[[Sequence[str], DType], str]
+# expr(operand names, operand dtype, node attrs) -> WGSL expression of one output element.
+Expr = Callable[[Sequence[str], DType, dict], str]
 
 
-def _neg(x: Sequence[str], t: DType) -> str:
+def _neg(x: Sequence[str], t: DType, a: dict) -> str:
     return f"(0u - {x[0]})" if t is DType.u32 else f"(-{x[0]})"
+
+
+def _sign(x: Sequence[str], t: DType, a: dict) -> str:
+    # (x > 0) - (x < 0), as torch.sign: 0 for +-0 and for NaN.
+    if t is DType.u32:
+        return f"select(0u, 1u, {x[0]} > 0u)"
+    one, z = literal(1, t), zero(t)
+    return f"(select({z}, {one}, {x[0]} > {z}) - select({z}, {one}, {x[0]} < {z}))"
+
+
+def _clamp(x: Sequence[str], t: DType, a: dict) -> str:
+    # Two selects, not min/max: NaN stays NaN, and min > max gives max (torch.clamp).
+    out = x[0]
+    if a.get("min") is not None:
+        lo = literal(a["min"], t)
+        out = f"select({out}, {lo}, {out} < {lo})"
+    if a.get("max") is not None:
+        hi = literal(a["max"], t)
+        out = f"select({out}, {hi}, {out} > {hi})"
+    return out
+
+
+def _softplus(x: str, g: str, a: dict) -> str:
+    """softplus(x) (``g`` empty) or its gradient times ``g``: linear above the threshold."""
+    beta, thr = f32_literal(a["beta"]), f32_literal(a["threshold"])
+    t = x if a["beta"] == 1.0 else f"({x} * {beta})"
+    inside = f"({g} * sigmoid_stable({t}))" if g else f"softplus_f32({t})"
+    if not g and a["beta"] != 1.0:
+        inside = f"({inside} / {beta})"
+    return f"select({inside}, {g or x}, {t} > {thr})"
+
+
+def _gelu(x: str, a: dict, grad: bool) -> str:
+    form = "gelu_tanh" if a["approximate"] == "tanh" else "gelu_erf"
+    return f"{form}{'_grad' if grad else ''}({x})"
+
+
+def _logical(sym: str) -> Expr:
+    return lambda x, t, a: f"select(0u, 1u, ({x[0]} != {zero(t)}) {sym} ({x[1]} != {zero(t)}))"
 
 
 UNARY: dict[str, Expr] = {
     "neg": _neg,
-    "exp": lambda x, t: f"exp({x[0]})",
-    "log": lambda x, t: f"log({x[0]})",
-    "sqrt": lambda x, t: f"sqrt({x[0]})",
-    "relu": lambda x, t: f"max({x[0]}, 0.0)",
-    "tanh": lambda x, t: f"tanh_stable({x[0]})",
-    "sigmoid": lambda x, t: f"sigmoid_stable({x[0]})",
+    "exp": lambda x, t, a: f"exp({x[0]})",
+    "log": lambda x, t, a: f"log({x[0]})",
+    "sqrt": lambda x, t, a: f"sqrt({x[0]})",
+    "relu": lambda x, t, a: f"max({x[0]}, 0.0)",
+    "tanh": lambda x, t, a: f"tanh_stable({x[0]})",
+    "sigmoid": lambda x, t, a: f"sigmoid_stable({x[0]})",
+    "abs": lambda x, t, a: f"abs({x[0]})",
+    "sign": _sign,
+    "reciprocal": lambda x, t, a: f"(1.0 / {x[0]})",
+    "rsqrt": lambda x, t, a: f"(1.0 / sqrt({x[0]}))",  # inf at 0, as torch.rsqrt
+    "sin": lambda x, t, a: f"sin_cos_f32({x[0]}, false)",
+    "cos": lambda x, t, a: f"sin_cos_f32({x[0]}, true)",
+    "erf": lambda x, t, a: f"erf_f32({x[0]})",
+    "log1p": lambda x, t, a: f"log1p_f32({x[0]})",
+    "expm1": lambda x, t, a: f"expm1_f32({x[0]})",
+    "silu": lambda x, t, a: f"({x[0]} * sigmoid_stable({x[0]}))",
+    "gelu": lambda x, t, a: _gelu(x[0], a, grad=False),
+    "softplus": lambda x, t, a: _softplus(x[0], "", a),
+    "leaky_relu": lambda x, t, a: (
+        f"select({x[0]} * {f32_literal(a['negative_slope'])}, {x[0]}, {x[0]} > 0.0)"
+    ),
+    "clamp": _clamp,
+    "logical_not": lambda x, t, a: f"select(0u, 1u, {x[0]} == {zero(t)})",
 }
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 _COMPARE = {
@@ -79,20 +125,72 @@ _COMPARE = {
 
 
 def _infix(sym: str) -> Expr:
-    return lambda x, t: f"({x[0]} {sym} {x[1]})"
+    return lambda x, t, a: f"({x[0]} {sym} {x[1]})"
 
 
 def _compare(sym: str) -> Expr:
-    return lambda x, t: f"select(0u, 1u, {x[0]} {sym} {x[1]})"
+    return lambda x, t, a: f"select(0u, 1u, {x[0]} {sym} {x[1]})"
 
 
 BINARY: dict[str, Expr] = {
     **{op: _infix(sym) for op, sym in _INFIX.items()},
     **{op: _compare(sym) for op, sym in _COMPARE.items()},
-    "maximum": lambda x, t: f"max({x[0]}, {x[1]})",
-    "minimum": lambda x, t: f"min({x[0]}, {x[1]})",
+    "maximum": lambda x, t, a: f"max({x[0]}, {x[1]})",
+    "minimum": lambda x, t, a: f"min({x[0]}, {x[1]})",
+    "pow": lambda x, t, a: f"pow_f32({x[0]}, {x[1]})",
+    "logical_and": _logical("&&"),
+    "logical_or": _logical("||"),
+    "logical_xor": _logical("!="),
+    # backward ops: operand 0 is the output gradient, operand 1 the forward input
+    "silu_backward": lambda x, t, a: f"({x[0]} * silu_grad({x[1]}))",
+    "gelu_backward": lambda x, t, a: f"({x[0]} * {_gelu(x[1], a, grad=True)})",
+    "softplus_backward": lambda x, t, a: _softplus(x[1], x[0], a),
 }
-HELPERS = {"tanh": TANH_HELPER, "sigmoid": SIGMOID_HELPER}
+# WGSL helper functions (``mathlib``) each op's expression calls.
+HELPERS: dict[str, tuple[str, ...]] = {
+    "tanh": ("tanh_stable",),
+    "sigmoid": ("sigmoid_stable",),
+    "silu": ("sigmoid_stable",),
+    "sin": ("sin_cos_f32",),
+    "cos": ("sin_cos_f32",),
+    "erf": ("erf_f32",),
+    "log1p": ("log1p_f32",),
+    "expm1": ("expm1_f32",),
+    "gelu": ("gelu",),
+    "softplus": ("softplus_f32",),
+    "pow": ("pow_f32",),
+    "silu_backward": ("silu_grad",),
+    "gelu_backward": ("gelu",),
+    "softplus_backward": ("sigmoid_stable",),
+}
+
+
+def pow_expr(graph: Graph, node: Node) -> tuple[str, tuple[str, ...]]:
+    """(expression, helpers) of ``pow`` with the exponent or base baked in when constant.
+
+    A constant exponent in {0, 1, 2, 3, -1, -2, 0.5, -0.5} becomes products, ``sqrt`` or a
+    division, as torch's pow kernels special-case them (exact for negative bases); a positive
+    constant base c gives ``exp2(b * log2(c))`` with log2(c) computed in float64 here.
+    """
+    base, expo = (graph[resolve_view(graph, i)] for i in node.inputs)
+    if expo.op == "constant":
+        special = {
+            0.0: "1.0",
+            1.0: "v0",
+            2.0: "(v0 * v0)",
+            3.0: "(v0 * v0 * v0)",
+            -1.0: "(1.0 / v0)",
+            -2.0: "(1.0 / (v0 * v0))",
+            0.5: "sqrt(v0)",
+            -0.5: "(1.0 / sqrt(v0))",
+        }
+        e = float(expo.attr("value"))
+        if e in special:
+            return special[e], ()
+    if base.op == "constant" and float(base.attr("value")) > 0.0:
+        log2c = math.log2(float(np.float32(base.attr("value"))))
+        return f"exp2_f32(v1 * {f32_literal(log2c)})", ("exp2_f32",)
+    return "pow_f32(v0, v1)", ("pow_f32",)
 
 
 def cast_expr(x: str, src: DType, dst: DType) -> str:
@@ -154,7 +252,7 @@ def emit_map(
 
 
 def lower_elementwise(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
-    """Unary, binary, comparison, ``where`` and ``cast`` nodes (NumPy broadcasting)."""
+    """Every op of ``UNARY`` and ``BINARY``, ``where`` and ``cast`` (NumPy broadcasting)."""
     node = graph[node_id]
     kb = KernelBuilder(graph, node, limits)
     shape = node.type.shape
@@ -162,17 +260,20 @@ def lower_elementwise(graph: Graph, node_id: int, limits: Limits) -> list[Kernel
     ops = [(s, broadcast_strides(s.type.shape, shape)) for s in srcs]
     names = [f"v{k}" for k in range(len(srcs))]
     dtype = srcs[0].dtype
-    if node.op in UNARY:
-        expr = UNARY[node.op](names, dtype)
+    helpers = HELPERS.get(node.op, ())
+    if node.op == "pow":
+        expr, helpers = pow_expr(graph, node)
+    elif node.op in UNARY:
+        expr = UNARY[node.op](names, dtype, node.attr_dict)
     elif node.op in BINARY:
-        expr = BINARY[node.op](names, dtype)
+        expr = BINARY[node.op](names, dtype, node.attr_dict)
     elif node.op == "where":
         expr = "select(v2, v1, v0 != 0u)"
     elif node.op == "cast":
         expr = cast_expr("v0", dtype, node.type.dtype)
     else:
         raise KeyError(f"no elementwise lowering for {node.op!r}")
-    return [emit_map(kb, node_id, ops, expr, HELPERS.get(node.op, ""))]
+    return [emit_map(kb, node_id, ops, expr, helper_source(helpers))]
 
 
 def lower_broadcast_to(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
