@@ -19,13 +19,12 @@ from collections.abc import Callable
 from ...graph.ir import LEAF_OPS, Graph
 from ...ops import OPS
 from ..kernel import KernelSource, Limits
-from . import attention, conv, indexing, norm
+from . import attention, conv, indexing, norm, reduce
 from .common import VIEW_OPS, resolve_view
 from .elementwise import BINARY, UNARY, lower_broadcast_to, lower_elementwise, lower_permute
 from .matmul import lower_matmul, matmul_operands
 from .nn import lower_cross_entropy, lower_cross_entropy_backward, lower_softmax
 from .optim import lower_update
-from .reduce import lower_reduce
 
 Lowering = Callable[[Graph, int, Limits], list[KernelSource]]
 
@@ -36,9 +35,6 @@ LOWERINGS: dict[str, Lowering] = {
     "cast": lower_elementwise,
     "broadcast_to": lower_broadcast_to,
     "permute": lower_permute,
-    "sum": lower_reduce,
-    "mean": lower_reduce,
-    "amax": lower_reduce,
     "softmax": lower_softmax,
     "log_softmax": lower_softmax,
     "matmul": lower_matmul,
@@ -48,6 +44,7 @@ LOWERINGS: dict[str, Lowering] = {
     "sgd_momentum_update": lower_update,
     "adam_update": lower_update,
     # Families added later keep their tables beside their emitters.
+    **reduce.LOWERINGS,
     **indexing.LOWERINGS,
     **conv.LOWERINGS,
     **norm.LOWERINGS,

@@ -76,6 +76,7 @@ def strided_loop(
     per_thread: int,
     zero: str | None = None,
     acc: str = "acc",
+    branch: bool = False,
 ) -> str:
     """Fold this thread's elements ``begin + y, begin + y + ry, ... < end`` into ``acc``.
 
@@ -92,6 +93,8 @@ def strided_loop(
             the running sum grows with count / BLOCK rather than count (f32 accuracy for
             groups of millions). Leave None for idempotent combines (max).
         acc: the accumulator variable, declared by the caller.
+        branch: drop out-of-range loads with an ``if`` rather than ``select`` (needed for
+            struct accumulators, which ``select`` cannot pick between).
     """
     ry = plan.ry
     if per_thread <= 2:
@@ -103,10 +106,16 @@ def strided_loop(
     def unrolled(target: str, first: str, pad: str) -> str:
         lines = [f"{pad}let r{k} = {first} + {u(k * ry)};" for k in range(UNROLL)]
         lines += [f"{pad}let e{k} = {value(f'min(r{k}, {end} - 1u)')};" for k in range(UNROLL)]
-        lines += [
-            f"{pad}{target} = select({target}, {combine(target, f'e{k}')}, r{k} < {end});"
-            for k in range(UNROLL)
-        ]
+        if branch:
+            lines += [
+                f"{pad}if (r{k} < {end}) {{ {target} = {combine(target, f'e{k}')}; }}"
+                for k in range(UNROLL)
+            ]
+        else:
+            lines += [
+                f"{pad}{target} = select({target}, {combine(target, f'e{k}')}, r{k} < {end});"
+                for k in range(UNROLL)
+            ]
         return "\n".join(lines) + "\n"
 
     step = u(UNROLL * ry)
