@@ -149,17 +149,24 @@ def strided_index(flat: str, shape: Sequence[int], strides: Sequence[int]) -> st
 
 
 def check_numel(graph: Graph, vid: int, limits: Limits) -> None:
-    """Raise ValueError when value ``vid`` cannot be indexed in u32 or bound in one binding."""
-    t = graph[vid].type
+    """Raise ValueError when value ``vid`` cannot be indexed in u32 or bound in one binding.
+
+    The message names the value (its user name for leaves), its type, the limit and the line
+    of user code that declared it.
+    """
+    n = graph[vid]
+    t = n.type
+    label = f"%{vid} {n.name!r}" if n.name else f"%{vid}"
+    where = f" (declared at {n.loc})" if n.loc else ""
     if t.numel > MAX_ELEMENTS:
         raise ValueError(
-            f"%{vid} ({graph[vid].op}: {t}) has {t.numel} elements; u32 index math in the "
-            f"generated kernels needs fewer than 2^31"
+            f"{label} ({n.op}: {t}) has {t.numel} elements; u32 index math in the "
+            f"generated kernels needs fewer than 2^31{where}"
         )
     if t.nbytes > limits.max_storage_buffer_binding_size:
         raise ValueError(
-            f"%{vid} ({graph[vid].op}: {t}) needs {t.nbytes} bytes, above the adapter's "
-            f"storage binding limit of {limits.max_storage_buffer_binding_size}"
+            f"{label} ({n.op}: {t}) needs {t.nbytes} bytes, above the adapter's "
+            f"storage binding limit of {limits.max_storage_buffer_binding_size}{where}"
         )
 
 

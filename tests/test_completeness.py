@@ -1,0 +1,105 @@
+"""Completeness of the op set: every op of ``meganeura.ops.OPS`` is lowered, differentiable
+or marked not differentiable, and tested by the op database.
+
+(a) a WGSL lowering in ``meganeura.codegen.wgsl.LOWERINGS``, or a view op (no kernel);
+(b) a gradient rule, or ``differentiable=False``;
+(c) named in some ``OpInfo.ops`` of ``tests.opinfo.DATABASE``. Exempt: ops with no gradient
+    whose name ends in ``_backward`` or that are listed in ``INTERNAL`` with a reason; a
+    ``_backward`` op must then really occur in the backward graph of some database sample,
+    which is how the generic gradient test covers it.
+
+Leaves (``input``, ``parameter``, ``state``, ``constant``) are not ops of ``OPS``. No GPU needed.
+While new ops are being added these tests fail for ops without entries; that is the point.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+from meganeura.codegen.wgsl import LOWERINGS
+from meganeura.graph.ir import LEAF_OPS, VIEW_OPS
+from meganeura.ops import OPS
+
+from .opinfo import DATABASE
+from .opinfo.runner import entry_samples, symbolic_graph
+
+# Ops exempt from (c) besides *_backward ops, each with the reason and where it is tested.
+INTERNAL: dict[str, str] = {
+    "sgd_update": "optimizer effect op (writes in place, returns a token); tested against "
+    "torch.optim.SGD in tests/codegen/test_optim.py and tests/optim",
+    "sgd_momentum_update": "optimizer effect op; tested against torch.optim.SGD with momentum "
+    "in tests/codegen/test_optim.py and tests/optim",
+    "adam_update": "optimizer effect op; tested against torch.optim.Adam/AdamW in "
+    "tests/codegen/test_optim.py and tests/optim",
+}
+
+ALL_OPS = sorted(OPS)
+
+
+def _exempt(name: str) -> bool:
+    d = OPS[name]
+    return not d.differentiable and (name.endswith("_backward") or name in INTERNAL)
+
+
+@cache
+def covered() -> frozenset[str]:
+    """Every op named in some entry's ``ops``."""
+    return frozenset(op for info in DATABASE for op in info.ops)
+
+
+@cache
+def graph_ops() -> frozenset[str]:
+    """Every op occurring in the forward or backward graph of some database sample."""
+    seen: set[str] = set()
+    for info in DATABASE:
+        for s in entry_samples(info):
+            try:
+                seen |= {n.op for n in symbolic_graph(info, s).nodes}
+            except Exception:  # a broken sample fails test_opinfo; it covers nothing here
+                continue
+    return frozenset(seen)
+
+
+def test_leaves_are_not_ops():
+    assert not LEAF_OPS & set(OPS)
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_op_is_lowered(op):
+    assert op in LOWERINGS or op in VIEW_OPS, f"{op}: no WGSL lowering and not a view op"
+
+
+def test_lowerings_name_real_ops():
+    stale = sorted(set(LOWERINGS) - set(OPS))
+    assert not stale, f"lowerings for ops that do not exist: {stale}"
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_op_has_gradient_or_mark(op):
+    d = OPS[op]
+    assert d.name == op, f"OPS[{op!r}] is named {d.name!r}"
+    assert d.grad is not None or not d.differentiable, (
+        f"{op}: no gradient rule; give it one or mark it differentiable=False"
+    )
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_op_has_database_entry(op):
+    if _exempt(op):
+        if op.endswith("_backward"):
+            assert op in graph_ops(), (
+                f"{op} is exempt as a backward op, but no database sample's backward graph "
+                f"uses it, so nothing tests it"
+            )
+        return
+    entries = [info.name for info in DATABASE if op in info.ops]
+    assert entries, f"{op}: no OpInfo in tests/opinfo lists it in `ops`"
+
+
+def test_internal_exemptions_are_real():
+    for op, reason in INTERNAL.items():
+        assert op in OPS, f"INTERNAL lists {op!r}, which is not an op"
+        assert not OPS[op].differentiable, f"{op} is differentiable; it needs an entry"
+        assert reason
