@@ -1,0 +1,136 @@
+"""Op-database entries for the attention family (``meganeura/ops/attention.py``).
+
+scaled_dot_product_attention samples: sequence lengths 1, 3, 7, 64 and 129; head dims 8 and 64
+(plus 6 with Dv 3, not multiples of 4); cross attention (Lq != Lk both ways, causal too, with
+PyTorch's top-left alignment); grouped-query heads 6/2 and 9/3; additive masks with -inf
+entries, of shapes [Lk], [B, 1, Lq, Lk] and [B, H, Lq, Lk], including fully masked rows;
+an explicit scale; large logits. The mask is never differentiated (it gets no gradient).
+
+Fully masked rows are where we differ from PyTorch on purpose (zeros, not NaN): the reference
+runs torch's own SDPA with those rows' masks replaced by 0 and then zeroes the rows, so their
+outputs and gradients are exactly zero on both sides.
+
+apply_rotary_emb samples: L 1, 3, 7, 129; D 2, 8, 64; theta 1e4 and 1e5 (SmolLM2); a far
+position offset (8000); a 3-d input; a run-time i32 offset. The reference is HF's
+``rotate_half`` formula in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as TF
+
+from meganeura.ops.attention import apply_rotary_emb, scaled_dot_product_attention
+
+from . import OpInfo, Sample
+
+SDPA_OPS = (
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_stats",
+    "scaled_dot_product_attention_backward_query",
+    "scaled_dot_product_attention_backward_key",
+    "scaled_dot_product_attention_backward_value",
+)
+
+
+def _sdpa_ref(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """torch SDPA with fully masked rows giving zeros (and zero gradients) instead of NaN."""
+    full = None
+    if attn_mask is not None:
+        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        mask = attn_mask.expand(shape)
+        full = torch.isneginf(mask).all(-1, keepdim=True)
+        attn_mask = torch.where(full, 0.0, mask)
+    out = TF.scaled_dot_product_attention(
+        q, k, v, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    return out if full is None else torch.where(full, 0.0, out)
+
+
+def _qkv(rng, b, hq, hkv, lq, lk, d, dv=None, qscale=1.0):
+    return (
+        rng.standard_normal((b, hq, lq, d)) * qscale,
+        rng.standard_normal((b, hkv, lk, d)),
+        rng.standard_normal((b, hkv, lk, dv or d)),
+    )
+
+
+def _mask(rng, shape, p_inf=0.3):
+    m = rng.standard_normal(shape)
+    m[rng.random(shape) < p_inf] = -np.inf
+    return m
+
+
+def _sdpa_samples(rng):
+    def s(name, dims, mask=None, grad=(0, 1, 2), rtol=None, qscale=1.0, **kw):
+        args = _qkv(rng, *dims, qscale=qscale) + (() if mask is None else (mask,))
+        return Sample(args, kw, name, grad, rtol)
+
+    m_bcast = _mask(rng, (2, 1, 7, 9))
+    m_bcast[1, 0, 4, :] = -np.inf  # a fully masked row
+    m_full = _mask(rng, (1, 2, 3, 64))
+    m_full[0, 1, 0, :] = -np.inf
+    m_keys = np.zeros(129)
+    m_keys[100:] = -np.inf  # key padding
+    m_gqa = _mask(rng, (1, 6, 7, 7), 0.2)
+    m_gqa[0, 5, 6, :] = -np.inf
+    return [
+        s("l1_d8", (1, 2, 2, 1, 1, 8)),
+        s("l3_d8_b2", (2, 2, 2, 3, 3, 8)),
+        s("l7_d64", (1, 2, 2, 7, 7, 64)),
+        s("l64_d64_causal", (1, 2, 2, 64, 64, 64), is_causal=True),
+        s("l129_d8_causal", (1, 1, 1, 129, 129, 8), is_causal=True),
+        s("cross_lq7_lk129", (1, 2, 2, 7, 129, 8)),
+        s("cross_lq64_lk3_d64", (1, 1, 1, 64, 3, 64)),
+        s("cross_d6_dv3", (2, 1, 1, 3, 7, 6, 3)),
+        s("causal_lq7_lk3", (1, 2, 2, 7, 3, 8), is_causal=True),
+        s("causal_lq3_lk7", (1, 2, 2, 3, 7, 8), is_causal=True),
+        s("gqa_6_2_causal", (1, 6, 2, 7, 7, 8), is_causal=True, enable_gqa=True),
+        s("gqa_9_3_l64_d64", (1, 9, 3, 64, 64, 64), enable_gqa=True),
+        s("gqa_9_3_decode", (2, 9, 3, 1, 129, 64), enable_gqa=True),
+        s("mask_bcast_full_row", (2, 2, 2, 7, 9, 8), m_bcast),
+        s("mask_per_head_full_row", (1, 2, 2, 3, 64, 64), m_full),
+        s("mask_key_padding", (1, 2, 2, 3, 129, 8), m_keys),
+        s("mask_gqa_6_2", (1, 6, 2, 7, 7, 8), m_gqa, enable_gqa=True),
+        s("scale", (1, 2, 2, 7, 9, 8), scale=0.3),
+        s("large_logits", (1, 2, 2, 7, 9, 8), qscale=30.0),
+    ]
+
+
+def _rope_ref(x, theta=10000.0, position_offset=0):
+    if isinstance(position_offset, torch.Tensor):
+        position_offset = int(position_offset)
+    length, dim = x.shape[-2:]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    pos = torch.arange(length, dtype=torch.float64) + position_offset
+    emb = torch.outer(pos, inv_freq).repeat(1, 2)
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
+    return x * emb.cos() + torch.cat([-x2, x1], dim=-1) * emb.sin()
+
+
+def _rope_samples(rng):
+    def s(name, shape, *extra, **kw):
+        return Sample((rng.standard_normal(shape), *extra), kw, name)
+
+    return [
+        s("l1_d8", (1, 2, 1, 8)),
+        s("l3_d2", (2, 1, 3, 2)),
+        s("l7_d64_theta1e5", (1, 3, 7, 64), theta=100000.0),
+        s("l129_d64", (1, 2, 129, 64)),
+        s("offset_8000", (1, 2, 3, 64), position_offset=8000),
+        s("3d", (2, 5, 8)),
+        s("tensor_offset", (1, 2, 3, 8), 100000.0, np.array(37, np.int32)),
+    ]
+
+
+ENTRIES = [
+    OpInfo(
+        "scaled_dot_product_attention",
+        scaled_dot_product_attention,
+        _sdpa_ref,
+        _sdpa_samples,
+        SDPA_OPS,
+    ),
+    OpInfo("apply_rotary_emb", apply_rotary_emb, _rope_ref, _rope_samples, ("apply_rotary_emb",)),
+]
