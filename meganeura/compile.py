@@ -169,18 +169,20 @@ def _assemble(graph: Graph, sched, plan, limits: Limits) -> Program:
             Dispatch(ks.name, ks.wgsl, tuple(ids), tuple(writes), ks.grid, ks.flops, ks.bytes)
         )
 
-    checks = []
+    checks: dict[str, LabelCheck] = {}
     for node in graph.nodes:
-        if node.op == "cross_entropy":
+        # Class indices and gather/index_select indices fed by the host are range-checked
+        # before a step runs: out of range, the kernels would read zeros silently.
+        target = bound = ignore = None
+        if node.op == "cross_entropy" and graph.nodes[node.inputs[1]].type.dtype.is_integer:
             target = graph.nodes[sched.root[node.inputs[1]]]
-            if target.op == "input":
-                checks.append(
-                    LabelCheck(
-                        target.name,
-                        graph.nodes[node.inputs[0]].type.shape[1],
-                        node.attr("ignore_index"),
-                    )
-                )
+            bound = graph.nodes[node.inputs[0]].type.shape[1]
+            ignore = node.attr("ignore_index")
+        elif node.op in ("gather", "index_select"):
+            target = graph.nodes[sched.root[node.inputs[1]]]
+            bound = graph.nodes[node.inputs[0]].type.shape[node.attr("dim")]
+        if target is not None and target.op == "input" and target.name not in checks:
+            checks[target.name] = LabelCheck(target.name, bound, ignore)
 
     return Program(
         buffers=tuple(buffers),
@@ -189,6 +191,6 @@ def _assemble(graph: Graph, sched, plan, limits: Limits) -> Program:
         outputs=outputs,
         parameters=slots["parameter"],
         state=slots["state"],
-        label_checks=tuple(checks),
+        label_checks=tuple(checks.values()),
         memory=MemoryReport(plan.planned_bytes, plan.naive_bytes, pinned_bytes),
     )

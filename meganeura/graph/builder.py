@@ -267,6 +267,28 @@ class Tensor:
     def __lt__(self, o):
         return self.builder.add("less", [self, self._lift(o)])
 
+    def __getitem__(self, key) -> Tensor:
+        """NumPy/PyTorch basic indexing: ints, slices with positive steps, ``...``, ``None``
+        and one integer Tensor key (``meganeura.ops.indexing.index``)."""
+        from ..ops.indexing import index
+
+        return index(self, key)
+
+    def __pow__(self, exponent):
+        from ..ops.elementwise import pow as _pow
+
+        return _pow(self, exponent)
+
+    def __rpow__(self, base):
+        from ..ops.elementwise import pow as _pow
+
+        return _pow(base, self)
+
+    def __abs__(self):
+        from ..ops.elementwise import abs as _abs
+
+        return _abs(self)
+
     __hash__ = object.__hash__
 
     # shape sugar

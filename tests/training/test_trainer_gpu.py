@@ -165,3 +165,23 @@ def test_checkpoint_with_missing_or_unknown_keys(gpu_device, tmp_path):
         tr.load(tmp_path / "t.safetensors")
     for k, v in tr.state_dict().items():
         assert np.array_equal(v, good[k]), k
+
+
+def test_out_of_range_token_ids_rejected_before_the_step(gpu_device):
+    from meganeura.dtypes import i32
+    from meganeura.graph.builder import GraphBuilder
+    from meganeura.ops import functional as F
+    from meganeura.ops.gather import embedding
+
+    b = GraphBuilder()
+    ids = b.input("ids", (2, 3), i32)
+    w = b.parameter("emb", (5, 4))
+    b.output("loss", F.sum(embedding(ids, w) * embedding(ids, w)))
+    tr = Trainer(b.build(), SGD(lr=0.1), device=gpu_device)
+    tr.load_parameters({"emb": np.ones((5, 4), np.float32)})
+    tr.step({"ids": np.array([[0, 1, 4], [2, 3, 4]], np.int32)})
+    before = tr.parameters()["emb"]
+    with pytest.raises(InputError, match="'ids'.*5"):
+        tr.step({"ids": np.array([[0, 1, 5], [2, 3, 4]], np.int32)})
+    assert np.array_equal(tr.parameters()["emb"], before)
+    assert tr.step_count == 1

@@ -1,0 +1,173 @@
+"""Op-database entries for the conv/pool family (``meganeura/ops/conv.py``, ``ops/pool.py``).
+
+Invariants of the samples: batch 1 and 3, channels 1, 3 and 7, spatial 1x1, 7x7 and 13x9,
+stride 2 over odd sizes, dilation 2, groups 2 and depthwise (groups = C), a 1x1 conv, ResNet's
+stem (7x7, stride 2, padding 3, 64 channels) on a 32x32 input, GEMM edges that are not tile
+multiples (M = 70, N = 200), a weight gradient long enough to be split along K, unbatched
+input, and max-pool windows full of ties (integer-valued inputs) whose gradient must go to the
+first maximum in scan order as PyTorch's CPU kernel sends it. Everything stays small: the
+family runs in seconds on lavapipe.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch.nn.functional as TF
+
+from meganeura.ops import conv as C
+from meganeura.ops import pool as P
+from meganeura.ops import resample as R
+
+from . import OpInfo, Sample
+
+
+def _conv_case(rng, x, w, bias, name, **kw):
+    args = (rng.normal(size=x), rng.normal(size=w) / np.sqrt(np.prod(w[1:])))
+    if bias:
+        args += (rng.normal(size=w[0]),)
+    return Sample(args, kw, name=name)
+
+
+def _conv2d_samples(rng):
+    c = lambda *a, **k: _conv_case(rng, *a, **k)  # noqa: E731
+    return [
+        c((1, 1, 1, 1), (1, 1, 1, 1), False, "spatial_1x1"),
+        c((1, 1, 5, 5), (2, 1, 3, 3), True, "b1_c1", padding=1),
+        c((3, 3, 7, 7), (4, 3, 3, 3), True, "b3_c3_7x7", padding=1),
+        c((2, 7, 13, 9), (5, 7, 3, 2), False, "c7_13x9", padding=(1, 0)),
+        c((3, 3, 7, 9), (4, 3, 3, 3), True, "stride2_odd", stride=2, padding=1),
+        c((1, 3, 9, 9), (3, 3, 3, 3), False, "dilation2", padding=2, dilation=2),
+        c((2, 4, 7, 7), (6, 2, 3, 3), True, "groups2", padding=1, groups=2),
+        c((2, 7, 7, 7), (7, 1, 3, 3), False, "depthwise", padding=1, groups=7),
+        c((3, 7, 5, 5), (9, 7, 1, 1), True, "pointwise_1x1"),
+        c((2, 8, 7, 7), (5, 8, 1, 1), False, "downsample_1x1_s2", stride=2),
+        c((1, 3, 32, 32), (64, 3, 7, 7), False, "resnet_stem", stride=2, padding=3),
+        c((2, 16, 10, 10), (70, 16, 3, 3), True, "ragged_tiles", padding=1),
+        c((2, 4, 20, 20), (5, 4, 3, 3), False, "split_k_weight_grad", padding=1),
+        c((1, 3, 8, 8), (4, 3, 3, 3), False, "padding_same", padding="same"),
+        c((3, 6, 6), (2, 3, 3, 3), True, "unbatched", stride=(2, 1)),
+    ]
+
+
+def _conv1d_samples(rng):
+    c = lambda *a, **k: _conv_case(rng, *a, **k)  # noqa: E731
+    return [
+        c((1, 1, 1), (1, 1, 1), False, "len1"),
+        c((2, 5, 17), (6, 5, 3), True, "k3_p1", padding=1),
+        c((3, 6, 16), (4, 6, 3), True, "k3_s2_p1", stride=2, padding=1),
+        c((1, 4, 13), (4, 2, 3), False, "dilation2_groups2", dilation=2, groups=2),
+    ]
+
+
+def _x(rng, shape, ties=False):
+    return rng.integers(-2, 3, size=shape).astype(np.float64) if ties else rng.normal(size=shape)
+
+
+def _max_pool_samples(rng):
+    return [
+        Sample((_x(rng, (2, 3, 9, 9)),), dict(kernel_size=3, stride=2, padding=1), name="resnet"),
+        Sample(
+            (_x(rng, (1, 3, 8, 8), True),), dict(kernel_size=3, stride=1, padding=1), name="ties"
+        ),
+        Sample((_x(rng, (3, 1, 7, 7)),), dict(kernel_size=2), name="k2_odd"),
+        Sample(
+            (_x(rng, (1, 7, 13, 9), True),),
+            dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), dilation=2, ceil_mode=True),
+            name="dilation_ceil_ties",
+        ),
+        Sample((_x(rng, (2, 3, 1, 1)),), dict(kernel_size=1), name="spatial_1x1"),
+        Sample((_x(rng, (3, 7, 7)),), dict(kernel_size=3, stride=2), name="unbatched"),
+        Sample((_x(rng, (1, 2, 13, 9)),), dict(kernel_size=2, stride=3), name="stride_gt_kernel"),
+    ]
+
+
+def _avg_pool_samples(rng):
+    x = lambda s: _x(rng, s)  # noqa: E731
+    return [
+        Sample((x((2, 3, 9, 9)),), dict(kernel_size=3, stride=2, padding=1), name="include_pad"),
+        Sample(
+            (x((1, 3, 7, 7)),),
+            dict(kernel_size=3, stride=2, padding=1, count_include_pad=False, ceil_mode=True),
+            name="exclude_pad_ceil",
+        ),
+        Sample(
+            (x((3, 7, 13, 9)),),
+            dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 1), ceil_mode=True),
+            name="13x9_ceil",
+        ),
+        Sample(
+            (x((2, 1, 6, 6)),), dict(kernel_size=2, divisor_override=3), name="divisor_override"
+        ),
+        Sample((x((1, 3, 1, 1)),), dict(kernel_size=1), name="spatial_1x1"),
+        Sample(
+            (x((2, 2, 13, 9)),), dict(kernel_size=(2, 3), stride=(3, 4)), name="stride_gt_kernel"
+        ),
+    ]
+
+
+def _adaptive_samples(rng):
+    return [
+        Sample((_x(rng, (2, 7, 7, 7)),), dict(output_size=1), name="global_7x7"),
+        Sample((_x(rng, (3, 3, 13, 9)),), dict(output_size=(5, 4)), name="13x9_to_5x4"),
+        Sample((_x(rng, (1, 2, 3, 2)),), dict(output_size=(5, 4)), name="upsampling"),
+        Sample((_x(rng, (2, 3, 9, 6)),), dict(output_size=(2, None)), name="keep_width"),
+    ]
+
+
+def _interpolate_samples(rng):
+    return [
+        Sample((_x(rng, (2, 3, 4, 5)),), dict(scale_factor=2), name="x2"),
+        Sample((_x(rng, (1, 7, 3, 2)),), dict(scale_factor=(3, 1)), name="x3_x1"),
+        Sample((_x(rng, (3, 1, 1, 1)),), dict(scale_factor=3), name="spatial_1x1"),
+        Sample((_x(rng, (1, 2, 3, 4)),), dict(size=(6, 12)), name="size"),
+    ]
+
+
+def _interp_ref(x, size=None, scale_factor=None):
+    return TF.interpolate(x, size=size, scale_factor=scale_factor, mode="nearest")
+
+
+ENTRIES: list[OpInfo] = [
+    OpInfo(
+        "conv2d",
+        C.conv2d,
+        TF.conv2d,
+        _conv2d_samples,
+        ("conv2d", "conv2d_backward_input", "conv2d_backward_weight", "sum"),
+    ),
+    OpInfo(
+        "conv1d",
+        C.conv1d,
+        TF.conv1d,
+        _conv1d_samples,
+        ("conv2d", "conv2d_backward_input", "conv2d_backward_weight", "reshape"),
+    ),
+    OpInfo(
+        "max_pool2d",
+        P.max_pool2d,
+        TF.max_pool2d,
+        _max_pool_samples,
+        ("max_pool2d", "max_pool2d_backward"),
+    ),
+    OpInfo(
+        "avg_pool2d",
+        P.avg_pool2d,
+        TF.avg_pool2d,
+        _avg_pool_samples,
+        ("avg_pool2d", "avg_pool2d_backward"),
+    ),
+    OpInfo(
+        "adaptive_avg_pool2d",
+        P.adaptive_avg_pool2d,
+        TF.adaptive_avg_pool2d,
+        _adaptive_samples,
+        ("adaptive_avg_pool2d", "adaptive_avg_pool2d_backward", "mean"),
+    ),
+    OpInfo(
+        "interpolate_nearest",
+        R.interpolate,
+        _interp_ref,
+        _interpolate_samples,
+        ("broadcast_to", "sum"),
+    ),
+]
