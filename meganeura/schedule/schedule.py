@@ -84,7 +84,8 @@ def schedule(graph: Graph, limits: Limits) -> Schedule:
                 sizes[key] = graph.nodes[key].type.nbytes
             elif isinstance(b, ScratchRef):
                 key = (nid, b.key)
-                sizes[key] = b.nbytes
+                # A key may be bound at several sizes by a node's kernels: keep the largest.
+                sizes[key] = max(sizes.get(key, 0), b.nbytes)
             else:  # pragma: no cover - codegen contract
                 raise TypeError(f"unknown binding {b!r}")
             first.setdefault(key, pos)

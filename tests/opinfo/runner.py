@@ -283,7 +283,8 @@ def pow2_scale(ref: np.ndarray) -> float:
     m = float(finite.max()) if finite.size else 0.0
     if m == 0.0:
         return 1.0
-    return 2.0 ** -math.ceil(math.log2(m))
+    # Never below 2^-126: a subnormal scale is flushed to zero by GPUs (the H200 does).
+    return 2.0 ** max(-math.ceil(math.log2(m)), -126)
 
 
 @dataclass(frozen=True)
