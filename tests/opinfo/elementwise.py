@@ -41,7 +41,18 @@ def _unary(name, fn, ref, lo, hi, extra=(), **kw) -> OpInfo:
 _EDGES = np.array([-30.0, -10.0, -1e-3, 0.0, 1e-3, 10.0, 30.0])
 UNARY = [
     _unary("neg", F.neg, torch.neg, -5, 5),
-    _unary("exp", F.exp, torch.exp, -10, 10, (("near_overflow", [80.0, 88.0, -87.0, -100.0]),)),
+    _unary("exp", F.exp, torch.exp, -10, 10),
+    # Outputs near 1e38: the mid-graph test rescales them by ~2^-126, and the upstream gradient
+    # g * 2^-126 is subnormal, which GPUs may flush to zero (the H200 does). Forward and plain
+    # gradients are still checked.
+    OpInfo(
+        "exp_near_overflow",
+        F.exp,
+        torch.exp,
+        lambda rng: [Sample((np.array([80.0, 88.0, -87.0, -100.0]),), name="near_overflow")],
+        ("exp",),
+        mid_graph=False,
+    ),
     _unary("log", F.log, torch.log, 1e-3, 100, (("tiny", [1e-30, 1e-10, 3e30]),)),
     _unary("sqrt", F.sqrt, torch.sqrt, 1e-3, 100, (("tiny", [1e-30, 1e-10, 3e30]),)),
     _unary("relu", F.relu, torch.relu, -2, 2, (("zeros", [0.0, -0.0, 1.0, -1.0]),)),

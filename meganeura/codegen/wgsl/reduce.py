@@ -195,9 +195,14 @@ def _var_spec(n: int, correction: float) -> _Spec:
     add = _sum("f32")
 
     def stats(ps: _Pass, read: Read) -> list[str]:
-        s = ps.fold(lambda i, r: read(i), add, "s")
+        # Statistics of x - x[group's first element]: the variance is unchanged, and a large
+        # common offset (mean 5e4, std 1) no longer costs the mean its low bits. Every chunk
+        # uses the same shift, so the chunk sums still merge.
+        first = "base + " + strided_index("0u", *ps.red)
+        ps.line(f"let shift_v = {read(first)};")
+        s = ps.fold(lambda i, r: f"({read(i)} - shift_v)", add, "s")
         ps.line(f"let mean_v = {s} / f32(r_end - r_begin);")
-        return [s, ps.fold(lambda i, r: f"sq({read(i)} - mean_v)", add, "m2")]
+        return [s, ps.fold(lambda i, r: f"sq(({read(i)} - shift_v) - mean_v)", add, "m2")]
 
     def combine(ps: _Pass, reads: list[Read], count: Callable[[str], str]) -> list[str]:
         s = ps.fold(lambda i, r: reads[0](i), add, "s")
