@@ -25,17 +25,11 @@ from meganeura.ops import OPS
 from meganeura.ops import elementwise as E
 from meganeura.ops import functional as F
 
-from ..opinfo import FAMILIES
 from ..opinfo.elementwise_extra import ENTRIES
 from ..opinfo.runner import (
-    check_forward,
-    check_gradients,
     grad_positions,
     graph_operands,
     host_args,
-    run_forward,
-    run_gradients,
-    run_mid_graph,
     torch_args,
     upstream,
 )
@@ -48,54 +42,8 @@ NEW_OPS = (
 ).split()
 LIMITS = Limits(65535, 32768, 256, 2**27)
 
+
 # The entries run here until tests/opinfo collects this family (then tests/test_opinfo.py does).
-_PENDING = {} if "elementwise_extra" in FAMILIES else {info.name: info for info in ENTRIES}
-_SAMPLES = {
-    name: info.samples(np.random.default_rng(zlib.crc32(name.encode())))
-    for name, info in _PENDING.items()
-}
-
-
-def _cases(mode: str) -> list:
-    out = []
-    for name, info in _PENDING.items():
-        if mode == "gradients" and not info.differentiable:
-            continue
-        for s in _SAMPLES[name]:
-            if mode == "gradients" and not grad_positions(s):
-                continue
-            out.append(pytest.param(name, s.name, id=f"{name}-{s.name}"))
-    return out
-
-
-def _get(entry: str, sample: str):
-    return _PENDING[entry], next(s for s in _SAMPLES[entry] if s.name == sample)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("entry,sample", _cases("forward"))
-def test_entry_forward(entry, sample, gpu_device):
-    info, s = _get(entry, sample)
-    ours, ref = run_forward(info, s, gpu_device)
-    check_forward(ours, ref, s.rtol or info.rtol, f"{entry}-{sample}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("entry,sample", _cases("gradients"))
-def test_entry_gradients(entry, sample, gpu_device):
-    info, s = _get(entry, sample)
-    check_gradients(run_gradients(info, s, gpu_device), info.grad_cos, info.grad_rel, entry)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("entry,sample", _cases("mid_graph"))
-def test_entry_mid_graph(entry, sample, gpu_device):
-    info, s = _get(entry, sample)
-    res = run_mid_graph(info, s, gpu_device)
-    check_forward(res.ours, res.ref, s.rtol or info.rtol, f"{entry}-{sample} mid-graph")
-    check_gradients(res.grads, info.grad_cos, info.grad_rel, f"{entry}-{sample} mid-graph")
-
-
 # ---- gradient rules, exactly: NumPy interpreter in float64 against torch.autograd ---------------
 def _all_grad_cases() -> list:
     out = []
