@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import timeit, write  # noqa: E402
+from bench.common import timeit, torch_setup, write  # noqa: E402
 from meganeura.models.mlp import build_mlp  # noqa: E402
 from meganeura.optim import AdamW  # noqa: E402
 from meganeura.runtime import get_device  # noqa: E402
@@ -22,11 +22,7 @@ from meganeura.training import Trainer, compile_for  # noqa: E402
 
 
 def torch_cases(batch: int, params: dict, x: np.ndarray, y: np.ndarray, repeats: int):
-    import torch
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    torch, dev = torch_setup()
     model = torch.nn.Sequential(
         torch.nn.Linear(784, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
     ).to(dev)

@@ -1,0 +1,319 @@
+"""Benchmark: memory-bound kernels as achieved TB/s, meganeura vs PyTorch, and each as a
+fraction of our own copy bandwidth (the fast-kernels issue's target: >= 75% of copy).
+
+Cases (f32; bytes = what an ideal kernel reads + writes once):
+  copy         y = x * 1.0 (checked to compile to one dispatch; else y = x * s, s a scalar
+               parameter)  vs torch y.copy_(x)                          8 B / element
+  add          y = a + b                                              12 B / element
+  softmax      rows of 1500 (Whisper scores) and 49152 (SmolLM2 logits)  8 B / element
+  layer_norm   rows of 384 (Whisper), weight and bias                  8 B / element
+  rms_norm     rows of 576 (SmolLM2), weight, eps 1e-5                 8 B / element
+  embedding    SmolLM2 table [49152, 576], 65536 i32 ids        8 B / output element + ids
+  adam         Adam update of one big parameter (p, g, m, v read; p, m, v written)
+               vs torch.optim.Adam(fused=True)                        28 B / element
+Ours: operands are parameters (uploaded once); GPU time from ``Session.profile``. Torch: CUDA
+events around the op. Every case also checks our output against PyTorch's (``rel_err``).
+
+Usage: python bench/bandwidth.py [--quick] [--repeats 10] [--out-name bandwidth]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import (  # noqa: E402
+    Recorder,
+    add_args,
+    profile_ms,
+    rel_err,
+    resolve_args,
+    result,
+    time_torch,
+    to_numpy,
+    torch_setup,
+    warm_gpu,
+)
+
+
+def _data(shape, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+
+
+def copy_graph(n: int, device):
+    """y = x * 1.0, or y = x * s (s a parameter fed 1.0) should the compiler fold ``* 1.0``."""
+    import meganeura as mn
+    from meganeura.training import compile_for
+
+    g = mn.GraphBuilder()
+    x = g.parameter("x", (n,))
+    g.output("y", x * 1.0)
+    try:
+        program, sess = compile_for(g.build(), device=device)
+        if len(program.dispatches) == 1:
+            return program, sess, "x * 1.0", {}
+        sess.close()
+    except ValueError:  # an output that became a view of a parameter, say
+        pass
+    g = mn.GraphBuilder()
+    x = g.parameter("x", (n,))
+    s = g.parameter("s", ())
+    g.output("y", x * s)
+    program, sess = compile_for(g.build(), device=device)
+    return program, sess, "x * s (s = 1.0 parameter)", {"s": np.ones((), np.float32)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(ap, "bandwidth")
+    args = ap.parse_args()
+    resolve_args(args)
+    import meganeura as mn
+    import meganeura.nn.functional as F
+    from meganeura.optim import Adam, apply_optimizer
+    from meganeura.runtime import get_device
+    from meganeura.training import compile_for
+
+    device = get_device(args.adapter)
+    torch, dev = torch_setup()
+    tF = torch.nn.functional
+    warm = warm_gpu(device, dev, args.warm_seconds)
+    rec = Recorder(args, device, {"torch_device": dev, "gpu_warmup": warm})
+
+    n = 1 << 16 if args.quick else 1 << 26  # 256 KiB / 256 MiB per f32 tensor
+    n_big = 1 << 18 if args.quick else 1 << 28  # 1 MiB / 1 GiB
+    vocab, emb, tokens = (1024, 64, 512) if args.quick else (49152, 576, 65536)
+    copy_rate: dict[str, float] = {}
+
+    def case(name, build, params, feeds, torch_fn, nbytes, ref_out=None, check=True, **info):
+        """Compile ``build()`` (a GraphBuilder with output "y" or effects), time both sides."""
+        t = time.perf_counter()
+        built = build()
+        if isinstance(built, tuple):
+            program, sess = built
+        else:
+            program, sess = compile_for(built, device=device)
+        compile_s = time.perf_counter() - t
+        try:
+            sess.load_state_dict(params, strict=False)
+            err = None
+            if check and "y" in program.outputs:
+                ours_y = sess.run(feeds, fetch=("y",))["y"]
+                err = rel_err(ours_y, to_numpy(torch_fn()))
+            ours = profile_ms(sess, feeds, args.warmup, args.repeats)["all"]
+            if check and ref_out is not None:  # effects: compare after the same steps
+                err = ref_out(sess)
+            theirs = time_torch(torch_fn, dev, args.warmup, args.repeats)
+        finally:
+            sess.close()
+        o_rate = nbytes / ours["median"] / 1e9  # bytes/ms -> TB/s
+        t_rate = nbytes / theirs["median"] / 1e9
+        if name.startswith("copy"):
+            copy_rate[name] = o_rate
+            copy_rate["torch_" + name] = t_rate
+        base, tbase = copy_rate.get("copy"), copy_rate.get("torch_copy")
+        rec.add(
+            result(
+                name,
+                "TB/s",
+                o_rate,
+                t_rate,
+                bytes=int(nbytes),
+                ours_ms=ours["median"],
+                torch_ms=theirs["median"],
+                ours_min_ms=ours["min"],
+                torch_min_ms=theirs["min"],
+                frac_of_our_copy=o_rate / base if base else None,
+                torch_frac_of_torch_copy=t_rate / tbase if tbase else None,
+                rel_err=err,
+                dispatches=[d.name for d in program.dispatches],
+                compile_s=round(compile_s, 3),
+                **info,
+            )
+        )
+        if err is not None and err > 1e-4:
+            print(f"  WARNING {name}: rel_err {err:.2e} against PyTorch")
+
+    # ---- copy (the reference every other case is a fraction of) --------------------------
+    for name, size in (("copy", n), ("copy_big", n_big)):
+        # 1 GiB of normals takes seconds to draw; the big copy is not checked, any bytes do.
+        x = _data((size,), 1) if size <= n else np.full((size,), 0.5, np.float32)
+        program, sess, how, extra_params = copy_graph(size, device)
+        tx = torch.from_numpy(x).to(dev)
+        ty = torch.empty_like(tx)
+        case(
+            name,
+            lambda program=program, sess=sess: (program, sess),
+            {"x": x, **extra_params},
+            {},
+            lambda tx=tx, ty=ty: ty.copy_(tx),
+            8 * size,
+            check=size <= n,
+            op=how,
+            elements=size,
+        )
+        del tx, ty, x
+
+    # ---- add --------------------------------------------------------------------------
+    def add_case():
+        a, b = _data((n,), 2), _data((n,), 3)
+        ta, tb = torch.from_numpy(a).to(dev), torch.from_numpy(b).to(dev)
+        ty = torch.empty_like(ta)
+
+        def add_graph():
+            g = mn.GraphBuilder()
+            g.output("y", g.parameter("a", (n,)) + g.parameter("b", (n,)))
+            return g.build()
+
+        case(
+            "add",
+            add_graph,
+            {"a": a, "b": b},
+            {},
+            lambda: torch.add(ta, tb, out=ty),
+            12 * n,
+            elements=n,
+        )
+
+    add_case()
+
+    # ---- row-wise kernels ---------------------------------------------------------------
+    def rows_case(name, width, op, torch_op, affine):
+        rows = max(2, n // width)
+        x = _data((rows, width), 4)
+        params = {"x": x}
+        w = (1.0 + 0.1 * _data((width,), 5)) if affine else None
+        bias = 0.1 * _data((width,), 6) if affine == "wb" else None
+        if w is not None:
+            params["w"] = w
+        if bias is not None:
+            params["b"] = bias
+
+        def build():
+            g = mn.GraphBuilder()
+            xs = g.parameter("x", (rows, width))
+            extra = [g.parameter(k, (width,)) for k in ("w", "b") if k in params]
+            g.output("y", op(xs, *extra))
+            return g.build()
+
+        tx = torch.from_numpy(x).to(dev)
+        textra = [torch.from_numpy(params[k]).to(dev) for k in ("w", "b") if k in params]
+        case(
+            name,
+            build,
+            params,
+            {},
+            lambda: torch_op(tx, *textra),
+            8 * rows * width,
+            shape=[rows, width],
+        )
+
+    rows_case(
+        "softmax_rows1500", 1500, lambda x: F.softmax(x, -1), lambda x: torch.softmax(x, -1), None
+    )
+    rows_case(
+        "softmax_rows49152",
+        49152,
+        lambda x: F.softmax(x, -1),
+        lambda x: torch.softmax(x, -1),
+        None,
+    )
+    rows_case(
+        "layer_norm_rows384",
+        384,
+        lambda x, w, b: F.layer_norm(x, 384, w, b, eps=1e-5),
+        lambda x, w, b: tF.layer_norm(x, (384,), w, b, eps=1e-5),
+        "wb",
+    )
+    rows_case(
+        "rms_norm_rows576",
+        576,
+        lambda x, w: F.rms_norm(x, 576, w, eps=1e-5),
+        lambda x, w: tF.rms_norm(x, (576,), w, eps=1e-5),
+        "w",
+    )
+
+    # ---- embedding gather ---------------------------------------------------------------
+    def embedding_case():
+        table = _data((vocab, emb), 7)
+        ids = np.random.default_rng(8).integers(0, vocab, tokens).astype(np.int32)
+        t_table = torch.from_numpy(table).to(dev)
+        t_ids = torch.from_numpy(ids.astype(np.int64)).to(dev)
+
+        def emb_graph():
+            g = mn.GraphBuilder()
+            ids_in = g.input("ids", (tokens,), mn.i32)
+            g.output("y", F.embedding(ids_in, g.parameter("w", table.shape)))
+            return g.build()
+
+        case(
+            "embedding_gather",
+            emb_graph,
+            {"w": table},
+            {"ids": ids},
+            lambda: tF.embedding(t_ids, t_table),
+            8 * tokens * emb + 4 * tokens,
+            table=[vocab, emb],
+            tokens=tokens,
+        )
+
+    embedding_case()
+
+    # ---- Adam update --------------------------------------------------------------------
+    p0, g0 = _data((n,), 9), 0.01 * _data((n,), 10)
+    opt_cfg = Adam(lr=1e-3)
+    hyper = {"optim.hyper": opt_cfg.hyper(0, opt_cfg.lr)}
+
+    def adam_graph():
+        g = mn.GraphBuilder()
+        p = g.parameter("p", (n,))
+        gr = g.parameter("grad", (n,))
+        return apply_optimizer(g.build_unverified(), {p.id: gr.id}, opt_cfg)
+
+    tp = torch.from_numpy(p0).to(dev).requires_grad_(True)
+    tp.grad = torch.from_numpy(g0).to(dev)
+    try:
+        topt = torch.optim.Adam([tp], lr=1e-3, fused=True)
+        fused = True
+    except (RuntimeError, TypeError, ValueError):
+        topt = torch.optim.Adam([tp], lr=1e-3, foreach=False)
+        fused = False
+    steps = args.warmup + args.repeats  # profile's warm-up and profiled steps
+
+    def adam_check(sess) -> float:
+        # Same number of steps with the same (step-0) hyper vector on a fresh torch copy.
+        ref = torch.from_numpy(p0).to(dev).requires_grad_(True)
+        ref.grad = torch.from_numpy(g0).to(dev)
+        m = torch.zeros_like(ref)
+        v = torch.zeros_like(ref)
+        with torch.no_grad():
+            lr, step_size, bc2 = (float(h) for h in hyper["optim.hyper"])
+            for _ in range(steps):
+                m.mul_(0.9).add_(ref.grad, alpha=0.1)
+                v.mul_(0.999).addcmul_(ref.grad, ref.grad, value=0.001)
+                ref.sub_(step_size * m / (v.sqrt() / bc2 + 1e-8))
+        return rel_err(sess.read("p"), to_numpy(ref))
+
+    with torch.no_grad():
+        case(
+            "adam_update",
+            adam_graph,
+            {"p": p0, "grad": g0},
+            hyper,
+            topt.step,
+            28 * n,
+            ref_out=adam_check,
+            elements=n,
+            torch_fused=fused,
+        )
+    rec.finish()
+
+
+if __name__ == "__main__":
+    main()
