@@ -37,12 +37,15 @@ class CompileOptions:
         optimizer: the update appended after the backward pass (needs ``loss``).
         max_grad_norm: clip gradients by global L2 norm before the update (None: no clip).
         trainable: names of the parameters to train; None trains every parameter.
+        fuse: run chains of elementwise ops, and matmul epilogues (bias, activation,
+            residual), as one kernel each (``passes.fuse``); False gives one kernel per node.
     """
 
     loss: str | None = None
     optimizer: Optimizer | None = None
     max_grad_norm: float | None = None
     trainable: tuple[str, ...] | None = None
+    fuse: bool = True
 
 
 def build_training_graph(graph: Graph, options: CompileOptions) -> Graph:
@@ -101,7 +104,7 @@ def compile(
     times["passes"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    sched = schedule(graph, limits)
+    sched = schedule(graph, limits, fuse=options.fuse)
     times["codegen"] = time.perf_counter() - t
 
     t = time.perf_counter()

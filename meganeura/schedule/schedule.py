@@ -4,6 +4,11 @@ Node order is already a valid schedule; this stage decides which nodes need kern
 whose values reach an output or an effect, judged by what each kernel really binds after
 constant inlining and transpose folding), resolves views (``reshape``, ``stop_gradient``) to
 the value whose buffer they share, and measures each value's lifetime in dispatch positions.
+
+With fusion on, ``passes.fuse.plan_fusion`` groups nodes; a group is lowered as one kernel
+(``codegen.wgsl.fused``) at its last member's position, binding the group's external inputs
+and its stored outputs only, so lifetimes come from those bindings; the other members get no
+kernel and no storage.
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ from dataclasses import dataclass
 
 from ..codegen.kernel import KernelSource, Limits, ScratchRef, ValueRef
 from ..codegen.wgsl import lower, reads
+from ..codegen.wgsl.elementwise import FUSIBLE
+from ..codegen.wgsl.fused import lower_group
 from ..graph.ir import VIEW_OPS, Graph
 from ..ops import OPS
+from ..passes.fuse import FusionGroup, plan_fusion
 from .planner import Interval
 
 PINNED_LEAVES = frozenset({"input", "parameter", "state"})
@@ -29,16 +37,23 @@ class Schedule:
         pinned: root ids that own a buffer for the whole program.
         intervals: lifetimes of the other roots and of scratch, keyed by root id or
             (node id, scratch key).
+        groups: the fusion groups lowered as one kernel each (empty without fusion).
     """
 
     dispatches: tuple[tuple[int, KernelSource], ...]
     root: dict[int, int]
     pinned: frozenset[int]
     intervals: tuple[Interval, ...]
+    groups: tuple[FusionGroup, ...] = ()
 
 
-def schedule(graph: Graph, limits: Limits) -> Schedule:
+def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
     """Order the kernels of ``graph`` and compute value lifetimes (see module docstring).
+
+    Args:
+        graph: a verified graph.
+        limits: the adapter's limits.
+        fuse: lower fusion groups (``plan_fusion``) as one kernel each.
 
     Raises:
         ValueError: when an output is a constant (it has no storage to read back).
@@ -67,10 +82,17 @@ def schedule(graph: Graph, limits: Limits) -> Schedule:
             raise ValueError(f"output {name!r} is a constant; it has no storage")
         pinned.add(root[v])
 
+    groups = plan_fusion(graph, FUSIBLE, needed) if fuse else ()
+    group_of = {m: g for g in groups for m in g.members}
     dispatches: list[tuple[int, KernelSource]] = []
     for node in graph.nodes:
         if needed[node.id] and node.op in OPS and node.op not in VIEW_OPS:
-            dispatches.extend((node.id, ks) for ks in lower(graph, node.id, limits))
+            group = group_of.get(node.id)
+            if group is None:
+                kernels = lower(graph, node.id, limits)
+            else:
+                kernels = lower_group(graph, group, limits) if node.id == group.sink else []
+            dispatches.extend((node.id, ks) for ks in kernels)
 
     first: dict = {}
     last: dict = {}
@@ -91,4 +113,4 @@ def schedule(graph: Graph, limits: Limits) -> Schedule:
             first.setdefault(key, pos)
             last[key] = pos
     intervals = tuple(Interval(k, sizes[k], first[k], last[k]) for k in first)
-    return Schedule(tuple(dispatches), root, frozenset(pinned), intervals)
+    return Schedule(tuple(dispatches), root, frozenset(pinned), intervals, groups)

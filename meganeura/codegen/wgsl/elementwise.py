@@ -146,6 +146,8 @@ BINARY: dict[str, Expr] = {
     "gelu_backward": lambda x, t, a: f"({x[0]} * {_gelu(x[1], a, grad=True)})",
     "softplus_backward": lambda x, t, a: _softplus(x[1], x[0], a),
 }
+# Ops ``node_expr`` computes per element: the ones a fused kernel may chain.
+FUSIBLE = frozenset(UNARY) | frozenset(BINARY) | {"where", "cast", "broadcast_to"}
 # WGSL helper functions (``mathlib``) each op's expression calls.
 HELPERS: dict[str, tuple[str, ...]] = {
     "tanh": ("tanh_stable",),
@@ -165,32 +167,36 @@ HELPERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def pow_expr(graph: Graph, node: Node) -> tuple[str, tuple[str, ...]]:
+def pow_expr(
+    graph: Graph, node: Node, names: Sequence[str] = ("v0", "v1")
+) -> tuple[str, tuple[str, ...]]:
     """(expression, helpers) of ``pow`` with the exponent or base baked in when constant.
 
     A constant exponent in {0, 1, 2, 3, -1, -2, 0.5, -0.5} becomes products, ``sqrt`` or a
     division, as torch's pow kernels special-case them (exact for negative bases); a positive
     constant base c gives ``exp2(b * log2(c))`` with log2(c) computed in float64 here.
+    ``names`` are the WGSL names of the base and the exponent.
     """
+    x, y = names
     base, expo = (graph[resolve_view(graph, i)] for i in node.inputs)
     if expo.op == "constant":
         special = {
             0.0: "1.0",
-            1.0: "v0",
-            2.0: "(v0 * v0)",
-            3.0: "(v0 * v0 * v0)",
-            -1.0: "(1.0 / v0)",
-            -2.0: "(1.0 / (v0 * v0))",
-            0.5: "sqrt(v0)",
-            -0.5: "(1.0 / sqrt(v0))",
+            1.0: x,
+            2.0: f"({x} * {x})",
+            3.0: f"({x} * {x} * {x})",
+            -1.0: f"(1.0 / {x})",
+            -2.0: f"(1.0 / ({x} * {x}))",
+            0.5: f"sqrt({x})",
+            -0.5: f"(1.0 / sqrt({x}))",
         }
         e = float(expo.attr("value"))
         if e in special:
             return special[e], ()
     if base.op == "constant" and float(base.attr("value")) > 0.0:
         log2c = math.log2(float(np.float32(base.attr("value"))))
-        return f"exp2_f32(v1 * {f32_literal(log2c)})", ("exp2_f32",)
-    return "pow_f32(v0, v1)", ("pow_f32",)
+        return f"exp2_f32({y} * {f32_literal(log2c)})", ("exp2_f32",)
+    return f"pow_f32({x}, {y})", ("pow_f32",)
 
 
 def cast_expr(x: str, src: DType, dst: DType) -> str:
@@ -251,6 +257,33 @@ def emit_map(
     return kb.finish(suffix, "\n".join(lines), WG, groups, helpers, flops=n, nbytes=nbytes)
 
 
+def node_expr(graph: Graph, node: Node, names: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    """(WGSL expression of one element of ``node``, ``mathlib`` helpers it calls).
+
+    Args:
+        graph: the graph holding ``node`` (operand dtypes, constant operands of ``pow``).
+        node: an op of ``UNARY`` or ``BINARY``, ``where``, ``cast`` or ``broadcast_to``.
+        names: WGSL expressions of the node's operands, in order (identifiers or literals).
+
+    Raises:
+        KeyError: for any other op.
+    """
+    dtype = graph[node.inputs[0]].type.dtype
+    if node.op == "pow":
+        return pow_expr(graph, node, names)
+    if node.op in UNARY:
+        return UNARY[node.op](names, dtype, node.attr_dict), HELPERS.get(node.op, ())
+    if node.op in BINARY:
+        return BINARY[node.op](names, dtype, node.attr_dict), HELPERS.get(node.op, ())
+    if node.op == "where":
+        return f"select({names[2]}, {names[1]}, {names[0]} != 0u)", ()
+    if node.op == "cast":
+        return cast_expr(names[0], dtype, node.type.dtype), ()
+    if node.op == "broadcast_to":
+        return names[0], ()
+    raise KeyError(f"no elementwise lowering for {node.op!r}")
+
+
 def lower_elementwise(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
     """Every op of ``UNARY`` and ``BINARY``, ``where`` and ``cast`` (NumPy broadcasting)."""
     node = graph[node_id]
@@ -258,21 +291,7 @@ def lower_elementwise(graph: Graph, node_id: int, limits: Limits) -> list[Kernel
     shape = node.type.shape
     srcs = [kb.read(i, f"x{k}") for k, i in enumerate(node.inputs)]
     ops = [(s, broadcast_strides(s.type.shape, shape)) for s in srcs]
-    names = [f"v{k}" for k in range(len(srcs))]
-    dtype = srcs[0].dtype
-    helpers = HELPERS.get(node.op, ())
-    if node.op == "pow":
-        expr, helpers = pow_expr(graph, node)
-    elif node.op in UNARY:
-        expr = UNARY[node.op](names, dtype, node.attr_dict)
-    elif node.op in BINARY:
-        expr = BINARY[node.op](names, dtype, node.attr_dict)
-    elif node.op == "where":
-        expr = "select(v2, v1, v0 != 0u)"
-    elif node.op == "cast":
-        expr = cast_expr("v0", dtype, node.type.dtype)
-    else:
-        raise KeyError(f"no elementwise lowering for {node.op!r}")
+    expr, helpers = node_expr(graph, node, [f"v{k}" for k in range(len(srcs))])
     return [emit_map(kb, node_id, ops, expr, helper_source(helpers))]
 
 

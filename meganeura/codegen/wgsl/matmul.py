@@ -18,7 +18,9 @@ batch) flattened and folded by ``common.fold_grid``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ...graph.ir import Graph
 from ..kernel import KernelSource, Limits
@@ -87,6 +89,23 @@ def matmul_operands(graph: Graph, node_id: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys(fold_transpose(graph, v)[0] for v in node.inputs))
 
 
+class Epilogue(Protocol):
+    """Elementwise work done in the store stage instead of a plain store of the product.
+
+    ``bind`` binds what the epilogue reads and writes (after A and B); ``store(value, flat,
+    col)`` returns the statements for one in-range output element, given WGSL expressions of
+    the product, its flat row-major index in the output and its column.
+    """
+
+    helpers: str
+    flops: int
+    nbytes: int
+
+    def bind(self, kb: KernelBuilder) -> None: ...
+
+    def store(self, value: str, flat: str, col: str) -> str: ...
+
+
 @dataclass(frozen=True)
 class _Operand:
     src: Src
@@ -107,8 +126,15 @@ def _operand(kb: KernelBuilder, vid: int, name: str, out_batch: tuple[int, ...])
     return _Operand(src, tuple(s * mat for s in batch), rows, cols)
 
 
-def lower_matmul(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
-    """Batched, broadcast matmul; one dispatch."""
+def lower_matmul(
+    graph: Graph, node_id: int, limits: Limits, epilogue: Epilogue | None = None
+) -> list[KernelSource]:
+    """Batched, broadcast matmul; one dispatch.
+
+    Args:
+        epilogue: computes and stores the values derived from the product (a fusion group
+            anchored here); None stores the product itself. The caller excludes K = 0.
+    """
     node = graph[node_id]
     *out_batch, m, n = node.type.shape
     out_batch = tuple(out_batch)
@@ -120,7 +146,14 @@ def lower_matmul(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
     kb = KernelBuilder(graph, node, limits)
     a = _operand(kb, node.inputs[0], "a", out_batch)
     b = _operand(kb, node.inputs[1], "b", out_batch)
-    out = kb.write(node_id, "c")
+    if epilogue is None:
+        out = kb.write(node_id, "c")
+
+        def store(value: str, flat: str, col: str) -> str:
+            return f"{out}[{flat}] = {value};"
+    else:
+        epilogue.bind(kb)
+        store = epilogue.store
     nb = math.prod(out_batch)
     if nb > 1 and not any(b.batch) and a.cols == 1 and a.rows == k:
         # [..., M, K] @ [K, N] with a row-major A is one [nb * M, K] @ [K, N]: bigger tiles
@@ -173,7 +206,7 @@ def lower_matmul(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
         step += [f"      acc{g}{i}{h} += a{g}.{'xyzw'[i]} * b{h};" for g, i, h in acc]
         lines += step + ["    }"]
     lines += ["    workgroupBarrier();", "  }"]
-    lines += _store(out, t, m, n, acc)
+    lines += _store(store, t, m, n, acc)
 
     helpers = (
         f"var<workgroup> As: array<vec4<f32>, {t.bk * t.bm // 4}>;\n"
@@ -183,9 +216,15 @@ def lower_matmul(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
     if shared > limits.max_workgroup_storage_size:
         raise ValueError(f"matmul tile needs {shared} B of workgroup memory; limit is lower")
     groups = tiles_m * tiles_n * nb
-    nbytes = node.type.nbytes + a.src.type.nbytes + b.src.type.nbytes
+    nbytes = a.src.type.nbytes + b.src.type.nbytes
+    flops = 2 * nb * m * n * k
+    if epilogue is None:
+        nbytes += node.type.nbytes
+    else:
+        helpers += epilogue.helpers
+        nbytes, flops = nbytes + epilogue.nbytes, flops + epilogue.flops
     return [kb.finish("", "\n".join(lines), THREADS * THREADS, groups, helpers,
-                      flops=2 * nb * m * n * k, nbytes=nbytes)]  # fmt: skip
+                      flops=flops, nbytes=nbytes)]  # fmt: skip
 
 
 def _load_setup(op: _Operand, p: str, span: int, bk: int, extent: int, tile: str) -> list[str]:
@@ -231,7 +270,7 @@ def _times(expr: str, n: int) -> str:
     return expr if n == 1 else f"{expr} * {u(n)}"
 
 
-def _store(out: str, t: Tiling, m: int, n: int, acc) -> list[str]:
+def _store(store: Callable[[str, str, str], str], t: Tiling, m: int, n: int, acc) -> list[str]:
     lines = []
     for g, i, h in acc:
         row = f"tile_m * {u(t.bm)} + {u(g * 64 + i)} + ty * 4u"
@@ -242,7 +281,7 @@ def _store(out: str, t: Tiling, m: int, n: int, acc) -> list[str]:
         lines.append(f"    let o = c_off + row * {u(n)} + col;")
         stores = []
         for c in range(4):
-            s = f"{out}[o + {u(c)}] = acc{g}{i}{h}.{'xyzw'[c]};"
+            s = store(f"acc{g}{i}{h}.{'xyzw'[c]}", f"o + {u(c)}", f"col + {u(c)}")
             stores.append(f"if (col + {u(c)} < {u(n)}) {{ {s} }}" if n % t.bn else s)
         body = " ".join(stores)
         lines.append(f"    if (row < {u(m)}) {{ {body} }}" if m % t.bm else f"    {body}")

@@ -1,0 +1,170 @@
+"""Fusion planning: which nodes of a graph share one kernel.
+
+``plan_fusion`` groups elementwise nodes with their elementwise producers, and optionally one
+``matmul`` whose result feeds them (an epilogue: bias, activation, residual computed in the
+matmul's store stage). The typed IR stays the source of truth: the graph is not rewritten,
+the interpreter and autodiff never see a fused op; the scheduler lowers each group as one
+kernel (``codegen.wgsl.fused``) at the position of its last member.
+
+Invariants of every returned group (each check is conservative; a rejected merge only costs
+a dispatch):
+  * it has two or more members, all needed (they would get kernels), with nonzero elements;
+  * every member's shape broadcasts (NumPy rule) to the group's ``shape``, and every stored
+    member (one read outside the group, through a view or directly, or a graph output) has
+    exactly that shape, so the kernel writes each stored element once;
+  * a member's operands are other members (read directly, not through views) or values
+    outside the group whose storage does not belong to a member;
+  * every node outside the group that uses a member comes after the group's last member,
+    so placing the kernel there keeps program order valid (no value is read before it is
+    written, and no cycle through outside nodes exists);
+  * no op with in-place effects lies between the first and the last member, so the
+    external inputs read at the kernel's position hold the values the members saw;
+  * at most one ``matmul`` (the anchor); then the group's shape is the matmul's, and the
+    other members all come after it, so none is one of its operands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from ..dtypes import DType
+from ..graph.ir import VIEW_OPS, Graph
+from ..ops import OPS
+
+
+@dataclass(frozen=True)
+class FusionGroup:
+    """Nodes computed by one kernel.
+
+    Attributes:
+        members: node ids in program order; the last is where the kernel runs.
+        outputs: members the kernel stores (read outside the group, or graph outputs).
+        shape: the iteration shape; every stored member has it.
+        anchor: the ``matmul`` whose store stage computes the others, or None.
+    """
+
+    members: tuple[int, ...]
+    outputs: tuple[int, ...]
+    shape: tuple[int, ...]
+    anchor: int | None = None
+
+    @property
+    def sink(self) -> int:
+        """The last member: the kernel runs at its position."""
+        return self.members[-1]
+
+
+def _broadcasts(src: Sequence[int], dst: Sequence[int]) -> bool:
+    if len(src) > len(dst):
+        return False
+    tail = dst[len(dst) - len(src) :]
+    return all(s in (1, d) for s, d in zip(src, tail, strict=True))
+
+
+def _root(graph: Graph, vid: int) -> int:
+    while graph[vid].op in VIEW_OPS:
+        vid = graph[vid].inputs[0]
+    return vid
+
+
+class _Planner:
+    def __init__(self, graph: Graph, fusible: Collection[str], needed: Sequence[bool]) -> None:
+        self.graph, self.fusible = graph, fusible
+        self.users = graph.users()
+        self.out_roots = {_root(graph, v) for _, v in graph.outputs}
+        self.effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
+        self.group: dict[int, frozenset[int]] = {}
+        self.anchor: dict[frozenset[int], int | None] = {}
+        for node in graph.nodes:
+            if not needed[node.id] or node.type.numel == 0 or self._has_f16(node.id):
+                continue
+            if node.op in fusible or self._is_anchor(node.id):
+                g = frozenset({node.id})
+                self.group[node.id] = g
+                self.anchor[g] = node.id if node.op == "matmul" else None
+
+    def _has_f16(self, nid: int) -> bool:
+        node = self.graph[nid]
+        types = [node.type] + [self.graph[i].type for i in node.inputs]
+        return any(t.dtype is DType.f16 for t in types)
+
+    def _is_anchor(self, nid: int) -> bool:
+        node = self.graph[nid]
+        return node.op == "matmul" and self.graph[node.inputs[0]].type.shape[-1] > 0
+
+    def stored(self, members: frozenset[int], m: int) -> bool:
+        return m in self.out_roots or any(u not in members for u in self.users[m])
+
+    def valid(self, members: frozenset[int], shape: tuple[int, ...], anchor: int | None) -> bool:
+        g = self.graph
+        last, first = max(members), min(members)
+        if anchor is not None and (g[anchor].type.shape != shape or first != anchor):
+            return False
+        if any(first < e < last for e in self.effects):
+            return False
+        for m in members:
+            for i in g[m].inputs:
+                if i not in members and _root(g, i) in members:
+                    return False  # a member read back from memory inside its own kernel
+            if self.stored(members, m):
+                if g[m].type.shape != shape:
+                    return False
+                if any(u not in members and u < last for u in self.users[m]):
+                    return False
+        return True
+
+    def consume(self, nid: int) -> None:
+        """Merge the groups of ``nid``'s direct operands into ``nid``'s group where valid."""
+        if nid not in self.group or self.graph[nid].op not in self.fusible:
+            return
+        shape = self.graph[nid].type.shape
+        for i in dict.fromkeys(self.graph[nid].inputs):
+            mine, theirs = self.group[nid], self.group.get(i)
+            if theirs is None or theirs is mine:
+                continue
+            a, b = self.anchor[mine], self.anchor[theirs]
+            if a is not None and b is not None:
+                continue
+            members = mine | theirs
+            anchor = a if a is not None else b
+            if not all(_broadcasts(self.graph[m].type.shape, shape) for m in members):
+                continue
+            if not self.valid(members, shape, anchor):
+                continue
+            del self.anchor[mine], self.anchor[theirs]
+            self.anchor[members] = anchor
+            for m in members:
+                self.group[m] = members
+
+
+def plan_fusion(
+    graph: Graph, fusible: Collection[str], needed: Sequence[bool] | None = None
+) -> tuple[FusionGroup, ...]:
+    """Group nodes into kernels (see the module docstring for the invariants kept).
+
+    Greedy, in program order: each fusible node absorbs the groups of its direct operands
+    when the merged group stays valid. Producers with several users stay in the group as
+    extra stored outputs when every outside user comes later (a matmul + bias whose
+    pre-activation value the backward pass reads, say).
+
+    Args:
+        graph: a verified graph.
+        fusible: op names the fused emitter can compute per element (elementwise ops);
+            ``matmul`` may additionally anchor a group.
+        needed: per node, whether it gets kernels; default every node.
+
+    Returns:
+        The groups of two or more members, ordered by their last member.
+    """
+    needed = needed if needed is not None else [True] * len(graph.nodes)
+    planner = _Planner(graph, fusible, needed)
+    for node in graph.nodes:
+        planner.consume(node.id)
+    groups = []
+    for members in {g for g in planner.group.values() if len(g) > 1}:
+        order = tuple(sorted(members))
+        outputs = tuple(m for m in order if planner.stored(members, m))
+        shape = graph[order[-1]].type.shape
+        groups.append(FusionGroup(order, outputs, shape, planner.anchor[members]))
+    return tuple(sorted(groups, key=lambda grp: grp.sink))

@@ -1,0 +1,268 @@
+"""Fusion: which nodes ``plan_fusion`` groups, and that fused programs compute exactly what the
+unfused ones do (GPU tests on lavapipe), with fewer dispatches and no buffer bound twice.
+
+Fused and unfused results are compared with ``np.array_equal``: a fused kernel performs the
+same f32 operations in the same order as the kernels it replaces (an f32 value stored and
+reloaded is unchanged). A shader compiler may still rewrite arithmetic across former kernel
+boundaries (Vulkan allows contraction and algebraic simplification; lavapipe folds
+``(a - b) + b`` to ``a``), so the graphs here avoid such patterns rather than loosening the
+comparison: on them any difference would be a fusion bug, not rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meganeura.codegen.kernel import Limits, ValueRef
+from meganeura.codegen.wgsl.elementwise import FUSIBLE
+from meganeura.compile import CompileOptions, build_training_graph, compile
+from meganeura.graph.builder import GraphBuilder
+from meganeura.graph.interpret import interpret
+from meganeura.graph.ir import Graph
+from meganeura.models.mlp import build_mlp
+from meganeura.models.transformer import TransformerConfig, build_transformer
+from meganeura.ops import elementwise as E
+from meganeura.ops import functional as F
+from meganeura.ops.activation import gelu, silu
+from meganeura.optim import HYPER_INPUT, AdamW
+from meganeura.passes import cse, dce
+from meganeura.passes.fuse import plan_fusion
+from meganeura.schedule.schedule import schedule
+
+RNG = np.random.default_rng(0)
+
+
+def _simplified(graph: Graph) -> Graph:
+    graph, _ = dce(graph)
+    graph, _ = cse(graph)
+    return dce(graph)[0]
+
+
+def _mlp_training_graph() -> Graph:
+    options = CompileOptions(loss="loss", optimizer=AdamW())
+    return _simplified(build_training_graph(build_mlp(64).graph, options))
+
+
+def _ops(graph: Graph, ids) -> list[str]:
+    return [graph[i].op for i in ids]
+
+
+# ---- planning (no GPU) ------------------------------------------------------------------------
+def test_mlp_step_fuses_bias_relu_and_the_relu_mask_into_matmuls():
+    g = _mlp_training_graph()
+    groups = {tuple(_ops(g, grp.members)): grp for grp in plan_fusion(g, FUSIBLE)}
+    assert set(groups) == {
+        ("matmul", "add", "relu"),  # fc1: x @ W1^T + b1, relu
+        ("matmul", "add"),  # fc2: logits
+        ("matmul", "greater", "where"),  # backward through relu, in the dx matmul's store
+    }
+    fc1 = groups[("matmul", "add", "relu")]
+    assert fc1.anchor == fc1.members[0]
+    # the pre-activation is read by the backward mask, the activation by the next matmul
+    assert _ops(g, fc1.outputs) == ["add", "relu"]
+    mask = groups[("matmul", "greater", "where")]
+    assert _ops(g, mask.outputs) == ["where"]  # the comparison is never stored
+
+
+def test_mlp_step_has_fewer_dispatches_with_fusion():
+    mlp = build_mlp(64).graph
+    options = CompileOptions(loss="loss", optimizer=AdamW())
+    off = compile(mlp, CompileOptions(loss="loss", optimizer=AdamW(), fuse=False))
+    on = compile(mlp, options)
+    assert options.fuse  # on by default
+    assert (len(off.dispatches), len(on.dispatches)) == (23, 18)
+    assert not any("+" in d.name for d in off.dispatches)
+
+
+def test_fuse_false_schedules_one_kernel_per_node():
+    g = _mlp_training_graph()
+    sched = schedule(g, Limits(), fuse=False)
+    assert sched.groups == ()
+    assert [nid for nid, _ in sched.dispatches] == sorted(nid for nid, _ in sched.dispatches)
+
+
+def test_intermediate_read_before_the_group_ends_is_stored_not_fused_away():
+    b = GraphBuilder()
+    x, y = b.input("x", (3, 5)), b.input("y", (3, 5))
+    a = x * y
+    r = F.sum(a, dim=1, keepdim=True)  # reads `a` before the chain below ends
+    b.output("out", F.exp(a) + r)
+    g = b.build()
+    groups = plan_fusion(g, FUSIBLE)
+    assert [_ops(g, grp.members) for grp in groups] == [["exp", "add"]]
+    assert all(a.id not in grp.members for grp in groups)
+
+
+def test_intermediate_with_a_later_outside_reader_becomes_a_second_output():
+    b = GraphBuilder()
+    x = b.input("x", (4, 6))
+    a = x * 3.0
+    b.output("e", F.exp(a))
+    b.output("s", F.sum(a))  # `a` is needed after the group: stored, not recomputed
+    g = b.build()
+    (grp,) = plan_fusion(g, FUSIBLE)
+    assert _ops(g, grp.members) == ["mul", "exp"]
+    assert grp.outputs == grp.members
+
+
+def test_smaller_intermediate_broadcast_into_the_chain_is_not_stored():
+    b = GraphBuilder()
+    x, y = b.input("x", (4, 1)), b.input("y", (4, 5))
+    b.output("out", F.exp(x) * y)
+    g = b.build()
+    (grp,) = plan_fusion(g, FUSIBLE)
+    assert grp.shape == (4, 5) and _ops(g, grp.outputs) == ["mul"]
+    # ...but a smaller member that must be stored keeps its own kernel.
+    b = GraphBuilder()
+    x, y = b.input("x", (4, 1)), b.input("y", (4, 5))
+    e = F.exp(x)
+    b.output("e", e)
+    b.output("out", e * y)
+    assert plan_fusion(b.build(), FUSIBLE) == ()
+
+
+def test_no_group_spans_an_in_place_update():
+    g = _simplified(build_training_graph(build_mlp(8, (6, 5, 3)).graph, _adamw()))
+    effects = [n.id for n in g.nodes if n.op == "adam_update"]
+    for grp in plan_fusion(g, FUSIBLE):
+        assert not any(grp.members[0] < e < grp.sink for e in effects)
+
+
+def _adamw() -> CompileOptions:
+    return CompileOptions(loss="loss", optimizer=AdamW())
+
+
+@pytest.mark.parametrize("which", ["mlp", "transformer"])
+def test_fused_kernels_bind_each_buffer_once_and_no_constant(which):
+    if which == "mlp":
+        g = _mlp_training_graph()
+    else:
+        net = build_transformer(1, 32, TransformerConfig(num_layers=1))
+        g = _simplified(build_training_graph(net.graph, _adamw()))
+    sched = schedule(g, Limits(), fuse=True)
+    assert sched.groups
+    fused = [ks for _, ks in sched.dispatches if "+" in ks.name]
+    assert len(fused) == len(sched.groups)
+    for ks in fused:
+        values = [r.node for r in ks.bindings if isinstance(r, ValueRef)]
+        assert len(values) == len(set(values)), ks.name
+        assert all(g[v].op != "constant" for v in values), ks.name
+    stored = {m for grp in sched.groups for m in grp.outputs}
+    hidden = {m for grp in sched.groups for m in grp.members} - stored
+    bound = {r.node for _, ks in sched.dispatches for r in ks.bindings if isinstance(r, ValueRef)}
+    assert not hidden & bound  # members that are not outputs get no storage at all
+
+
+# ---- execution (GPU) --------------------------------------------------------------------------
+def _run_training(graph, params, feeds, fuse, device, steps=3):
+    from meganeura.training import compile_for
+
+    opt = AdamW(lr=1e-2)
+    prog, sess = compile_for(graph, CompileOptions("loss", opt, fuse=fuse), device)
+    sess.load_state_dict({**{k: sess.read(k) for k in prog.state}, **params})
+    losses = []
+    for step in range(steps):
+        out = sess.run({**feeds, HYPER_INPUT: opt.hyper(step, opt.lr)}, ["loss", "logits"])
+        losses.append(out["loss"])
+    return losses, out["logits"], sess.state_dict(), len(prog.dispatches)
+
+
+def _assert_same_training(graph, params, feeds, device):
+    ref = _run_training(graph, params, feeds, False, device)
+    got = _run_training(graph, params, feeds, True, device)
+    assert got[3] < ref[3]
+    np.testing.assert_array_equal(np.array(got[0]), np.array(ref[0]))
+    np.testing.assert_array_equal(got[1], ref[1])
+    assert got[2].keys() == ref[2].keys()
+    for k in ref[2]:
+        np.testing.assert_array_equal(got[2][k], ref[2][k], err_msg=k)
+
+
+@pytest.mark.gpu
+def test_mlp_training_steps_are_bit_identical_with_fusion(gpu_device):
+    net = build_mlp(64)
+    params = net.model.init_parameters(np.random.default_rng(0))
+    feeds = {
+        "x": RNG.standard_normal((64, 784)).astype(np.float32),
+        "y": RNG.integers(0, 10, 64).astype(np.int32),
+    }
+    _assert_same_training(net.graph, params, feeds, gpu_device)
+
+
+@pytest.mark.gpu
+def test_transformer_training_steps_are_bit_identical_with_fusion(gpu_device):
+    cfg = TransformerConfig(num_layers=1)
+    net = build_transformer(1, 32, cfg)
+    params = net.model.init_parameters(np.random.default_rng(0))
+    feeds = {
+        "input_ids": RNG.integers(0, cfg.vocab_size, (1, 32)).astype(np.int32),
+        "labels": RNG.integers(0, cfg.vocab_size, (1, 32)).astype(np.int32),
+    }
+    _assert_same_training(net.graph, params, feeds, gpu_device)
+
+
+def _compare(graph: Graph, feeds: dict, device, kernels: int | None = None) -> None:
+    from meganeura.training import compile_for
+
+    outs = {}
+    for fuse in (False, True):
+        prog, sess = compile_for(graph, CompileOptions(fuse=fuse), device)
+        outs[fuse] = sess.run(feeds, [name for name, _ in graph.outputs])
+        if fuse and kernels is not None:
+            assert len(prog.dispatches) == kernels
+    vals, _, _ = interpret(graph, feeds)
+    for name, v in graph.outputs:
+        np.testing.assert_array_equal(outs[True][name], outs[False][name], err_msg=name)
+        # the oracle only guards against both sides being wrong alike; sums differ in order
+        np.testing.assert_allclose(outs[True][name], vals[v], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_broadcasting_chain_is_one_exact_kernel(gpu_device):
+    b = GraphBuilder()
+    x, y, z = b.input("x", (3, 1, 5)), b.input("y", (4, 1)), b.input("z", (5,))
+    b.output("out", F.sigmoid(x * 2.0 + y) * F.tanh(z))
+    feeds = {
+        "x": RNG.standard_normal((3, 1, 5)).astype(np.float32),
+        "y": RNG.standard_normal((4, 1)).astype(np.float32),
+        "z": RNG.standard_normal(5).astype(np.float32),
+    }
+    _compare(b.build(), feeds, gpu_device, kernels=1)
+
+
+@pytest.mark.gpu
+def test_two_consumer_intermediates_give_exact_results(gpu_device):
+    b = GraphBuilder()
+    x, y = b.input("x", (33, 70)), b.input("y", (70,))
+    a = x * y
+    r = F.sum(a, dim=1, keepdim=True)
+    b.output("out", F.exp(a) + r)  # `a` read by a reduction between the chain's nodes
+    c = F.where(F.greater(a, 0.0), a, x)
+    b.output("c", c)
+    b.output("d", F.sqrt(E.abs(c)) - c)  # `c` both an output and an operand
+    feeds = {
+        "x": RNG.standard_normal((33, 70)).astype(np.float32),
+        "y": RNG.standard_normal(70).astype(np.float32),
+    }
+    _compare(b.build(), feeds, gpu_device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["relu", "silu", "gelu", "tanh", "sigmoid", None])
+@pytest.mark.parametrize("lead", [(37,), (3, 7)])
+def test_linear_epilogue_is_exact(gpu_device, act, lead):
+    acts = {"relu": F.relu, "silu": silu, "gelu": gelu, "tanh": F.tanh, "sigmoid": F.sigmoid}
+    b = GraphBuilder()
+    x, w = b.input("x", (*lead, 19)), b.input("w", (70, 19))
+    bias, res = b.input("b", (70,)), b.input("r", (*lead, 70))
+    h = F.linear(x, w, bias)
+    h = acts[act](h) if act else h
+    b.output("out", h + res)  # residual add in the same store stage
+    feeds = {
+        "x": RNG.standard_normal((*lead, 19)).astype(np.float32),
+        "w": RNG.standard_normal((70, 19)).astype(np.float32),
+        "b": RNG.standard_normal(70).astype(np.float32),
+        "r": RNG.standard_normal((*lead, 70)).astype(np.float32),
+    }
+    _compare(b.build(), feeds, gpu_device, kernels=1)
