@@ -15,7 +15,7 @@ from .autodiff import differentiate
 from .codegen.kernel import Limits, ScratchRef, ValueRef
 from .graph.ir import Graph
 from .optim import Optimizer, apply_optimizer
-from .passes import cse, dce
+from .passes import cse, dce, fold_permutes
 from .schedule.planner import plan_memory
 from .schedule.program import (
     BufferSpec,
@@ -83,7 +83,8 @@ def compile(
     Returns:
         A Program whose ``meta["compile_seconds"]`` holds wall seconds per stage, in order:
         ``graph`` (only when given), ``autodiff`` (backward + optimizer, 0 for inference),
-        ``passes`` (dce, cse), ``codegen`` (schedule + lowering to WGSL), ``plan_memory``,
+        ``passes`` (fold_permutes, dce, cse), ``codegen`` (schedule + lowering to WGSL),
+        ``plan_memory``,
         ``assemble`` (buffer table and dispatches); ``meta`` also holds the options.
 
     Raises:
@@ -98,6 +99,7 @@ def compile(
     times["autodiff"] = time.perf_counter() - t0
 
     t = time.perf_counter()
+    graph, _ = fold_permutes(graph)
     graph, _ = dce(graph)
     graph, _ = cse(graph)
     graph, _ = dce(graph)

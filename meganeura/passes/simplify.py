@@ -1,4 +1,4 @@
-"""Dead-code elimination and common-subexpression elimination.
+"""Dead-code elimination, common-subexpression elimination and permute folding.
 
 Both keep every named leaf that the remaining graph needs, every output and every node with
 effects (optimizer updates); ``input`` leaves are always kept so a compiled program's feed
@@ -77,3 +77,30 @@ def cse(graph: Graph) -> tuple[Graph, dict[int, int]]:
         else:
             seen[key] = n.id
     return renumber(graph, keep, remap)
+
+
+def fold_permutes(graph: Graph) -> tuple[Graph, dict[int, int]]:
+    """Compose ``permute(permute(x, a), b)`` into one permute of ``x``, or into ``x`` itself
+    when the composition is the identity (the backward of ``x @ W^T`` transposes a transpose).
+    The inner permute is left for ``dce`` to remove when nothing else reads it."""
+    from ..graph.ir import make_attrs
+
+    nodes = list(graph.nodes)
+    remap: dict[int, int] = {}
+    keep = [True] * len(nodes)
+    for n in graph.nodes:
+        if n.op != "permute":
+            continue
+        inner = nodes[remap.get(n.inputs[0], n.inputs[0])]
+        if inner.op != "permute":
+            continue
+        outer_dims, inner_dims = n.attr("dims"), inner.attr("dims")
+        dims = tuple(inner_dims[d] for d in outer_dims)
+        if dims == tuple(range(len(dims))):
+            remap[n.id] = inner.inputs[0]
+            keep[n.id] = False
+        else:
+            nodes[n.id] = dataclasses.replace(
+                n, inputs=(inner.inputs[0],), attrs=make_attrs({"dims": dims})
+            )
+    return renumber(Graph(tuple(nodes), graph.outputs), keep, remap)

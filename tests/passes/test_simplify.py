@@ -151,3 +151,29 @@ def test_cse_then_dce_on_a_training_graph_keeps_results():
     np.testing.assert_array_equal(p1["w"], p2["w"])
     for k, v in g.outputs:
         np.testing.assert_array_equal(v2[g2.output_dict[k]], v1[v])
+
+
+def test_fold_permutes_composes_and_cancels():
+    import numpy as np
+
+    from meganeura.graph.builder import GraphBuilder
+    from meganeura.graph.interpret import interpret
+    from meganeura.ops import functional as F
+    from meganeura.passes import dce, fold_permutes
+
+    b = GraphBuilder()
+    x = b.input("x", (2, 3, 4))
+    twice = F.permute(F.permute(x, (1, 0, 2)), (1, 0, 2))  # identity
+    chained = F.permute(F.permute(x, (2, 0, 1)), (0, 2, 1))  # one permute of x
+    b.output("a", twice * 2.0)
+    b.output("b", chained)
+    g = b.build()
+    folded, _ = dce(fold_permutes(g)[0])
+    perms = [n for n in folded.nodes if n.op == "permute"]
+    assert len(perms) == 1 and perms[0].inputs == (0,)
+    assert perms[0].attr("dims") == (2, 1, 0)
+    xs = {"x": np.arange(24, dtype=np.float32).reshape(2, 3, 4)}
+    want, _, _ = interpret(g, xs)
+    got, _, _ = interpret(folded, xs)
+    for name in ("a", "b"):
+        assert np.array_equal(got[folded.output_dict[name]], want[g.output_dict[name]])
