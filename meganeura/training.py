@@ -57,6 +57,7 @@ class Trainer:
         schedule: step -> learning rate; default the optimizer's constant ``lr``.
         max_grad_norm: clip gradients by global L2 norm (None: no clipping).
         device: a runtime Device; default the cached default device.
+        fuse: fuse elementwise chains and matmul epilogues (``CompileOptions.fuse``).
     """
 
     def __init__(
@@ -67,10 +68,13 @@ class Trainer:
         schedule: Callable[[int], float] | None = None,
         max_grad_norm: float | None = None,
         device=None,
+        fuse: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.schedule = schedule or (lambda step: optimizer.lr)
-        options = CompileOptions(loss=loss, optimizer=optimizer, max_grad_norm=max_grad_norm)
+        options = CompileOptions(
+            loss=loss, optimizer=optimizer, max_grad_norm=max_grad_norm, fuse=fuse
+        )
         self.program: Program
         self.program, self.session = compile_for(graph, options, device)
         self.step_count = 0

@@ -185,3 +185,17 @@ def test_out_of_range_token_ids_rejected_before_the_step(gpu_device):
         tr.step({"ids": np.array([[0, 1, 5], [2, 3, 4]], np.int32)})
     assert np.array_equal(tr.parameters()["emb"], before)
     assert tr.step_count == 1
+
+
+def test_fuse_switch_reaches_the_compiled_step(gpu_device):
+    net = build_mlp(BATCH, SIZES)
+    fused = Trainer(net.graph, SGD(lr=0.1), device=gpu_device)
+    plain = Trainer(net.graph, SGD(lr=0.1), device=gpu_device, fuse=False)
+    assert len(fused.program.dispatches) < len(plain.program.dispatches)
+    params = net.model.init_parameters(np.random.default_rng(1))
+    x, y = _data()
+    for tr in (fused, plain):
+        tr.load_parameters(params)
+        tr.step({"x": x, "y": y})
+    for k, v in fused.parameters().items():
+        np.testing.assert_allclose(v, plain.parameters()[k], rtol=1e-6, atol=1e-7)
