@@ -41,7 +41,10 @@ def cmd_train(args) -> int:
         seed=args.seed,
         data=args.data,
         out=args.out,
+        log_every=args.log_every,
     )
+    if args.log_every < 1:
+        raise SystemExit(f"--log-every must be >= 1, got {args.log_every}")
     dev = _device(args)
     print(f"device: {dev.name}")
     cache = dev.pipelines
@@ -159,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-grad-norm", type=float, default=None)
     t.add_argument("--hidden", type=int, default=128)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--log-every", type=int, default=10, help="read the loss back every N steps (default 10)"
+    )
     t.add_argument("--out", default="runs/mnist", help="folder for checkpoint and loss curve")
     t.add_argument("--resume", help="checkpoint to continue from")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")

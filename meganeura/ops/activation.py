@@ -19,15 +19,9 @@ import numpy as np
 from ..graph.builder import Tensor
 from . import functional as F
 from .registry import OpDef, ShapeError
+from .registry import float_unary as _float_unary
 
 GELU_APPROXIMATIONS = ("none", "tanh")
-
-
-def _float_unary(types, attrs):
-    (t,) = types
-    if not t.dtype.is_floating:
-        raise ShapeError(f"expects a floating-point operand, got {t.dtype}")
-    return t
 
 
 def _grad_pair(types, attrs):

@@ -23,6 +23,7 @@ from . import activation
 from . import functional as F
 from .activation import gelu, leaky_relu, sigmoid_np, silu, softplus  # noqa: F401 (re-exported)
 from .registry import OpDef, ShapeError
+from .registry import float_unary as _float_unary
 
 
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
@@ -42,13 +43,6 @@ def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
             )
         out.append(dims.pop() if dims else 1)
     return tuple(out)
-
-
-def _float_unary(types, attrs):
-    (t,) = types
-    if not t.dtype.is_floating:
-        raise ShapeError(f"expects a floating-point operand, got {t.dtype}")
-    return t
 
 
 def _numeric_unary(types, attrs):

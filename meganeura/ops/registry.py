@@ -58,6 +58,14 @@ class OpDef:
     arity: int | None = None
 
 
+def float_unary(types: Sequence[TensorType], attrs: dict) -> TensorType:
+    """Type rule of one-operand floating ops: the result is typed like the operand."""
+    (t,) = types
+    if not t.dtype.is_floating:
+        raise ShapeError(f"expects a floating-point operand, got {t.dtype}")
+    return t
+
+
 def collect(*families: Sequence[OpDef]) -> dict[str, OpDef]:
     """Build the op table from family lists, rejecting duplicate names."""
     table: dict[str, OpDef] = {}

@@ -17,7 +17,8 @@ def test_one_epoch_learns_and_predict_reloads(gpu_device, tmp_path):
     s = train(cfg, device=gpu_device, progress=False)
     assert s["steps"] == 4000 // 64
     assert s["test_accuracy"] >= 0.80, s["test_accuracy"]  # torch, same recipe: ~0.86
-    assert s["losses"][0] > 2.0 and s["final_loss"] < 1.0
+    assert s["losses"][0][1] > 2.0 and s["final_loss"] < 1.0
+    assert [step for step, _ in s["losses"]] == list(range(0, 62, 10))  # every 10th step
     mem = s["memory"]
     assert 0 < mem["planned_bytes"] < mem["naive_bytes"]
     r = predict(s["checkpoint"], device=gpu_device)
