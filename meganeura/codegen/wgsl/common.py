@@ -238,8 +238,18 @@ class Src:
         return self.type.dtype
 
     def at(self, index: str) -> str:
-        """WGSL expression of element ``index`` (the literal itself for constants)."""
-        return self.literal if self.literal is not None else f"{self.name}[{index}]"
+        """WGSL expression of element ``index`` in its compute type (the literal itself for
+        constants; an f16-stored value is widened to f32)."""
+        if self.literal is not None:
+            return self.literal
+        if self.type.dtype is DType.f16:
+            return f"f32({self.name}[{index}])"
+        return f"{self.name}[{index}]"
+
+
+def compute_dtype(dtype: DType) -> DType:
+    """The type kernels compute in for values stored as ``dtype``: f16 storage computes in f32."""
+    return DType.f32 if dtype is DType.f16 else dtype
 
 
 class KernelBuilder:
@@ -292,6 +302,28 @@ class KernelBuilder:
         """Bind node-private scratch storage of ``count`` elements of ``dtype``."""
         self._refs.append(ScratchRef(key, max(count, 1) * dtype.itemsize, dtype))
         return self._declare(name, dtype)
+
+    def element_type(self, var: str) -> str:
+        """WGSL element type of the storage binding ``var`` (``f32``, ``f16``, ``i32``, ...)."""
+        for name, ty in self._decls:
+            if name == var:
+                return ty
+        raise KeyError(f"{var!r} is not a binding of this kernel")
+
+    def load(self, var: str, index: str) -> str:
+        """Expression reading element ``index`` of binding ``var`` in its compute type
+        (f16 storage is widened to f32). Kernels read bound values through this or ``Src.at``
+        so that the fast (f16-storage) mode needs no change in the emitter."""
+        if self.element_type(var) == "f16":
+            return f"f32({var}[{index}])"
+        return f"{var}[{index}]"
+
+    def store(self, var: str, index: str, expr: str) -> str:
+        """Statement writing compute-type ``expr`` to element ``index`` of binding ``var``
+        (narrowed to f16 when the binding stores f16)."""
+        if self.element_type(var) == "f16":
+            return f"{var}[{index}] = f16({expr});"
+        return f"{var}[{index}] = {expr};"
 
     def _declare(self, name: str, dtype: DType) -> str:
         var = f"g_{name}"
