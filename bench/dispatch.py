@@ -17,7 +17,9 @@ Dispatch rows:
     dispatch count and host time (the compiler's default).
 Upload rows (ours vs the PyTorch analogue), each step = upload + one submit holding a 4-byte
 copy that consumes the data:
-  * write_buffer: ``queue.write_buffer`` (what ``Session.run`` does) vs ``tensor.to(dev)``;
+  * write_buffer: ``queue.write_buffer`` (wgpu-py's public API) vs ``tensor.to(dev)``;
+  * native_write: the same native call without wgpu-py's wrapper (``runtime/fastpath.py``,
+    what ``Session.run`` uses) vs ``tensor.to(dev)``;
   * mapped_staging: a ring of MAP_WRITE | COPY_SRC buffers, ``map_sync`` + ``write_mapped`` +
     ``unmap`` + ``copy_buffer_to_buffer`` in the step's encoder vs a pinned host buffer
     (``pinned.copy_(x)`` + ``dst.copy_(pinned, non_blocking=True)``);
@@ -140,6 +142,30 @@ class Raw:
         self.queue.submit([enc.finish()])
 
 
+def breakdown(sess, reps: int) -> dict:
+    """Median ms of the three host phases of ``Session.run``'s step: encoding the dispatches
+    (``record``), ``GPUCommandEncoder.finish`` (wgpu-core's validation and the driver's command
+    buffer) and ``queue.submit``; the device idle before each (Session internals, bench only)."""
+    rows = {"record": [], "finish": [], "submit": []}
+    for _ in range(reps + 2):
+        sess.synchronize()
+        t0 = time.perf_counter()
+        enc = sess._gpu.create_command_encoder()
+        cp = enc.begin_compute_pass()
+        sess._plan.record(cp)
+        cp.end()
+        t1 = time.perf_counter()
+        cb = enc.finish()
+        t2 = time.perf_counter()
+        sess._queue.submit([cb])
+        t3 = time.perf_counter()
+        rows["record"].append(1e3 * (t1 - t0))
+        rows["finish"].append(1e3 * (t2 - t1))
+        rows["submit"].append(1e3 * (t3 - t2))
+    sess.synchronize()
+    return {f"ours_{k}_ms": float(np.median(v[2:])) for k, v in rows.items()}
+
+
 def dispatch_rows(args, device, torch, dev, rec, raw: Raw) -> None:
     tsync = torch_sync(dev)
     reps = args.repeats
@@ -154,6 +180,7 @@ def dispatch_rows(args, device, torch, dev, rec, raw: Raw) -> None:
 
         o_host = host_times(ours_step, sess.synchronize, args.warmup, reps)
         o_sync = timeit(ours_step, sess.synchronize, args.warmup, reps)
+        phases = breakdown(sess, reps)
         raw_rebind = host_times(lambda n=n: raw.step(n, True), raw.sync, args.warmup, reps)
         raw_once = host_times(lambda n=n: raw.step(n, False), raw.sync, args.warmup, reps)
         sess.close()
@@ -194,6 +221,7 @@ def dispatch_rows(args, device, torch, dev, rec, raw: Raw) -> None:
                 fused_dispatches=f_nd,
                 fused_host_ms=f_host["median"],
                 target_ms=3.0 if n == 1000 else None,
+                **phases,
                 **common,
             )
         )
@@ -211,14 +239,29 @@ def dispatch_rows(args, device, torch, dev, rec, raw: Raw) -> None:
             )
         )
 
-    # The sync itself: a 4-byte read-back through wgpu-py vs cuda.synchronize, device idle.
-    o = timeit(raw.sync, lambda: None, args.warmup, reps)
+    # The sync itself, device idle: Session.synchronize (wgpuDevicePoll wait, fastpath.py) vs
+    # cuda.synchronize; extra: the public-API fallback, a 4-byte read-back.
+    from meganeura.runtime import fastpath
+
+    o = timeit(lambda: fastpath.wait_idle(raw.gpu, raw.sync), lambda: None, args.warmup, reps)
+    o_read = timeit(raw.sync, lambda: None, args.warmup, reps)
     t = timeit(tsync, lambda: None, args.warmup, reps)
-    rec.add(result("sync_idle", "ms", o["median"], t["median"], ours_how="queue.read_buffer 4 B"))
+    rec.add(
+        result(
+            "sync_idle",
+            "ms",
+            o["median"],
+            t["median"],
+            ours_how="wgpuDevicePoll(wait=True)" if fastpath.AVAILABLE else "queue.read_buffer",
+            read_back_4B_ms=o_read["median"],
+        )
+    )
 
 
 def upload_rows(args, device, torch, dev, rec) -> None:
     import wgpu
+
+    from meganeura.runtime import fastpath
 
     gpu = device.gpu
     queue = gpu.queue
@@ -249,6 +292,10 @@ def upload_rows(args, device, torch, dev, rec) -> None:
 
         def write_buffer(data=data, dst=dst, consume=consume):
             queue.write_buffer(dst, 0, data)
+            consume(gpu.create_command_encoder())
+
+        def native_write(data=data, dst=dst, consume=consume):
+            fastpath.write(queue, dst, 0, data)  # what Session.run uses
             consume(gpu.create_command_encoder())
 
         def mapped_staging(data=data, dst=dst, ring=ring, nbytes=nbytes, at=at, consume=consume):
@@ -282,6 +329,7 @@ def upload_rows(args, device, torch, dev, rec) -> None:
 
         for path, ours_fn, torch_fn, torch_how in (
             ("write_buffer", write_buffer, t_pageable, "tensor.to(dev) from pageable"),
+            ("native_write", native_write, t_pageable, "tensor.to(dev) from pageable"),
             ("mapped_staging", mapped_staging, t_pinned, "pinned copy_ + non_blocking copy_"),
             ("buffer_with_data", with_data, t_pageable, "tensor.to(dev) from pageable"),
         ):

@@ -27,6 +27,7 @@ import numpy as np
 import wgpu
 
 from ..schedule.program import Program
+from . import fastpath
 from .device import Device, get_device
 from .pipelines import check_limits, find_invalid_dispatch
 from .slots import BoundSlot, InputError, bind_slots, ceil_to, check_labels, checked, decode
@@ -36,21 +37,6 @@ if TYPE_CHECKING:
 
 _USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 _STAGING_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
-# "READ_NOSYNC" skips the empty submit wgpu-py adds before every read-map (a workaround for data
-# written through a mapping, wgpu-native#305); our staging buffers are only written by copies in
-# the step's own submit. Measured on lavapipe: 124 us vs 148 us for a 4-byte fetch.
-_map_mode: object = "READ_NOSYNC"
-
-
-def _map_read(buf: wgpu.GPUBuffer, offset: int, size: int) -> None:
-    global _map_mode
-    try:
-        buf.map_async(_map_mode, offset, size).sync_wait()
-    except (ValueError, KeyError, TypeError):
-        if _map_mode == wgpu.MapMode.READ:
-            raise
-        _map_mode = wgpu.MapMode.READ  # a later wgpu-py dropped the private mode
-        buf.map_async(_map_mode, offset, size).sync_wait()
 
 
 class Session:
@@ -105,7 +91,7 @@ class Session:
         t2 = time.perf_counter()
         cache = self.device.pipelines
         compiled, hits = cache.compiled, cache.hits
-        self._plan = self._build_plan()
+        self._plan = fastpath.Recorder(self._build_plan())
         self.pipelines_compiled = cache.compiled - compiled
         self.pipelines_reused = cache.hits - hits
         t3 = time.perf_counter()
@@ -162,7 +148,7 @@ class Session:
         if raw.size == 0:
             return
         if b.start == b.slot.offset and b.length == raw.size:
-            self._queue.write_buffer(b.buffer, b.start, raw)
+            fastpath.write(self._queue, b.buffer, b.start, raw)
             return
         # Unaligned (odd-length f16, 2-byte offset): pad to 4 bytes, keeping neighbours' bytes.
         if b.pad_free:
@@ -172,7 +158,7 @@ class Session:
             block = block.copy()
         head = b.slot.offset - b.start
         block[head : head + raw.size] = raw
-        self._queue.write_buffer(b.buffer, b.start, block)
+        fastpath.write(self._queue, b.buffer, b.start, block)
 
     def _live(self) -> None:
         if self._closed:
@@ -263,11 +249,7 @@ class Session:
     def _record(self, fetch: tuple[str, ...]) -> wgpu.GPUCommandBuffer:
         enc = self._gpu.create_command_encoder()
         cp = enc.begin_compute_pass()
-        for pipeline, bg, x, y, z in self._plan:
-            if pipeline is not None:
-                cp.set_pipeline(pipeline)
-            cp.set_bind_group(0, bg)
-            cp.dispatch_workgroups(x, y, z)
+        self._plan.record(cp)
         cp.end()
         for name in fetch:
             b = self._bound[name]
@@ -294,16 +276,11 @@ class Session:
         for chunk, names in by_chunk.items():
             lo = min(self._stage_at[n][1] for n in names)
             hi = max(self._stage_at[n][1] + self._bound[n].length for n in names)
-            buf = self._staging[chunk]
-            _map_read(buf, lo, hi - lo)
-            try:
-                raw = buf.read_mapped(lo, hi - lo, copy=False)
-                for n in names:
-                    b = self._bound[n]
-                    head = self._stage_at[n][1] - lo + b.slot.offset - b.start
-                    out[n] = decode(b, raw, head)
-            finally:
-                buf.unmap()
+            raw = fastpath.map_read(self._gpu, self._staging[chunk], lo, hi - lo)
+            for n in names:
+                b = self._bound[n]
+                head = self._stage_at[n][1] - lo + b.slot.offset - b.start
+                out[n] = decode(b, raw, head)
         return out
 
     def read(self, name: str) -> np.ndarray:
@@ -371,9 +348,12 @@ class Session:
     def synchronize(self) -> None:
         """Block until all work submitted to this device has finished (for timing).
 
-        wgpu-py 0.32's ``on_submitted_work_done_sync`` fails in its FFI layer, so this reads
-        4 bytes back instead: a read waits for every earlier submission.
+        Uses ``wgpuDevicePoll(wait=True)`` (:func:`.fastpath.wait_idle`); without it, reads
+        4 bytes back, which waits for every earlier submission.
         """
+        fastpath.wait_idle(self._gpu, self._read_sync_word)
+
+    def _read_sync_word(self) -> None:
         if self._sync_buffer is None:
             self._sync_buffer = self._gpu.create_buffer(
                 size=4, usage=wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST

@@ -1,0 +1,180 @@
+"""Direct wgpu-native calls for the three things a step does on the host, with the public
+wgpu-py API as the fallback.
+
+Why: wgpu-py wraps every native call in Python (argument checks, an error-capture proxy, a
+fresh ``uint32_t[]`` for the dynamic offsets of each ``set_bind_group``) and waits for buffer
+maps through a poll thread. For a step that is nothing but replayed commands, that wrapper is
+most of the host time. Measured on lavapipe (this repository's CI machine class, 1,000
+dispatches of one tiny kernel, record + finish + submit): 3.4-3.9 ms through the public API,
+1.4-1.6 ms through these calls; on the H200 machine see ``bench/dispatch.py``.
+
+What is used, and why it is safe:
+  * ``record``: ``wgpuComputePassEncoderSetPipeline / SetBindGroup / DispatchWorkgroups`` on the
+    raw library (not wgpu-py's error-capturing ``libf``). Pass-encoder errors are deferred by
+    WebGPU to ``GPUCommandEncoder.finish``, which still goes through wgpu-py and raises; and a
+    Session records its whole step once at construction, so an invalid plan fails there.
+  * ``write``: ``wgpuQueueWriteBuffer`` from a C-contiguous NumPy array (the call copies).
+    Callers check sizes, offsets and 4-byte alignment first.
+  * ``wait_idle``: ``wgpuDevicePoll(wait=True)``, which returns once every submission so far
+    has completed; wgpu-py 0.32's ``on_submitted_work_done_sync`` fails in its FFI layer, and the
+    public alternative (reading 4 bytes back) costs a copy, a map and a poll-thread hand-off.
+  * ``map_read``: ``wgpuBufferMapAsync`` with our own callback, then ``wgpuDevicePoll(wait)`` on
+    the calling thread until it fires, instead of waking wgpu-py's poll thread and waiting for
+    it (a thread hand-off per read). The buffer is unmapped before returning, so wgpu-py's own
+    view of it (``map_state == "unmapped"``) stays true. A failed map raises ``RuntimeError``.
+
+If wgpu-py's private module layout changes (``AVAILABLE`` is False), every function here falls
+back to the public API with the same behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import wgpu
+
+try:  # wgpu-py's cffi handles; private, so everything below has a public fallback
+    from wgpu.backends.wgpu_native._api import ffi, lib
+
+    _SET_PIPELINE = lib.wgpuComputePassEncoderSetPipeline
+    _SET_BIND_GROUP = lib.wgpuComputePassEncoderSetBindGroup
+    _DISPATCH = lib.wgpuComputePassEncoderDispatchWorkgroups
+    _WRITE = lib.wgpuQueueWriteBuffer
+    _MAP_ASYNC = lib.wgpuBufferMapAsync
+    _POLL = lib.wgpuDevicePoll
+    _MAPPED_RANGE = lib.wgpuBufferGetConstMappedRange
+    _UNMAP = lib.wgpuBufferUnmap
+    _MAP_READ = lib.WGPUMapMode_Read
+    _MAP_SUCCESS = lib.WGPUMapAsyncStatus_Success
+    _ALLOW_PROCESS_EVENTS = lib.WGPUCallbackMode_AllowProcessEvents
+    AVAILABLE = True
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed wgpu-py
+    AVAILABLE = False
+
+# Map requests in flight: id -> status (None until the callback fires). One module-level
+# callback serves them all; userdata1 carries the id.
+_pending: dict[int, int | None] = {}
+_next_id = [0]
+
+if AVAILABLE:
+
+    @ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)")
+    def _on_mapped(status, _message, userdata1, _userdata2):
+        _pending[int(ffi.cast("intptr_t", userdata1))] = int(status)
+
+
+def raw_handle(obj) -> object:
+    """The native handle of a wgpu-py object (pipeline, bind group, buffer, pass, queue)."""
+    return obj._internal
+
+
+class Recorder:
+    """Replays a prebuilt dispatch list into a compute pass.
+
+    Args:
+        plan: ``(pipeline or None, bind_group, x, y, z)`` per dispatch; ``None`` keeps the
+            previous pipeline. The wgpu-py objects must outlive the Recorder (the Session
+            holds them).
+    """
+
+    def __init__(self, plan: Sequence[tuple]):
+        self._plan = tuple(plan)
+        self._raw = (
+            tuple(
+                (None if p is None else raw_handle(p), raw_handle(bg), x, y, z)
+                for p, bg, x, y, z in plan
+            )
+            if AVAILABLE
+            else None
+        )
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def record(self, compute_pass: wgpu.GPUComputePassEncoder) -> None:
+        """Encode every dispatch of the plan into ``compute_pass``."""
+        if self._raw is None:
+            for pipeline, bg, x, y, z in self._plan:
+                if pipeline is not None:
+                    compute_pass.set_pipeline(pipeline)
+                compute_pass.set_bind_group(0, bg)
+                compute_pass.dispatch_workgroups(x, y, z)
+            return
+        cp, null = raw_handle(compute_pass), ffi.NULL
+        set_pipeline, set_bind_group, dispatch = _SET_PIPELINE, _SET_BIND_GROUP, _DISPATCH
+        for pipeline, bg, x, y, z in self._raw:
+            if pipeline is not None:
+                set_pipeline(cp, pipeline)
+            set_bind_group(cp, 0, bg, 0, null)
+            dispatch(cp, x, y, z)
+
+
+def write(queue: wgpu.GPUQueue, buffer: wgpu.GPUBuffer, offset: int, data: np.ndarray) -> None:
+    """Copy the bytes of ``data`` into ``buffer`` at ``offset`` (queued before the next submit).
+
+    The caller guarantees ``offset`` and ``data.nbytes`` are multiples of 4 and in range.
+    """
+    if not AVAILABLE:
+        queue.write_buffer(buffer, offset, data)
+        return
+    data = np.ascontiguousarray(data)
+    _WRITE(
+        raw_handle(queue),
+        raw_handle(buffer),
+        offset,
+        ffi.cast("void *", data.ctypes.data),
+        data.nbytes,
+    )
+
+
+def map_read(device: wgpu.GPUDevice, buffer: wgpu.GPUBuffer, offset: int, size: int) -> bytes:
+    """Map ``buffer[offset : offset + size]`` for reading after all submitted work, copy it
+    out and unmap. ``offset`` must be a multiple of 8 and ``size`` of 4 (WebGPU's rules).
+
+    Raises:
+        RuntimeError: the map failed (the message gives wgpu's status code).
+    """
+    if not AVAILABLE:
+        buffer.map_async(wgpu.MapMode.READ, offset, size).sync_wait()
+        try:
+            return bytes(buffer.read_mapped(offset, size, copy=False))
+        finally:
+            buffer.unmap()
+    key = _next_id[0] = _next_id[0] + 1
+    _pending[key] = None
+    info = ffi.new(
+        "WGPUBufferMapCallbackInfo *",
+        {
+            "mode": _ALLOW_PROCESS_EVENTS,
+            "callback": _on_mapped,
+            "userdata1": ffi.cast("void *", key),
+        },
+    )
+    buf, dev = raw_handle(buffer), raw_handle(device)
+    try:
+        _MAP_ASYNC(buf, _MAP_READ, offset, size, info[0])
+        while _pending[key] is None:
+            _POLL(dev, True, ffi.NULL)  # blocks until the queue is idle, then fires callbacks
+        status = _pending[key]
+    finally:
+        _pending.pop(key, None)
+    if status != _MAP_SUCCESS:
+        raise RuntimeError(f"mapping {buffer.label!r} for reading failed (wgpu status {status})")
+    try:
+        ptr = _MAPPED_RANGE(buf, offset, size)
+        return bytes(ffi.buffer(ptr, size))
+    finally:
+        _UNMAP(buf)
+
+
+def wait_idle(device: wgpu.GPUDevice, fallback) -> None:
+    """Block until every submission to ``device`` so far has completed.
+
+    Args:
+        fallback: called instead when the native call is unavailable (it must wait the same way).
+    """
+    if not AVAILABLE:
+        fallback()
+        return
+    _POLL(raw_handle(device), True, ffi.NULL)
