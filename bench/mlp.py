@@ -1,7 +1,12 @@
 """Benchmark: the MNIST MLP (784-128-10, ReLU, cross-entropy, AdamW) forward and training
 step at batch 64 and 1024, meganeura vs PyTorch (CUDA when available, else CPU), same run.
 
-Usage: python bench/mlp.py [--repeats 20] [--out-name mlp]
+Rows ``mlp_{forward,train_step}_b{B}`` compare with PyTorch eager; rows ending ``_compiled``
+compare with ``torch.compile`` (default mode) of the model, with ``AdamW(fused=True)`` on CUDA
+for the step (its compile time is reported as ``torch_compile_s``). ``--no-compile`` skips
+them. Every timing uploads the batch from host memory, on both sides.
+
+Usage: python bench/mlp.py [--repeats 20] [--out-name mlp] [--no-compile]
 """
 
 from __future__ import annotations
@@ -21,7 +26,13 @@ from meganeura.runtime import get_device  # noqa: E402
 from meganeura.training import Trainer, compile_for  # noqa: E402
 
 
-def torch_cases(batch: int, params: dict, x: np.ndarray, y: np.ndarray, repeats: int):
+def torch_cases(
+    batch: int, params: dict, x: np.ndarray, y: np.ndarray, repeats: int, compiled: bool = False
+):
+    """(forward timing, step timing, device, compile seconds) of PyTorch eager, or of
+    ``torch.compile`` when ``compiled``."""
+    import time
+
     torch, dev = torch_setup()
     model = torch.nn.Sequential(
         torch.nn.Linear(784, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
@@ -31,8 +42,12 @@ def torch_cases(batch: int, params: dict, x: np.ndarray, y: np.ndarray, repeats:
             ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], model.parameters()
         ):
             p.copy_(torch.from_numpy(params[name]))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    fused = {"fused": True} if compiled and dev == "cuda" else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **fused)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    compile_s = 0.0
+    if compiled:
+        model = torch.compile(model)
 
     # Both frameworks upload the batch from host memory on every call, as a training loop
     # over host data must; meganeura's Session.run does the same through queue.write_buffer.
@@ -46,7 +61,13 @@ def torch_cases(batch: int, params: dict, x: np.ndarray, y: np.ndarray, repeats:
         torch.nn.functional.cross_entropy(model(tx), ty).backward()
         opt.step()
 
-    return timeit(fwd, sync, repeats=repeats), timeit(step, sync, repeats=repeats), dev
+    if compiled:  # compile both graphs (forward-only and training) outside the timings
+        t = time.perf_counter()
+        fwd()
+        step()
+        sync()
+        compile_s = time.perf_counter() - t
+    return timeit(fwd, sync, repeats=repeats), timeit(step, sync, repeats=repeats), dev, compile_s
 
 
 def main() -> None:
@@ -54,6 +75,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out-name", default="mlp")
     ap.add_argument("--adapter", default=os.environ.get("MEGANEURA_ADAPTER"))
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     args = ap.parse_args()
     device = get_device(args.adapter)
     rng = np.random.default_rng(0)
@@ -77,11 +99,19 @@ def main() -> None:
 
         ours_fwd = timeit(ours_forward, sess.synchronize, repeats=args.repeats)
         ours_step = timeit(ours_train, trainer.session.synchronize, repeats=args.repeats)
-        t_fwd, t_step, tdev = torch_cases(batch, params, x, y, args.repeats)
-        for case, ours, theirs in (("forward", ours_fwd, t_fwd), ("train_step", ours_step, t_step)):
+        t_fwd, t_step, tdev, _ = torch_cases(batch, params, x, y, args.repeats)
+        rows = [("forward", "", ours_fwd, t_fwd, {}), ("train_step", "", ours_step, t_step, {})]
+        if not args.no_compile:
+            c_fwd, c_step, _, c_s = torch_cases(batch, params, x, y, args.repeats, compiled=True)
+            extra = {"torch_compile_s": c_s}
+            rows += [
+                ("forward", "_compiled", ours_fwd, c_fwd, extra),
+                ("train_step", "_compiled", ours_step, c_step, extra),
+            ]
+        for case, suffix, ours, theirs, extra in rows:
             results.append(
                 {
-                    "case": f"mlp_{case}_b{batch}",
+                    "case": f"mlp_{case}_b{batch}{suffix}",
                     "metric": "ms",
                     "ours": ours["median"],
                     "torch": theirs["median"],
@@ -92,11 +122,12 @@ def main() -> None:
                     "dispatches": len(trainer.program.dispatches)
                     if case == "train_step"
                     else len(sess.program.dispatches),
+                    **extra,
                 }
             )
             r = results[-1]
             print(
-                f"{r['case']:<24} ours {r['ours']:8.3f} ms   torch({tdev}) {r['torch']:8.3f} ms"
+                f"{r['case']:<33} ours {r['ours']:8.3f} ms   torch({tdev}) {r['torch']:8.3f} ms"
                 f"   speedup {r['speedup']:.2f}x   dispatches {r['dispatches']}"
             )
     path = write(args.out_name, device, results)
