@@ -1,9 +1,10 @@
 """Session: the GPU objects of one Program, and the step that replays it.
 
 A Session creates every buffer, pipeline and bind group once. ``run`` validates every feed on the
-host, uploads the inputs, records one command encoder holding one compute pass with every
-dispatch in order plus copies of the fetched outputs into a persistent staging buffer, submits
-once, and maps the staging buffer to read the outputs. Host-side checks of feeds live in
+host, uploads the inputs, replays the prebuilt dispatch list into a compute pass (split over a
+few threads' command buffers for long steps, :class:`.fastpath.Recorder`) followed by copies of
+the fetched outputs into a persistent staging buffer, submits once, and maps the staging buffer
+to read the outputs. The host side goes through direct wgpu-native calls (:mod:`.fastpath`). Host-side checks of feeds live in
 :mod:`.slots`; ``profile`` (timestamps per dispatch) lives in :mod:`.profiler` and leaves ``run``
 uninstrumented.
 
@@ -109,7 +110,7 @@ class Session:
     # ----------------------------------------------------------------------------- setup
 
     def _build_plan(self):
-        cache, plan, last = self.device.pipelines, [], None
+        cache, plan = self.device.pipelines, []
         self._bind_groups, self._pipelines, self._bind_group_seconds = [], [], 0.0
         for d in self.program.dispatches:
             pipeline = cache.get(d.name, d.wgsl, d.writes)
@@ -120,9 +121,7 @@ class Session:
             self._pipelines.append(pipeline)
             if 0 in d.grid:
                 continue  # an empty grid is a valid no-op; skip it rather than encode it
-            # set_pipeline is skipped when consecutive dispatches share a pipeline.
-            plan.append((None if pipeline is last else pipeline, bg, *d.grid))
-            last = pipeline
+            plan.append((pipeline, bg, *d.grid))
         return tuple(plan)
 
     def _build_staging(self):
@@ -194,8 +193,7 @@ class Session:
         for name in fetch:
             self._slot(name, ("output",))
         self._feed(feeds)
-        commands = self._record(fetch)
-        self._queue.submit([commands])
+        self._queue.submit(self._record(fetch))
         return self._read_staged(fetch)
 
     def _feed(self, feeds: Mapping[str, np.ndarray]) -> None:
@@ -246,19 +244,17 @@ class Session:
 
         return profile_session(self, feeds, repeats=repeats, warmup=warmup, method=method)
 
-    def _record(self, fetch: tuple[str, ...]) -> wgpu.GPUCommandBuffer:
-        enc = self._gpu.create_command_encoder()
-        cp = enc.begin_compute_pass()
-        self._plan.record(cp)
-        cp.end()
-        for name in fetch:
-            b = self._bound[name]
-            if not b.length:
-                continue  # an empty tensor has nothing to copy (and wgpu maps no 0-byte range)
-            chunk, off = self._stage_at[name]
-            enc.copy_buffer_to_buffer(b.buffer, b.start, self._staging[chunk], off, b.length)
+    def _record(self, fetch: tuple[str, ...]) -> list[wgpu.GPUCommandBuffer]:
+        def copy_outputs(enc: wgpu.GPUCommandEncoder) -> None:
+            for name in fetch:
+                b = self._bound[name]
+                if not b.length:
+                    continue  # an empty tensor has nothing to copy (wgpu maps no 0-byte range)
+                chunk, off = self._stage_at[name]
+                enc.copy_buffer_to_buffer(b.buffer, b.start, self._staging[chunk], off, b.length)
+
         try:
-            return enc.finish()
+            return self._plan.encode(self._gpu, copy_outputs)
         except wgpu.GPUError as e:
             raise find_invalid_dispatch(
                 self.device.pipelines, self.program.dispatches, self._bind_groups, e
