@@ -4,9 +4,9 @@ A Session creates every buffer, pipeline and bind group once. ``run`` validates 
 host, uploads the inputs, replays the prebuilt dispatch list into a compute pass (split over a
 few threads' command buffers for long steps, :class:`.fastpath.Recorder`) followed by copies of
 the fetched outputs into a persistent staging buffer, submits once, and maps the staging buffer
-to read the outputs. The host side goes through direct wgpu-native calls (:mod:`.fastpath`). Host-side checks of feeds live in
-:mod:`.slots`; ``profile`` (timestamps per dispatch) lives in :mod:`.profiler` and leaves ``run``
-uninstrumented.
+to read the outputs. The host side goes through direct wgpu-native calls (:mod:`.fastpath`).
+Host-side checks of feeds live in :mod:`.slots`; ``profile`` (timestamps per dispatch) lives in
+:mod:`.profiler` and leaves ``run`` uninstrumented.
 
 Invariants:
   * nothing reaches the GPU before every feed (names, shapes, exact dtypes, label ranges) has
