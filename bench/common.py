@@ -51,6 +51,8 @@ def machine(device) -> dict:
         "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "adapter": device.name,
+        "driver": device.adapter.info.get("description", ""),
+        "backend": device.adapter.info.get("backend_type", ""),
     }
     if torch.cuda.is_available():
         info["torch_device"] = torch.cuda.get_device_name(0)

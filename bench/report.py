@@ -25,16 +25,19 @@ def table(path: Path) -> str:
     lines = [
         f"### {path.stem}",
         "",
-        f"Machine: {m.get('adapter')}; PyTorch on {m.get('torch_device')}; "
+        f"Machine: {m.get('adapter')}"
+        + (f" ({m['backend']}, driver {m['driver']})" if m.get("driver") else "")
+        + f"; PyTorch on {m.get('torch_device')}; "
         + ", ".join(f"{k} {val}" for k, val in v.items()),
         "",
         "| case | metric | meganeura | PyTorch | speedup |",
         "|---|---|---|---|---|",
     ]
     for r in doc["results"]:
+        speedup = "n/a" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
         lines.append(
-            f"| {r['case']} | {r['metric']} | {_fmt(r['ours'])} | {_fmt(r['torch'])} "
-            f"| {r['speedup']:.2f}x |"
+            f"| {r['case']} | {r['metric']} | {_fmt(r['ours'])} | {_fmt(r.get('torch'))} "
+            f"| {speedup} |"
         )
     return "\n".join(lines) + "\n"
 
