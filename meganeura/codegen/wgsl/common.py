@@ -366,10 +366,12 @@ class KernelBuilder:
         helpers: str = "",
         flops: int = 0,
         nbytes: int = 0,
+        extra_args: str = "",
     ) -> KernelSource:
         """Assemble the kernel: declarations, helper functions, then ``main``.
 
-        ``body`` runs after ``wg`` (the linear workgroup id, padding dropped) is defined.
+        ``body`` runs after ``wg`` (the linear workgroup id, padding dropped) is defined;
+        ``extra_args`` are more builtins of ``main`` (e.g. ``@builtin(subgroup_size) sgs: u32``).
         """
         grid = fold_grid(groups, self.limits)
         decls = []
@@ -379,7 +381,7 @@ class KernelBuilder:
         src = "\n".join(decls) + "\n\n"
         if helpers:
             src += helpers.strip("\n") + "\n\n"
-        src += f"@compute @workgroup_size({workgroup_size})\nfn main({ENTRY_ARGS}) {{\n"
+        src += f"@compute @workgroup_size({workgroup_size})\nfn main({ENTRY_ARGS}{extra_args}) {{\n"
         src += linear_workgroup(groups, grid) + body.rstrip() + "\n}\n"
         name = f"%{self.node.id} {self.node.op}" + (f" {suffix}" if suffix else "")
         return KernelSource(name, src, tuple(self._refs), grid, flops, nbytes)
