@@ -11,13 +11,14 @@ Cases (f32; bytes = what an ideal kernel reads + writes once):
   embedding    SmolLM2 table [49152, 576], 65536 i32 ids        8 B / output element + ids
   adam         Adam update of one big parameter (p, g, m, v read; p, m, v written)
                vs torch.optim.Adam(fused=True)                        28 B / element
+  sum_all      sum of one f32 vector of n elements                      4 B / element
   bias_relu    relu(x + bias), x [n / 1024, 1024]: a fused chain (vec4 path) 8 B / element
 Ours: operands are parameters (uploaded once); GPU time from ``Session.profile``. Torch: CUDA
 events around the op. Every case also checks our output against PyTorch's (``rel_err``).
 
-Variants (--variants a,b or all) re-run add, bias_relu and the row cases with codegen switches
-flipped, suffixing the case name with @variant, so one run compares them against the default:
-  scalar          no vec4 path (vector.ENABLED = False): four scalar elements per thread
+Variants (--variants a,b or all) re-run add, bias_relu, sum_all and the row cases with codegen
+switches flipped, suffixing the case name with @variant, to compare them with the default:
+  scalar          no vec4 path (vector.ENABLED, reduce.VEC4 = False): scalar loads
   vpt1/vpt2/vpt8  vec4s per thread (vector.VEC_PER_THREAD; default 4)
   tree            team reductions through workgroup memory, no subgroups (rowwise.USE_SUBGROUPS)
   units2/units8   units per thread the team size aims at (rowwise.TARGET_UNITS; default 4)
@@ -56,7 +57,7 @@ def _data(shape, seed: int) -> np.ndarray:
 
 
 VARIANTS = {
-    "scalar": [("vector", "ENABLED", False)],
+    "scalar": [("vector", "ENABLED", False), ("reduce", "VEC4", False)],
     "vpt1": [("vector", "VEC_PER_THREAD", 1)],
     "vpt2": [("vector", "VEC_PER_THREAD", 2)],
     "vpt8": [("vector", "VEC_PER_THREAD", 8)],
@@ -289,6 +290,15 @@ def main() -> None:
         )
 
     def all_rows_cases(suffix=""):
+        x_sum = _data((n,), 13)
+        tx_sum = torch.from_numpy(x_sum).to(dev)
+
+        def sum_graph():
+            g = mn.GraphBuilder()
+            g.output("y", F.sum(g.parameter("x", (n,))))
+            return g.build()
+
+        case("sum_all" + suffix, sum_graph, {"x": x_sum}, {}, lambda: tx_sum.sum(), 4 * n)
         rows_case(
             "softmax_rows1500" + suffix,
             1500,
