@@ -105,6 +105,7 @@ class _Pass:
         self.row_groups = -(-self.n_out // self.plan.ox)
         self.chunk = -(-self.n_red // chunks)
         self.shared: dict[str, str] = {}
+        self.unit = 1
         if chunks == 1:
             src = thread_coords(self.plan, "wg", self.n_out) + "  let r_begin = 0u;\n"
             src += f"  let r_end = {u(self.n_red)};\n"
@@ -140,7 +141,7 @@ class _Pass:
         body = self.src + f"  if (live && y == 0u) {{\n{store}  }}\n"
         decls = "".join(shared_decl(self.plan, n, ty) for ty, n in self.shared.items())
         groups = self.row_groups * self.chunks
-        n = self.n_out * self.n_red
+        n = self.n_out * self.n_red * self.unit
         return kb.finish(suffix, body, self.plan.size, groups, helpers + decls, n, 4 * n)
 
 
@@ -299,6 +300,7 @@ def lower_reduce(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
             )
             chunks = -(-n4 // -(-n4 // chunks))
     ps = _Pass(kept, red, chunks)
+    ps.unit = 4 if vec is not None else 1  # elements per unit, for the profile's counts
     stats = spec.stats(ps, read)
     if chunks == 1:
         out = kb.write(node_id, "out")
