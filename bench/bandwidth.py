@@ -11,10 +11,20 @@ Cases (f32; bytes = what an ideal kernel reads + writes once):
   embedding    SmolLM2 table [49152, 576], 65536 i32 ids        8 B / output element + ids
   adam         Adam update of one big parameter (p, g, m, v read; p, m, v written)
                vs torch.optim.Adam(fused=True)                        28 B / element
+  sum_all      sum of one f32 vector of n elements                      4 B / element
+  bias_relu    relu(x + bias), x [n / 1024, 1024]: a fused chain (vec4 path) 8 B / element
 Ours: operands are parameters (uploaded once); GPU time from ``Session.profile``. Torch: CUDA
 events around the op. Every case also checks our output against PyTorch's (``rel_err``).
 
-Usage: python bench/bandwidth.py [--quick] [--repeats 10] [--out-name bandwidth]
+Variants (--variants a,b or all) re-run add, bias_relu, sum_all and the row cases with codegen
+switches flipped, suffixing the case name with @variant, to compare them with the default:
+  scalar          no vec4 path (vector.ENABLED, reduce.VEC4 = False): scalar loads
+  vpt1/vpt2/vpt8  vec4s per thread (vector.VEC_PER_THREAD; default 4)
+  tree            team reductions through workgroup memory, no subgroups (rowwise.USE_SUBGROUPS)
+  units2/units8   units per thread the team size aims at (rowwise.TARGET_UNITS; default 4)
+  general         the general row kernels instead of the team kernels (rowwise.MAX_UNITS = 0)
+
+Usage: python bench/bandwidth.py [--quick] [--repeats 10] [--out-name bandwidth] [--variants all]
 """
 
 from __future__ import annotations
@@ -46,6 +56,33 @@ def _data(shape, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
+VARIANTS = {
+    "scalar": [("vector", "ENABLED", False), ("reduce", "VEC4", False)],
+    "vpt1": [("vector", "VEC_PER_THREAD", 1)],
+    "vpt2": [("vector", "VEC_PER_THREAD", 2)],
+    "vpt8": [("vector", "VEC_PER_THREAD", 8)],
+    "tree": [("rowwise", "USE_SUBGROUPS", False)],
+    "units2": [("rowwise", "TARGET_UNITS", 2)],
+    "units8": [("rowwise", "TARGET_UNITS", 8)],
+    "general": [("rowwise", "MAX_UNITS", 0)],
+}
+
+
+def set_variant(name: str | None) -> None:
+    """Set the codegen switches of variant ``name`` (None: restore the defaults)."""
+    import importlib
+
+    for var in VARIANTS.values():
+        for mod, attr, _ in var:
+            m = importlib.import_module(f"meganeura.codegen.wgsl.{mod}")
+            defaults = m.__dict__.setdefault("_bench_defaults", {})
+            defaults.setdefault(attr, getattr(m, attr))
+            setattr(m, attr, defaults[attr])
+    for mod, attr, value in VARIANTS.get(name, []) if name else []:
+        m = importlib.import_module(f"meganeura.codegen.wgsl.{mod}")
+        setattr(m, attr, value)
+
+
 def copy_graph(n: int, device):
     """y = x * 1.0, or y = x * s (s a parameter fed 1.0) should the compiler fold ``* 1.0``."""
     import meganeura as mn
@@ -72,7 +109,14 @@ def copy_graph(n: int, device):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap, "bandwidth")
+    ap.add_argument("--variants", default="", help="comma list of VARIANTS, or 'all'")
     args = ap.parse_args()
+    variants = (
+        list(VARIANTS) if args.variants == "all" else [v for v in args.variants.split(",") if v]
+    )
+    for v in variants:
+        if v not in VARIANTS:
+            ap.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
     resolve_args(args)
     import meganeura as mn
     import meganeura.nn.functional as F
@@ -118,6 +162,12 @@ def main() -> None:
             copy_rate[name] = o_rate
             copy_rate["torch_" + name] = t_rate
         base, tbase = copy_rate.get("copy"), copy_rate.get("torch_copy")
+        frac = f"{o_rate / base:6.1%}" if base else "   -  "
+        nan = float("nan")
+        line = (
+            f"{name:<34} ours {o_rate:7.3f} TB/s ({frac} of copy)  torch {t_rate:7.3f} TB/s  "
+            f"ours {ours['median'] * 1e3:9.1f} us  err {nan if err is None else err:.1e}"
+        )
         rec.add(
             result(
                 name,
@@ -135,7 +185,8 @@ def main() -> None:
                 dispatches=[d.name for d in program.dispatches],
                 compile_s=round(compile_s, 3),
                 **info,
-            )
+            ),
+            line,
         )
         if err is not None and err > 1e-4:
             print(f"  WARNING {name}: rel_err {err:.2e} against PyTorch")
@@ -161,7 +212,7 @@ def main() -> None:
         del tx, ty, x
 
     # ---- add --------------------------------------------------------------------------
-    def add_case():
+    def add_case(suffix=""):
         a, b = _data((n,), 2), _data((n,), 3)
         ta, tb = torch.from_numpy(a).to(dev), torch.from_numpy(b).to(dev)
         ty = torch.empty_like(ta)
@@ -172,7 +223,7 @@ def main() -> None:
             return g.build()
 
         case(
-            "add",
+            "add" + suffix,
             add_graph,
             {"a": a, "b": b},
             {},
@@ -181,7 +232,31 @@ def main() -> None:
             elements=n,
         )
 
+    # ---- a fused chain: relu(x + bias) --------------------------------------------------
+    def bias_relu_case(suffix=""):
+        width = 1024
+        rows = max(1, n // width)
+        x, bias = _data((rows, width), 11), _data((width,), 12)
+        tx, tb = torch.from_numpy(x).to(dev), torch.from_numpy(bias).to(dev)
+
+        def build():
+            g = mn.GraphBuilder()
+            xs = g.parameter("x", (rows, width))
+            g.output("y", F.relu(xs + g.parameter("b", (width,))))
+            return g.build()
+
+        case(
+            "bias_relu" + suffix,
+            build,
+            {"x": x, "b": bias},
+            {},
+            lambda: torch.relu(tx + tb),
+            8 * rows * width,
+            shape=[rows, width],
+        )
+
     add_case()
+    bias_relu_case()
 
     # ---- row-wise kernels ---------------------------------------------------------------
     def rows_case(name, width, op, torch_op, affine):
@@ -214,30 +289,46 @@ def main() -> None:
             shape=[rows, width],
         )
 
-    rows_case(
-        "softmax_rows1500", 1500, lambda x: F.softmax(x, -1), lambda x: torch.softmax(x, -1), None
-    )
-    rows_case(
-        "softmax_rows49152",
-        49152,
-        lambda x: F.softmax(x, -1),
-        lambda x: torch.softmax(x, -1),
-        None,
-    )
-    rows_case(
-        "layer_norm_rows384",
-        384,
-        lambda x, w, b: F.layer_norm(x, 384, w, b, eps=1e-5),
-        lambda x, w, b: tF.layer_norm(x, (384,), w, b, eps=1e-5),
-        "wb",
-    )
-    rows_case(
-        "rms_norm_rows576",
-        576,
-        lambda x, w: F.rms_norm(x, 576, w, eps=1e-5),
-        lambda x, w: tF.rms_norm(x, (576,), w, eps=1e-5),
-        "w",
-    )
+    def all_rows_cases(suffix=""):
+        x_sum = _data((n,), 13)
+        tx_sum = torch.from_numpy(x_sum).to(dev)
+
+        def sum_graph():
+            g = mn.GraphBuilder()
+            g.output("y", F.sum(g.parameter("x", (n,))))
+            return g.build()
+
+        case("sum_all" + suffix, sum_graph, {"x": x_sum}, {}, lambda: tx_sum.sum(), 4 * n)
+        rows_case(
+            "softmax_rows1500" + suffix,
+            1500,
+            lambda x: F.softmax(x, -1),
+            lambda x: torch.softmax(x, -1),
+            None,
+        )
+        rows_case(
+            "softmax_rows49152" + suffix,
+            49152,
+            lambda x: F.softmax(x, -1),
+            lambda x: torch.softmax(x, -1),
+            None,
+        )
+        rows_case(
+            "layer_norm_rows384" + suffix,
+            384,
+            lambda x, w, b: F.layer_norm(x, 384, w, b, eps=1e-5),
+            lambda x, w, b: tF.layer_norm(x, (384,), w, b, eps=1e-5),
+            "wb",
+        )
+        rows_case(
+            "rms_norm_rows576" + suffix,
+            576,
+            lambda x, w: F.rms_norm(x, 576, w, eps=1e-5),
+            lambda x, w: tF.rms_norm(x, (576,), w, eps=1e-5),
+            "w",
+        )
+
+    all_rows_cases()
 
     # ---- embedding gather ---------------------------------------------------------------
     def embedding_case():
@@ -312,6 +403,16 @@ def main() -> None:
             elements=n,
             torch_fused=fused,
         )
+
+    # ---- codegen variants of the vec4 maps and the team row kernels -----------------------
+    for v in variants:
+        set_variant(v)
+        try:
+            add_case("@" + v)
+            bias_relu_case("@" + v)
+            all_rows_cases("@" + v)
+        finally:
+            set_variant(None)
     rec.finish()
 
 

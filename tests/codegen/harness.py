@@ -43,7 +43,13 @@ def device():
                 "max-compute-workgroup-storage-size",
                 "max-storage-buffers-per-shader-stage",
             )
-            _DEVICE.append(adapter.request_device_sync(required_limits={k: lim[k] for k in keys}))
+            # subgroups when offered, so tests can run both reduction paths (Limits.subgroups)
+            feats = [f for f in ("subgroup",) if f in adapter.features]
+            _DEVICE.append(
+                adapter.request_device_sync(
+                    required_limits={k: lim[k] for k in keys}, required_features=feats
+                )
+            )
         except Exception as e:  # no driver / no adapter: a skip, not a failure
             _DEVICE.extend([None, f"{type(e).__name__}: {e}"])
     if _DEVICE[0] is None:
@@ -51,8 +57,14 @@ def device():
     return _DEVICE[0]
 
 
+def has_subgroups() -> bool:
+    """Whether the test device has the ``subgroup`` feature."""
+    return "subgroup" in device().features
+
+
 def device_limits() -> Limits:
-    """The codegen Limits of the test device."""
+    """The codegen Limits of the test device (``subgroups`` False: the portable path; tests
+    of the subgroup path replace it)."""
     lim = device().limits
     return Limits(
         max_workgroups_per_dimension=lim["max-compute-workgroups-per-dimension"],

@@ -200,10 +200,12 @@ def linear_workgroup(groups: int, grid: tuple[int, int, int]) -> str:
     return f"  let wg = {expr};\n{check}"
 
 
-def element_slots(n: int) -> tuple[str, int, Callable[[int, str], str]]:
-    """Scaffolding for kernels that map ``PER_THREAD`` elements to each thread.
+def element_slots(
+    n: int, per_thread: int = PER_THREAD
+) -> tuple[str, int, Callable[[int, str], str]]:
+    """Scaffolding for kernels that map ``per_thread`` elements (or vec4s) to each thread.
 
-    Element ``e`` of a thread is ``i{e}`` (block of ``PER_THREAD * WG`` per workgroup, strided
+    Element ``e`` of a thread is ``i{e}`` (block of ``per_thread * WG`` per workgroup, strided
     by ``WG`` so each load instruction of a warp stays coalesced); ``j{e}`` is the same id
     clamped into range, safe to read from even in the last, partial block.
 
@@ -211,11 +213,11 @@ def element_slots(n: int) -> tuple[str, int, Callable[[int, str], str]]:
         (statements defining i0.. and j0.., workgroup count, guard) where
         ``guard(e, stmt)`` wraps a store of element e so it is skipped past the end.
     """
-    block = PER_THREAD * WG
+    block = per_thread * WG
     tail = n % block != 0
     lines = [f"  let i0 = wg * {u(block)} + lid;"]
-    lines += [f"  let i{e} = i0 + {u(e * WG)};" for e in range(1, PER_THREAD)]
-    for e in range(PER_THREAD):
+    lines += [f"  let i{e} = i0 + {u(e * WG)};" for e in range(1, per_thread)]
+    for e in range(per_thread):
         lines.append(f"  let j{e} = min(i{e}, {u(n - 1)});" if tail else f"  let j{e} = i{e};")
 
     def guard(e: int, stmt: str) -> str:
@@ -245,6 +247,10 @@ class Src:
         if self.type.dtype is DType.f16:
             return f"f32({self.name}[{index}])"
         return f"{self.name}[{index}]"
+
+
+# storage element type -> the compute type it is widened to on load
+_WIDEN = {"f16": "f32", "vec4<f16>": "vec4<f32>"}
 
 
 def compute_dtype(dtype: DType) -> DType:
@@ -312,18 +318,37 @@ class KernelBuilder:
 
     def load(self, var: str, index: str) -> str:
         """Expression reading element ``index`` of binding ``var`` in its compute type
-        (f16 storage is widened to f32). Kernels read bound values through this or ``Src.at``
-        so that the fast (f16-storage) mode needs no change in the emitter."""
-        if self.element_type(var) == "f16":
-            return f"f32({var}[{index}])"
+        (f16 storage is widened to f32, vec4<f16> to vec4<f32>). Kernels read bound values
+        through this or ``Src.at`` so that the fast (f16-storage) mode needs no change in the
+        emitter."""
+        ty = self.element_type(var)
+        if ty in _WIDEN:
+            return f"{_WIDEN[ty]}({var}[{index}])"
         return f"{var}[{index}]"
 
     def store(self, var: str, index: str, expr: str) -> str:
         """Statement writing compute-type ``expr`` to element ``index`` of binding ``var``
-        (narrowed to f16 when the binding stores f16)."""
-        if self.element_type(var) == "f16":
-            return f"{var}[{index}] = f16({expr});"
+        (narrowed to f16 / vec4<f16> when the binding stores f16)."""
+        ty = self.element_type(var)
+        if ty in _WIDEN:
+            return f"{var}[{index}] = {ty}({expr});"
         return f"{var}[{index}] = {expr};"
+
+    def vectorize(self, var: str) -> None:
+        """Re-declare binding ``var`` as ``array<vec4<T>>`` (T its element type): element q is
+        scalars 4q .. 4q + 3. The caller reads and writes it only through ``load``/``store``
+        (which widen and narrow vec4<f16>) and must keep every vec4 index below numel / 4.
+        Idempotent.
+
+        Raises:
+            KeyError: when ``var`` is not a binding of this kernel.
+        """
+        for k, (name, ty) in enumerate(self._decls):
+            if name == var:
+                if not ty.startswith("vec4<"):
+                    self._decls[k] = (name, f"vec4<{ty}>")
+                return
+        raise KeyError(f"{var!r} is not a binding of this kernel")
 
     def _declare(self, name: str, dtype: DType) -> str:
         var = f"g_{name}"
@@ -341,10 +366,12 @@ class KernelBuilder:
         helpers: str = "",
         flops: int = 0,
         nbytes: int = 0,
+        extra_args: str = "",
     ) -> KernelSource:
         """Assemble the kernel: declarations, helper functions, then ``main``.
 
-        ``body`` runs after ``wg`` (the linear workgroup id, padding dropped) is defined.
+        ``body`` runs after ``wg`` (the linear workgroup id, padding dropped) is defined;
+        ``extra_args`` are more builtins of ``main`` (e.g. ``@builtin(subgroup_size) sgs: u32``).
         """
         grid = fold_grid(groups, self.limits)
         decls = []
@@ -354,7 +381,7 @@ class KernelBuilder:
         src = "\n".join(decls) + "\n\n"
         if helpers:
             src += helpers.strip("\n") + "\n\n"
-        src += f"@compute @workgroup_size({workgroup_size})\nfn main({ENTRY_ARGS}) {{\n"
+        src += f"@compute @workgroup_size({workgroup_size})\nfn main({ENTRY_ARGS}{extra_args}) {{\n"
         src += linear_workgroup(groups, grid) + body.rstrip() + "\n}\n"
         name = f"%{self.node.id} {self.node.op}" + (f" {suffix}" if suffix else "")
         return KernelSource(name, src, tuple(self._refs), grid, flops, nbytes)

@@ -2,7 +2,8 @@
 arithmetic, ``pow``, comparisons, logical ops, ``where``, ``cast``, and the strided copies
 ``broadcast_to`` and ``permute``.
 
-Four output elements per thread (``common.element_slots``), workgroups of 256. Every operand is
+Vec4 loads and stores where every operand allows them (``vector``), else four scalar output
+elements per thread (``common.element_slots``); workgroups of 256. Every operand is
 read through baked strides (0 on broadcast dims, NumPy's rule), with size-1 dims dropped and
 contiguous runs merged first; an operand laid out exactly like the output is read at the flat
 index with no index math. Semantics follow each op's NumPy reference: integer ops wrap, i32
@@ -39,6 +40,7 @@ from .common import (
     zero,
 )
 from .mathlib import helper_source
+from .vector import emit_vec4, plan_vec4
 
 # expr(operand names, operand dtype, node attrs) -> WGSL expression of one output element.
 Expr = Callable[[Sequence[str], DType, dict], str]
@@ -222,9 +224,10 @@ def emit_map(
     helpers: str = "",
     suffix: str = "",
 ) -> KernelSource:
-    """``out[i] = expr`` for every element of ``out_vid``, ``PER_THREAD`` elements per thread,
-    where ``expr`` names operand k as ``v{k}``, read through ``strides`` (aligned to the output
-    shape). All loads of a thread come before its stores.
+    """``out[i] = expr`` for every element of ``out_vid``, where ``expr`` names operand k as
+    ``v{k}``, read through ``strides`` (aligned to the output shape). Vec4 loads and stores
+    (``vector``) when every operand allows them, else ``PER_THREAD`` scalar elements per
+    thread. All loads of a thread come before its stores.
 
     Args:
         kb: the kernel's builder; operands must already be bound through it.
@@ -235,6 +238,18 @@ def emit_map(
     shape = kb.graph[out_vid].type.shape
     n = math.prod(shape)
     out = kb.write(out_vid, "out")
+    nbytes = kb.graph[out_vid].type.nbytes + sum(
+        s.type.nbytes for s, _ in operands if s.literal is None
+    )
+    reads = plan_vec4(shape, [s for s, _ in operands], [st for _, st in operands])
+    if reads is not None:
+
+        def compute(loads: list[str]) -> str:
+            return " ".join(f"let v{k} = {v};" for k, v in enumerate(loads)) + f" let res = {expr};"
+
+        outs = [(out, "res", kb.graph[out_vid].type.dtype)]
+        body, groups = emit_vec4(kb, n, [s for s, _ in operands], reads, compute, outs)
+        return kb.finish(suffix, body, WG, groups, helpers, flops=n, nbytes=nbytes)
     live = [k for k, (s, _) in enumerate(operands) if s.literal is None]
     cshape, cstrides = coalesce(shape, [contiguous_strides(shape)] + [operands[k][1] for k in live])
     identity = cstrides[0]
@@ -250,10 +265,7 @@ def emit_map(
             lines.append(f"  let v{k}_{e} = {src.at(index)};")
     for e in range(PER_THREAD):
         lets = " ".join(f"let v{k} = v{k}_{e};" for k in live)
-        lines.append(f"  {{ {lets} {guard(e, f'{out}[i{e}] = {expr};')} }}")
-    nbytes = kb.graph[out_vid].type.nbytes + sum(
-        s.type.nbytes for s, _ in operands if s.literal is None
-    )
+        lines.append(f"  {{ {lets} {guard(e, kb.store(out, f'i{e}', expr))} }}")
     return kb.finish(suffix, "\n".join(lines), WG, groups, helpers, flops=n, nbytes=nbytes)
 
 

@@ -4,7 +4,8 @@ A group of elementwise nodes becomes one map over the group's iteration shape: e
 loads the group's external operands (each through its own baked broadcast strides relative
 to that shape), evaluates every member in program order as a WGSL ``let`` with the same
 expression its own kernel would use (``elementwise.node_expr``), and stores the members the
-group marks as outputs. A group anchored on a ``matmul`` runs the same per-element code in
+group marks as outputs (vec4 loads and stores when every operand allows them, see
+``vector``). A group anchored on a ``matmul`` runs the same per-element code in
 the matmul's store stage, with the accumulator as the anchor's value.
 
 Invariants: the f32 operations and their order are those of the unfused kernels (a stored
@@ -39,6 +40,7 @@ from .common import (
 from .elementwise import node_expr
 from .mathlib import helper_source
 from .matmul import lower_matmul
+from .vector import emit_vec4, plan_vec4
 
 
 class GroupBody:
@@ -100,9 +102,9 @@ class GroupBody:
             lets.append(f"let t{self.group.anchor} = {anchor};")
         return " ".join(lets + self.lets)
 
-    def stores(self, flat: str) -> str:
+    def stores(self, flat: str, kb: KernelBuilder) -> str:
         outs = zip(self.outs, self.group.outputs, strict=True)
-        return " ".join(f"{out}[{flat}] = t{m};" for out, m in outs)
+        return " ".join(kb.store(out, flat, f"t{m}") for out, m in outs)
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +132,7 @@ class _MatmulEpilogue:
         self.helpers = "\n" + body.helpers if body.helpers else ""
 
     def bind(self, kb: KernelBuilder) -> None:
+        self.kb = kb
         self.body.bind(kb)
         self.flops, self.nbytes = self.body.flops, self.body.nbytes
 
@@ -139,7 +142,7 @@ class _MatmulEpilogue:
             s.literal if s.literal is not None else s.at(b.index(k, flat, col))
             for k, s in enumerate(b.srcs)
         ]
-        return f"{{ {b.compute(loads, anchor=value)} {b.stores(flat)} }}"
+        return f"{{ {b.compute(loads, anchor=value)} {b.stores(flat, self.kb)} }}"
 
 
 def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
@@ -162,6 +165,12 @@ def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[Kernel
     kb = KernelBuilder(graph, graph[group.sink], limits)
     body.bind(kb)
     n = math.prod(group.shape)
+    reads = plan_vec4(group.shape, body.srcs, [body.strides(k) for k in range(len(body.srcs))])
+    if reads is not None:
+        outs = [(v, f"t{m}", graph[m].type.dtype) for v, m in zip(body.outs, group.outputs)]
+        src, groups = emit_vec4(kb, n, body.srcs, reads, body.compute, outs)
+        ks = kb.finish("", src, WG, groups, body.helpers, body.flops, body.nbytes)
+        return [replace(ks, name=body.name)]
     slots, groups, guard = element_slots(n)
     lines = [slots.rstrip()]
     live = [(k, src) for k, src in enumerate(body.srcs) if src.literal is None]
@@ -169,6 +178,6 @@ def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[Kernel
         lines += [f"  let x{k}_{e} = {src.at(body.index(k, f'j{e}'))};" for e in range(PER_THREAD)]
     for e in range(PER_THREAD):
         loads = [f"x{k}_{e}" if s.literal is None else s.literal for k, s in enumerate(body.srcs)]
-        lines.append(f"  {{ {body.compute(loads)} {guard(e, body.stores(f'i{e}'))} }}")
+        lines.append(f"  {{ {body.compute(loads)} {guard(e, body.stores(f'i{e}', kb))} }}")
     ks = kb.finish("", "\n".join(lines), WG, groups, body.helpers, body.flops, body.nbytes)
     return [replace(ks, name=body.name)]

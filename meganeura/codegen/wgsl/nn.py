@@ -26,6 +26,7 @@ from ..kernel import KernelSource, Limits
 from .common import KernelBuilder, f32_literal, indent, int_literal, u
 from .elementwise import lower_fill
 from .rows import RowPlan, for_each, plan_rows, shared_decl, strided_loop, thread_coords, tree
+from .rowwise import lower_softmax_rows
 
 _MAX = lambda a, b: f"max({a}, {b})"  # noqa: E731
 _ADD = lambda a, b: f"{a} + {b}"  # noqa: E731
@@ -58,6 +59,10 @@ def lower_softmax(graph: Graph, node_id: int, limits: Limits) -> list[KernelSour
     for s in shape[dim + 1 :]:
         inner *= s
     rows = node.type.numel // n
+    if inner == 1:
+        ks = lower_softmax_rows(graph, node_id, limits)
+        if ks is not None:
+            return ks
     plan = plan_rows(rows, n, inner == 1)
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(node.inputs[0], "x")

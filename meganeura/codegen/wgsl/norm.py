@@ -2,7 +2,9 @@
 their backward ops and the running-statistics update), plus dropout and the loss kernels of
 ``loss.py`` (their ``LOWERINGS`` entries live in this table).
 
-Every norm kernel walks the index maps of ``norm_layout`` and schedules its sequences with
+layer_norm and rms_norm forward and input gradient use the team kernels of ``rowwise`` (row in
+registers, vec4 loads, subgroup reductions) when a row fits; otherwise, and for the others,
+every norm kernel walks the index maps of ``norm_layout`` and schedules its sequences with
 ``rows.plan_rows``: one workgroup per long contiguous group, 32 neighbouring groups per
 workgroup when a group is strided, one thread per group below 64 elements. Statistics are f32
 and two-pass over ``x - shift`` (shift = the group's first element, so a large common offset
@@ -25,7 +27,10 @@ from .elementwise import emit_map, lower_fill
 from .loss import lower_bce_with_logits, lower_dropout
 from .norm_layout import Layout, channel_layout, group_layout
 from .rows import RowPlan, for_each, plan_rows, shared_decl, strided_loop, thread_coords, tree
+from .rowwise import lower_norm_backward_rows, lower_norm_rows
 
+# Norms whose groups are contiguous rows weighted by position: the team kernels of ``rowwise``.
+_ROWWISE = ("layer_norm", "rms_norm")
 _ADD = lambda a, b: f"{a} + {b}"  # noqa: E731
 _ZERO2 = "vec2<f32>(0.0, 0.0)"
 
@@ -81,6 +86,10 @@ def lower_norm(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]
     if kind == "batch_norm" and not node.attr("training"):
         return _lower_batch_norm_eval(graph, node_id, limits)
     lay = group_layout(node.type.shape, kind, node.attr_dict)
+    if kind in _ROWWISE:
+        ks = lower_norm_rows(graph, node_id, limits, lay.count, lay.length)
+        if ks is not None:
+            return ks
     plan = _plan(lay)
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(node.inputs[0], "x")
@@ -110,6 +119,10 @@ def lower_norm_backward(graph: Graph, node_id: int, limits: Limits) -> list[Kern
         # A one-element group normalizes to 0 whatever x is: dx is exactly 0. Computing it
         # as gw - mean(gw) leaves FMA rounding times rstd = 1/sqrt(eps) on some GPUs.
         return lower_fill(graph, node_id, limits, 0.0)
+    if kind in _ROWWISE:
+        ks = lower_norm_backward_rows(graph, node_id, limits, lay.count, lay.length)
+        if ks is not None:
+            return ks
     plan = _plan(lay)
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(node.inputs[0], "x")

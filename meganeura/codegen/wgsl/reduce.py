@@ -105,6 +105,7 @@ class _Pass:
         self.row_groups = -(-self.n_out // self.plan.ox)
         self.chunk = -(-self.n_red // chunks)
         self.shared: dict[str, str] = {}
+        self.unit = 1
         if chunks == 1:
             src = thread_coords(self.plan, "wg", self.n_out) + "  let r_begin = 0u;\n"
             src += f"  let r_end = {u(self.n_red)};\n"
@@ -140,7 +141,7 @@ class _Pass:
         body = self.src + f"  if (live && y == 0u) {{\n{store}  }}\n"
         decls = "".join(shared_decl(self.plan, n, ty) for ty, n in self.shared.items())
         groups = self.row_groups * self.chunks
-        n = self.n_out * self.n_red
+        n = self.n_out * self.n_red * self.unit
         return kb.finish(suffix, body, self.plan.size, groups, helpers + decls, n, 4 * n)
 
 
@@ -282,28 +283,66 @@ def lower_reduce(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
 
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(node.inputs[0], "x")
+    read, helpers = x.at, spec.helpers
+    vec = _vec4_fold(node.op, kept, red, x)
+    if vec is not None:
+        # The same reduction over vec4 units, each folded horizontally first.
+        kept, red, fold = vec
+        kb.vectorize(x.name)
+        read, helpers = (lambda i: f"h4({kb.load(x.name, i)})"), helpers + fold
+        plan = _plan(kept, red)
+        row_groups = -(-n_out // plan.ox)
+        n4 = n_red // 4
+        chunks = 1
+        if row_groups < TARGET_GROUPS and n4 >= plan.ry * MIN_PER_THREAD * 2:
+            chunks = min(
+                -(-TARGET_GROUPS // row_groups), n4 // (plan.ry * MIN_PER_THREAD), MAX_CHUNKS
+            )
+            chunks = -(-n4 // -(-n4 // chunks))
     ps = _Pass(kept, red, chunks)
-    stats = spec.stats(ps, x.at)
+    ps.unit = 4 if vec is not None else 1  # elements per unit, for the profile's counts
+    stats = spec.stats(ps, read)
     if chunks == 1:
         out = kb.write(node_id, "out")
-        return [ps.finish(kb, "", f"    {out}[row] = {spec.finish(stats)};\n", spec.helpers)]
+        return [ps.finish(kb, "", f"    {out}[row] = {spec.finish(stats)};\n", helpers)]
 
     # Chunk statistics are laid out [chunks, n_out]; the second pass reduces the leading dim.
     scratch = [kb.scratch(f"s{k}", chunks * n_out, dt, f"s{k}") for k, dt in enumerate(spec.dtypes)]
     store = "".join(f"    {s}[p * {u(n_out)} + row] = {v};\n" for s, v in zip(scratch, stats))
-    first = ps.finish(kb, "partial", store, spec.helpers)
+    first = ps.finish(kb, "partial", store, helpers)
 
     kb2 = KernelBuilder(graph, node, limits)
     names = [kb2.scratch(f"s{k}", chunks * n_out, dt, f"s{k}") for k, dt in enumerate(spec.dtypes)]
     out = kb2.write(node_id, "out")
     ps2 = _Pass(((n_out,), (1,)), ((chunks,), (n_out,)), 1)
-    size = ps.chunk
-    length = f"min({u(size)}, {u(n_red)} - p * {u(size)})"
+    size, total_units = ps.chunk, ps.n_red
+    length = f"min({u(size)}, {u(total_units)} - p * {u(size)})"
     helpers = spec.helpers + f"\nfn chunk_len(p: u32) -> f32 {{ return f32({length}); }}\n"
     reads = [lambda i, s=s: f"{s}[{i}]" for s in names]
     total = spec.combine(ps2, reads, lambda r: f"chunk_len({r})")
     store = f"    {out}[row] = {spec.finish(total)};\n"
     return [first, ps2.finish(kb2, "combine", store, helpers)]
+
+
+# Reductions whose statistics are one monoid: a vec4 unit folds to one value with ``h4``.
+_VEC_OPS = {"sum": "+", "mean": "+", "amax": "max", "max": "max", "amin": "min", "min": "min"}
+VEC4 = True  # benchmarks flip this to compare with scalar loads
+
+
+def _vec4_fold(op: str, kept: Layout, red: Layout, x) -> tuple[Layout, Layout, str] | None:
+    """(kept, reduced) layouts over vec4 units and the WGSL of ``h4`` (a unit folded to one
+    value), when the reduced dims are one contiguous run of a multiple of 4 elements starting
+    at multiples of 4; else None."""
+    if not VEC4 or op not in _VEC_OPS or x.literal is not None:
+        return None
+    if len(red[0]) != 1 or red[1][0] != 1 or red[0][0] % 4 or any(s % 4 for s in kept[1]):
+        return None
+    ty = x.dtype.wgsl if x.dtype.wgsl != "f16" else "f32"
+    f = _VEC_OPS[op]
+    body = "(v.x + v.y) + (v.z + v.w)" if f == "+" else f"{f}({f}(v.x, v.y), {f}(v.z, v.w))"
+    fold = f"\nfn h4(v: vec4<{ty}>) -> {ty} {{ return {body}; }}\n"
+    kept4 = (kept[0], tuple(s // 4 for s in kept[1]))
+    return kept4, ((red[0][0] // 4,), (1,)), fold
 
 
 def _lowerings() -> dict:
