@@ -217,11 +217,19 @@ def choose_plan(m: int, k: int, n: int, batch: int, layout: str, limits: Limits)
         return parse_plan(_forced[0])
     name = TUNED.get((m, k, n, layout)) if batch == 1 else None
     plan = parse_plan(name) if name else heuristic_plan(m, k, n, batch)
-    too_big = plan.kernel == "tiled" and (
-        tiled_shared_bytes(plan.tiling) > limits.max_workgroup_storage_size
-    )
-    if too_big:
-        plan = replace(plan, tiling=SMALL)
+    if plan.kernel == "tiled":
+        # WebGPU guarantees only 16 KiB of workgroup memory: drop the second buffer, then
+        # fall back to the small tile, where the adapter has less.
+        for fallback in (
+            plan,
+            replace(plan, prefetch=False),
+            Plan("tiled", SMALL, plan.splits, prefetch=False),
+        ):
+            if (
+                tiled_shared_bytes(fallback.tiling, fallback.prefetch)
+                <= limits.max_workgroup_storage_size
+            ):
+                return fallback
     return plan
 
 
@@ -231,10 +239,10 @@ def choose_tiling(m: int, n: int, k: int, batch: int = 1) -> Tiling:
     return plan.tiling
 
 
-def tiled_shared_bytes(t: Tiling) -> int:
-    """Upper bound of the tiled kernel's workgroup memory: two buffers per operand, one
-    vec4 of padding per K row."""
-    return 2 * 16 * t.bk * (t.bm // 4 + t.bn // 4 + 2)
+def tiled_shared_bytes(t: Tiling, prefetch: bool = True) -> int:
+    """Upper bound of the tiled kernel's workgroup memory: one buffer per operand (two with
+    prefetch), one vec4 of padding per K row."""
+    return (2 if prefetch else 1) * 16 * t.bk * (t.bm // 4 + t.bn // 4 + 2)
 
 
 # ---- operands ---------------------------------------------------------------------------------
