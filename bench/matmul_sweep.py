@@ -6,8 +6,9 @@ plan of ``variants(...)`` is forced with ``matmul.force_plan``, compiled, checke
 PyTorch's result (rel_err) and timed as GPU time from ``Session.profile`` (as bench/matmul.py
 does); torch is timed with CUDA events in the same process. Prints one table row per
 (shape, plan), the best plan per shape with its ratio to cuBLAS, and the ``TUNED`` dict to
-paste into ``meganeura/codegen/wgsl/matmul.py``. A ``--budget-s`` wall-clock budget skips
-the remaining plans (never the default one) once spent; the JSON is rewritten after each shape.
+paste into ``meganeura/codegen/wgsl/matmul.py``. A ``--budget-s`` wall-clock budget, shared
+evenly by the shapes, skips a shape's remaining plans (never the default) once its share is
+spent; the JSON is rewritten after each shape.
 
 Usage: python bench/matmul_sweep.py [--quick] [--out PATH] [--repeats 5] [--warmup 2]
                                     [--budget-s 170] [--only CASE ...]
@@ -118,9 +119,10 @@ def main() -> None:
 
     print(f"{'case':<22} {'layout':<4} {'M':>5} {'K':>5} {'N':>6} {'plan':<16} "
           f"{'ms':>9} {'TFLOP/s':>8} {'xcuBLAS':>7} {'rel_err':>8}")  # fmt: skip
-    for case, m, k, n, layout, origin in shapes(args.quick):
-        if args.only and case not in args.only:
-            continue
+    todo = [s for s in shapes(args.quick) if not args.only or s[0] in args.only]
+    for i, (case, m, k, n, layout, origin) in enumerate(todo):
+        # an even share of the budget per shape, so a slow start cannot starve the last ones
+        deadline = t0 + args.budget_s * (i + 1) / len(todo)
         graph, a_shape, b_shape = build(m, k, n, layout)
         rng = np.random.default_rng(m * 7 + k * 3 + n)
         a = rng.standard_normal(a_shape, dtype=np.float32)
@@ -135,7 +137,7 @@ def main() -> None:
         plans = [default] + [v for v in variants(m, k, n, args.quick) if v != default]
         shape_rows = []
         for plan in plans:
-            if plan != default and time.perf_counter() - t0 > args.budget_s:
+            if plan != default and time.perf_counter() > deadline:
                 print(f"  budget spent: skipping {plan}")
                 continue
             mm.force_plan(plan)
