@@ -4,7 +4,8 @@ Invariants of the samples: sizes that are not multiples of the 64x64 (or 128x128
 tile nor of the K step (1, 3, 7, 33, 65, 129, 257), 2-D and batched products, batch dims
 broadcast both ways ([3,1,M,K] @ [1,4,K,N]) and a 2-D right operand shared by a batch,
 operands transposed through ``.mT`` (which the kernel folds into its strides instead of
-materializing a permute), and one long inner dimension (K = 2000).
+materializing a permute), one long inner dimension (K = 2000), and shapes that reach each
+default kernel path of ``codegen/wgsl/matmul.py``: vec4 loads, gemv (M <= 8) and split-K.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ PRODUCTS = [
     ((7, 1), (1, 5), "k1_outer"),
     ((2, 0), (0, 5), "k0_zeros"),
     ((0, 3), (3, 5), "m0_empty"),
+    # kernel paths of the default plans: vec4 loads (dims multiples of 4), gemv for M <= 8
+    # (vec4 and scalar), split-K (one 64x64 tile, K = 1024)
+    ((36, 68), (68, 132), "vec4_aligned"),
+    ((1, 576), (576, 36), "gemv_vec4"),
+    ((5, 33), (33, 7), "gemv_scalar"),
+    ((64, 1024), (1024, 64), "split_k"),
 ]
 
 
@@ -77,6 +84,7 @@ def _linear_samples(rng):
         case((1, 257), 1, True, "257_to_1"),
         case((2, 9, 33), 65, True, "batched"),
         case((64, 784), 10, True, "mnist_head"),
+        case((2, 576), 36, True, "decode_gemv"),
     ]
 
 

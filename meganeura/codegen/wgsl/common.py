@@ -300,6 +300,24 @@ class KernelBuilder:
             return Src(t, literal=literal(n.attr("value"), n.type.dtype))
         return Src(t, name=self._bind_value(vid, name, write=False))
 
+    def is_bound(self, vid: int) -> bool:
+        """Whether value ``vid`` (or the value owning its buffer) already has a binding."""
+        return resolve_view(self.graph, vid) in self._by_value
+
+    def read_vec4(self, vid: int, name: str) -> str:
+        """Bind value ``vid`` for reading as ``array<vec4<T>>`` (T its storage type) and
+        return the variable. Element i of the value is lane ``i % 4`` of vector ``i / 4``.
+
+        Raises:
+            ValueError: when the value is a constant or already bound (one binding per value).
+        """
+        if is_constant(self.graph, vid) or self.is_bound(vid):
+            raise ValueError(f"%{vid} cannot get a vec4 binding: constant or already bound")
+        var = self._bind_value(vid, name, write=False)
+        k = len(self._decls) - 1
+        self._decls[k] = (var, f"vec4<{self._decls[k][1]}>")
+        return var
+
     def write(self, vid: int, name: str) -> str:
         """Bind value ``vid`` (the node's output, or an input updated in place) for writing."""
         return self._bind_value(vid, name, write=True)
