@@ -146,11 +146,10 @@ def breakdown(sess, reps: int) -> dict:
     """Median ms of the host phases of ``Session.run``'s step, the device idle before each
     (Session internals, bench only): on one thread, encoding the dispatches (``record``),
     ``GPUCommandEncoder.finish`` (wgpu-core's validation and the driver's command buffer) and
-    ``queue.submit``; and ``encode``, record + finish as the Session does it (split over
-    ``fastpath.RECORD_THREADS`` threads for long steps)."""
+    ``queue.submit``; and ``encode``, record + finish as the Session does it."""
     from meganeura.runtime import fastpath
 
-    one = fastpath.Recorder(sess._plan._plan, threads=1)
+    one = fastpath.Recorder(sess._plan._plan)
     rows = {"record": [], "finish": [], "submit": [], "encode": []}
     for _ in range(reps + 2):
         sess.synchronize()
@@ -175,7 +174,6 @@ def breakdown(sess, reps: int) -> dict:
         rows["encode"].append(1e3 * (t5 - t4))
     sess.synchronize()
     out = {f"ours_{k}_ms": float(np.median(v[2:])) for k, v in rows.items()}
-    out["record_threads"] = len(sess._plan.chunks)
     return out
 
 
