@@ -3,7 +3,8 @@
 A Session creates every buffer, pipeline and bind group once. ``run`` validates every feed on the
 host, uploads the inputs, replays the prebuilt dispatch list into one compute pass
 (:class:`.fastpath.Recorder`) followed by copies of the fetched outputs into a persistent
-staging buffer, submits once, and maps the staging buffer to read the outputs. The host side goes through direct wgpu-native calls (:mod:`.fastpath`).
+staging buffer, submits once, and maps the staging buffer to read the outputs. The host side
+goes through direct wgpu-native calls (:mod:`.fastpath`).
 Host-side checks of feeds live in :mod:`.slots`; ``profile`` (timestamps per dispatch) lives in
 :mod:`.profiler` and leaves ``run`` uninstrumented.
 
