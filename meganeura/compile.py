@@ -188,7 +188,7 @@ def _assemble(graph: Graph, sched, plan, limits: Limits) -> Program:
             else:
                 assert isinstance(bnd, ScratchRef)
                 spans.append((pool[plan.assignment[(nid, bnd.key)]], 0, 0))
-        _check_disjoint(ks.name, spans, buffers)
+        _check_disjoint(ks.name, spans, [bnd.write for bnd in ks.bindings], buffers)
         ids = tuple(b for b, _, _ in spans)
         offsets = tuple(o for _, o, _ in spans)
         sizes = tuple(z for _, _, z in spans)
@@ -238,12 +238,13 @@ def _assemble(graph: Graph, sched, plan, limits: Limits) -> Program:
 ARENA_BUFFER_ROLES = {"param": "parameter", "grad": "gradient"}
 
 
-def _check_disjoint(name: str, spans: list[tuple[int, int, int]], buffers) -> None:
-    """Raise AssertionError when two bindings of one kernel overlap in one buffer."""
+def _check_disjoint(name: str, spans: list[tuple[int, int, int]], writes, buffers) -> None:
+    """Raise AssertionError when two bindings of one kernel overlap in one buffer, or bind one
+    buffer both read-only and writable (wgpu tracks usage per buffer, not per range)."""
     ranges = []
-    for buf, off, size in spans:
+    for (buf, off, size), w in zip(spans, writes, strict=True):
         end = off + (size or buffers[buf].size - off)
-        for b2, o2, e2 in ranges:
-            if b2 == buf and off < e2 and o2 < end:
-                raise AssertionError(f"kernel {name} binds overlapping ranges of buffer {buf}")
-        ranges.append((buf, off, end))
+        for b2, o2, e2, w2 in ranges:
+            if b2 == buf and ((off < e2 and o2 < end) or w != w2):
+                raise AssertionError(f"kernel {name} binds buffer {buf} twice in conflict")
+        ranges.append((buf, off, end, w))

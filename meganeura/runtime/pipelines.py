@@ -181,7 +181,8 @@ def check_limits(program: Program, device: Device) -> None:
             ``max_compute_workgroups_per_dimension``; more bindings than
             ``max_storage_buffers_per_shader_stage``; a binding naming no buffer; bindings and
             writes of different lengths; overlapping bindings of one buffer in one dispatch
-            when either is written (wgpu rejects that usage conflict); a binding range outside
+            when either is written, or one buffer bound both read-only and writable even at
+            disjoint ranges (wgpu rejects those usage conflicts); a binding range outside
             its buffer or at an offset that is not a multiple of
             ``min_storage_buffer_offset_alignment``.
         ValueError: buffer ids that are not their positions.
@@ -231,7 +232,7 @@ def check_limits(program: Program, device: Device) -> None:
                     f"({bufs[bid].size:,} B); offsets must be multiples of {align}"
                 )
             for b2, s2, e2, w2 in seen:
-                if b2 == bid and s2 < off + size and off < e2 and (w or w2):
+                if b2 == bid and (w or w2) and (s2 < off + size and off < e2 or w != w2):
                     raise KernelError(
                         f"{where}: buffer {bid} is bound more than once with write access "
                         f"(binding {i})"

@@ -25,7 +25,7 @@ from ..graph.ir import VIEW_OPS, Graph
 from ..ops import OPS
 from ..passes.fuse import FusionGroup, plan_fusion
 from .planner import Interval
-from .update_groups import arena_value, plan_update_groups
+from .update_groups import arena_roles, arena_value, plan_update_groups
 
 PINNED_LEAVES = frozenset({"input", "parameter", "state"})
 
@@ -90,23 +90,13 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         pinned.add(root[v])
 
     groups = plan_fusion(graph, FUSIBLE, needed) if fuse else ()
-    group_of = {m: g for g in groups for m in g.members}
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
-    update_of = {m: g for g in updates for m in g.members}
-    pinned.update(arena_value(graph, m, "grad") for m in update_of)
-    dispatches: list[tuple[int, KernelSource]] = []
-    for node in graph.nodes:
-        if needed[node.id] and node.op in OPS and node.op not in VIEW_OPS:
-            group = group_of.get(node.id)
-            ugroup = update_of.get(node.id)
-            if ugroup is not None:
-                is_sink = node.id == ugroup.sink
-                kernels = [lower_update_group(graph, ugroup, limits)] if is_sink else []
-            elif group is None:
-                kernels = lower(graph, node.id, limits)
-            else:
-                kernels = lower_group(graph, group, limits) if node.id == group.sink else []
-            dispatches.extend((node.id, ks) for ks in kernels)
+    dispatches = _lower_all(graph, needed, limits, groups, updates)
+    clash = _arena_clashes(graph, dispatches, updates)
+    if clash:  # rare: a kernel writes one member's gradient and reads another's
+        updates = plan_update_groups(graph, needed, limits, exclude=clash)
+        dispatches = _lower_all(graph, needed, limits, groups, updates)
+    pinned.update(arena_value(graph, m, "grad") for g in updates for m in g.members)
 
     first: dict = {}
     last: dict = {}
@@ -130,3 +120,54 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             last[key] = pos
     intervals = tuple(Interval(k, sizes[k], first[k], last[k]) for k in first)
     return Schedule(tuple(dispatches), root, frozenset(pinned), intervals, groups, updates)
+
+
+def _lower_all(
+    graph: Graph,
+    needed: list[bool],
+    limits: Limits,
+    groups: tuple[FusionGroup, ...],
+    updates: tuple[UpdateGroup, ...],
+) -> list[tuple[int, KernelSource]]:
+    group_of = {m: g for g in groups for m in g.members}
+    update_of = {m: g for g in updates for m in g.members}
+    dispatches: list[tuple[int, KernelSource]] = []
+    for node in graph.nodes:
+        if needed[node.id] and node.op in OPS and node.op not in VIEW_OPS:
+            group = group_of.get(node.id)
+            ugroup = update_of.get(node.id)
+            if ugroup is not None:
+                is_sink = node.id == ugroup.sink
+                kernels = [lower_update_group(graph, ugroup, limits)] if is_sink else []
+            elif group is None:
+                kernels = lower(graph, node.id, limits)
+            else:
+                kernels = lower_group(graph, group, limits) if node.id == group.sink else []
+            dispatches.extend((node.id, ks) for ks in kernels)
+    return dispatches
+
+
+def _arena_clashes(
+    graph: Graph, dispatches: list[tuple[int, KernelSource]], updates: tuple[UpdateGroup, ...]
+) -> frozenset[int]:
+    """Update members that a kernel binds in one arena both read-only and writable.
+
+    wgpu tracks usage per buffer, not per range, so one dispatch may not bind one buffer as
+    ``read`` and as ``read_write`` even at disjoint offsets.
+    """
+    where: dict[int, tuple[tuple, int]] = {}  # root -> (arena key, member)
+    for g in updates:
+        for role in arena_roles(graph, g):
+            for m in g.members:
+                where[arena_value(graph, m, role)] = (g.arena_key(role), m)
+    clash: set[int] = set()
+    for _, ks in dispatches:
+        seen: dict[tuple, list[tuple[int, bool]]] = {}
+        for b in ks.bindings:
+            if isinstance(b, ValueRef) and b.node in where:
+                key, m = where[b.node]
+                seen.setdefault(key, []).append((m, b.write))
+        for uses in seen.values():
+            if len({w for _, w in uses}) > 1:
+                clash.update(m for m, _ in uses)
+    return frozenset(clash)

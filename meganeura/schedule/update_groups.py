@@ -18,7 +18,8 @@ Invariants:
     the padding between members is never read or written as data;
   * a member's gradient is the root of a value no one else owns: not a leaf, constant or graph
     output, and no other member's gradient; a candidate failing any condition keeps its own
-    kernel, as does a group of one;
+    kernel, as does a group of one (``schedule`` also excludes members that one kernel would
+    bind in one arena both read-only and writable, which wgpu rejects);
   * each arena fits one storage binding and has fewer than 2^31 elements (else the group
     is split).
 """
@@ -48,13 +49,16 @@ def arena_value(graph: Graph, member: int, role: str) -> int:
     return resolve_view(graph, vid)
 
 
-def plan_update_groups(graph: Graph, needed: list[bool], limits: Limits) -> tuple[UpdateGroup, ...]:
+def plan_update_groups(
+    graph: Graph, needed: list[bool], limits: Limits, exclude: frozenset[int] = frozenset()
+) -> tuple[UpdateGroup, ...]:
     """Group the needed update ops of ``graph`` (see the module docstring).
 
     Args:
         graph: a verified graph.
         needed: per node id, whether the node's kernels run.
         limits: the adapter's limits (offset alignment, binding size).
+        exclude: update node ids that must keep their own kernel.
 
     Returns:
         The groups, each of two or more members, in program order of their last member.
@@ -76,7 +80,7 @@ def plan_update_groups(graph: Graph, needed: list[bool], limits: Limits) -> tupl
         claimed: set[int] = set()
         for nid in run:
             key = _key(graph, nid)
-            if key is None or not _eligible(graph, nid, outputs, claimed):
+            if key is None or nid in exclude or not _eligible(graph, nid, outputs, claimed):
                 continue
             claimed.update(arena_value(graph, nid, r) for r in ("param", "grad"))
             by_key.setdefault(key, []).append(nid)

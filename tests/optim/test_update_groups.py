@@ -223,3 +223,21 @@ def test_frozen_parameters_stay_put_while_the_group_trains(gpu_device):
     got = sess.state_dict()
     np.testing.assert_array_equal(got["fc1.bias"], INIT["fc1.bias"])
     _assert_close(got, tp, trainable)
+
+
+def test_members_bound_read_and_write_by_one_kernel_are_excluded():
+    from meganeura.codegen.kernel import KernelSource, ValueRef
+    from meganeura.compile import build_training_graph
+    from meganeura.schedule.schedule import _arena_clashes, schedule
+    from meganeura.schedule.update_groups import arena_value
+
+    g = build_training_graph(GRAPH, CompileOptions(loss="loss", optimizer=SGD()))
+    sched = schedule(g, Limits(), fuse=True)
+    (group,) = sched.update_groups
+    a, b, c = group.members[:3]
+    grad = {m: arena_value(g, m, "grad") for m in (a, b, c)}
+    assert not _arena_clashes(g, list(sched.dispatches), sched.update_groups)
+    # wgpu rejects one buffer bound read-only and read_write in one dispatch, even disjointly
+    ks = KernelSource("x", "", (ValueRef(grad[a], True), ValueRef(grad[b], False)), (1, 1, 1))
+    both = KernelSource("y", "", (ValueRef(grad[a], True), ValueRef(grad[c], True)), (1, 1, 1))
+    assert _arena_clashes(g, [(0, ks), (1, both)], sched.update_groups) == {a, b}
