@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from .autodiff import differentiate
-from .codegen.kernel import Limits, ScratchRef, ValueRef
+from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
 from .graph.ir import Graph
 from .optim import Optimizer, apply_optimizer
 from .passes import cse, dce, fold_permutes
@@ -26,6 +26,7 @@ from .schedule.program import (
     TensorSlot,
 )
 from .schedule.schedule import schedule
+from .schedule.update_groups import arena_roles, arena_value
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def compile(
 
 def _assemble(graph: Graph, sched, plan, limits: Limits) -> Program:
     buffers: list[BufferSpec] = []
-    buffer_of: dict[int, int] = {}
+    place: dict[int, tuple[int, int]] = {}  # pinned root -> (buffer, byte offset)
     slots = {"input": {}, "parameter": {}, "state": {}}
     outputs: dict[str, TensorSlot] = {}
 
@@ -140,38 +141,70 @@ def _assemble(graph: Graph, sched, plan, limits: Limits) -> Program:
         buffers.append(BufferSpec(len(buffers), max(4, (size + 3) // 4 * 4), role, name))
         return len(buffers) - 1
 
+    # Optimizer group arenas first: member k of a group sits at the same offset in each.
+    arena_of: dict[tuple, int] = {}
+    arena_buffers: set[int] = set()
+    for grp in sched.update_groups:
+        itemsize = graph[graph[grp.members[0]].inputs[0]].type.dtype.itemsize
+        for role in arena_roles(graph, grp):
+            kind = ARENA_BUFFER_ROLES.get(role, "state")
+            buf = new_buffer(grp.length * itemsize, kind, f"optim group {grp.index} {role}")
+            arena_of[grp.arena_key(role)] = buf
+            arena_buffers.add(buf)
+            for m, off in zip(grp.members, grp.offsets, strict=True):
+                place[arena_value(graph, m, role)] = (buf, off * itemsize)
+
     for node in graph.nodes:
         if node.op in slots:
-            b = new_buffer(node.type.nbytes, node.op, node.name)
-            buffer_of[node.id] = b
-            slots[node.op][node.name] = TensorSlot(b, node.type.shape, node.type.dtype)
+            if node.id not in place:
+                place[node.id] = (new_buffer(node.type.nbytes, node.op, node.name), 0)
+            b, off = place[node.id]
+            slots[node.op][node.name] = TensorSlot(b, node.type.shape, node.type.dtype, off)
     for name, v in graph.outputs:
         r = sched.root[v]
-        if r not in buffer_of:
-            buffer_of[r] = new_buffer(graph.nodes[r].type.nbytes, "output", name)
+        if r not in place:
+            place[r] = (new_buffer(graph.nodes[r].type.nbytes, "output", name), 0)
         t = graph.nodes[v].type
-        outputs[name] = TensorSlot(buffer_of[r], t.shape, t.dtype)
+        outputs[name] = TensorSlot(place[r][0], t.shape, t.dtype, place[r][1])
     pinned_bytes = sum(b.size for b in buffers)
 
     pool = [new_buffer(size, "intermediate") for size in plan.buffer_sizes]
 
     dispatches: list[Dispatch] = []
     for nid, ks in sched.dispatches:
-        ids: list[int] = []
-        writes: list[bool] = []
+        spans: list[tuple[int, int, int]] = []  # (buffer, offset, size; 0 = to the end)
         for bnd in ks.bindings:
             if isinstance(bnd, ValueRef):
                 r = sched.root[bnd.node]
-                buf = buffer_of[r] if r in buffer_of else pool[plan.assignment[r]]
+                if r in place:
+                    buf, off = place[r]
+                    # a value in an arena is bound as its own sub-range, whole buffers whole
+                    size = max(4, (graph.nodes[r].type.nbytes + 3) // 4 * 4)
+                    spans.append((buf, off, size if buf in arena_buffers else 0))
+                else:
+                    spans.append((pool[plan.assignment[r]], 0, 0))
+            elif isinstance(bnd, ArenaRef):
+                spans.append((arena_of[bnd.key], 0, 0))
             else:
                 assert isinstance(bnd, ScratchRef)
-                buf = pool[plan.assignment[(nid, bnd.key)]]
-            ids.append(buf)
-            writes.append(bnd.write)
-        if len(set(ids)) != len(ids):
-            raise AssertionError(f"kernel {ks.name} binds one buffer twice: {ids}")
+                spans.append((pool[plan.assignment[(nid, bnd.key)]], 0, 0))
+        _check_disjoint(ks.name, spans, [bnd.write for bnd in ks.bindings], buffers)
+        ids = tuple(b for b, _, _ in spans)
+        offsets = tuple(o for _, o, _ in spans)
+        sizes = tuple(z for _, _, z in spans)
+        partial = any(offsets) or any(sizes)
         dispatches.append(
-            Dispatch(ks.name, ks.wgsl, tuple(ids), tuple(writes), ks.grid, ks.flops, ks.bytes)
+            Dispatch(
+                ks.name,
+                ks.wgsl,
+                ids,
+                tuple(bnd.write for bnd in ks.bindings),
+                ks.grid,
+                ks.flops,
+                ks.bytes,
+                offsets if partial else (),
+                sizes if partial else (),
+            )
         )
 
     checks: dict[str, LabelCheck] = {}
@@ -199,3 +232,19 @@ def _assemble(graph: Graph, sched, plan, limits: Limits) -> Program:
         label_checks=tuple(checks.values()),
         memory=MemoryReport(plan.planned_bytes, plan.naive_bytes, pinned_bytes),
     )
+
+
+# Buffer role of each optimizer-group arena (``schedule.update_groups``); states are "state".
+ARENA_BUFFER_ROLES = {"param": "parameter", "grad": "gradient"}
+
+
+def _check_disjoint(name: str, spans: list[tuple[int, int, int]], writes, buffers) -> None:
+    """Raise AssertionError when two bindings of one kernel overlap in one buffer, or bind one
+    buffer both read-only and writable (wgpu tracks usage per buffer, not per range)."""
+    ranges = []
+    for (buf, off, size), w in zip(spans, writes, strict=True):
+        end = off + (size or buffers[buf].size - off)
+        for b2, o2, e2, w2 in ranges:
+            if b2 == buf and ((off < e2 and o2 < end) or w != w2):
+                raise AssertionError(f"kernel {name} binds buffer {buf} twice in conflict")
+        ranges.append((buf, off, end, w))

@@ -29,6 +29,8 @@ def device_limits(device) -> Limits:
         max_workgroup_storage_size=device.max_compute_workgroup_storage_size,
         max_invocations_per_workgroup=device.max_compute_invocations_per_workgroup,
         max_storage_buffer_binding_size=device.max_storage_buffer_binding_size,
+        min_storage_buffer_offset_alignment=device.min_storage_buffer_offset_alignment,
+        max_storage_buffers_per_shader_stage=device.max_storage_buffers_per_shader_stage,
         shader_f16="shader-f16" in device.features,
         subgroups="subgroup" in device.features,
     )

@@ -23,6 +23,9 @@ class Limits:
     max_storage_buffer_binding_size: int = 134217728
     shader_f16: bool = False
     subgroups: bool = False
+    # A binding of part of a buffer must start at a multiple of this many bytes.
+    min_storage_buffer_offset_alignment: int = 256
+    max_storage_buffers_per_shader_stage: int = 8
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,51 @@ class ScratchRef:
 
 
 @dataclass(frozen=True)
+class ArenaRef:
+    """Binding of a whole arena: one buffer holding several values at aligned offsets
+    (``schedule.update_groups``). ``key`` names it, e.g. ``("optim", 0, "param")``."""
+
+    key: tuple
+    write: bool = False
+
+
+Binding = ValueRef | ScratchRef | ArenaRef
+
+
+@dataclass(frozen=True)
 class KernelSource:
     """One dispatch: WGSL with entry point ``main`` whose group-0 binding i is bindings[i]."""
 
     name: str
     wgsl: str
-    bindings: tuple[ValueRef | ScratchRef, ...]
+    bindings: tuple[Binding, ...]
     grid: tuple[int, int, int]
     flops: int = 0
     bytes: int = 0
+
+
+@dataclass(frozen=True)
+class UpdateGroup:
+    """Update ops lowered as one kernel over shared arenas (planned by
+    ``schedule.update_groups``).
+
+    Attributes:
+        index: position among the program's groups; arena keys are ``("optim", index, role)``.
+        members: update node ids, in program order.
+        offsets: element offset of each member in every arena of the group.
+        length: elements in each arena (last member's offset + numel).
+    """
+
+    index: int
+    members: tuple[int, ...]
+    offsets: tuple[int, ...]
+    length: int
+
+    def arena_key(self, role: str) -> tuple:
+        """Key of the arena for ``role``: ``"param"``, ``"grad"`` or ``"state0"``, ``"state1"``."""
+        return ("optim", self.index, role)
+
+    @property
+    def sink(self) -> int:
+        """The member at whose position the group's kernel runs (the last one)."""
+        return self.members[-1]

@@ -39,6 +39,7 @@ _COMPUTE_LIMITS = (
     "max-compute-workgroup-size-z",
     "max-storage-buffers-per-shader-stage",
     "max-bindings-per-bind-group",
+    "min-storage-buffer-offset-alignment",
 )
 
 _DEVICES: dict[str | None, Device] = {}
@@ -106,6 +107,7 @@ class Device:
         max_compute_workgroup_storage_size: bytes of ``var<workgroup>`` memory.
         max_compute_invocations_per_workgroup: product of a workgroup size's axes.
         max_storage_buffers_per_shader_stage: storage bindings one kernel may declare.
+        min_storage_buffer_offset_alignment: bytes a binding's offset must be a multiple of.
         pipelines: compute pipelines compiled on this device, by WGSL hash.
     """
 
@@ -122,6 +124,9 @@ class Device:
         self.max_compute_workgroup_storage_size = lim["max-compute-workgroup-storage-size"]
         self.max_compute_invocations_per_workgroup = lim["max-compute-invocations-per-workgroup"]
         self.max_storage_buffers_per_shader_stage = lim["max-storage-buffers-per-shader-stage"]
+        self.min_storage_buffer_offset_alignment = lim.get(
+            "min-storage-buffer-offset-alignment", 256
+        )
         self.pipelines = PipelineCache(gpu)
 
     @classmethod

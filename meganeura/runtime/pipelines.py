@@ -144,14 +144,25 @@ class PipelineCache:
         return pipeline
 
     def bind_group(
-        self, name: str, writes: tuple[bool, ...], buffers: Sequence[wgpu.GPUBuffer]
+        self,
+        name: str,
+        writes: tuple[bool, ...],
+        buffers: Sequence[wgpu.GPUBuffer],
+        spans: Sequence[tuple[int, int]] | None = None,
     ) -> wgpu.GPUBindGroup:
-        """A bind group for group 0 binding whole ``buffers`` in order.
+        """A bind group for group 0 binding ``buffers`` in order: whole, or the byte range
+        ``(offset, size)`` of ``spans[i]`` (``Dispatch.span``) when given.
 
         Raises:
-            KernelError: wgpu rejects it (e.g. a buffer without STORAGE usage).
+            KernelError: wgpu rejects it (e.g. a buffer without STORAGE usage, or an offset
+                that is not a multiple of min_storage_buffer_offset_alignment).
         """
-        entries = [{"binding": i, "resource": {"buffer": b}} for i, b in enumerate(buffers)]
+        entries = []
+        for i, b in enumerate(buffers):
+            res = {"buffer": b}
+            if spans is not None:
+                res["offset"], res["size"] = spans[i]
+            entries.append({"binding": i, "resource": res})
         try:
             return self.gpu.create_bind_group(
                 label=name, layout=self.layout(tuple(bool(w) for w in writes)), entries=entries
@@ -169,8 +180,11 @@ def check_limits(program: Program, device: Device) -> None:
             ``max_storage_buffer_binding_size``; a grid over
             ``max_compute_workgroups_per_dimension``; more bindings than
             ``max_storage_buffers_per_shader_stage``; a binding naming no buffer; bindings and
-            writes of different lengths; a buffer bound twice in one dispatch with write access
-            (wgpu rejects that usage conflict).
+            writes of different lengths; overlapping bindings of one buffer in one dispatch
+            when either is written, or one buffer bound both read-only and writable even at
+            disjoint ranges (wgpu rejects those usage conflicts); a binding range outside
+            its buffer or at an offset that is not a multiple of
+            ``min_storage_buffer_offset_alignment``.
         ValueError: buffer ids that are not their positions.
     """
     bufs = program.buffers
@@ -186,6 +200,7 @@ def check_limits(program: Program, device: Device) -> None:
         device.max_compute_workgroups_per_dimension,
         device.max_storage_buffer_binding_size,
     )
+    align = device.min_storage_buffer_offset_alignment
     for d in program.dispatches:
         where = f"kernel {d.name!r}"
         if len(d.bindings) != len(d.writes):
@@ -201,22 +216,28 @@ def check_limits(program: Program, device: Device) -> None:
                 f"{where}: grid {tuple(d.grid)} exceeds this adapter's "
                 f"max_compute_workgroups_per_dimension of {lim_grid} (or is not 3 counts)"
             )
-        written: set[int] = set()
+        seen: list[tuple[int, int, int, bool]] = []  # (buffer, start, end, write)
         for i, (bid, w) in enumerate(zip(d.bindings, d.writes, strict=True)):
             if not 0 <= bid < len(bufs):
                 raise KernelError(f"{where}: binding {i} names buffer {bid}, which does not exist")
-            size = max(-(-bufs[bid].size // 4) * 4, 4)  # as allocated
+            off, size = d.span(i, max(-(-bufs[bid].size // 4) * 4, 4))  # as allocated
             if size > lim_bind:
                 raise KernelError(
                     f"{where}: binding {i} (buffer {bid}, {size:,} bytes) exceeds this "
                     f"adapter's max_storage_buffer_binding_size of {lim_bind:,}"
                 )
-            if bid in written or (w and bid in d.bindings[:i]):
+            if off % align or size <= 0 or off + size > max(-(-bufs[bid].size // 4) * 4, 4):
                 raise KernelError(
-                    f"{where}: buffer {bid} is bound more than once with write access (binding {i})"
+                    f"{where}: binding {i} spans bytes [{off}, {off + size}) of buffer {bid} "
+                    f"({bufs[bid].size:,} B); offsets must be multiples of {align}"
                 )
-            if w:
-                written.add(bid)
+            for b2, s2, e2, w2 in seen:
+                if b2 == bid and (w or w2) and (s2 < off + size and off < e2 or w != w2):
+                    raise KernelError(
+                        f"{where}: buffer {bid} is bound more than once with write access "
+                        f"(binding {i})"
+                    )
+            seen.append((bid, off, off + size, w))
 
 
 def find_invalid_dispatch(

@@ -115,7 +115,11 @@ class Session:
         for d in self.program.dispatches:
             pipeline = cache.get(d.name, d.wgsl, d.writes)
             t = time.perf_counter()
-            bg = cache.bind_group(d.name, d.writes, [self._buffers[i] for i in d.bindings])
+            bufs = [self._buffers[i] for i in d.bindings]
+            spans = None
+            if d.offsets or d.sizes:
+                spans = [d.span(k, b.size) for k, b in enumerate(bufs)]
+            bg = cache.bind_group(d.name, d.writes, bufs, spans)
             self._bind_group_seconds += time.perf_counter() - t
             self._bind_groups.append(bg)
             self._pipelines.append(pipeline)

@@ -9,7 +9,8 @@ dispatch list in one command encoder per step.
 Invariants:
   * every ``Dispatch.bindings[i]`` names a buffer in ``buffers``; binding ``i`` of group 0 in
     the WGSL source is that buffer, read-only when ``Dispatch.writes[i]`` is False;
-  * no buffer is bound twice in one dispatch with write access;
+  * no two bindings of one dispatch overlap in one buffer when either is written
+    (bindings may be sub-ranges, ``Dispatch.offsets``/``sizes``);
   * grids are at most the adapter's workgroups-per-dimension limit (codegen folds them).
 """
 
@@ -21,7 +22,7 @@ from typing import Literal
 
 from ..dtypes import DType
 
-BufferRole = Literal["input", "parameter", "state", "output", "intermediate"]
+BufferRole = Literal["input", "parameter", "state", "output", "intermediate", "gradient"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,10 @@ class BufferSpec:
         size: bytes (a multiple of 4, at least 4).
         role: what lives there. ``parameter`` and ``state`` persist across steps; ``input`` is
             written by the host before each step; ``output`` is read back on request;
-            ``intermediate`` buffers are shared by values with disjoint lifetimes.
+            ``intermediate`` buffers are shared by values with disjoint lifetimes;
+            ``gradient`` is an optimizer group's arena of parameter gradients, written by the
+            backward pass and read by the group's update each step. ``parameter`` and
+            ``state`` buffers may also be group arenas holding several named slots.
         name: the user-visible name for pinned buffers, else None.
     """
 
@@ -55,6 +59,9 @@ class Dispatch:
         grid: workgroup counts (x, y, z).
         flops: arithmetic operations, for profiles (0 when unknown).
         bytes: bytes read + written, for profiles (0 when unknown).
+        offsets: byte offset of each binding in its buffer (a multiple of the adapter's
+            min_storage_buffer_offset_alignment); empty: every binding starts at 0.
+        sizes: bytes each binding spans; empty, or an entry 0: the rest of the buffer.
     """
 
     name: str
@@ -64,6 +71,14 @@ class Dispatch:
     grid: tuple[int, int, int]
     flops: int = 0
     bytes: int = 0
+    offsets: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+
+    def span(self, i: int, buffer_size: int) -> tuple[int, int]:
+        """(offset, size) in bytes of binding ``i`` in a buffer of ``buffer_size`` bytes."""
+        off = self.offsets[i] if self.offsets else 0
+        size = self.sizes[i] if self.sizes and self.sizes[i] else buffer_size - off
+        return off, size
 
 
 @dataclass(frozen=True)

@@ -8,21 +8,24 @@ the value whose buffer they share, and measures each value's lifetime in dispatc
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes; a group is lowered as one kernel
 (``codegen.wgsl.fused``) at its last member's position, binding the group's external inputs
 and its stored outputs only, so lifetimes come from those bindings; the other members get no
-kernel and no storage.
+kernel and no storage. Optimizer updates are grouped likewise (``update_groups``): one kernel
+per group at its last member's position, over arenas that the assembler lays out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..codegen.kernel import KernelSource, Limits, ScratchRef, ValueRef
+from ..codegen.kernel import ArenaRef, KernelSource, Limits, ScratchRef, UpdateGroup, ValueRef
 from ..codegen.wgsl import lower, reads
 from ..codegen.wgsl.elementwise import FUSIBLE
 from ..codegen.wgsl.fused import lower_group
+from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import VIEW_OPS, Graph
 from ..ops import OPS
 from ..passes.fuse import FusionGroup, plan_fusion
 from .planner import Interval
+from .update_groups import arena_roles, arena_value, plan_update_groups
 
 PINNED_LEAVES = frozenset({"input", "parameter", "state"})
 
@@ -38,6 +41,8 @@ class Schedule:
         intervals: lifetimes of the other roots and of scratch, keyed by root id or
             (node id, scratch key).
         groups: the fusion groups lowered as one kernel each (empty without fusion).
+        update_groups: optimizer updates lowered as one kernel each over arenas (empty
+            without fusion); their gradients are pinned (in the gradient arena).
     """
 
     dispatches: tuple[tuple[int, KernelSource], ...]
@@ -45,6 +50,7 @@ class Schedule:
     pinned: frozenset[int]
     intervals: tuple[Interval, ...]
     groups: tuple[FusionGroup, ...] = ()
+    update_groups: tuple[UpdateGroup, ...] = ()
 
 
 def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
@@ -53,7 +59,8 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
     Args:
         graph: a verified graph.
         limits: the adapter's limits.
-        fuse: lower fusion groups (``plan_fusion``) as one kernel each.
+        fuse: lower fusion groups (``plan_fusion``) and optimizer update groups
+            (``plan_update_groups``) as one kernel each.
 
     Raises:
         ValueError: when an output is a constant (it has no storage to read back).
@@ -83,16 +90,13 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         pinned.add(root[v])
 
     groups = plan_fusion(graph, FUSIBLE, needed) if fuse else ()
-    group_of = {m: g for g in groups for m in g.members}
-    dispatches: list[tuple[int, KernelSource]] = []
-    for node in graph.nodes:
-        if needed[node.id] and node.op in OPS and node.op not in VIEW_OPS:
-            group = group_of.get(node.id)
-            if group is None:
-                kernels = lower(graph, node.id, limits)
-            else:
-                kernels = lower_group(graph, group, limits) if node.id == group.sink else []
-            dispatches.extend((node.id, ks) for ks in kernels)
+    updates = plan_update_groups(graph, needed, limits) if fuse else ()
+    dispatches = _lower_all(graph, needed, limits, groups, updates)
+    clash = _arena_clashes(graph, dispatches, updates)
+    if clash:  # rare: a kernel writes one member's gradient and reads another's
+        updates = plan_update_groups(graph, needed, limits, exclude=clash)
+        dispatches = _lower_all(graph, needed, limits, groups, updates)
+    pinned.update(arena_value(graph, m, "grad") for g in updates for m in g.members)
 
     first: dict = {}
     last: dict = {}
@@ -104,6 +108,8 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
                 if key in pinned:
                     continue
                 sizes[key] = graph.nodes[key].type.nbytes
+            elif isinstance(b, ArenaRef):
+                continue  # arenas are pinned
             elif isinstance(b, ScratchRef):
                 key = (nid, b.key)
                 # A key may be bound at several sizes by a node's kernels: keep the largest.
@@ -113,4 +119,55 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             first.setdefault(key, pos)
             last[key] = pos
     intervals = tuple(Interval(k, sizes[k], first[k], last[k]) for k in first)
-    return Schedule(tuple(dispatches), root, frozenset(pinned), intervals, groups)
+    return Schedule(tuple(dispatches), root, frozenset(pinned), intervals, groups, updates)
+
+
+def _lower_all(
+    graph: Graph,
+    needed: list[bool],
+    limits: Limits,
+    groups: tuple[FusionGroup, ...],
+    updates: tuple[UpdateGroup, ...],
+) -> list[tuple[int, KernelSource]]:
+    group_of = {m: g for g in groups for m in g.members}
+    update_of = {m: g for g in updates for m in g.members}
+    dispatches: list[tuple[int, KernelSource]] = []
+    for node in graph.nodes:
+        if needed[node.id] and node.op in OPS and node.op not in VIEW_OPS:
+            group = group_of.get(node.id)
+            ugroup = update_of.get(node.id)
+            if ugroup is not None:
+                is_sink = node.id == ugroup.sink
+                kernels = [lower_update_group(graph, ugroup, limits)] if is_sink else []
+            elif group is None:
+                kernels = lower(graph, node.id, limits)
+            else:
+                kernels = lower_group(graph, group, limits) if node.id == group.sink else []
+            dispatches.extend((node.id, ks) for ks in kernels)
+    return dispatches
+
+
+def _arena_clashes(
+    graph: Graph, dispatches: list[tuple[int, KernelSource]], updates: tuple[UpdateGroup, ...]
+) -> frozenset[int]:
+    """Update members that a kernel binds in one arena both read-only and writable.
+
+    wgpu tracks usage per buffer, not per range, so one dispatch may not bind one buffer as
+    ``read`` and as ``read_write`` even at disjoint offsets.
+    """
+    where: dict[int, tuple[tuple, int]] = {}  # root -> (arena key, member)
+    for g in updates:
+        for role in arena_roles(graph, g):
+            for m in g.members:
+                where[arena_value(graph, m, role)] = (g.arena_key(role), m)
+    clash: set[int] = set()
+    for _, ks in dispatches:
+        seen: dict[tuple, list[tuple[int, bool]]] = {}
+        for b in ks.bindings:
+            if isinstance(b, ValueRef) and b.node in where:
+                key, m = where[b.node]
+                seen.setdefault(key, []).append((m, b.write))
+        for uses in seen.values():
+            if len({w for _, w in uses}) > 1:
+                clash.update(m for m, _ in uses)
+    return frozenset(clash)

@@ -71,7 +71,8 @@ def test_mlp_step_has_fewer_dispatches_with_fusion():
     off = compile(mlp, CompileOptions(loss="loss", optimizer=AdamW(), fuse=False))
     on = compile(mlp, options)
     assert options.fuse  # on by default
-    assert (len(off.dispatches), len(on.dispatches)) == (20, 15)
+    # 15 from fusing kernels, minus 3 from the four Adam updates running as one kernel
+    assert (len(off.dispatches), len(on.dispatches)) == (20, 12)
     assert not any("+" in d.name for d in off.dispatches)
 
 

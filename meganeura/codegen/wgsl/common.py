@@ -24,7 +24,7 @@ import numpy as np
 
 from ...dtypes import DType
 from ...graph.ir import VIEW_OPS, Graph, Node, TensorType  # VIEW_OPS re-exported
-from ..kernel import KernelSource, Limits, ScratchRef, ValueRef
+from ..kernel import ArenaRef, KernelSource, Limits, ScratchRef, ValueRef
 
 # u32 index math stays exact while every flat index (and index + one workgroup) is below 2^31.
 MAX_ELEMENTS = 2**31 - 1
@@ -272,7 +272,7 @@ class KernelBuilder:
 
     def __init__(self, graph: Graph, node: Node, limits: Limits) -> None:
         self.graph, self.node, self.limits = graph, node, limits
-        self._refs: list[ValueRef | ScratchRef] = []
+        self._refs: list[ValueRef | ScratchRef | ArenaRef] = []
         self._decls: list[tuple[str, str]] = []  # (name, element type) per binding
         self._by_value: dict[int, int] = {}
 
@@ -325,6 +325,13 @@ class KernelBuilder:
     def scratch(self, key: str, count: int, dtype: DType, name: str) -> str:
         """Bind node-private scratch storage of ``count`` elements of ``dtype``."""
         self._refs.append(ScratchRef(key, max(count, 1) * dtype.itemsize, dtype))
+        return self._declare(name, dtype)
+
+    def arena(self, key: tuple, dtype: DType, name: str, write: bool) -> str:
+        """Bind the whole arena ``key`` (several values of ``dtype`` at aligned offsets)."""
+        if dtype is DType.f16:
+            raise NotImplementedError(f"arena {key}: f16 storage is not lowered yet")
+        self._refs.append(ArenaRef(key, write))
         return self._declare(name, dtype)
 
     def element_type(self, var: str) -> str:

@@ -1,4 +1,5 @@
-"""Optimizer update lowerings: ``sgd_update``, ``sgd_momentum_update``, ``adam_update``.
+"""Optimizer update lowerings: ``sgd_update``, ``sgd_momentum_update``, ``adam_update``, one
+kernel per parameter (``lower_update``) or one per update group (``lower_update_group``).
 
 Four parameter elements per thread (``common.element_slots``). Operands are ``(param, grad,
 hyper, clip, *state)``; the param and state buffers are bound ``read_write`` and updated in
@@ -13,9 +14,11 @@ float32 arrays, so results match torch.optim to float32 rounding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ...graph.ir import Graph
-from ..kernel import KernelSource, Limits
-from .common import PER_THREAD, WG, KernelBuilder, element_slots, f32_literal
+from ..kernel import KernelSource, Limits, UpdateGroup
+from .common import PER_THREAD, WG, KernelBuilder, Src, element_slots, f32_literal, u
 
 
 def lower_update(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
@@ -25,7 +28,6 @@ def lower_update(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
     its guarded stores (see ``common.element_slots``).
     """
     node = graph[node_id]
-    a = node.attr_dict
     p_id, g_id, h_id, c_id, *state = node.inputs
     n = graph[p_id].type.numel
     if n == 0:
@@ -37,29 +39,114 @@ def lower_update(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
     clip = kb.read(c_id, "clip")
     names = ("state0", "state1")[: len(state)]
     st = [kb.write(s, name) for s, name in zip(state, names, strict=True)]
-    wd = float(a.get("weight_decay") or 0.0)
     slots, groups, guard = element_slots(n)
-    lines = [slots.rstrip(), f"  let lr = {hyper.at('0u')};", f"  let clip = {clip.at('0u')};"]
-    if node.op == "adam_update":
+    load_g = lambda e: g.at(f"j{e}")  # noqa: E731
+    lines = [slots.rstrip(), *_preamble(node.op, hyper, clip, bool(st))]
+    lines += _elements(kb, node.attr_dict, node.op, p, load_g, st, guard, "i")
+    nbytes = graph[p_id].type.nbytes * (2 + 2 * len(state))
+    return [kb.finish("", "\n".join(lines), WG, groups, flops=10 * n, nbytes=nbytes)]
+
+
+def lower_update_group(graph: Graph, group: UpdateGroup, limits: Limits) -> KernelSource:
+    """One kernel running the update ops of ``group`` (``schedule.update_groups``).
+
+    The parameter, gradient and state arenas are bound whole. Member ``k`` covers
+    ``ceil(numel_k / (PER_THREAD * WG))`` workgroups; a workgroup finds its member in a baked
+    binary search over the first workgroup of each member, then runs exactly the statements of
+    ``lower_update`` on elements ``offsets[k] + i`` for ``i < numel_k``, so every parameter gets
+    the same f32 operations as with one kernel per parameter and no padding is touched.
+    """
+    node = graph[group.sink]
+    _, _, h_id, c_id, *state = node.inputs
+    kb = KernelBuilder(graph, node, limits)
+    dtype = graph[node.inputs[0]].type.dtype
+    p = kb.arena(group.arena_key("param"), dtype, "param", write=True)
+    g = kb.arena(group.arena_key("grad"), dtype, "grad", write=False)
+    hyper = kb.read(h_id, "hyper")
+    clip = kb.read(c_id, "clip")
+    st = [
+        kb.arena(group.arena_key(f"state{k}"), dtype, f"state{k}", write=True)
+        for k in range(len(state))
+    ]
+    block = PER_THREAD * WG
+    numels = [graph[graph[m].inputs[0]].type.numel for m in group.members]
+    first_wg = [0]
+    for n in numels:
+        first_wg.append(first_wg[-1] + -(-n // block))
+
+    def search(lo: int, hi: int, pad: str) -> list[str]:
+        if hi - lo == 1:
+            return [
+                f"{pad}seg_wg = {u(first_wg[lo])}; seg_base = {u(group.offsets[lo])}; "
+                f"seg_n = {u(numels[lo])};"
+            ]
+        mid = (lo + hi) // 2
+        return [
+            f"{pad}if (wg < {u(first_wg[mid])}) {{",
+            *search(lo, mid, pad + "  "),
+            f"{pad}}} else {{",
+            *search(mid, hi, pad + "  "),
+            f"{pad}}}",
+        ]
+
+    lines = ["  var seg_wg = 0u;", "  var seg_base = 0u;", "  var seg_n = 0u;"]
+    lines += search(0, len(numels), "  ")
+    lines.append(f"  let i0 = (wg - seg_wg) * {u(block)} + lid;")
+    lines += [f"  let i{e} = i0 + {u(e * WG)};" for e in range(1, PER_THREAD)]
+    lines += [f"  let j{e} = seg_base + min(i{e}, seg_n - 1u);" for e in range(PER_THREAD)]
+    lines += [f"  let k{e} = seg_base + i{e};" for e in range(PER_THREAD)]
+    lines += _preamble(node.op, hyper, clip, bool(st))
+
+    def guard(e: int, stmt: str) -> str:
+        return f"if (i{e} < seg_n) {{ {stmt} }}"
+
+    load_g = lambda e: kb.load(g, f"j{e}")  # noqa: E731
+    lines += _elements(kb, node.attr_dict, node.op, p, load_g, st, guard, "k")
+    total = sum(numels)
+    nbytes = total * dtype.itemsize * (2 + 2 * len(state))
+    suffix = f"group of {len(group.members)}"
+    return kb.finish(suffix, "\n".join(lines), WG, first_wg[-1], flops=10 * total, nbytes=nbytes)
+
+
+def _preamble(op: str, hyper: Src, clip: Src, has_state: bool) -> list[str]:
+    lines = [f"  let lr = {hyper.at('0u')};", f"  let clip = {clip.at('0u')};"]
+    if op == "adam_update":
         lines += [f"  let step_size = {hyper.at('1u')};", f"  let bc2_sqrt = {hyper.at('2u')};"]
-    elif st:
+    elif has_state:
         lines.append(f"  let first = {hyper.at('1u')} != 0.0;")
+    return lines
+
+
+def _elements(
+    kb: KernelBuilder,
+    a: dict,
+    op: str,
+    p: str,
+    load_g: Callable[[int], str],
+    st: list[str],
+    guard: Callable[[int, str], str],
+    store_at: str,
+) -> list[str]:
+    """Every element's loads (at ``j{e}``), then per element the update and its guarded stores
+    (at ``{store_at}{e}``)."""
+    wd = float(a.get("weight_decay") or 0.0)
+    lines = []
     for e in range(PER_THREAD):
-        lines.append(f"  let p_{e} = {p}[j{e}];")
-        lines.append(f"  let g_{e} = {g.at(f'j{e}')};")
-        lines += [f"  let s{k}_{e} = {b}[j{e}];" for k, b in enumerate(st)]
+        lines.append(f"  let p_{e} = {kb.load(p, f'j{e}')};")
+        lines.append(f"  let g_{e} = {load_g(e)};")
+        lines += [f"  let s{k}_{e} = {kb.load(b, f'j{e}')};" for k, b in enumerate(st)]
     for e in range(PER_THREAD):
         state_in = [f"s{k}_{e}" for k in range(len(st))]
-        if node.op == "adam_update":
+        if op == "adam_update":
             body = _adam(a, wd, f"g_{e}", state_in)
         else:
             body = _sgd(a, wd, f"g_{e}", state_in)
-        stores = [f"{p}[i{e}] = p;"] + [f"{b}[i{e}] = s{k};" for k, b in enumerate(st)]
+        at = f"{store_at}{e}"
+        stores = [kb.store(p, at, "p")] + [kb.store(b, at, f"s{k}") for k, b in enumerate(st)]
         lines.append(f"  {{\n    var p = p_{e};")
         lines += ["  " + line for line in body]
         lines.append("    " + guard(e, " ".join(stores)) + "\n  }")
-    nbytes = graph[p_id].type.nbytes * (2 + 2 * len(state))
-    return [kb.finish("", "\n".join(lines), WG, groups, flops=10 * n, nbytes=nbytes)]
+    return lines
 
 
 def _sgd(a: dict, wd: float, g: str, state: list[str]) -> list[str]:
