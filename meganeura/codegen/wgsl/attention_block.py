@@ -314,7 +314,16 @@ def lower_block(
                 "dv": d + dims.dv}  # fmt: skip
     flops = 2 * dims.b * hq * lq * lk * per_pair[mode] // (2 if k.causal else 1)
     body = "\n".join(k.lines)
-    return [kb.finish(f"{mode} block", body, plan.size, dims.b * dims.hkv * tiles, helpers, flops)]
+    return [
+        kb.finish(
+            f"{mode} block {R}x{BS}/{plan.row_threads}x{TS}",
+            body,
+            plan.size,
+            dims.b * dims.hkv * tiles,
+            helpers,
+            flops,
+        )
+    ]
 
 
 def _tile_update(k: _Block, mode: str, C4: int, n4c: int) -> None:
