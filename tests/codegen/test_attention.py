@@ -10,8 +10,16 @@ import torch
 
 from meganeura.autodiff import differentiate
 from meganeura.codegen.kernel import Limits
-from meganeura.codegen.wgsl import lower
-from meganeura.codegen.wgsl.attention_plan import Dims, choose_plan, shared_layout
+from meganeura.codegen.wgsl import attention_plan, lower
+from meganeura.codegen.wgsl.attention_plan import (
+    BLOCK_PLANS,
+    BlockPlan,
+    Dims,
+    block_layout,
+    choose_block_plan,
+    choose_plan,
+    shared_layout,
+)
 from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder, GraphTypeError
 from meganeura.graph.interpret import interpret
@@ -52,14 +60,22 @@ def _torch(params, w, mask=None, **kw):
 
 
 def _run_case(qs, ks, vs, mask=None, qscale=1.0, **kw):
+    """Ours vs the float64 reference; causal with a mask folds the causal rule into the
+    reference's mask (torch rejects the combination)."""
     graph, ids = _graph(qs, ks, vs, None if mask is None else mask.shape, **kw)
+    ref_mask, ref_kw = mask, kw
+    if mask is not None and kw.get("is_causal"):
+        lq, lk = qs[2], ks[2]
+        future = np.arange(lk)[None, :] > np.arange(lq)[:, None]
+        ref_mask = np.where(future, -np.inf, np.broadcast_to(mask, mask.shape[:-2] + (lq, lk)))
+        ref_kw = dict(kw, is_causal=False)
     params = {"q": _normal(*qs, scale=qscale), "k": _normal(*ks), "v": _normal(*vs)}
     feeds = {"w": _normal(*graph[ids["out"]].type.shape)}
     if mask is not None:
         feeds["mask"] = mask.astype(np.float32)
     res = run(graph, feeds, params)
     got = {n: res.values[i] for n, i in ids.items()}
-    return got, _torch(params, feeds["w"], mask, **kw)
+    return got, _torch(params, feeds["w"], ref_mask, **ref_kw)
 
 
 def _rel(a, b):
@@ -134,6 +150,47 @@ def test_small_workgroup_memory_plans_agree(storage):
     check(graph, {"mask": mask, "w": _normal(1, 6, 7, 10)}, params, limits=lim)
 
 
+@pytest.fixture
+def force_plan():
+    """Set ``BLOCK_OVERRIDE`` for every attention kernel; restored after the test."""
+    saved = dict(attention_plan.BLOCK_OVERRIDE)
+
+    def force(plan):
+        attention_plan.BLOCK_OVERRIDE.update({m: plan for m in ("fwd", "stats", "dq", "dk", "dv")})
+
+    yield force
+    attention_plan.BLOCK_OVERRIDE.clear()
+    attention_plan.BLOCK_OVERRIDE.update(saved)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [None, *BLOCK_PLANS], ids=str)
+def test_every_kernel_plan_agrees(plan, force_plan):
+    """Each register-tiled plan (and the lane kernel, None) on causal GQA with a mask, odd
+    lengths spanning several tiles and heads per tile, Lq != Lk, D and Dv not multiples of
+    4 and Dv below the lanes' column split; float64 torch is the reference."""
+    force_plan(plan)
+    mask = rng.standard_normal((1, 1, 37, 41))
+    mask[0, 0, 5] = -np.inf  # a fully masked row
+    mask[..., 3::7] = -np.inf
+    got, want = _run_case((2, 6, 37, 12), (2, 2, 41, 12), (2, 2, 41, 6), mask,
+                          is_causal=True, enable_gqa=True)  # fmt: skip
+    for n in ("out", "q", "k", "v"):
+        assert _rel(got[n], want[n]) < 2e-6, n
+    assert not got["out"][:, :, 5].any() and not got["q"][:, :, 5].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [(64, 32, 16, 8), (16, 16, 4, 4)], ids=str)
+def test_block_plans_full_and_cross(plan, force_plan):
+    """Unmasked full attention with D = Dv = 64 (the issue's head dim) and Lk < one tile."""
+    force_plan(plan)
+    for qs, ks in [((1, 2, 70, 64), (1, 2, 70, 64)), ((2, 3, 19, 64), (2, 3, 5, 64))]:
+        got, want = _run_case(qs, ks, ks)
+        for n in ("out", "q", "k", "v"):
+            assert _rel(got[n], want[n]) < 2e-6, (qs, n)
+
+
 @pytest.mark.gpu
 def test_large_head_dims_and_single_entries():
     for qs, ks, vs in [((1, 1, 3, 130), (1, 1, 5, 130), (1, 1, 5, 66)),
@@ -155,6 +212,19 @@ def test_plans_fit_the_adapter(dims, storage):
         plan = choose_plan(mode, dims, Limits(max_workgroup_storage_size=storage))
         assert 16 * shared_layout(mode, dims, plan)[0] <= storage
         assert plan.size <= 64 and plan.tile % plan.lanes == 0 and plan.per_lane <= 16
+
+
+@pytest.mark.parametrize("mode", ["fwd", "stats", "dq", "dk", "dv"])
+def test_block_plans_fit_or_fall_back(mode):
+    """The automatic choice fits the adapter; Whisper-sized problems get a block plan with
+    enough workgroups, and head dims too large for any block plan fall back (None)."""
+    lim = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024)
+    whisper = Dims(1, 6, 1, 1500, 1500, 64, 64)
+    plan = choose_block_plan(mode, whisper, lim)
+    assert plan is not None and 16 * block_layout(mode, whisper, plan)[0] <= 49152
+    assert plan.rows == 4 * plan.row_threads and plan.tile % plan.lanes == 0
+    assert choose_block_plan(mode, Dims(1, 1, 1, 8, 8, 4096, 4096), lim) is None
+    assert isinstance(choose_block_plan(mode, Dims(1, 1, 1, 3, 7, 6, 3), lim), BlockPlan)
 
 
 def test_kernel_text_has_no_private_arrays_or_inf_literals():

@@ -19,7 +19,9 @@ from decimal import Context, Decimal
 from ...graph.ir import Graph
 from ...ops.attention import BWD_K, BWD_Q, BWD_V, SDPA, STATS
 from ..kernel import KernelSource, Limits
-from .attention_flash import lower_flash
+from .attention_block import lower_block
+from .attention_flash import dims_of, lower_flash
+from .attention_plan import choose_block_plan
 from .common import PER_THREAD, WG, KernelBuilder, element_slots, f32_literal, u
 
 _PI = Decimal("3.14159265358979323846264338327950288419716939937510582097494459")
@@ -95,11 +97,26 @@ def lower_rope(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]
     return [kb.finish("", "\n".join(lines), WG, groups, helpers, flops, 2 * node.type.nbytes)]
 
 
+def lower_attention(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[KernelSource]:
+    """The register-tiled kernel (``attention_block``) when a block plan fits the adapter,
+    else the lane kernel (``attention_flash``); ``attention_plan.BLOCK_OVERRIDE`` forces
+    either."""
+    dims = dims_of(graph, graph[node_id], mode)
+    plan = choose_block_plan(mode, dims, limits)
+    if plan is None:
+        return lower_flash(graph, node_id, limits, mode)
+    return lower_block(graph, node_id, limits, mode, dims, plan)
+
+
+def _mode(mode: str):
+    return lambda g, n, lim: lower_attention(g, n, lim, mode)
+
+
 LOWERINGS: dict = {
-    SDPA: lambda g, n, lim: lower_flash(g, n, lim, "fwd"),
-    STATS: lambda g, n, lim: lower_flash(g, n, lim, "stats"),
-    BWD_Q: lambda g, n, lim: lower_flash(g, n, lim, "dq"),
-    BWD_K: lambda g, n, lim: lower_flash(g, n, lim, "dk"),
-    BWD_V: lambda g, n, lim: lower_flash(g, n, lim, "dv"),
+    SDPA: _mode("fwd"),
+    STATS: _mode("stats"),
+    BWD_Q: _mode("dq"),
+    BWD_K: _mode("dk"),
+    BWD_V: _mode("dv"),
     "apply_rotary_emb": lower_rope,
 }

@@ -96,15 +96,23 @@ def _sum(terms: list[str]) -> str:
     return " + ".join(terms)
 
 
-def lower_flash(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[KernelSource]:
-    """One dispatch of the flash kernel in ``mode`` for node ``node_id``."""
-    node = graph[node_id]
+def dims_of(graph: Graph, node, mode: str) -> Dims:
+    """Problem sizes of attention node ``node`` lowered in ``mode``."""
     ins = node.inputs
     b, hq, lq, d = graph[ins[0]].type.shape
     _, hkv, lk, _ = graph[ins[1]].type.shape
     # Dv: of the output (fwd, dv), of ``out`` (stats) or of ``v`` (dq, dk)
     dv = (node.type if mode in ("fwd", "dv") else graph[ins[2]].type).shape[3]
-    dims = Dims(b, hkv, hq // hkv, lq, lk, d, dv)
+    return Dims(b, hkv, hq // hkv, lq, lk, d, dv)
+
+
+def lower_flash(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[KernelSource]:
+    """One dispatch of the flash kernel in ``mode`` for node ``node_id``."""
+    node = graph[node_id]
+    ins = node.inputs
+    dims = dims_of(graph, node, mode)
+    b, hkv, lq, lk, d, dv = dims.b, dims.hkv, dims.lq, dims.lk, dims.d, dims.dv
+    hq = hkv * dims.group
     plan = choose_plan(mode, dims, limits)
     n_rows = extents(mode, dims)[0]
     tiles = -(-n_rows // plan.rows)

@@ -129,3 +129,108 @@ def choose_plan(mode: str, dims: Dims, limits: Limits) -> Plan:
                 f"than the adapter's {limits.max_workgroup_storage_size} bytes"
             )
         lanes //= 2
+
+
+# ---- register-tiled ("block") kernels: attention_block ---------------------------------------
+# (rows, tile, row_threads, lanes) in order of preference. Each thread owns 4 rows
+# (rows = 4 * row_threads) and tile / lanes stream entries of the score tile, and 4 rows by
+# every lanes-th vec4 column of the accumulator. Larger tiles reuse each workgroup-memory read
+# in more FMAs; smaller ones give more workgroups on short problems. Not yet measured on the
+# H200: bench/attention.py --sweep times each of them.
+BLOCK_PLANS: tuple[tuple[int, int, int, int], ...] = (
+    (64, 32, 16, 8),
+    (32, 32, 8, 8),
+    (64, 64, 16, 16),
+    (32, 16, 8, 4),
+    (16, 16, 4, 4),
+    (8, 8, 2, 4),
+)
+BLOCK_MIN_GROUPS = 128  # prefer the first plan giving at least this many workgroups
+# mode -> a BLOCK_PLANS-style tuple forcing that plan, or None forcing the lane kernel
+# (attention_flash); modes not listed choose automatically. Benchmarks sweep through this.
+BLOCK_OVERRIDE: dict[str, tuple[int, int, int, int] | None] = {}
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """``rows`` rows per workgroup split over ``row_threads`` x 4, ``tile`` stream entries
+    per tile split over ``lanes`` threads."""
+
+    rows: int
+    tile: int
+    row_threads: int
+    lanes: int
+
+    @property
+    def size(self) -> int:
+        return self.row_threads * self.lanes
+
+    @property
+    def per_lane(self) -> int:
+        return self.tile // self.lanes
+
+
+def _pad(n4: int) -> int:
+    """Row stride in vec4s: odd, so lanes reading different rows hit different banks."""
+    return n4 | 1 if n4 > 1 else n4
+
+
+def block_layout(mode: str, dims: Dims, plan: BlockPlan) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(vec4s of workgroup memory, {segment: (offset, row stride in vec4s)}) of a block
+    kernel. Segments: ``a`` (the rows' q or k), ``a2`` (their dO or v), ``b``/``b2`` (the
+    stream tile's counterparts), ``c`` (the tile multiplied into the accumulator when it is
+    not ``b``), ``st`` (the tile's lse and delta), ``p`` (probabilities or score gradients,
+    transposed: 4 rows per vec4) and ``red`` (per-lane row partials)."""
+    d4, dv4 = dims.d4, dims.dv4
+    R, T = plan.rows, plan.tile
+    segs = {
+        "fwd": [("a", R, _pad(d4)), ("b", T, _pad(d4)), ("c", T, dv4)],
+        "stats": [("a", R, _pad(d4)), ("b", T, _pad(d4))],
+        "dq": [("a", R, _pad(d4)), ("a2", R, _pad(dv4)), ("b", T, _pad(d4)), ("b2", T, _pad(dv4))],
+        "dk": [("a", R, _pad(d4)), ("a2", R, _pad(dv4)), ("b", T, _pad(d4)), ("b2", T, _pad(dv4))],
+        "dv": [("a", R, _pad(d4)), ("b", T, _pad(d4)), ("c", T, dv4)],
+    }[mode]
+    if mode in ("dk", "dv"):
+        segs.append(("st", T, 1))
+    if mode != "stats":
+        segs.append(("p", T, R // 4))
+    segs.append(("red", plan.lanes * (3 if mode == "stats" else 1), R // 4))
+    layout, off = {}, 0
+    for name, n, stride in segs:
+        layout[name] = (off, stride)
+        off += n * stride
+    return off, layout
+
+
+def choose_block_plan(mode: str, dims: Dims, limits: Limits) -> BlockPlan | None:
+    """The register-tiled plan for ``mode``, or None when the lane kernel should run.
+
+    ``BLOCK_OVERRIDE`` wins; else the first ``BLOCK_PLANS`` entry that fits the adapter and
+    gives ``BLOCK_MIN_GROUPS`` workgroups, else the fitting entry giving the most.
+    """
+    n_rows, _ = extents(mode, dims)
+    groups_per_row_tile = dims.b * dims.hkv
+
+    def fits(p: BlockPlan) -> bool:
+        return (
+            p.size <= limits.max_invocations_per_workgroup
+            and 16 * block_layout(mode, dims, p)[0] <= limits.max_workgroup_storage_size
+        )
+
+    if mode in BLOCK_OVERRIDE:
+        forced = BLOCK_OVERRIDE[mode]
+        if forced is None:
+            return None
+        plan = BlockPlan(*forced)
+        return plan if fits(plan) else None
+    best = None
+    for cand in BLOCK_PLANS:
+        plan = BlockPlan(*cand)
+        if not fits(plan):
+            continue
+        groups = groups_per_row_tile * -(-n_rows // plan.rows)
+        if groups >= BLOCK_MIN_GROUPS:
+            return plan
+        if best is None or groups > best[0]:
+            best = (groups, plan)
+    return best[1] if best else None

@@ -1,0 +1,172 @@
+"""Benchmark sweep: every attention kernel plan (``attention_plan.BLOCK_PLANS`` and the lane
+kernel) on the issue's shapes, forward and backward, against
+torch.nn.functional.scaled_dot_product_attention (f32) in the same process.
+
+Each variant forces one plan for all five attention kernels (``BLOCK_OVERRIDE``; a plan
+that does not fit the adapter falls back to the lane kernel, visible in ``kernels``),
+compiles the forward + backward program of ``bench/attention.py`` and reports per-kernel GPU
+times (``Session.profile``): fwd, stats, dq, dk, dv. Torch: CUDA events around ``sdpa`` and
+``sdpa`` + ``o.backward(go)``. The summary row ``best`` takes the fastest plan per kernel
+(what a tuned plan table would give). Outputs and gradients are checked against torch.
+
+``--quick`` (a lavapipe smoke test): Whisper at L=96 and three variants only.
+
+Usage: python bench/attention_sweep.py [--quick] [--repeats 20] [--out-name attention_sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.attention import CASES, build  # noqa: E402
+from bench.common import (  # noqa: E402
+    Recorder,
+    add_args,
+    dispatch_op,
+    profile_ms,
+    rel_err,
+    resolve_args,
+    result,
+    time_torch,
+    to_numpy,
+    torch_setup,
+    warm_gpu,
+)
+
+SDPA = "scaled_dot_product_attention"
+KERNELS = {
+    "fwd": SDPA,
+    "stats": f"{SDPA}_stats",
+    "dq": f"{SDPA}_backward_query",
+    "dk": f"{SDPA}_backward_key",
+    "dv": f"{SDPA}_backward_value",
+}
+SWEEP_CASES = ("whisper", "smollm2")
+
+
+def variants() -> list[tuple[str, dict]]:
+    from meganeura.codegen.wgsl.attention_plan import BLOCK_PLANS
+
+    out = [("auto", {}), ("lane", {m: None for m in KERNELS})]
+    for plan in BLOCK_PLANS:
+        out.append(("block" + "x".join(map(str, plan)), {m: plan for m in KERNELS}))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(ap, "attention_sweep", repeats=20, warmup=5)
+    args = ap.parse_args()
+    resolve_args(args)
+    from meganeura.codegen.wgsl import attention_plan
+    from meganeura.runtime import get_device
+    from meganeura.training import compile_for
+
+    device = get_device(args.adapter)
+    torch, dev = torch_setup()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    warm = warm_gpu(device, dev, args.warm_seconds)
+    rec = Recorder(args, device, {"torch_device": dev, "gpu_warmup": warm})
+    head = f"{'case':<30} {'fwd':>8} {'stats':>8} {'dq':>8} {'dk':>8} {'dv':>8} {'bwd':>8}"
+    head += f" {'fwd x':>6} {'f+b x':>6} {'err':>8}"
+
+    for name, b, hq, hkv, lq, lk, d, causal in CASES:
+        if name not in SWEEP_CASES:
+            continue
+        if args.quick and name == "whisper":
+            lq = lk = 96
+        rng = np.random.default_rng(hq * 100 + lq)
+        arrays = {
+            "q": rng.standard_normal((b, hq, lq, d), dtype=np.float32),
+            "k": rng.standard_normal((b, hkv, lk, d), dtype=np.float32),
+            "v": rng.standard_normal((b, hkv, lk, d), dtype=np.float32),
+            "go": rng.standard_normal((b, hq, lq, d), dtype=np.float32),
+        }
+        tt = {n: torch.from_numpy(a).to(dev) for n, a in arrays.items()}
+        req = {n: tt[n].clone().requires_grad_(True) for n in ("q", "k", "v")}
+        gqa = hq != hkv
+
+        def t_fwd(tt=tt, causal=causal, gqa=gqa):
+            return sdpa(tt["q"], tt["k"], tt["v"], is_causal=causal, enable_gqa=gqa)
+
+        def t_fwd_bwd(req=req, go=tt["go"], causal=causal, gqa=gqa):
+            for x in req.values():
+                x.grad = None
+            o = sdpa(req["q"], req["k"], req["v"], is_causal=causal, enable_gqa=gqa)
+            o.backward(go)
+            return o
+
+        ref = {"o": to_numpy(t_fwd_bwd())}
+        ref.update({"d" + n: to_numpy(req[n].grad) for n in ("q", "k", "v")})
+        with torch.no_grad():
+            torch_fwd = time_torch(t_fwd, dev, args.warmup, args.repeats)["median"]
+        torch_fb = time_torch(t_fwd_bwd, dev, args.warmup, args.repeats)["median"]
+        shape = f"B{b} Hq{hq} Hkv{hkv} Lq{lq} Lk{lk} D{d}{' causal' if causal else ''}"
+        print(f"\n{name}: {shape}; torch fwd {torch_fwd * 1e3:.1f} us, "
+              f"fwd+bwd {torch_fb * 1e3:.1f} us; ours in us")  # fmt: skip
+        print(head)
+        best: dict[str, tuple[float, str]] = {}
+        for label, override in variants()[: 3 if args.quick else None]:
+            attention_plan.BLOCK_OVERRIDE.clear()
+            attention_plan.BLOCK_OVERRIDE.update(override)
+            try:
+                graph = build(b, hq, hkv, lq, lk, d, causal, True)
+                program, sess = compile_for(graph, device=device)
+            finally:
+                attention_plan.BLOCK_OVERRIDE.clear()
+            try:
+                sess.load_state_dict(arrays)
+                out = sess.run({}, fetch=("o", "dq", "dk", "dv"))
+                err = max(rel_err(out[n], ref[n]) for n in ref)
+                preds = {m: (lambda n, op=op: dispatch_op(n) == op) for m, op in KERNELS.items()}
+                prof = profile_ms(sess, {}, args.warmup, args.repeats, preds)
+            finally:
+                sess.close()
+            ms = {m: prof[m]["median"] for m in KERNELS}
+            for m, t in ms.items():
+                if m not in best or t < best[m][0]:
+                    best[m] = (t, label)
+            bwd = sum(ms[m] for m in ("stats", "dq", "dk", "dv"))
+            kernels = [x.name for x in program.dispatches if "attention" in x.name]
+            row = result(
+                f"sdpa_{name}_{label}",
+                "ms",
+                ms["fwd"] + bwd,
+                torch_fb,
+                shape=shape,
+                variant=label,
+                kernel_ms=ms,
+                torch_fwd_ms=torch_fwd,
+                fwd_speedup=torch_fwd / ms["fwd"],
+                rel_err=err,
+                kernels=kernels,
+            )
+            line = f"{name + ' ' + label:<30}" + "".join(f" {ms[m] * 1e3:8.1f}" for m in KERNELS)
+            line += f" {bwd * 1e3:8.1f} {row['fwd_speedup']:6.2f} {row['speedup']:6.2f}"
+            rec.add(row, line + f" {err:8.1e}")
+        total = sum(t for t, _ in best.values())
+        choice = {m: lbl for m, (_, lbl) in best.items()}
+        rec.add(
+            result(
+                f"sdpa_{name}_best",
+                "ms",
+                total,
+                torch_fb,
+                shape=shape,
+                choice=choice,
+                fwd_speedup=torch_fwd / best["fwd"][0],
+            ),  # fmt: skip
+            f"{name} best per kernel: fwd x{torch_fwd / best['fwd'][0]:.2f}, fwd+bwd "
+            f"x{torch_fb / total:.2f} with {choice}",
+        )
+    rec.finish()
+
+
+if __name__ == "__main__":
+    main()
