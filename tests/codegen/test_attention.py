@@ -220,11 +220,17 @@ def test_block_plans_fit_or_fall_back(mode):
     enough workgroups, and head dims too large for any block plan fall back (None)."""
     lim = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024)
     whisper = Dims(1, 6, 1, 1500, 1500, 64, 64)
-    plan = choose_block_plan(mode, whisper, lim)
+    plan = choose_block_plan(mode, whisper, lim, by_groups=True)
     assert plan is not None and 16 * block_layout(mode, whisper, plan)[0] <= 49152
     assert plan.rows == 4 * plan.row_threads and plan.tile % plan.lanes == 0
-    assert choose_block_plan(mode, Dims(1, 1, 1, 8, 8, 4096, 4096), lim) is None
-    assert isinstance(choose_block_plan(mode, Dims(1, 1, 1, 3, 7, 6, 3), lim), BlockPlan)
+    big = Dims(1, 1, 1, 8, 8, 4096, 4096)
+    assert choose_block_plan(mode, big, lim, by_groups=True) is None
+    tiny = Dims(1, 1, 1, 3, 7, 6, 3)
+    assert isinstance(choose_block_plan(mode, tiny, lim, by_groups=True), BlockPlan)
+    # the measured default: the lane kernel, except dk on long sequences
+    auto = choose_block_plan(mode, whisper, lim)
+    assert (auto is not None) == (mode == "dk")
+    assert choose_block_plan(mode, Dims(1, 3, 3, 128, 128, 64, 64), lim) is None
 
 
 def test_kernel_text_has_no_private_arrays_or_inf_literals():

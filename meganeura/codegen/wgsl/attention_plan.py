@@ -135,8 +135,8 @@ def choose_plan(mode: str, dims: Dims, limits: Limits) -> Plan:
 # (rows, tile, row_threads, lanes) in order of preference. Each thread owns 4 rows
 # (rows = 4 * row_threads) and tile / lanes stream entries of the score tile, and 4 rows by
 # every lanes-th vec4 column of the accumulator. Larger tiles reuse each workgroup-memory read
-# in more FMAs; smaller ones give more workgroups on short problems. Not yet measured on the
-# H200: bench/attention.py --sweep times each of them.
+# in more FMAs; smaller ones give more workgroups on short problems. bench/attention_sweep.py
+# times each of them (see AUTO_BLOCK for what it measured).
 BLOCK_PLANS: tuple[tuple[int, int, int, int], ...] = (
     (64, 32, 16, 8),
     (32, 32, 8, 8),
@@ -149,6 +149,13 @@ BLOCK_MIN_GROUPS = 128  # prefer the first plan giving at least this many workgr
 # mode -> a BLOCK_PLANS-style tuple forcing that plan, or None forcing the lane kernel
 # (attention_flash); modes not listed choose automatically. Benchmarks sweep through this.
 BLOCK_OVERRIDE: dict[str, tuple[int, int, int, int] | None] = {}
+# The automatic choice, from bench/attention_sweep.py on the H200 (2026-11-30, us per kernel):
+# the lane kernel was the fastest, or within 3%, for every kernel at Whisper (6 x 1500 x 64)
+# and SmolLM2 (9/3 x 128 x 64, causal) sizes, except dk at Whisper, where block 32x32x8x8
+# took 1233 us against the lane kernel's 1364. At SmolLM2 the plan the group-count rule picked
+# (8x8x2x4) was 3.8x slower than the lane kernel. So the automatic choice is the lane kernel,
+# except the modes listed here: mode -> (plan, fewest rows per (batch, kv head)).
+AUTO_BLOCK: dict[str, tuple[tuple[int, int, int, int], int]] = {"dk": ((32, 32, 8, 8), 1024)}
 
 
 @dataclass(frozen=True)
@@ -202,11 +209,15 @@ def block_layout(mode: str, dims: Dims, plan: BlockPlan) -> tuple[int, dict[str,
     return off, layout
 
 
-def choose_block_plan(mode: str, dims: Dims, limits: Limits) -> BlockPlan | None:
+def choose_block_plan(
+    mode: str, dims: Dims, limits: Limits, by_groups: bool = False
+) -> BlockPlan | None:
     """The register-tiled plan for ``mode``, or None when the lane kernel should run.
 
-    ``BLOCK_OVERRIDE`` wins; else the first ``BLOCK_PLANS`` entry that fits the adapter and
-    gives ``BLOCK_MIN_GROUPS`` workgroups, else the fitting entry giving the most.
+    ``BLOCK_OVERRIDE`` wins; else ``AUTO_BLOCK`` (the measured choice: the lane kernel except
+    where a block plan was faster), or with ``by_groups`` the first ``BLOCK_PLANS`` entry that
+    fits the adapter and gives ``BLOCK_MIN_GROUPS`` workgroups, else the fitting entry giving
+    the most.
     """
     n_rows, _ = extents(mode, dims)
     groups_per_row_tile = dims.b * dims.hkv
@@ -222,6 +233,12 @@ def choose_block_plan(mode: str, dims: Dims, limits: Limits) -> BlockPlan | None
         if forced is None:
             return None
         plan = BlockPlan(*forced)
+        return plan if fits(plan) else None
+    if not by_groups:
+        auto = AUTO_BLOCK.get(mode)
+        if auto is None or n_rows < auto[1]:
+            return None
+        plan = BlockPlan(*auto[0])
         return plan if fits(plan) else None
     best = None
     for cand in BLOCK_PLANS:
