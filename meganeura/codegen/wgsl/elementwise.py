@@ -30,6 +30,7 @@ from .common import (
     Src,
     broadcast_strides,
     coalesce,
+    compute_dtype,
     contiguous_strides,
     element_slots,
     f32_literal,
@@ -211,7 +212,9 @@ def cast_expr(x: str, src: DType, dst: DType) -> str:
     if src.is_floating and dst is DType.u32:
         # NumPy (C, on x86) wraps negative floats through int64; WGSL's u32() would clamp to 0.
         return f"select(u32({x}), u32(i32({x})), {x} < 0.0)"
-    return f"{dst.wgsl}({x})"
+    if dst is DType.f16:
+        return f"f32(f16({x}))"  # rounded to f16, carried in the f32 compute type
+    return f"{compute_dtype(dst).wgsl}({x})"
 
 
 def emit_map(
@@ -250,7 +253,7 @@ def emit_map(
             lines.append(f"  let v{k}_{e} = {src.at(index)};")
     for e in range(PER_THREAD):
         lets = " ".join(f"let v{k} = v{k}_{e};" for k in live)
-        lines.append(f"  {{ {lets} {guard(e, f'{out}[i{e}] = {expr};')} }}")
+        lines.append(f"  {{ {lets} {guard(e, kb.store(out, f'i{e}', expr))} }}")
     nbytes = kb.graph[out_vid].type.nbytes + sum(
         s.type.nbytes for s, _ in operands if s.literal is None
     )

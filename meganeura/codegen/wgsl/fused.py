@@ -100,9 +100,9 @@ class GroupBody:
             lets.append(f"let t{self.group.anchor} = {anchor};")
         return " ".join(lets + self.lets)
 
-    def stores(self, flat: str) -> str:
+    def stores(self, kb: KernelBuilder, flat: str) -> str:
         outs = zip(self.outs, self.group.outputs, strict=True)
-        return " ".join(f"{out}[{flat}] = t{m};" for out, m in outs)
+        return " ".join(kb.store(out, flat, f"t{m}") for out, m in outs)
 
     @property
     def nbytes(self) -> int:
@@ -131,6 +131,7 @@ class _MatmulEpilogue:
 
     def bind(self, kb: KernelBuilder) -> None:
         self.body.bind(kb)
+        self.kb = kb
         self.flops, self.nbytes = self.body.flops, self.body.nbytes
 
     def store(self, value: str, flat: str, col: str) -> str:
@@ -139,7 +140,7 @@ class _MatmulEpilogue:
             s.literal if s.literal is not None else s.at(b.index(k, flat, col))
             for k, s in enumerate(b.srcs)
         ]
-        return f"{{ {b.compute(loads, anchor=value)} {b.stores(flat)} }}"
+        return f"{{ {b.compute(loads, anchor=value)} {b.stores(self.kb, flat)} }}"
 
 
 def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
@@ -169,6 +170,6 @@ def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[Kernel
         lines += [f"  let x{k}_{e} = {src.at(body.index(k, f'j{e}'))};" for e in range(PER_THREAD)]
     for e in range(PER_THREAD):
         loads = [f"x{k}_{e}" if s.literal is None else s.literal for k, s in enumerate(body.srcs)]
-        lines.append(f"  {{ {body.compute(loads)} {guard(e, body.stores(f'i{e}'))} }}")
+        lines.append(f"  {{ {body.compute(loads)} {guard(e, body.stores(kb, f'i{e}'))} }}")
     ks = kb.finish("", "\n".join(lines), WG, groups, body.helpers, body.flops, body.nbytes)
     return [replace(ks, name=body.name)]

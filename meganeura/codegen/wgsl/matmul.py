@@ -150,7 +150,7 @@ def lower_matmul(
         out = kb.write(node_id, "c")
 
         def store(value: str, flat: str, col: str) -> str:
-            return f"{out}[{flat}] = {value};"
+            return kb.store(out, flat, value)
     else:
         epilogue.bind(kb)
         store = epilogue.store
