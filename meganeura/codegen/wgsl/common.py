@@ -23,6 +23,7 @@ Invariants kept here, so that each emitter cannot get them wrong on its own:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -365,7 +366,8 @@ class KernelBuilder:
             access = "read_write" if ref.write else "read"
             decls.append(f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{ty}>;")
         src = "\n".join(decls) + "\n\n"
-        if any(ty == "f16" for _, ty in self._decls):
+        # f16 bindings, or an f16 conversion in the code (a fused cast to f16 not stored)
+        if any(ty == "f16" for _, ty in self._decls) or re.search(r"\bf16\b", body + helpers):
             src = "enable f16;\n\n" + src
         if helpers:
             src += helpers.strip("\n") + "\n\n"
