@@ -26,6 +26,16 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _precision_flag(p) -> None:
+    p.add_argument(
+        "--precision",
+        choices=["strict", "fast"],
+        default="strict",
+        help="strict f32, or fast: f16 storage with f32 accumulation where the adapter has "
+        "shader-f16 (falls back to strict with a warning otherwise)",
+    )
+
+
 def cmd_train(args) -> int:
     from .recipes.mnist import MnistConfig, train
 
@@ -42,6 +52,7 @@ def cmd_train(args) -> int:
         data=args.data,
         out=args.out,
         log_every=args.log_every,
+        precision=args.precision,
     )
     if args.log_every < 1:
         raise SystemExit(f"--log-every must be >= 1, got {args.log_every}")
@@ -78,7 +89,13 @@ def cmd_train(args) -> int:
 def cmd_predict(args) -> int:
     from .recipes.mnist import predict
 
-    r = predict(args.checkpoint, data=args.data, count=args.count, device=_device(args))
+    r = predict(
+        args.checkpoint,
+        data=args.data,
+        count=args.count,
+        device=_device(args),
+        precision=args.precision,
+    )
     print(f"predicted: {r['predictions']}")
     print(f"labels:    {r['labels']}")
     print(f"test accuracy: {100 * r['test_accuracy']:.2f}% over {r['n']} images")
@@ -168,12 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default="runs/mnist", help="folder for checkpoint and loss curve")
     t.add_argument("--resume", help="checkpoint to continue from")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _precision_flag(t)
 
     r = sub.add_parser("predict", help="classify MNIST test images with a checkpoint")
     r.add_argument("--checkpoint", required=True)
     r.add_argument("--data", help="folder of MNIST IDX files (default: as in training)")
     r.add_argument("--count", type=int, default=10, help="predictions to print")
     r.add_argument("--json", action="store_true", help="also print the result as JSON")
+    _precision_flag(r)
 
     f = sub.add_parser(
         "profile",

@@ -1,5 +1,5 @@
 """The pipeline in one place: graph -> (differentiate -> apply_optimizer) -> simplify ->
-schedule -> plan_memory -> lower to WGSL -> Program.
+(narrow_storage, fast mode) -> schedule -> plan_memory -> lower to WGSL -> Program.
 
 Every stage is a pure function; ``compile`` only strings them together, times each stage and
 assembles the Program's buffer table. Nothing here touches a GPU: adapter limits come in as
@@ -9,13 +9,17 @@ a ``Limits`` value (``Session`` users get them from ``meganeura.runtime.get_devi
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 from .autodiff import differentiate
 from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
+from .dtypes import DType
 from .graph.ir import Graph
 from .optim import Optimizer, apply_optimizer
 from .passes import cse, dce, fold_permutes
+from .passes.precision import narrow_storage
 from .schedule.planner import plan_memory
 from .schedule.program import (
     BufferSpec,
@@ -40,6 +44,14 @@ class CompileOptions:
         trainable: names of the parameters to train; None trains every parameter.
         fuse: run chains of elementwise ops, and matmul epilogues (bias, activation,
             residual), as one kernel each (``passes.fuse``); False gives one kernel per node.
+        precision: ``"strict"`` stores and computes every floating value in f32. ``"fast"``
+            stores activations and activation gradients as f16, and in programs without an
+            optimizer the parameters too, while every kernel still computes and accumulates
+            in f32 (``passes.precision`` lists what stays f32: inputs, fetched outputs, f32
+            master weights, their gradients and optimizer state, sums and losses). It needs
+            the adapter's ``shader-f16`` feature; without it the program is compiled strict
+            and a ``PrecisionFallbackWarning`` is issued. ``Program.meta["precision"]`` says
+            which precision the program got.
     """
 
     loss: str | None = None
@@ -47,10 +59,25 @@ class CompileOptions:
     max_grad_norm: float | None = None
     trainable: tuple[str, ...] | None = None
     fuse: bool = True
+    precision: Literal["strict", "fast"] = "strict"
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("strict", "fast"):
+            raise ValueError(f"precision must be 'strict' or 'fast', got {self.precision!r}")
+
+
+class PrecisionFallbackWarning(UserWarning):
+    """``precision="fast"`` was asked for an adapter without ``shader-f16``; compiled strict."""
 
 
 def build_training_graph(graph: Graph, options: CompileOptions) -> Graph:
     """Forward graph -> forward + backward + optimizer update (unsimplified)."""
+    return _training_graph(graph, options)[0]
+
+
+def _training_graph(graph: Graph, options: CompileOptions) -> tuple[Graph, frozenset[int]]:
+    """(training graph, ids of the parameter gradients and of every node the optimizer
+    appended: what the fast mode keeps in f32)."""
     if options.loss is None or options.optimizer is None:
         raise ValueError("training needs both CompileOptions.loss and CompileOptions.optimizer")
     params = [
@@ -64,7 +91,9 @@ def build_training_graph(graph: Graph, options: CompileOptions) -> Graph:
             raise ValueError(f"trainable names not parameters of the graph: {sorted(missing)}")
     # Parameters that do not reach the loss get no update (PyTorch: .grad stays None).
     g, grads = differentiate(graph, options.loss, [p.id for p in params], unreachable="omit")
-    return apply_optimizer(g, grads, options.optimizer, options.max_grad_norm)
+    full = apply_optimizer(g, grads, options.optimizer, options.max_grad_norm)
+    master = set(grads.values()) | set(range(len(g.nodes), len(full.nodes)))
+    return full, frozenset(master)
 
 
 def compile(
@@ -88,22 +117,39 @@ def compile(
         ``plan_memory``,
         ``assemble`` (buffer table and dispatches); ``meta`` also holds the options.
 
+        ``meta["precision"]`` is the precision compiled (``"strict"`` or ``"fast"``) and
+        ``meta["precision_requested"]`` the one asked for.
+
     Raises:
         ValueError: for inconsistent options, or a tensor larger than one storage binding.
+
+    Warns:
+        PrecisionFallbackWarning: ``precision="fast"`` without ``limits.shader_f16``.
     """
     options = options or CompileOptions()
     limits = limits or Limits()
     times: dict[str, float] = {} if graph_seconds is None else {"graph": float(graph_seconds)}
     t0 = time.perf_counter()
+    master: frozenset[int] = frozenset()
     if options.optimizer is not None:
-        graph = build_training_graph(graph, options)
+        graph, master = _training_graph(graph, options)
     times["autodiff"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    graph, _ = fold_permutes(graph)
-    graph, _ = dce(graph)
-    graph, _ = cse(graph)
-    graph, _ = dce(graph)
+    for rewrite in (fold_permutes, dce, cse, dce):
+        graph, id_map = rewrite(graph)
+        master = frozenset(id_map[i] for i in master if i in id_map)
+    precision = options.precision
+    if precision == "fast" and not limits.shader_f16:
+        warnings.warn(
+            "precision='fast' needs the adapter's shader-f16 feature; compiling strict f32",
+            PrecisionFallbackWarning,
+            stacklevel=2,
+        )
+        precision = "strict"
+    narrowed: frozenset[int] = frozenset()
+    if precision == "fast":
+        graph, narrowed = narrow_storage(graph, master, parameters=options.optimizer is None)
     times["passes"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -115,9 +161,11 @@ def compile(
     times["plan_memory"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    program = _assemble(graph, sched, plan, limits)
+    program = _assemble(graph, sched, plan, limits, narrowed)
     times["assemble"] = time.perf_counter() - t
     meta = dict(program.meta)
+    meta["precision"] = precision
+    meta["precision_requested"] = options.precision
     meta["compile_seconds"] = times
     meta["num_nodes"] = len(graph.nodes)
     if options.optimizer is not None:
@@ -126,7 +174,7 @@ def compile(
     return program.replace(meta=meta)
 
 
-def _assemble(graph: Graph, sched, plan, limits: Limits) -> Program:
+def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -> Program:
     buffers: list[BufferSpec] = []
     place: dict[int, tuple[int, int]] = {}  # pinned root -> (buffer, byte offset)
     slots = {"input": {}, "parameter": {}, "state": {}}
@@ -159,7 +207,11 @@ def _assemble(graph: Graph, sched, plan, limits: Limits) -> Program:
             if node.id not in place:
                 place[node.id] = (new_buffer(node.type.nbytes, node.op, node.name), 0)
             b, off = place[node.id]
-            slots[node.op][node.name] = TensorSlot(b, node.type.shape, node.type.dtype, off)
+            # A parameter narrowed to f16 storage is still f32 to the host (Session converts).
+            host = DType.f32 if node.id in narrowed else None
+            slots[node.op][node.name] = TensorSlot(
+                b, node.type.shape, node.type.dtype, off, host_dtype=host
+            )
     for name, v in graph.outputs:
         r = sched.root[v]
         if r not in place:

@@ -60,6 +60,8 @@ class Trainer:
         max_grad_norm: clip gradients by global L2 norm (None: no clipping).
         device: a runtime Device; default the cached default device.
         fuse: fuse elementwise chains and matmul epilogues (``CompileOptions.fuse``).
+        precision: ``"strict"`` or ``"fast"`` (``CompileOptions.precision``: f16 storage of
+            activations and their gradients, f32 master weights and optimizer state).
     """
 
     def __init__(
@@ -71,11 +73,16 @@ class Trainer:
         max_grad_norm: float | None = None,
         device=None,
         fuse: bool = True,
+        precision: str = "strict",
     ) -> None:
         self.optimizer = optimizer
         self.schedule = schedule or (lambda step: optimizer.lr)
         options = CompileOptions(
-            loss=loss, optimizer=optimizer, max_grad_norm=max_grad_norm, fuse=fuse
+            loss=loss,
+            optimizer=optimizer,
+            max_grad_norm=max_grad_norm,
+            fuse=fuse,
+            precision=precision,
         )
         self.program: Program
         self.program, self.session = compile_for(graph, options, device)
@@ -130,7 +137,7 @@ class Trainer:
             CheckpointError: missing file, corrupt file, missing/unknown keys, bad shapes.
         """
         expected = {
-            k: (s.shape, s.dtype.numpy)
+            k: (s.shape, s.host.numpy)
             for k, s in {**self.program.parameters, **self.program.state}.items()
         }
         tensors, meta = load_checkpoint(path, expected)

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from ..dtypes import DType
 from ..graph.ir import VIEW_OPS, Graph
 from ..ops import OPS
 
@@ -77,17 +76,12 @@ class _Planner:
         self.group: dict[int, frozenset[int]] = {}
         self.anchor: dict[frozenset[int], int | None] = {}
         for node in graph.nodes:
-            if not needed[node.id] or node.type.numel == 0 or self._has_f16(node.id):
+            if not needed[node.id] or node.type.numel == 0:
                 continue
             if node.op in fusible or self._is_anchor(node.id):
                 g = frozenset({node.id})
                 self.group[node.id] = g
                 self.anchor[g] = node.id if node.op == "matmul" else None
-
-    def _has_f16(self, nid: int) -> bool:
-        node = self.graph[nid]
-        types = [node.type] + [self.graph[i].type for i in node.inputs]
-        return any(t.dtype is DType.f16 for t in types)
 
     def _is_anchor(self, nid: int) -> bool:
         node = self.graph[nid]

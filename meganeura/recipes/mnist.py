@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from ..compile import CompileOptions
 from ..data.mnist import iterate_batches, load_mnist, num_batches, standardize
 from ..io.checkpoint import load_checkpoint
 from ..models.mlp import build_mlp
@@ -38,6 +39,7 @@ class MnistConfig:
     data: str | None = None
     out: str = "runs/mnist"
     log_every: int = 10
+    precision: str = "strict"  # CompileOptions.precision of the training and eval programs
 
 
 def _schedule(cfg: MnistConfig, total_steps: int):
@@ -49,14 +51,19 @@ def _schedule(cfg: MnistConfig, total_steps: int):
 
 
 def predict_logits(
-    params: dict[str, np.ndarray], x: np.ndarray, sizes, batch: int = 500, device=None
+    params: dict[str, np.ndarray],
+    x: np.ndarray,
+    sizes,
+    batch: int = 500,
+    device=None,
+    precision: str = "strict",
 ) -> np.ndarray:
     """Logits for standardized images ``x`` f32[N, 784] with an inference program.
 
     The last chunk is zero-padded to the program's static batch and the padding dropped.
     """
     net = build_mlp(batch, sizes, labels=False)
-    _, session = compile_for(net.graph, device=device)
+    _, session = compile_for(net.graph, CompileOptions(precision=precision), device)
     session.load_state_dict({k: params[k] for k in session.program.parameters})
     out = []
     for start in range(0, len(x), batch):
@@ -100,6 +107,7 @@ def train(
         schedule=_schedule(cfg, total),
         max_grad_norm=cfg.max_grad_norm,
         device=device,
+        precision=cfg.precision,
     )
     data_rng = np.random.default_rng(cfg.seed + 1)
     epoch0, losses = 0, []
@@ -151,7 +159,7 @@ def train(
     train_s = time.perf_counter() - t_start
 
     params = trainer.parameters()
-    logits = predict_logits(params, x_test, sizes, device=device)
+    logits = predict_logits(params, x_test, sizes, device=device, precision=cfg.precision)
     acc = float((logits.argmax(1) == data.y_test).mean())
     summary = {
         "test_accuracy": acc,
@@ -210,14 +218,20 @@ def _plot(losses, samples_per_epoch: int, path: Path) -> bool:
     return True
 
 
-def predict(checkpoint: str, data: str | None = None, count: int = 10, device=None) -> dict:
+def predict(
+    checkpoint: str,
+    data: str | None = None,
+    count: int = 10,
+    device=None,
+    precision: str = "strict",
+) -> dict:
     """Reload a checkpoint and classify the test split; returns accuracy and predictions."""
     tensors, meta = load_checkpoint(checkpoint)
     sizes = tuple(meta["sizes"])
     seed = meta["config"]["seed"]
     ds = load_mnist(data if data is not None else meta["config"]["data"], seed=seed)
     x, _, _ = standardize(ds.x_test, meta["mean"], meta["std"])
-    logits = predict_logits(tensors, x, sizes, device=device)
+    logits = predict_logits(tensors, x, sizes, device=device, precision=precision)
     pred = logits.argmax(1)
     return {
         "test_accuracy": float((pred == ds.y_test).mean()),

@@ -272,7 +272,7 @@ class Session:
             if b.length:
                 by_chunk.setdefault(self._stage_at[name][0], []).append(name)
             else:
-                out[name] = np.zeros(b.slot.shape, b.slot.dtype.numpy)
+                out[name] = np.zeros(b.slot.shape, b.slot.host.numpy)
         for chunk, names in by_chunk.items():
             lo = min(self._stage_at[n][1] for n in names)
             hi = max(self._stage_at[n][1] + self._bound[n].length for n in names)
@@ -295,7 +295,7 @@ class Session:
         self._live()
         b = self._slot(name, ("output", "input", "parameter", "state"))
         if b.length == 0:
-            return np.zeros(b.slot.shape, b.slot.dtype.numpy)
+            return np.zeros(b.slot.shape, b.slot.host.numpy)
         raw = self._queue.read_buffer(b.buffer, b.start, b.length)
         return decode(b, raw, b.slot.offset - b.start)
 

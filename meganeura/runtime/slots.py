@@ -5,7 +5,10 @@ Invariants:
   * every feed, write and state-dict entry is checked (exact shape and NumPy dtype, class-index
     ranges) before anything is uploaded, so a rejected call changes nothing on the GPU;
   * copy bounds are 4-byte aligned (``start`` down, ``length`` up), as copies and writes need;
-  * ``bool`` slots are ``u32`` (0/1) on the GPU and ``np.bool_`` on the host.
+  * ``bool`` slots are ``u32`` (0/1) on the GPU and ``np.bool_`` on the host;
+  * a slot whose ``host_dtype`` differs from its storage dtype (a parameter stored as f16 in
+    the fast mode) is fed and read in ``host_dtype``: rounded to nearest on upload (a finite
+    value beyond f16's range is rejected, never stored as inf) and widened exactly on read.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def bind_slots(p: Program, buffers: Sequence[wgpu.GPUBuffer]) -> dict[str, Bound
 
 def checked(b: BoundSlot, value) -> np.ndarray:
     """The array as it will be uploaded (u32 for bool), after strict checks."""
-    s, want = b.slot, b.slot.dtype.numpy
+    s, want = b.slot, b.slot.host.numpy
     if not isinstance(value, (np.ndarray, np.generic)):
         raise InputError(
             f"{b.what()}: expected a NumPy array of shape {s.shape} and dtype "
@@ -101,6 +104,15 @@ def checked(b: BoundSlot, value) -> np.ndarray:
         raise InputError(f"{b.what()}: expected shape {s.shape}, got {value.shape}")
     if s.dtype is DType.bool:
         return np.asarray(value, dtype=np.uint32)
+    if s.host is not s.dtype:
+        with np.errstate(over="ignore"):
+            stored = np.ascontiguousarray(value, dtype=s.dtype.numpy)
+        if (np.isinf(stored) & np.isfinite(value)).any():
+            raise InputError(
+                f"{b.what()}: is stored as {s.dtype}; a finite value of magnitude "
+                f"{float(np.abs(value[np.isfinite(value)]).max()):g} exceeds its range"
+            )
+        return stored
     return np.ascontiguousarray(value)
 
 
@@ -129,4 +141,6 @@ def decode(b: BoundSlot, raw, head: int) -> np.ndarray:
     n = int(np.prod(s.shape, dtype=np.int64))
     store = np.dtype(np.uint32) if s.dtype is DType.bool else s.dtype.numpy
     out = np.frombuffer(raw, dtype=store, count=n, offset=head).reshape(s.shape)
-    return out != 0 if s.dtype is DType.bool else out.copy()
+    if s.dtype is DType.bool:
+        return out != 0
+    return out.astype(s.host.numpy)  # a copy, widened when the host type is wider

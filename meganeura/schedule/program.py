@@ -83,12 +83,23 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """Where a named tensor lives: buffer id, byte offset, shape and dtype."""
+    """Where a named tensor lives: buffer id, byte offset, shape and dtype.
+
+    ``dtype`` is the storage type; ``host_dtype``, when set, is the type the host reads and
+    writes instead (a parameter stored as f16 by the fast mode is f32 to the host: the
+    Session rounds it on upload and widens it on read). ``host`` gives the effective one.
+    """
 
     buffer: int
     shape: tuple[int, ...]
     dtype: DType
     offset: int = 0
+    host_dtype: DType | None = None
+
+    @property
+    def host(self) -> DType:
+        """The dtype the host feeds and reads."""
+        return self.host_dtype or self.dtype
 
     @property
     def nbytes(self) -> int:

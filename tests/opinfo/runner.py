@@ -147,13 +147,16 @@ def torch_args(args: list, positions: tuple[int, ...] = (), mid: bool = False):
 
 
 # ---- execution --------------------------------------------------------------------------------
-def execute(graph: Graph, feeds: dict[str, np.ndarray], fetch: list[str], device) -> dict:
-    """Compile ``graph`` for ``device``, run it once and free its buffers.
+def execute(
+    graph: Graph, feeds: dict[str, np.ndarray], fetch: list[str], device, precision="strict"
+) -> dict:
+    """Compile ``graph`` for ``device`` (with ``CompileOptions.precision``), run it once and
+    free its buffers.
 
     Sessions are not cached: every sample builds a different graph, and compiled pipelines
     are already cached per device by WGSL text, so a new Session costs only its buffers.
     """
-    program = compile(graph, CompileOptions(), device_limits(device))
+    program = compile(graph, CompileOptions(precision=precision), device_limits(device))
     with Session(program, device) as session:
         return session.run(feeds, fetch)
 
@@ -178,7 +181,7 @@ def _output_grads(b: GraphBuilder, grads: dict[int, int], leaf: dict[int, int]) 
 
 
 def _run_with_grads(
-    b: GraphBuilder, loss: Tensor, feeds: dict, leaf: dict, positions, device
+    b: GraphBuilder, loss: Tensor, feeds: dict, leaf: dict, positions, device, precision="strict"
 ) -> dict:
     b.output("loss", loss)
     graph = b.build_unverified()
@@ -189,7 +192,7 @@ def _run_with_grads(
     consts = _output_grads(b2, grads, wanted)
     g2 = b2.build_unverified()
     fetch = [n for n, _ in g2.outputs]
-    got = execute(g2, feeds, fetch, device)
+    got = execute(g2, feeds, fetch, device, precision)
     got.update(consts)
     return got
 
@@ -221,14 +224,16 @@ def reference(info: OpInfo, sample: Sample) -> np.ndarray:
         return _to_numpy(info.ref(*ops, **sample.kwargs))
 
 
-def run_forward(info: OpInfo, sample: Sample, device) -> tuple[np.ndarray, np.ndarray]:
+def run_forward(
+    info: OpInfo, sample: Sample, device, precision="strict"
+) -> tuple[np.ndarray, np.ndarray]:
     """(our value, the reference value) of one sample."""
     args = host_args(sample)
     b = GraphBuilder()
     ops, feeds, _ = graph_operands(b, args, mid=False)
     out = info.fn(*ops, **sample.kwargs)
     b.output("out", out)
-    got = execute(b.build(), feeds, ["out"], device)["out"]
+    got = execute(b.build(), feeds, ["out"], device, precision)["out"]
     return got, reference(info, sample)
 
 
@@ -295,7 +300,11 @@ class MidGraphResult:
 
 
 def run_mid_graph(
-    info: OpInfo, sample: Sample, device, differentiable: bool | None = None
+    info: OpInfo,
+    sample: Sample,
+    device,
+    differentiable: bool | None = None,
+    precision: str = "strict",
 ) -> MidGraphResult:
     """The op between kernels: forward ``out * s`` and gradients of ``sum(tanh(out*s) * R)``.
 
@@ -309,7 +318,7 @@ def run_mid_graph(
     out = info.fn(*ops, **sample.kwargs)
     if not out.dtype.is_floating:
         b.output("scaled", F.cast(out, DType.f32))
-        got = execute(b.build(), feeds, ["scaled"], device)
+        got = execute(b.build(), feeds, ["scaled"], device, precision)
         return MidGraphResult(got["scaled"], ref.astype(np.float64), [])
 
     s = pow2_scale(ref)
@@ -317,12 +326,12 @@ def run_mid_graph(
     differentiable = info.differentiable if differentiable is None else differentiable
     positions = grad_positions(sample) if differentiable and out.type.numel else ()
     if not positions:
-        got = execute(b.build(), feeds, ["scaled"], device)
+        got = execute(b.build(), feeds, ["scaled"], device, precision)
         return MidGraphResult(got["scaled"], ref * s, [])
     r = upstream(out.shape)
     feeds["upstream"] = r
     loss = F.sum(F.tanh(scaled) * b.input("upstream", out.shape))
-    got = _run_with_grads(b, loss, feeds, leaf, positions, device)
+    got = _run_with_grads(b, loss, feeds, leaf, positions, device, precision)
 
     tops, tleaves = torch_args(args, positions, mid=True)
     tout = info.ref(*tops, **sample.kwargs) * s

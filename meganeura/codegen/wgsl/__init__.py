@@ -71,7 +71,7 @@ def lower(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
         KeyError: for an op with no lowering.
         ValueError: for a bound value of 2^31 elements or more, or one larger than the
             adapter's storage-binding limit (the message names the node).
-        NotImplementedError: for f16 values (not lowered yet).
+        ValueError: also for an f16-stored value when ``limits.shader_f16`` is False.
     """
     node = graph[node_id]
     if node.op in LEAF_OPS or node.op in VIEW_OPS:

@@ -85,8 +85,8 @@ def lower_rope(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]
         lines += [
             f"  let c{e} = cos(a{e});",
             f"  let s{e} = {sign}sin(a{e});",
-            "  " + guard(e, f"{out}[i{e}a] = x{e}a * c{e} - x{e}b * s{e};"),
-            "  " + guard(e, f"{out}[i{e}a + {u(half)}] = x{e}b * c{e} + x{e}a * s{e};"),
+            "  " + guard(e, kb.store(out, f"i{e}a", f"x{e}a * c{e} - x{e}b * s{e}")),
+            "  " + guard(e, kb.store(out, f"i{e}a + {u(half)}", f"x{e}b * c{e} + x{e}a * s{e}")),
         ]
     table = ", ".join(f"vec2<u32>({hi}u, {lo}u)" for hi, lo in rope_turns(dim, node.attr("theta")))
     helpers = (

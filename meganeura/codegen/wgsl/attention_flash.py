@@ -145,7 +145,7 @@ def lower_flash(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[K
     lines += _row_registers(k)
     lines += _stream_loops(k)
     lines += _merge(k)
-    lines += _finish(k, out)
+    lines += _finish(k, kb, out)
     helpers = f"var<workgroup> sh: array<vec4<f32>, {total}>;\n"
     per_pair = {"fwd": d + dv, "stats": d, "dq": 2 * d + dv, "dk": 2 * d + dv, "dv": d + dv}
     flops = 2 * b * hq * lq * lk * per_pair[mode] // (2 if k.causal else 1)
@@ -360,22 +360,24 @@ def _merge(k: _Kernel) -> list[str]:
     return lines
 
 
-def _store(out: str, base: str, n: int, count: int, factor: str = "") -> list[str]:
+def _store(
+    kb: KernelBuilder, out: str, base: str, n: int, count: int, factor: str = ""
+) -> list[str]:
     return [
-        f"    {out}[{base} + {u(4 * c + e)}] = acc{c}.{XYZW[e]}{factor};"
+        "    " + kb.store(out, f"{base} + {u(4 * c + e)}", f"acc{c}.{XYZW[e]}{factor}")
         for c in range(count)
         for e in range(4)
         if 4 * c + e < n
     ]
 
 
-def _finish(k: _Kernel, out: str) -> list[str]:
+def _finish(k: _Kernel, kb: KernelBuilder, out: str) -> list[str]:
     """Lane 0 of each live row writes its result."""
     d, dv = k.dims.d, k.dims.dv
     lines = ["  if (live && t == 0u) {" if k.plan.lanes > 1 else "  if (live) {"]
     if k.mode == "fwd":
         lines += ["    let inv = select(0.0, 1.0 / l, l > 0.0);", f"    let ob = qrow * {u(dv)};"]
-        lines += _store(out, "ob", dv, k.dims.dv4, " * inv")
+        lines += _store(kb, out, "ob", dv, k.dims.dv4, " * inv")
     elif k.mode == "stats":
         lines.append(f"    let ob = qrow * {u(dv)};")
         lines.append("    var delta = 0.0;")
@@ -383,15 +385,15 @@ def _finish(k: _Kernel, out: str) -> list[str]:
             g, o = _load4(k.src["dout"], "ob", c, dv), _load4(k.src["o"], "ob", c, dv)
             lines.append(f"    delta = delta + dot({g}, {o});")
         lines += [
-            f"    {out}[qrow * 2u] = select(0.0, m + log(l), l > 0.0);",
-            f"    {out}[qrow * 2u + 1u] = delta;",
+            "    " + kb.store(out, "qrow * 2u", "select(0.0, m + log(l), l > 0.0)"),
+            "    " + kb.store(out, "qrow * 2u + 1u", "delta"),
         ]
     elif k.mode == "dq":
         lines.append(f"    let ob = qrow * {u(d)};")
-        lines += _store(out, "ob", d, k.dims.d4, f" * {k.scale}")
+        lines += _store(kb, out, "ob", d, k.dims.d4, f" * {k.scale}")
     elif k.mode == "dk":
-        lines += _store(out, "kb", d, k.dims.d4, f" * {k.scale}")
+        lines += _store(kb, out, "kb", d, k.dims.d4, f" * {k.scale}")
     else:
         lines.append(f"    let ob = krow * {u(dv)};")
-        lines += _store(out, "ob", dv, k.dims.dv4)
+        lines += _store(kb, out, "ob", dv, k.dims.dv4)
     return lines + ["  }"]

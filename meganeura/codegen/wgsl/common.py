@@ -9,6 +9,12 @@ Invariants kept here, so that each emitter cannot get them wrong on its own:
     decimal of their float32 value, integers with an ``i``/``u`` suffix;
   * all index math is u32, with shapes and strides baked in; every bound value has fewer than
     2^31 elements and fits the adapter's storage-binding limit, else ``ValueError`` names it;
+  * a value stored as f16 (fast mode, ``passes.precision``) is bound as ``array<f16>`` and
+    the kernel starts with ``enable f16;``; emitters read and write bindings only through
+    ``Src.at``, ``KernelBuilder.load`` and ``KernelBuilder.store``, which widen to f32 on
+    load and narrow on store, so every kernel computes and accumulates in f32
+    (``compute_dtype``); binding an f16 value for an adapter without ``shader-f16`` raises
+    ``ValueError``;
   * a 1-D logical grid of G workgroups is folded into up to three dimensions of at most
     ``limits.max_workgroups_per_dimension`` each; shaders rebuild the linear id and drop the
     padding groups (``linear_workgroup``).
@@ -17,6 +23,7 @@ Invariants kept here, so that each emitter cannot get them wrong on its own:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -285,8 +292,11 @@ class KernelBuilder:
             return self._decls[k][0]
         check_numel(self.graph, root, self.limits)
         dtype = self.graph[root].type.dtype
-        if dtype is DType.f16:
-            raise NotImplementedError(f"%{root}: f16 storage is not lowered yet (needs shader-f16)")
+        if dtype is DType.f16 and not self.limits.shader_f16:
+            raise ValueError(
+                f"%{root} ({self.graph[root].op}: {self.graph[root].type}) is stored as f16, "
+                "which needs an adapter with the shader-f16 feature"
+            )
         self._by_value[root] = len(self._refs)
         self._refs.append(ValueRef(root, write=write))
         return self._declare(name, dtype)
@@ -323,7 +333,11 @@ class KernelBuilder:
         return self._bind_value(vid, name, write=True)
 
     def scratch(self, key: str, count: int, dtype: DType, name: str) -> str:
-        """Bind node-private scratch storage of ``count`` elements of ``dtype``."""
+        """Bind node-private scratch storage of ``count`` elements of ``dtype``.
+
+        Scratch holds partial sums and statistics, so it is kept in the compute type: an f16
+        ``dtype`` (a node stored as f16) gets f32 scratch."""
+        dtype = compute_dtype(dtype)
         self._refs.append(ScratchRef(key, max(count, 1) * dtype.itemsize, dtype))
         return self._declare(name, dtype)
 
@@ -404,6 +418,9 @@ class KernelBuilder:
             access = "read_write" if ref.write else "read"
             decls.append(f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{ty}>;")
         src = "\n".join(decls) + "\n\n"
+        # f16 bindings, or an f16 conversion in the code (a fused cast to f16 not stored)
+        if any(ty == "f16" for _, ty in self._decls) or re.search(r"\bf16\b", body + helpers):
+            src = "enable f16;\n\n" + src
         if helpers:
             src += helpers.strip("\n") + "\n\n"
         src += f"@compute @workgroup_size({workgroup_size})\nfn main({ENTRY_ARGS}{extra_args}) {{\n"

@@ -201,7 +201,11 @@ def _zero_phases(graph, node_id, limits, v: _Conv, zero_rows, zero_cols) -> Kern
     for e in range(PER_THREAD):
         conds = [f"(j{e} / {u(v.w)}) % {u(v.h)} % {u(sh)} == {u(r)}" for r in zero_rows]
         conds += [f"j{e} % {u(v.w)} % {u(sw)} == {u(r)}" for r in zero_cols]
-        body += "  " + guard(e, f"if ({' || '.join(conds)}) {{ {out}[i{e}] = 0.0; }}") + "\n"
+        body += (
+            "  "
+            + guard(e, f"if ({' || '.join(conds)}) {{ {kb.store(out, f'i{e}', '0.0')} }}")
+            + "\n"
+        )
     return kb.finish("zero_phases", body, WG, groups)
 
 

@@ -189,7 +189,7 @@ def emit_gemm(
         lines += [f"      acc{gi}{i}{h} += a{gi}.{'xyzw'[i]} * b{h};" for gi, i, h in acc]
         lines.append("    }")
     lines += ["    workgroupBarrier();", "  }"]
-    lines += _store(out, t, g, acc, target, splits > 1, bias)
+    lines += _store(kb, out, t, g, acc, target, splits > 1, bias)
     flops = 2 * g.m * g.n * g.k * g.groups
     helpers = (
         f"var<workgroup> As: array<vec4<f32>, {t.bk * t.bm // 4}>;\n"
@@ -245,12 +245,13 @@ def _sum_splits(
         value = "(s0 + s1)"
     if bias is not None:
         value += f" + {bias.at(out.bias[1]('row'))}"
+    index = f"{out.col('col')} + {out.row('row')}"
     body += (
         f"  if (lane == 0u && e < {u(total)}) {{\n"
         f"    let grp = e / {u(g.m * g.n)};\n"
         f"    let row = (e / {u(g.n)}) % {u(g.m)};\n"
         f"    let col = e % {u(g.n)};\n"
-        f"    {dst}[{out.col('col')} + {out.row('row')}] = {value};\n  }}\n"
+        f"    {kb.store(dst, index, value)}\n  }}\n"
     )
     groups = -(-total // per)
     return kb.finish(f"sum_splits{suffix}", body, THREADS, groups, helpers, flops=splits * total)
@@ -324,7 +325,16 @@ class _Stage:
         return lines
 
 
-def _store(out: Output, t: Tiling, g: Gemm, acc, target: str, partial: bool, bias: Src | None):
+def _store(
+    kb: KernelBuilder,
+    out: Output,
+    t: Tiling,
+    g: Gemm,
+    acc,
+    target: str,
+    partial: bool,
+    bias: Src | None,
+):
     """Stores of this thread's block: through ``out``'s mapping, or densely into the split's
     slice of the partials."""
     lines = []
@@ -349,7 +359,8 @@ def _store(out: Output, t: Tiling, g: Gemm, acc, target: str, partial: bool, bia
             stores = []
             for h in range(t.tn // 4):
                 for c in range(4):
-                    st = f"{target}[cb{h}{c} + rb] = acc{gi}{i}{h}.{'xyzw'[c]}{extra};"
+                    value = f"acc{gi}{i}{h}.{'xyzw'[c]}{extra}"
+                    st = kb.store(target, f"cb{h}{c} + rb", value)
                     stores.append(f"if (col{h}{c} < {u(g.n)}) {{ {st} }}" if g.n % t.bn else st)
             body = " ".join(stores)
             lines.append(f"    if (row < {u(g.m)}) {{ {body} }}" if g.m % t.bm else f"    {body}")

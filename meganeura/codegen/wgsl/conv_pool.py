@@ -115,7 +115,7 @@ def lower_max_pool2d(graph: Graph, node_id: int, limits: Limits) -> list[KernelS
     x = kb.read(node.inputs[0], "x")
     out = kb.write(node_id, "out")
     body = _window_origin(a, h, w, oh, ow, total)
-    body += _argmax_body(x, a, a["dilation"], h, w, oh, ow) + f"  {out}[i] = m;\n"
+    body += _argmax_body(x, a, a["dilation"], h, w, oh, ow) + f"  {kb.store(out, 'i', 'm')}\n"
     taps = a["kernel_size"][0] * a["kernel_size"][1]
     return [kb.finish("", body, WG, -(-total // WG), flops=total * taps)]
 
@@ -200,7 +200,7 @@ def lower_max_pool2d_backward(graph: Graph, node_id: int, limits: Limits) -> lis
     x = kb.read(node.inputs[0], "x")
     idx = kb.scratch("argmax", n_out, DType.u32, "argmax")
     body = _window_origin(a, h, w, oh, ow, n_out)
-    body += _argmax_body(x, a, a["dilation"], h, w, oh, ow) + f"  {idx}[i] = mi;\n"
+    body += _argmax_body(x, a, a["dilation"], h, w, oh, ow) + f"  {kb.store(idx, 'i', 'mi')}\n"
     first = kb.finish("argmax", body, WG, -(-n_out // WG))
 
     kb = KernelBuilder(graph, node, limits)
@@ -216,7 +216,7 @@ def lower_max_pool2d_backward(graph: Graph, node_id: int, limits: Limits) -> lis
         return f"  acc += select(0.0, g{c}, {ok} && t{c} == {tap});\n"
 
     gather = _gather(a, a["dilation"], h, w, oh, ow, loads, step)
-    body = _prologue(total) + gather + f"  {out}[i] = acc;\n"
+    body = _prologue(total) + gather + f"  {kb.store(out, 'i', 'acc')}\n"
     return [first, kb.finish("gather", body, WG, -(-total // WG))]
 
 
@@ -246,7 +246,10 @@ def lower_avg_pool2d(graph: Graph, node_id: int, limits: Limits) -> list[KernelS
     out = kb.write(node_id, "out")
     body = _window_origin(a, h, w, oh, ow, total) + "  var s = 0.0;\n"
     step = lambda ok, v, tap: f"  s += select(0.0, {v}, {ok});\n"  # noqa: E731
-    body += _window(x, a, (1, 1), h, w, oh, ow, step) + f"  {out}[i] = s / divisor(oh, ow);\n"
+    body += (
+        _window(x, a, (1, 1), h, w, oh, ow, step)
+        + f"  {kb.store(out, 'i', 's / divisor(oh, ow)')}\n"
+    )
     taps = a["kernel_size"][0] * a["kernel_size"][1]
     helpers = _divisor_fn(a, h, w)
     return [kb.finish("", body, WG, -(-total // WG), helpers, flops=total * taps)]
@@ -268,7 +271,7 @@ def lower_avg_pool2d_backward(graph: Graph, node_id: int, limits: Limits) -> lis
 
     step = lambda ok, c, tap: f"  acc += select(0.0, g{c}, {ok});\n"  # noqa: E731
     gather = _gather(a, (1, 1), h, w, oh, ow, loads, step)
-    body = _prologue(total) + gather + f"  {out}[i] = acc;\n"
+    body = _prologue(total) + gather + f"  {kb.store(out, 'i', 'acc')}\n"
     return [kb.finish("", body, WG, -(-total // WG), _divisor_fn(a, h, w))]
 
 
@@ -295,7 +298,7 @@ def lower_adaptive_avg_pool2d(graph: Graph, node_id: int, limits: Limits) -> lis
         "  for (var y = h0; y < h1; y = y + 1u) {\n"
         "    for (var z = w0; z < w1; z = z + 1u) {\n"
         f"      s += {x.at(f'plane * {u(h * w)} + y * {u(w)} + z')};\n    }}\n  }}\n"
-        f"  {out}[i] = s / f32((h1 - h0) * (w1 - w0));\n"
+        f"  {kb.store(out, 'i', 's / f32((h1 - h0) * (w1 - w0))')}\n"
     )
     return [kb.finish("", body, WG, -(-total // WG), flops=planes * h * w)]
 
@@ -325,7 +328,7 @@ def lower_adaptive_avg_pool2d_backward(
         + _bounds("w", w, ow).replace("  let", "      let")
         + f"      acc += {g.at(f'plane * {u(oh * ow)} + oh * {u(ow)} + ow')} / "
         "f32((h1 - h0) * (w1 - w0));\n    }\n  }\n"
-        f"  {out}[i] = acc;\n"
+        f"  {kb.store(out, 'i', 'acc')}\n"
     )
     return [kb.finish("", body, WG, -(-total // WG))]
 

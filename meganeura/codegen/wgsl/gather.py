@@ -80,7 +80,7 @@ def lower_gather(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
         src = f"{strided_index(f'j{e}', cshape, cbase)} + {k} * {u(xs[dim])}"
         lines.append(f"  let k{e} = u32({index.at(f'j{e}')});")
         lines.append(f"  let v{e} = select({fill}, {x.at(src)}, {ok});")
-    lines += [f"  {guard(e, f'{out}[i{e}] = v{e};')}" for e in range(PER_THREAD)]
+    lines += [f"  {guard(e, kb.store(out, f'i{e}', f'v{e}'))}" for e in range(PER_THREAD)]
     nbytes = 3 * node.type.nbytes
     return [kb.finish("", "\n".join(lines), WG, groups, nbytes=nbytes)]
 
@@ -125,7 +125,7 @@ def lower_gather_backward(graph: Graph, node_id: int, limits: Limits) -> list[Ke
     )
     if inb:
         loop = f"if ({' && '.join(inb)}) {{\n{indent(loop)}}}\n"
-    body += indent(loop) + f"  if (lane < {u(total)}) {{ {out}[i] = acc; }}\n"
+    body += indent(loop) + f"  if (lane < {u(total)}) {{ {kb.store(out, 'i', 'acc')} }}\n"
     nbytes = node.type.nbytes + 2 * g_t.nbytes
     flops = total * ishape[dim]
     return [kb.finish("", body, WG, -(-total // WG), flops=flops, nbytes=nbytes)]
@@ -152,7 +152,7 @@ def lower_index_select(graph: Graph, node_id: int, limits: Limits) -> list[Kerne
         src = row if a_ == 1 else f"({row}) * {u(a_)} + j{e} % {u(a_)}"
         lines.append(f"  let k{e} = u32({index.at(j)});")
         lines.append(f"  let v{e} = select({fill}, {x.at(src)}, {ok});")
-    lines += [f"  {guard(e, f'{out}[i{e}] = v{e};')}" for e in range(PER_THREAD)]
+    lines += [f"  {guard(e, kb.store(out, f'i{e}', f'v{e}'))}" for e in range(PER_THREAD)]
     nbytes = 2 * node.type.nbytes
     return [kb.finish("", "\n".join(lines), WG, groups, nbytes=nbytes)]
 
@@ -219,7 +219,8 @@ def lower_index_select_backward(graph: Graph, node_id: int, limits: Limits) -> l
     start = "0u" if by_target else "t"
     per_block += f"for (var t0 = {start}; t0 < {u(k_)}; t0 = t0 + {u(tw)}) {{\n{indent(chunk)}}}\n"
     per_block += "".join(
-        f"if (cb * {u(tw * acc)} + {u(m * tw)} + lid < {u(cols)}) {{ {out}[oc{m}] = acc{m}; }}\n"
+        f"if (cb * {u(tw * acc)} + {u(m * tw)} + lid < {u(cols)}) "
+        f"{{ {kb.store(out, f'oc{m}', f'acc{m}')} }}\n"
         for m in range(acc)
     )
     # workgroup memory is zeroed explicitly: lavapipe does not zero it

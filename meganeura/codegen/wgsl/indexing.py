@@ -20,6 +20,7 @@ from .common import (
     WG,
     KernelBuilder,
     coalesce,
+    compute_dtype,
     contiguous_strides,
     element_slots,
     literal,
@@ -47,7 +48,7 @@ def lower_slice(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource
     for e in range(PER_THREAD):
         offset = strided_index(f"j{e}", cshape, cst)
         lines.append(f"  let v{e} = {x.at(f'{u(base)} + {offset}' if base else offset)};")
-    lines += [f"  {guard(e, f'{out}[i{e}] = v{e};')}" for e in range(PER_THREAD)]
+    lines += [f"  {guard(e, kb.store(out, f'i{e}', f'v{e}'))}" for e in range(PER_THREAD)]
     return [kb.finish("", "\n".join(lines), WG, groups, nbytes=2 * node.type.nbytes)]
 
 
@@ -106,7 +107,7 @@ def _lower_embed(graph, node_id, limits, lo, step, fill) -> list[KernelSource]:
         # `&` rather than `&&`: no short-circuit branches in the per-element path
         lines.append(f"  let ok{e} = {' & '.join(f'({c})' for c in checks) or 'true'};")
         lines.append(f"  let v{e} = select({fill}, {x.at(f'select(0u, {offset}, ok{e})')}, ok{e});")
-    lines += [f"  {guard(e, f'{out}[i{e}] = v{e};')}" for e in range(PER_THREAD)]
+    lines += [f"  {guard(e, kb.store(out, f'i{e}', f'v{e}'))}" for e in range(PER_THREAD)]
     nbytes = node.type.nbytes + x.type.nbytes
     return [kb.finish("", "\n".join(lines), WG, groups, nbytes=nbytes)]
 
@@ -150,7 +151,7 @@ def lower_cat(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
             o = f"(j{e} / {u(row)})" if outer > 1 else "0u"
             r = f"(j{e} % {u(row)})" if outer > 1 else f"j{e}"
             lines.append(f"  let o{e} = {o};\n  let r{e} = {r};")
-            lines.append(f"  var v{e}: {node.type.dtype.wgsl};")
+            lines.append(f"  var v{e}: {compute_dtype(node.type.dtype).wgsl};")
             for pos, (k, x) in enumerate(zip(group, xs)):
                 rel, n = (offsets[k] - lo) * inner, sizes[k] * inner
                 src = f"o{e} * {u(n)} + r{e}" + (f" - {u(rel)}" if rel else "")
@@ -159,7 +160,7 @@ def lower_cat(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
                 lines.append(f"  {'else ' if pos else ''}{cond}{load}")
         for e in range(PER_THREAD):
             dst = f"o{e} * {u(shape[dim] * inner)} + {u(lo * inner)} + r{e}"
-            lines.append(f"  {guard(e, f'{out}[{dst}] = v{e};')}")
+            lines.append(f"  {guard(e, kb.store(out, dst, f'v{e}'))}")
         suffix = f"{group[0]}-{group[-1]}" if len(sizes) > MAX_CAT_OPERANDS else ""
         nbytes = 2 * total * node.type.dtype.itemsize
         kernels.append(kb.finish(suffix, "\n".join(lines), WG, groups, nbytes=nbytes))

@@ -58,7 +58,9 @@ def lower_dropout(graph: Graph, node_id: int, limits: Limits) -> list[KernelSour
         lines.append(f"  let v{e} = {x.at(f'j{e}')};")
         lines.append(f"  let keep{e} = pcg(pcg(i{e}) ^ key) >= {threshold(p)}u;")
     for e in range(PER_THREAD):
-        lines.append("  " + guard(e, f"{out}[i{e}] = select(0.0, v{e} * {scale}, keep{e});"))
+        lines.append(
+            "  " + guard(e, kb.store(out, f"i{e}", f"select(0.0, v{e} * {scale}, keep{e})"))
+        )
     return [kb.finish("", "\n".join(lines), WG, groups, PCG_HELPER, 12 * n, 2 * node.type.nbytes)]
 
 

@@ -79,7 +79,7 @@ def lower_softmax(graph: Graph, node_id: int, limits: Limits) -> list[KernelSour
     body = thread_coords(plan, "wg", rows) + f"  let base = {base};\n"
     body += _max_sum(plan, lambda j: x.at(idx(j)), n)
     value = "(v - mx) - lse" if node.op == "log_softmax" else "exp((v - mx) - lse)"
-    write = f"let v = {x.at(idx('r'))};\n{out}[{idx('r')}] = {value};\n"
+    write = f"let v = {x.at(idx('r'))};\n{kb.store(out, idx('r'), value)}\n"
     body += "  if (live) {\n" + indent(for_each(plan, "0u", u(n), write), 1)
     body += "  }\n"
     groups = -(-rows // plan.ox)
@@ -136,8 +136,8 @@ def lower_cross_entropy(graph: Graph, node_id: int, limits: Limits) -> list[Kern
         f"    let t = {tgt.at('rowc')};\n"
         f"    let valid = {_valid_expr('t', ignore)};\n"
         f"    let tc = u32(clamp(t, 0i, {int_literal(c - 1, DType.i32)}));\n"
-        f"    {loss}[row] = select(0.0, {row}, valid);\n"
-        + (f"    {cnt}[row] = select(0.0, 1.0, valid);\n" if cnt else "")
+        f"    {kb.store(loss, 'row', f'select(0.0, {row}, valid)')}\n"
+        + (f"    {kb.store(cnt, 'row', 'select(0.0, 1.0, valid)')}\n" if cnt else "")
         + "  }\n"
     )
     groups = -(-n // plan.ox)
@@ -157,7 +157,7 @@ def lower_cross_entropy(graph: Graph, node_id: int, limits: Limits) -> list[Kern
     body += strided_loop(one, "0u", u(n), pair, _ADD, -(-n // 256), "vec2<f32>(0.0, 0.0)")
     body += tree(one, "red", "acc", _ADD, "total")
     result = "total.x / max(total.y, 1.0)" if reduction == "mean" else "total.x"
-    body += f"  if (lid == 0u) {{ {out}[0] = {result}; }}\n"
+    body += f"  if (lid == 0u) {{ {kb2.store(out, '0u', result)} }}\n"
     sum_k = kb2.finish("reduce", body, one.size, 1, shared_decl(one, "red", "vec2<f32>"))
     return [rows_k, sum_k]
 
@@ -207,7 +207,7 @@ def lower_cross_entropy_backward(graph: Graph, node_id: int, limits: Limits) -> 
         onehot += f" - {f32_literal(ls / c)}"
     write = (
         f"let d = exp(({x.at('base + r')} - mx) - lse) - {onehot};\n"
-        f"{out}[base + r] = select(0.0, d * scale, valid);\n"
+        f"{kb.store(out, 'base + r', 'select(0.0, d * scale, valid)')}\n"
     )
     body += "  if (live) {\n" + indent(for_each(plan, "0u", u(c), write), 1)
     body += "  }\n"

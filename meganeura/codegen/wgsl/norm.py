@@ -100,7 +100,8 @@ def lower_norm(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]
     body += _stats(plan, lay, x, kind == "rms_norm", node.attr("eps"))
     write = (
         "let o = g_off(rowc, r);\nlet c = g_aux(rowc, r);\n"
-        f"{out}[o] = (({x.at('o')} - shift) - mean) * rstd * {w.at('c')} + {b.at('c')};\n"
+        f"let y_o = (({x.at('o')} - shift) - mean) * rstd * {w.at('c')} + {b.at('c')};\n"
+        f"{kb.store(out, 'o', 'y_o')}\n"
     )
     body += "  if (live) {\n" + indent(for_each(plan, "0u", u(lay.length), write)) + "  }\n"
     helpers = shared_decl(plan, "red", "f32") + _SQ + lay.helpers("g")
@@ -142,7 +143,7 @@ def lower_norm_backward(graph: Graph, node_id: int, limits: Limits) -> list[Kern
         "let o = g_off(rowc, r);\n"
         f"let gw = {g.at('o')} * {w.at('g_aux(rowc, r)')};\n"
         f"let xh = (({x.at('o')} - shift) - mean) * rstd;\n"
-        f"{out}[o] = rstd * (gw{centre} - xh * (a_tot.y * {inv_m}));\n"
+        f"{kb.store(out, 'o', f'rstd * (gw{centre} - xh * (a_tot.y * {inv_m}))')}\n"
     )
     body += "  if (live) {\n" + indent(for_each(plan, "0u", u(m), write)) + "  }\n"
     dterm = (
@@ -207,7 +208,7 @@ def lower_norm_weight_backward(graph: Graph, node_id: int, limits: Limits) -> li
         cplan, "0u", u(chan.length), lambda k: f"wterm(rowc, {k})", _ADD, per, "0.0"
     )
     body += tree(cplan, "red", "acc", _ADD, "total")
-    body += f"  if (live && y == 0u) {{ {out}[row] = total; }}\n"
+    body += f"  if (live && y == 0u) {{ {kb.store(out, 'row', 'total')} }}\n"
     helpers = shared_decl(cplan, "red", "f32") + chan.helpers("c") + wterm
     reduce_k = kb.finish("reduce", body, cplan.size, -(-chan.count // cplan.ox), helpers)
     return [stats_k, reduce_k]

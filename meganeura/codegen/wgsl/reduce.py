@@ -31,7 +31,14 @@ from dataclasses import dataclass
 from ...dtypes import DType
 from ...graph.ir import Graph
 from ..kernel import KernelSource, Limits
-from .common import KernelBuilder, contiguous_strides, f32_literal, strided_index, u
+from .common import (
+    KernelBuilder,
+    compute_dtype,
+    contiguous_strides,
+    f32_literal,
+    strided_index,
+    u,
+)
 from .rows import RowPlan, plan_rows, shared_decl, strided_loop, thread_coords, tree
 
 # Aim for this many workgroups before splitting groups into chunks (fills a large GPU), but
@@ -270,7 +277,7 @@ def lower_reduce(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
     n_out, n_red = node.type.numel, math.prod(red[0])
     if n_out == 0:
         return []
-    spec = _spec(node.op, x_node.type.dtype, n_red, node)
+    spec = _spec(node.op, compute_dtype(x_node.type.dtype), n_red, node)
     plan = _plan(kept, red)
     row_groups = -(-n_out // plan.ox)
     chunks = 1
@@ -304,7 +311,7 @@ def lower_reduce(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
     stats = spec.stats(ps, read)
     if chunks == 1:
         out = kb.write(node_id, "out")
-        return [ps.finish(kb, "", f"    {out}[row] = {spec.finish(stats)};\n", helpers)]
+        return [ps.finish(kb, "", f"    {kb.store(out, 'row', spec.finish(stats))}\n", helpers)]
 
     # Chunk statistics are laid out [chunks, n_out]; the second pass reduces the leading dim.
     scratch = [kb.scratch(f"s{k}", chunks * n_out, dt, f"s{k}") for k, dt in enumerate(spec.dtypes)]
@@ -320,7 +327,7 @@ def lower_reduce(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
     helpers = spec.helpers + f"\nfn chunk_len(p: u32) -> f32 {{ return f32({length}); }}\n"
     reads = [lambda i, s=s: f"{s}[{i}]" for s in names]
     total = spec.combine(ps2, reads, lambda r: f"chunk_len({r})")
-    store = f"    {out}[row] = {spec.finish(total)};\n"
+    store = f"    {kb2.store(out, 'row', spec.finish(total))}\n"
     return [first, ps2.finish(kb2, "combine", store, helpers)]
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from ...graph.ir import Graph
 from ..kernel import KernelSource, Limits
-from .common import WG, KernelBuilder, u, zero
+from .common import WG, KernelBuilder, compute_dtype, u, zero
 
 SERIAL = 64  # rows this short are summed by one thread
 PER = 4  # consecutive elements each thread scans serially inside a tile
@@ -80,7 +80,7 @@ def lower_cumsum(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
     node = graph[node_id]
     shape = node.type.shape or (1,)
     dim = node.attr("dim")
-    dtype = node.type.dtype
+    dtype = compute_dtype(node.type.dtype)
     n = shape[dim]
     inner = math.prod(shape[dim + 1 :])
     rows = node.type.numel // n
@@ -103,7 +103,8 @@ def lower_cumsum(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
             f"  let row = wg * {u(WG)} + lid;\n  if (row >= {u(rows)}) {{ return; }}\n"
             f"  var acc = {z};\n"
             f"  for (var j = 0u; j < {u(n)}; j = j + 1u) {{\n"
-            f"    acc = acc + {x.at(addr('row', 'j'))};\n    {out}[{addr('row', 'j')}] = acc;\n"
+            f"    acc = acc + {x.at(addr('row', 'j'))};\n"
+            f"    {kb.store(out, addr('row', 'j'), 'acc')}\n"
             "  }\n"
         )
         return [kb.finish("", body, WG, -(-rows // WG), "", flops, nbytes)]
@@ -114,7 +115,7 @@ def lower_cumsum(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
         body = f"  let row = wg;\n  var carry = {z};\n"
         body += f"  for (var t0 = 0u; t0 < {u(n)}; t0 = t0 + {u(TILE)}) {{\n"
         body += _tile(lambda j: x.at(addr("row", j)), n, z)
-        body += _store(lambda j, v: f"{out}[{addr('row', j)}] = {v};", n)
+        body += _store(lambda j, v: kb.store(out, addr("row", j), v), n)
         body += "  carry = carry + total;\n  }\n"
         return [kb.finish("", body, WG, rows, _shared(ty), flops, nbytes)]
 
@@ -142,6 +143,6 @@ def lower_cumsum(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
     body = f"  let row = wg / {u(tiles)};\n  let t0 = (wg % {u(tiles)}) * {u(TILE)};\n"
     body += f"  let carry = select({z}, {o3}[max(wg, 1u) - 1u], wg % {u(tiles)} > 0u);\n"
     body += _tile(lambda j: x3.at(addr("row", j)), n, z)
-    body += _store(lambda j, v: f"{out}[{addr('row', j)}] = {v};", n)
+    body += _store(lambda j, v: kb3.store(out, addr("row", j), v), n)
     third = kb3.finish("scan", body, WG, rows * tiles, _shared(ty), flops, nbytes)
     return [first, second, third]

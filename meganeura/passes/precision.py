@@ -1,0 +1,119 @@
+"""Storage precision for the fast mode: which floating values are stored as f16.
+
+``narrow_storage`` is the last rewrite before scheduling. It changes the ``TensorType`` of
+chosen values from f32 to f16 and nothing else: the ops, their order and their operands stay
+as they were. The kernels read an f16 value widened to f32 and narrow on store
+(``codegen.wgsl.common.KernelBuilder``), so every operation and every accumulation still
+runs in f32 and only the bytes moved through memory are halved (the "f16 storage, f32
+accumulation" scheme of mixed-precision training, Micikevicius et al., "Mixed Precision
+Training", ICLR 2018, without loss scaling).
+
+Because operands of one op may now differ in dtype, the rewritten graph is a storage plan,
+not a graph the type rules would accept: it must not be passed to the builder, the
+verifier or another pass; only ``schedule`` (and through it the lowerings) consumes it.
+
+What stays f32 (the rules, in order):
+  * leaves other than parameters: program inputs (fed by the host), optimizer state and
+    constants (inlined as literals);
+  * parameters, unless ``parameters=True`` (forward-only programs); in a training program
+    they are the f32 master weights the optimizer updates in place;
+  * every operand of an op with in-place effects (optimizer updates, running-statistics
+    updates), which covers parameters, their gradients and optimizer state;
+  * the values named in ``keep`` (the compiler passes each parameter's gradient and every
+    node of the optimizer tail: gradient clipping's sums of squares and norm);
+  * values whose storage is fetched as a graph output;
+  * values of ``WIDE_OPS``: reductions that sum (their result can exceed f16's range of
+    65504 or need more than its 11 significant bits: sums, means, variances, log-sum-exp,
+    prefix sums), losses, and attention's log-sum-exp statistics;
+  * every non-floating value.
+Everything else floating (activations, activation gradients and, when allowed, parameters)
+becomes f16. A view (``reshape``, ``stop_gradient``) always takes its storage owner's dtype,
+since it shares that value's buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+
+from ..dtypes import DType
+from ..graph.ir import VIEW_OPS, Graph, TensorType
+from ..ops import OPS
+
+WIDE_OPS = frozenset(
+    {
+        "sum",
+        "mean",
+        "var",
+        "logsumexp",
+        "cumsum",
+        "cross_entropy",
+        "binary_cross_entropy_with_logits",
+        "scaled_dot_product_attention_stats",
+    }
+)
+NARROW_LEAVES = frozenset({"parameter"})
+
+
+def _root(graph: Graph, vid: int) -> int:
+    while graph[vid].op in VIEW_OPS:
+        vid = graph[vid].inputs[0]
+    return vid
+
+
+def half_candidates(
+    graph: Graph, keep: Collection[int] = (), parameters: bool = False
+) -> frozenset[int]:
+    """The storage owners (non-view values) that ``narrow_storage`` stores as f16.
+
+    Args:
+        graph: a verified graph (the last one before scheduling).
+        keep: node ids that must stay f32 (a view keeps its storage owner f32).
+        parameters: allow parameters too (forward-only programs).
+
+    Returns:
+        Ids of f32 values, none of them a view, leaf other than a parameter, or output.
+    """
+    wide = {_root(graph, v) for v in keep}
+    wide |= {_root(graph, v) for _, v in graph.outputs}
+    for node in graph.nodes:
+        d = OPS.get(node.op)
+        if d is not None and d.writes:
+            wide |= {_root(graph, i) for i in node.inputs}
+    out = []
+    for node in graph.nodes:
+        if node.type.dtype is not DType.f32 or node.id in wide or node.op in VIEW_OPS:
+            continue
+        if node.op in WIDE_OPS or node.op == "constant":
+            continue
+        if node.op in ("input", "state"):
+            continue
+        if node.op == "parameter" and not parameters:
+            continue
+        out.append(node.id)
+    return frozenset(out)
+
+
+def narrow_storage(
+    graph: Graph, keep: Collection[int] = (), parameters: bool = False
+) -> tuple[Graph, frozenset[int]]:
+    """Store the floating values chosen by the rules above as f16.
+
+    Args:
+        graph: a verified graph, after every type-checked pass.
+        keep: node ids that must stay f32 (views resolve to their storage owner).
+        parameters: store parameters as f16 too; only for programs without an optimizer.
+
+    Returns:
+        (the storage plan: the same nodes with f16 types where chosen, the ids of the values
+        now stored as f16, views included). The plan keeps node ids, inputs and outputs.
+    """
+    half = set(half_candidates(graph, keep, parameters))
+    nodes = []
+    for node in graph.nodes:
+        if node.op in VIEW_OPS and _root(graph, node.id) in half and node.type.dtype is DType.f32:
+            half.add(node.id)
+        if node.id in half:
+            node = dataclasses.replace(node, type=TensorType(node.type.shape, DType.f16))
+        nodes.append(node)
+    return Graph(tuple(nodes), graph.outputs), frozenset(half)
