@@ -177,6 +177,10 @@ SPLIT_MIN_K = 512
 GEMV_SPLIT_MIN_K = 2048
 TARGET_GROUPS = 8 * SMS
 MIN_CHUNK = 128
+# Below this many multiply-adds a tiled product is not split: the partial-sum dispatch costs
+# a launch (2-5 us of host and GPU time on the H200) that a kernel of a few us cannot win back
+# (the MNIST MLP's 64 x 784 x 128 layer stays one dispatch).
+SPLIT_MIN_WORK = 1 << 24
 MAX_SPLITS = 32
 MAX_SCRATCH = 64 << 20
 
@@ -218,7 +222,8 @@ def heuristic_plan(m: int, k: int, n: int, batch: int = 1) -> Plan:
     Otherwise the largest tile that still gives enough workgroups to fill the GPU (wave
     quantization over ``SMS`` multiprocessors): 128x128 from LARGE_MIN_TILES tiles,
     128x64 or 64x128 (the one wasting less of a ragged edge) from HALF_MIN_TILES, else
-    64x64; then split K when fewer than SPLIT_BELOW workgroups remain and K >= SPLIT_MIN_K.
+    64x64; then split K when fewer than SPLIT_BELOW workgroups remain, K >= SPLIT_MIN_K and
+    the product has at least SPLIT_MIN_WORK multiply-adds.
     """
     if m <= GEMV_MAX_M:
         plan = Plan("gemv")
@@ -235,6 +240,8 @@ def heuristic_plan(m: int, k: int, n: int, batch: int = 1) -> Plan:
     if halves:
         t = min(halves, key=lambda t: (tiles(t) * t.bm * t.bn, t is wide))
         return Plan("tiled", t)
+    if m * n * k * batch < SPLIT_MIN_WORK:
+        return Plan("tiled", SMALL)  # too small for a second dispatch to pay for itself
     return Plan("tiled", SMALL, split_for(tiles(SMALL), k))
 
 
