@@ -419,7 +419,9 @@ class KernelBuilder:
             decls.append(f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{ty}>;")
         src = "\n".join(decls) + "\n\n"
         # f16 bindings, or an f16 conversion in the code (a fused cast to f16 not stored)
-        if any(ty == "f16" for _, ty in self._decls) or re.search(r"\bf16\b", body + helpers):
+        if any(re.search(r"\bf16\b", ty) for _, ty in self._decls) or re.search(
+            r"\bf16\b", body + helpers
+        ):
             src = "enable f16;\n\n" + src
         if helpers:
             src += helpers.strip("\n") + "\n\n"

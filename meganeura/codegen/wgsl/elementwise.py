@@ -31,6 +31,7 @@ from .common import (
     Src,
     broadcast_strides,
     coalesce,
+    compute_dtype,
     contiguous_strides,
     element_slots,
     f32_literal,
@@ -213,7 +214,9 @@ def cast_expr(x: str, src: DType, dst: DType) -> str:
     if src.is_floating and dst is DType.u32:
         # NumPy (C, on x86) wraps negative floats through int64; WGSL's u32() would clamp to 0.
         return f"select(u32({x}), u32(i32({x})), {x} < 0.0)"
-    return f"{dst.wgsl}({x})"
+    if dst is DType.f16:
+        return f"f32(f16({x}))"  # rounded to f16, carried in the f32 compute type
+    return f"{compute_dtype(dst).wgsl}({x})"
 
 
 def emit_map(
