@@ -203,6 +203,19 @@ def test_transformer_training_steps_are_bit_identical_with_fusion(gpu_device):
     _assert_same_training(net.graph, params, feeds, gpu_device)
 
 
+def _assert_same_arithmetic(fused, unfused, device, name: str) -> None:
+    """Bit-identical on lavapipe (CI). Other drivers may contract a fused epilogue into the
+    matmul's last FMA, which Vulkan permits (docs/performance.md, Fusion): there, within 4
+    float32 ulps of the output's largest magnitude (the H200 differed by 2 in a silu epilogue).
+    """
+    if "llvmpipe" in device.name.lower():
+        np.testing.assert_array_equal(fused, unfused, err_msg=name)
+        return
+    scale = float(np.max(np.abs(unfused))) if np.size(unfused) else 0.0
+    atol = 4 * float(np.finfo(np.float32).eps) * scale
+    np.testing.assert_allclose(fused, unfused, rtol=0, atol=atol, err_msg=name)
+
+
 def _compare(graph: Graph, feeds: dict, device, kernels: int | None = None) -> None:
     from meganeura.training import compile_for
 
@@ -214,7 +227,7 @@ def _compare(graph: Graph, feeds: dict, device, kernels: int | None = None) -> N
             assert len(prog.dispatches) == kernels
     vals, _, _ = interpret(graph, feeds)
     for name, v in graph.outputs:
-        np.testing.assert_array_equal(outs[True][name], outs[False][name], err_msg=name)
+        _assert_same_arithmetic(outs[True][name], outs[False][name], device, name)
         # the oracle only guards against both sides being wrong alike; sums differ in order
         np.testing.assert_allclose(outs[True][name], vals[v], rtol=1e-5, atol=1e-5)
 
