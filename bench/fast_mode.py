@@ -11,7 +11,7 @@ wall clock of ``--repeats`` back-to-back steps ended by ``Session.synchronize`` 
 reports the fast output's relative error against strict (``max|fast - strict| / max|strict|``
 of the logits / product, or of the first-step loss for training cases).
 
-Usage: python bench/fast_mode.py [--repeats 20] [--warmup 3] [--out results/fast_mode.json]
+Usage: python bench/fast_mode.py [--repeats 20] [--warmup 3] [--out bench/results/precision/fast_mode.json]
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", nargs="*", help="case names to run (default all)")
-    ap.add_argument("--out", default="bench/results/fast_mode.json")
+    ap.add_argument("--out", default="bench/results/precision/fast_mode.json")
     args = ap.parse_args()
     dev = get_device()
     report = {"device": dev.name, "shader_f16": "shader-f16" in dev.features, "cases": {}}
