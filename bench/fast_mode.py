@@ -11,7 +11,8 @@ wall clock of ``--repeats`` back-to-back steps ended by ``Session.synchronize`` 
 reports the fast output's relative error against strict (``max|fast - strict| / max|strict|``
 of the logits / product, or of the first-step loss for training cases).
 
-Usage: python bench/fast_mode.py [--repeats 20] [--warmup 3] [--out bench/results/precision/fast_mode.json]
+Usage: python bench/fast_mode.py [--repeats 20] [--warmup 3]
+       [--out bench/results/precision/fast_mode.json]
 """
 
 from __future__ import annotations
