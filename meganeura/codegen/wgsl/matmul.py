@@ -480,14 +480,7 @@ def lower_matmul(
     kb = KernelBuilder(graph, node, limits)
     total = p.nb * p.m * p.n
     if splits == 1:
-        if epilogue is None:
-            out = kb.write(node_id, "c")
-
-            def store(value: str, flat: str, col: str) -> str:
-                return kb.store(out, flat, value)
-        else:
-            epilogue.bind(kb)
-            store = epilogue.store
+        store = _output_store(kb, node_id, epilogue)
     else:
         part = kb.scratch("splitk", splits * total, DType.f32, "part")
 
@@ -508,6 +501,20 @@ def lower_matmul(
     if splits == 1:
         return [main]
     return [main, _sum_splits(graph, node_id, limits, splits, total, p.n, epilogue)]
+
+
+def _output_store(kb: KernelBuilder, node_id: int, epilogue: Epilogue | None) -> Store:
+    """``store(value, flat, col)`` writing the product's element ``flat`` (column ``col``):
+    straight to the output, or through the fused epilogue (bound to ``kb`` here)."""
+    if epilogue is not None:
+        epilogue.bind(kb)
+        return epilogue.store
+    out = kb.write(node_id, "c")
+
+    def store(value: str, flat: str, col: str) -> str:
+        return kb.store(out, flat, value)
+
+    return store
 
 
 def _splits(want: int, p: Problem, step: int, limits: Limits) -> tuple[int, int]:
@@ -531,14 +538,7 @@ def _sum_splits(
     deterministic result), then is stored (or run through the epilogue)."""
     kb = KernelBuilder(graph, graph[node_id], limits)
     part = kb.scratch("splitk", splits * total, DType.f32, "part")
-    if epilogue is None:
-        out = kb.write(node_id, "c")
-
-        def store(value: str, flat: str, col: str) -> str:
-            return kb.store(out, flat, value)
-    else:
-        epilogue.bind(kb)
-        store = epilogue.store
+    store = _output_store(kb, node_id, epilogue)
     slots, groups, guard = element_slots(total)
     lines = [slots.rstrip()]
     per = PER_THREAD
