@@ -144,37 +144,27 @@ class Raw:
 
 def breakdown(sess, reps: int) -> dict:
     """Median ms of the host phases of ``Session.run``'s step, the device idle before each
-    (Session internals, bench only): on one thread, encoding the dispatches (``record``),
+    (Session internals, bench only): encoding the dispatches (``record``),
     ``GPUCommandEncoder.finish`` (wgpu-core's validation and the driver's command buffer) and
-    ``queue.submit``; and ``encode``, record + finish as the Session does it."""
-    from meganeura.runtime import fastpath
-
-    one = fastpath.Recorder(sess._plan._plan)
-    rows = {"record": [], "finish": [], "submit": [], "encode": []}
+    ``queue.submit``."""
+    rows = {"record": [], "finish": [], "submit": []}
     for _ in range(reps + 2):
         sess.synchronize()
         t0 = time.perf_counter()
         enc = sess._gpu.create_command_encoder()
         cp = enc.begin_compute_pass()
-        one.record(cp)
+        sess._plan.record(cp)
         cp.end()
         t1 = time.perf_counter()
         cb = enc.finish()
         t2 = time.perf_counter()
         sess._queue.submit([cb])
         t3 = time.perf_counter()
-        sess.synchronize()
-        t4 = time.perf_counter()
-        cbs = sess._plan.encode(sess._gpu)
-        t5 = time.perf_counter()
-        sess._queue.submit(cbs)
         rows["record"].append(1e3 * (t1 - t0))
         rows["finish"].append(1e3 * (t2 - t1))
         rows["submit"].append(1e3 * (t3 - t2))
-        rows["encode"].append(1e3 * (t5 - t4))
     sess.synchronize()
-    out = {f"ours_{k}_ms": float(np.median(v[2:])) for k, v in rows.items()}
-    return out
+    return {f"ours_{k}_ms": float(np.median(v[2:])) for k, v in rows.items()}
 
 
 def dispatch_rows(args, device, torch, dev, rec, raw: Raw) -> None:

@@ -114,9 +114,9 @@ class Recorder:
             set_bind_group(cp, 0, bg, 0, null)
             dispatch(cp, x, y, z)
 
-    def encode(self, gpu: wgpu.GPUDevice, tail=None) -> list[wgpu.GPUCommandBuffer]:
-        """The step as a list of one command buffer: one compute pass holding every dispatch,
-        then ``tail(encoder)`` (copies that must follow every dispatch).
+    def encode(self, gpu: wgpu.GPUDevice, tail=None) -> wgpu.GPUCommandBuffer:
+        """The step as one command buffer: one compute pass holding every dispatch, then
+        ``tail(encoder)`` (copies that must follow every dispatch).
 
         Raises:
             wgpu.GPUError: ``finish`` rejected the recording.
@@ -127,7 +127,7 @@ class Recorder:
         cp.end()
         if tail is not None:
             tail(enc)
-        return [enc.finish()]
+        return enc.finish()
 
 
 def write(queue: wgpu.GPUQueue, buffer: wgpu.GPUBuffer, offset: int, data: np.ndarray) -> None:

@@ -197,7 +197,7 @@ class Session:
         for name in fetch:
             self._slot(name, ("output",))
         self._feed(feeds)
-        self._queue.submit(self._record(fetch))
+        self._queue.submit([self._record(fetch)])
         return self._read_staged(fetch)
 
     def _feed(self, feeds: Mapping[str, np.ndarray]) -> None:
@@ -248,7 +248,7 @@ class Session:
 
         return profile_session(self, feeds, repeats=repeats, warmup=warmup, method=method)
 
-    def _record(self, fetch: tuple[str, ...]) -> list[wgpu.GPUCommandBuffer]:
+    def _record(self, fetch: tuple[str, ...]) -> wgpu.GPUCommandBuffer:
         def copy_outputs(enc: wgpu.GPUCommandEncoder) -> None:
             for name in fetch:
                 b = self._bound[name]
