@@ -28,6 +28,7 @@ from .schedule.program import (
     MemoryReport,
     Program,
     TensorSlot,
+    binding_conflict,
 )
 from .schedule.schedule import schedule
 from .schedule.update_groups import arena_roles, arena_value
@@ -291,12 +292,8 @@ ARENA_BUFFER_ROLES = {"param": "parameter", "grad": "gradient"}
 
 
 def _check_disjoint(name: str, spans: list[tuple[int, int, int]], writes, buffers) -> None:
-    """Raise AssertionError when two bindings of one kernel overlap in one buffer, or bind one
-    buffer both read-only and writable (wgpu tracks usage per buffer, not per range)."""
-    ranges = []
-    for (buf, off, size), w in zip(spans, writes, strict=True):
-        end = off + (size or buffers[buf].size - off)
-        for b2, o2, e2, w2 in ranges:
-            if b2 == buf and ((off < e2 and o2 < end) or w != w2):
-                raise AssertionError(f"kernel {name} binds buffer {buf} twice in conflict")
-        ranges.append((buf, off, end, w))
+    """Raise AssertionError when two bindings of one kernel conflict (``binding_conflict``)."""
+    ranges = [(buf, off, off + (size or buffers[buf].size - off)) for buf, off, size in spans]
+    i = binding_conflict(ranges, writes)
+    if i is not None:
+        raise AssertionError(f"kernel {name} binds buffer {ranges[i][0]} twice in conflict")

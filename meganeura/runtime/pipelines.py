@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import wgpu
 
+from ..schedule.program import binding_conflict
+
 if TYPE_CHECKING:
     from ..schedule.program import Dispatch, Program
     from .device import Device
@@ -216,8 +218,8 @@ def check_limits(program: Program, device: Device) -> None:
                 f"{where}: grid {tuple(d.grid)} exceeds this adapter's "
                 f"max_compute_workgroups_per_dimension of {lim_grid} (or is not 3 counts)"
             )
-        seen: list[tuple[int, int, int, bool]] = []  # (buffer, start, end, write)
-        for i, (bid, w) in enumerate(zip(d.bindings, d.writes, strict=True)):
+        ranges: list[tuple[int, int, int]] = []  # (buffer, start, end) per binding
+        for i, bid in enumerate(d.bindings):
             if not 0 <= bid < len(bufs):
                 raise KernelError(f"{where}: binding {i} names buffer {bid}, which does not exist")
             off, size = d.span(i, max(-(-bufs[bid].size // 4) * 4, 4))  # as allocated
@@ -231,13 +233,13 @@ def check_limits(program: Program, device: Device) -> None:
                     f"{where}: binding {i} spans bytes [{off}, {off + size}) of buffer {bid} "
                     f"({bufs[bid].size:,} B); offsets must be multiples of {align}"
                 )
-            for b2, s2, e2, w2 in seen:
-                if b2 == bid and (w or w2) and (s2 < off + size and off < e2 or w != w2):
-                    raise KernelError(
-                        f"{where}: buffer {bid} is bound more than once with write access "
-                        f"(binding {i})"
-                    )
-            seen.append((bid, off, off + size, w))
+            ranges.append((bid, off, off + size))
+        i = binding_conflict(ranges, d.writes)
+        if i is not None:
+            raise KernelError(
+                f"{where}: buffer {d.bindings[i]} is bound more than once with write access "
+                f"(binding {i})"
+            )
 
 
 def find_invalid_dispatch(

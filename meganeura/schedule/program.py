@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -79,6 +80,20 @@ class Dispatch:
         off = self.offsets[i] if self.offsets else 0
         size = self.sizes[i] if self.sizes and self.sizes[i] else buffer_size - off
         return off, size
+
+
+def binding_conflict(ranges: Sequence[tuple[int, int, int]], writes: Sequence[bool]) -> int | None:
+    """The first binding of one dispatch that conflicts with an earlier one, else None.
+
+    ``ranges[i]`` is ``(buffer id, start byte, end byte)`` of binding ``i``. Two bindings of one
+    buffer conflict when their ranges overlap and either is written, or when one is read-only
+    and the other writable even at disjoint ranges: wgpu tracks usage per buffer, not per range.
+    """
+    for i, ((buf, start, end), w) in enumerate(zip(ranges, writes, strict=True)):
+        for (b2, s2, e2), w2 in zip(ranges[:i], writes[:i], strict=True):
+            if b2 == buf and ((w or w2) and s2 < end and start < e2 or w != w2):
+                return i
+    return None
 
 
 @dataclass(frozen=True)
