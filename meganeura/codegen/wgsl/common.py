@@ -324,8 +324,7 @@ class KernelBuilder:
         if is_constant(self.graph, vid) or self.is_bound(vid):
             raise ValueError(f"%{vid} cannot get a vec4 binding: constant or already bound")
         var = self._bind_value(vid, name, write=False)
-        k = len(self._decls) - 1
-        self._decls[k] = (var, f"vec4<{self._decls[k][1]}>")
+        self.vectorize(var)
         return var
 
     def write(self, vid: int, name: str) -> str:
