@@ -104,6 +104,13 @@ def add_args(ap, name: str, repeats: int = 10, warmup: int = 3) -> None:
     ap.add_argument(
         "--warm-seconds", type=float, default=None, help="GPU warm-up before the first case"
     )
+    ap.add_argument(
+        "--runtime-checks",
+        choices=("on", "off"),
+        default=None,
+        help="naga's runtime checks in shader modules (default: the library's, "
+        "meganeura.runtime.pipelines.RUNTIME_CHECKS)",
+    )
     ap.set_defaults(_default_repeats=repeats, _default_warmup=warmup)
 
 
@@ -115,6 +122,10 @@ def resolve_args(args) -> None:
         args.warmup = 1 if args.quick else args._default_warmup
     if args.warm_seconds is None:
         args.warm_seconds = 0.2 if args.quick else 3.0
+    if getattr(args, "runtime_checks", None) is not None:
+        from meganeura.runtime import pipelines
+
+        pipelines.RUNTIME_CHECKS = args.runtime_checks == "on"
 
 
 def stats(times_ms: list[float]) -> dict:

@@ -11,7 +11,7 @@ evenly by the shapes, skips a shape's remaining plans (never the default) once i
 spent; the JSON is rewritten after each shape.
 
 Usage: python bench/matmul_sweep.py [--quick] [--out PATH] [--repeats 5] [--warmup 2]
-                                    [--budget-s 170] [--only CASE ...]
+                                    [--budget-s 170] [--only CASE ...] [--runtime-checks on|off]
 """
 
 from __future__ import annotations
@@ -87,7 +87,13 @@ def main() -> None:
     ap.add_argument("--warm-seconds", type=float, default=None)
     ap.add_argument("--only", nargs="*", default=None, help="case names to run")
     ap.add_argument("--adapter", default=os.environ.get("MEGANEURA_ADAPTER"))
+    ap.add_argument("--runtime-checks", choices=("on", "off"), default=None,
+                    help="naga's runtime checks in shader modules (default: the library's)")
     args = ap.parse_args()
+    if args.runtime_checks is not None:
+        from meganeura.runtime import pipelines
+
+        pipelines.RUNTIME_CHECKS = args.runtime_checks == "on"
     repeats = args.repeats or (2 if args.quick else 5)
     warmup = args.warmup or (1 if args.quick else 2)
     warm_s = args.warm_seconds if args.warm_seconds is not None else (0.0 if args.quick else 2.0)

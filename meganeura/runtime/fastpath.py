@@ -48,6 +48,10 @@ try:  # wgpu-py's cffi handles; private, so everything below has a public fallba
     _MAP_READ = lib.WGPUMapMode_Read
     _MAP_SUCCESS = lib.WGPUMapAsyncStatus_Success
     _ALLOW_PROCESS_EVENTS = lib.WGPUCallbackMode_AllowProcessEvents
+    from wgpu.backends.wgpu_native._api import GPUShaderModule, libf, new_struct_p, to_c_string_view
+
+    _CREATE_TRUSTED = libf.wgpuDeviceCreateShaderModuleTrusted
+    _WGSL_SOURCE = lib.WGPUSType_ShaderSourceWGSL
     AVAILABLE = True
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed wgpu-py
     AVAILABLE = False
@@ -186,6 +190,36 @@ def map_read(device: wgpu.GPUDevice, buffer: wgpu.GPUBuffer, offset: int, size: 
         return bytes(ffi.buffer(ptr, size))
     finally:
         _UNMAP(buf)
+
+
+def create_shader_module(gpu: wgpu.GPUDevice, label: str, wgsl: str, checks: bool):
+    """A shader module from WGSL, with or without the runtime checks naga adds when it
+    translates to the backend's language.
+
+    With ``checks`` (WebGPU's default), every dynamically indexed array and storage access is
+    clamped into bounds and every loop carries a counter that breaks it after 2^64 iterations.
+    Without them (``wgpuDeviceCreateShaderModuleTrusted`` with no ``WGPUShaderRuntimeChecks``),
+    the shader is passed on as written: an out-of-range index is undefined behaviour, as in
+    CUDA. meganeura's kernels are generated for fixed shapes and guard every partial tile, and
+    the op database runs them both ways; see ``PipelineCache.runtime_checks``.
+
+    Raises:
+        wgpu.GPUError: the WGSL fails to parse or validate (as ``create_shader_module``).
+    """
+    if checks or not AVAILABLE:
+        return gpu.create_shader_module(label=label, code=wgsl)
+    source = new_struct_p("WGPUShaderSourceWGSL *", code=to_c_string_view(wgsl))
+    source[0].chain.next = ffi.NULL
+    source[0].chain.sType = _WGSL_SOURCE
+    desc = new_struct_p(
+        "WGPUShaderModuleDescriptor *",
+        nextInChain=ffi.cast("WGPUChainedStruct *", source),
+        label=to_c_string_view(label),
+    )
+    handle = _CREATE_TRUSTED(raw_handle(gpu), desc, 0)  # 0: WGPUShaderRuntimeChecks_None
+    if handle == ffi.NULL:
+        raise RuntimeError(f"shader module {label!r}: creation failed")
+    return GPUShaderModule(label, handle, gpu)
 
 
 def wait_idle(device: wgpu.GPUDevice, fallback) -> None:

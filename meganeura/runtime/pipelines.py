@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import wgpu
 
 from ..schedule.program import binding_conflict
+from .fastpath import create_shader_module
 
 if TYPE_CHECKING:
     from ..schedule.program import Dispatch, Program
@@ -52,6 +53,13 @@ def wgsl_hash(wgsl: str) -> str:
     return hashlib.sha256(wgsl.encode("utf-8")).hexdigest()
 
 
+# naga's runtime checks for new PipelineCaches; see PipelineCache.runtime_checks. Off: every
+# kernel is generated for fixed shapes with explicit guards on partial tiles, the op database
+# runs them in CI, and on the H200 the checks cost 1.46-1.64x in attention and 1-8% in matmul
+# and conv (bench/runtime_checks.py, bench/results/runtime_checks_h200.json).
+RUNTIME_CHECKS = False
+
+
 class PipelineCache:
     """Pipelines and bind group layouts of one ``GPUDevice``.
 
@@ -62,16 +70,21 @@ class PipelineCache:
         shader_seconds: wall time spent in ``create_shader_module`` (WGSL parse + validate).
         pipeline_seconds: wall time spent in ``create_compute_pipeline`` (WGSL -> SPIR-V and the
             driver's pipeline creation).
+        runtime_checks: whether shader modules get naga's runtime checks (index clamping and
+            loop bounding, WebGPU's default); False creates them trusted
+            (``fastpath.create_shader_module``). Read when a pipeline is compiled; pipelines of
+            either kind are cached apart.
     """
 
-    def __init__(self, gpu: wgpu.GPUDevice):
+    def __init__(self, gpu: wgpu.GPUDevice, runtime_checks: bool | None = None):
         self.gpu = gpu
+        self.runtime_checks = RUNTIME_CHECKS if runtime_checks is None else runtime_checks
         self.compiled = 0
         self.hits = 0
         self.shader_seconds = 0.0
         self.pipeline_seconds = 0.0
         self._layouts: dict[tuple[bool, ...], tuple[wgpu.GPUBindGroupLayout, object]] = {}
-        self._pipelines: dict[tuple[str, tuple[bool, ...]], wgpu.GPUComputePipeline] = {}
+        self._pipelines: dict[tuple[str, tuple[bool, ...], bool], wgpu.GPUComputePipeline] = {}
 
     def __len__(self) -> int:
         return len(self._pipelines)
@@ -115,14 +128,15 @@ class PipelineCache:
                 ``writes`` (a binding missing from the layout, or read/write access differing).
         """
         writes = tuple(bool(w) for w in writes)
-        key = (wgsl_hash(wgsl), writes)
+        checks = bool(self.runtime_checks)
+        key = (wgsl_hash(wgsl), writes, checks)
         pipeline = self._pipelines.get(key)
         if pipeline is not None:
             self.hits += 1
             return pipeline
         t0 = time.perf_counter()
         try:
-            module = self.gpu.create_shader_module(label=name, code=wgsl)
+            module = create_shader_module(self.gpu, name, wgsl, checks)
         except wgpu.GPUError as e:
             raise KernelError(f"kernel {name!r}: WGSL failed to compile:\n{e}") from e
         finally:
