@@ -69,6 +69,8 @@ def variants(m: int, k: int, n: int, quick: bool) -> list[str]:
     out = ["128x128x8", "128x128x16", "128x64x16", "64x128x16", "64x64x16"]
     if m * n >= 2048 * 2048:
         out.append("128x128x8/np")  # what prefetch buys
+    if m * n >= 4096 * 1024:  # 16 x 8 outputs per thread, only where tiles stay plentiful
+        out += ["256x128x8", "128x256x8", "256x128x8/np", "128x256x8/np"]
     for t in ("128x128x8", "64x64x16"):
         tiling = mm.TILINGS[t]
         tiles = -(-m // tiling.bm) * -(-n // tiling.bn)

@@ -19,6 +19,7 @@ import argparse
 import os
 import statistics
 import sys
+from functools import partial
 
 import numpy as np
 
@@ -51,7 +52,8 @@ CONVS = [c for c in conv.LAYERS if c[0] in ("stem_7x7s2", "l1_3x3_64", "l2_3x3s2
 
 
 def measure(device, build, params, args):
-    """{checks: (median ms, outputs)} for one graph built both ways, profiled alternately."""
+    """({checks: median ms}, rel diff of outputs) for one graph (``build()``) compiled both
+    ways and profiled alternately."""
     from meganeura.training import compile_for
 
     sessions, outs, times = {}, {}, {True: [], False: []}
@@ -72,6 +74,24 @@ def measure(device, build, params, args):
             sess.close()
     diff = max(rel_err(outs[False][k], outs[True][k]) for k in outs[True])
     return {c: statistics.median(t) for c, t in times.items()}, diff
+
+
+def graph_of(m, k, n, layout):
+    return matmul.build(m, k, n, layout)[0]
+
+
+def torch_sdpa(torch, tt, causal, gqa, backward):
+    o = torch.nn.functional.scaled_dot_product_attention(
+        tt["q"], tt["k"], tt["v"], is_causal=causal, enable_gqa=gqa
+    )
+    if backward:
+        torch.autograd.grad(o, (tt["q"], tt["k"], tt["v"]), tt["go"])
+    return o
+
+
+def torch_conv(torch, x, w, gy, stride, padding):
+    y = torch.nn.functional.conv2d(x, w, stride=stride, padding=padding)
+    torch.autograd.grad(y, (x, w), gy)
 
 
 def add(rec, case, shape, t, diff, theirs):
@@ -110,14 +130,11 @@ def main() -> None:
         graph, a_shape, b_shape = matmul.build(m, k, n, layout)
         a = rng.standard_normal(a_shape, dtype=np.float32)
         b = rng.standard_normal(b_shape, dtype=np.float32) / np.float32(np.sqrt(k))
-        t, diff = measure(
-            device, lambda: matmul.build(m, k, n, layout)[0], {"a": a, "b": b}, args
-        )
+        t, diff = measure(device, partial(graph_of, m, k, n, layout), {"a": a, "b": b}, args)
         ta, tb = torch.from_numpy(a).to(dev), torch.from_numpy(b).to(dev)
         theirs = time_torch(matmul.torch_fn(torch, ta, tb, layout), dev, args.warmup, args.repeats)
         add(rec, f"{case}_{layout}", f"{layout} M={m} K={k} N={n}", t, diff, theirs["median"])
 
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     for name, b, hq, hkv, lq, lk, d, causal in ATTENTION:
         if args.quick:
             lq = lk = min(lq, 96)
@@ -127,23 +144,24 @@ def main() -> None:
             "v": rng.standard_normal((b, hkv, lk, d), dtype=np.float32),
             "go": rng.standard_normal((b, hq, lq, d), dtype=np.float32),
         }
-        tt = {n_: torch.from_numpy(x).to(dev).requires_grad_(n_ != "go") for n_, x in arrays.items()}
+        tt = {
+            n_: torch.from_numpy(x).to(dev).requires_grad_(n_ != "go") for n_, x in arrays.items()
+        }
         shape = f"B{b} Hq{hq} Hkv{hkv} Lq{lq} Lk{lk} D{d}{' causal' if causal else ''}"
         for backward in (False, True):
             t, diff = measure(
                 device,
-                lambda backward=backward: attention.build(b, hq, hkv, lq, lk, d, causal, backward),
+                partial(attention.build, b, hq, hkv, lq, lk, d, causal, backward),
                 arrays if backward else {n_: arrays[n_] for n_ in ("q", "k", "v")},
                 args,
             )
 
-            def t_fn(backward=backward):
-                o = sdpa(tt["q"], tt["k"], tt["v"], is_causal=causal, enable_gqa=hq != hkv)
-                if backward:
-                    torch.autograd.grad(o, (tt["q"], tt["k"], tt["v"]), tt["go"])
-                return o
-
-            theirs = time_torch(t_fn, dev, args.warmup, args.repeats)
+            theirs = time_torch(
+                partial(torch_sdpa, torch, tt, causal, hq != hkv, backward),
+                dev,
+                args.warmup,
+                args.repeats,
+            )
             part = "fwd_bwd" if backward else "fwd"
             add(rec, f"attention_{name}_{part}", shape, t, diff, theirs["median"])
 
@@ -157,18 +175,22 @@ def main() -> None:
             "w": rng.standard_normal((oc, c, k, k), dtype=np.float32) / np.float32(c * k * k),
             "gy": rng.standard_normal((n, oc, oh, oh), dtype=np.float32),
         }
-        t, diff = measure(device, lambda: conv.build(n, c, oc, k, s, h), params, args)
+        t, diff = measure(device, partial(conv.build, n, c, oc, k, s, h), params, args)
         tx, tw, tgy = (torch.from_numpy(params[x]).to(dev) for x in ("x", "w", "gy"))
         tx.requires_grad_(True)
         tw.requires_grad_(True)
 
-        def t_conv():
-            y = torch.nn.functional.conv2d(tx, tw, stride=s, padding=k // 2)
-            torch.autograd.grad(y, (tx, tw), tgy)
-
-        theirs = time_torch(t_conv, dev, args.warmup, args.repeats)
-        add(rec, f"conv_{name}_fwd_bwd", f"N{n} C{c} H{h} OC{oc} {k}x{k}/{s}", t, diff,
-            theirs["median"])
+        theirs = time_torch(
+            partial(torch_conv, torch, tx, tw, tgy, s, k // 2), dev, args.warmup, args.repeats
+        )
+        add(
+            rec,
+            f"conv_{name}_fwd_bwd",
+            f"N{n} C{c} H{h} OC{oc} {k}x{k}/{s}",
+            t,
+            diff,
+            theirs["median"],
+        )
     rec.finish()
 
 

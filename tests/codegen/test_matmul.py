@@ -26,6 +26,7 @@ pytestmark = pytest.mark.gpu
 rng = np.random.default_rng(99)
 
 TILED = ["64x64x16", "128x128x8", "128x64x16", "64x128x16", "128x128x8/np", "64x64x16/s3"]
+TILED += ["256x128x8", "128x256x8/np"]
 
 
 def _randn(*shape):
@@ -98,7 +99,7 @@ def test_default_plans_match_float64():
 
 
 def test_heuristic():
-    assert heuristic_plan(4096, 4096, 4096) == Plan("tiled", LARGE, prefetch=False)
+    assert heuristic_plan(4096, 4096, 4096) == Plan("tiled", LARGE)
     assert heuristic_plan(128, 576, 576).splits == 4  # few tiles, K split in 4 (swept)
     assert heuristic_plan(1024, 1024, 1024) == Plan("tiled", SMALL)  # 256 tiles (measured)
     assert heuristic_plan(1500, 384, 1536).tiling.name == "128x64x16"

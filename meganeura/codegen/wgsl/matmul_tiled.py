@@ -145,6 +145,14 @@ class _Stage:
         return lines
 
 
+# Benchmark-only ablations (``bench/matmul_ablation.py``), to place time inside the kernel by
+# difference, since Vulkan kernels cannot be read by NVIDIA's hardware profiler: "no_global"
+# skips the global loads and workgroup stores (the K loop multiplies whatever the tiles
+# hold), "no_shared" also reads each thread's operands once before the loop, leaving the
+# unrolled FMAs and the loop itself. Results are wrong by design; never set outside a bench.
+ABLATE: list[str] = []
+
+
 def emit_tiled(
     kb: KernelBuilder, p: Problem, plan: Plan, splits: int, chunk: int, store: Store
 ) -> tuple[str, str, int]:
@@ -186,10 +194,21 @@ def emit_tiled(
     acc = [(g, i, h) for g in range(t.tm // 4) for i in range(4) for h in range(t.tn // 4)]
     lines += [f"  var acc{g}{i}{h} = vec4<f32>(0.0);" for g, i, h in acc]
 
+    ablate = ABLATE[0] if ABLATE else ""
+    if ablate == "no_shared":
+        lines += [f"  let ra{g} = As[{u(g * THREADS)} + ty];" for g in range(t.tm // 4)]
+        lines += [f"  let rb{h} = Bs[{u(h * THREADS)} + tx];" for h in range(t.tn // 4)]
+
     def multiply(cur_a: str, cur_b: str) -> list[str]:
         out = []
         for kk in range(t.bk):
             out.append("    {")
+            if ablate == "no_shared":
+                out += [f"      let a{g} = ra{g};" for g in range(t.tm // 4)]
+                out += [f"      let b{h} = rb{h};" for h in range(t.tn // 4)]
+                out += [f"      acc{g}{i}{h} += a{g}.{'xyzw'[i]} * b{h};" for g, i, h in acc]
+                out.append("    }")
+                continue
             out += [
                 f"      let a{g} = As[{cur_a}{u(kk * sa.row4 + g * THREADS)} + ty];"
                 for g in range(t.tm // 4)
@@ -203,7 +222,7 @@ def emit_tiled(
         return out
 
     step = f"k0 = k0 + {u(t.bk)}"
-    if plan.prefetch:
+    if plan.prefetch and not ablate:
         lines += sa.fetch("k_begin", False) + sb.fetch("k_begin", False)
         lines += sa.stash("") + sb.stash("")
         lines += ["  workgroupBarrier();", "  var par = 0u;"]
@@ -221,6 +240,12 @@ def emit_tiled(
         lines += sa.stash(f"{u(sa.size)} - cur_a + ") + sb.stash(f"{u(sb.size)} - cur_b + ")
         lines += ["    }", "    workgroupBarrier();", "    par = 1u - par;", "  }"]
         buffers = 2
+    elif ablate:
+        lines.append(f"  for (var k0 = k_begin; k0 < k_end; {step}) {{")
+        lines.append("    workgroupBarrier();")
+        lines += multiply("", "")
+        lines += ["    workgroupBarrier();", "  }"]
+        buffers = 1
     else:
         lines.append(f"  for (var k0 = k_begin; k0 < k_end; {step}) {{")
         lines += sa.fetch("k0", True) + sb.fetch("k0", True)
