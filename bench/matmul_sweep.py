@@ -75,7 +75,9 @@ def variants(m: int, k: int, n: int, quick: bool) -> list[str]:
         tiling = mm.TILINGS[t]
         tiles = -(-m // tiling.bm) * -(-n // tiling.bn)
         if tiles < 2 * mm.SMS:
-            out += [f"{t}/s{s}" for s in (2, 4, 8, 16) if k // s >= 128]
+            # short chunks (down to 32 of K) too: a small product is a latency chain of K steps
+            least = 32 if t == "64x64x16" else 128
+            out += [f"{t}/s{s}" for s in (2, 4, 8, 16, 32) if k // s >= least]
     return out[:3] if quick else out
 
 
