@@ -71,12 +71,15 @@ def variants(m: int, k: int, n: int, quick: bool) -> list[str]:
         out.append("128x128x8/np")  # what prefetch buys
     if m * n >= 4096 * 1024:  # 16 x 8 outputs per thread, only where tiles stay plentiful
         out += ["256x128x8", "128x256x8", "256x128x8/np", "128x256x8/np"]
-    for t in ("128x128x8", "64x64x16"):
+    small = -(-m // 64) * -(-n // 64) < 2 * mm.SMS
+    if small:  # longer K steps: more loads in flight per step of the chain
+        out += ["64x64x32", "64x64x64/np"]
+    for t in ("128x128x8", "64x64x16", "64x64x32"):
         tiling = mm.TILINGS[t]
         tiles = -(-m // tiling.bm) * -(-n // tiling.bn)
         if tiles < 2 * mm.SMS:
             # short chunks (down to 32 of K) too: a small product is a latency chain of K steps
-            least = 32 if t == "64x64x16" else 128
+            least = 128 if t == "128x128x8" else 2 * tiling.bk
             out += [f"{t}/s{s}" for s in (2, 4, 8, 16, 32) if k // s >= least]
     return out[:3] if quick else out
 

@@ -20,13 +20,13 @@ from meganeura.codegen.wgsl.matmul import (
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
-from .harness import check, lower_all, run
+from .harness import check, device_limits, lower_all, run
 
 pytestmark = pytest.mark.gpu
 rng = np.random.default_rng(99)
 
 TILED = ["64x64x16", "128x128x8", "128x64x16", "64x128x16", "128x128x8/np", "64x64x16/s3"]
-TILED += ["256x128x8", "128x256x8/np"]
+TILED += ["256x128x8", "128x256x8/np", "64x64x32/s2/np", "64x64x32/np"]
 
 
 def _randn(*shape):
@@ -87,6 +87,30 @@ def test_batched_plans(plan):
     for layout in ("nn", "tt"):
         graph, inputs, want, y = _product(m, 300, 36, layout, batch=(3,))
         _assert_close(run(graph, inputs).values[y], want, 300)
+
+
+def test_64_deep_k_steps_where_they_fit():
+    """64x64x64 needs 33 KiB without prefetch: run it where the adapter allows, and check
+    choose_plan falls back to a tile that fits where it does not (lavapipe: 32 KiB)."""
+    limits = device_limits()
+    need = matmul.tiled_shared_bytes(matmul.TILINGS["64x64x64"], prefetch=False)
+    if need > limits.max_workgroup_storage_size:
+        force_plan(None)
+        matmul.TUNED[(36, 520, 68, "nt")] = "64x64x64"
+        try:
+            plan = matmul.choose_plan(36, 520, 68, 1, "nt", limits)
+        finally:
+            del matmul.TUNED[(36, 520, 68, "nt")]
+        assert matmul.tiled_shared_bytes(plan.tiling, plan.prefetch) <= need
+        assert plan.tiling.name == "64x64x16" and not plan.prefetch
+        return
+    force_plan("64x64x64/np")
+    try:
+        for layout in ("nn", "nt", "tn", "tt"):
+            graph, inputs, want, y = _product(36, 520, 68, layout)
+            _assert_close(run(graph, inputs).values[y], want, 520)
+    finally:
+        force_plan(None)
 
 
 def test_default_plans_match_float64():

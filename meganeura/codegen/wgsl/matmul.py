@@ -79,7 +79,8 @@ LARGE = Tiling(8, 8, 8)
 # Each operand tile is a whole number of 256-thread vec4 loads: bk * bm and bk * bn are
 # multiples of 1024.
 # 256x128 and 128x256 (16 x 8 outputs per thread, 128 accumulators) are for very large
-# products; see TUNED for where they won.
+# products; 64x64 with K steps of 32 or 64 keeps more loads in flight per step, for small
+# products whose time is a chain of K steps; see TUNED for where each won.
 TILINGS = {
     t.name: t
     for t in (
@@ -90,6 +91,8 @@ TILINGS = {
         SMALL,
         Tiling(16, 8, 8),
         Tiling(8, 16, 8),
+        Tiling(4, 4, 32),
+        Tiling(4, 4, 64),
     )
 }
 
