@@ -156,22 +156,22 @@ def parse_plan(name: str) -> Plan:
 # with prefetch became the best large plan (1.06-1.36x over /np), now the heuristic's.
 TUNED: dict[tuple[int, int, int, str], str] = {
     (512, 4096, 512, "nn"): "128x128x8/s8",  # long_k x1.15
-    (128, 576, 576, "nt"): "64x64x16/s4",  # smollm2_q_o x1.40
-    (128, 576, 192, "nt"): "64x64x16/s4",  # smollm2_k_v x1.42
+    (128, 576, 576, "nt"): "64x64x16/s8",  # smollm2_q_o x1.04 (re-swept)
+    (128, 576, 192, "nt"): "64x64x16/s8",  # smollm2_k_v x1.11 (re-swept)
     (128, 576, 1536, "nt"): "64x64x16/s4",  # smollm2_gate_up x1.11
     (1, 576, 192, "nt"): "gemv16",  # smollm2_dec_k_v x1.09
     (1, 576, 49152, "nt"): "gemv16",  # smollm2_dec_head x1.04
-    (50, 720, 960, "nt"): "64x64x16/s4",  # smolvla_q x1.67
-    (50, 720, 320, "nt"): "64x64x16/s4",  # smolvla_k_v x1.77
-    (50, 960, 720, "nt"): "64x64x16/s4",  # smolvla_o x1.95
-    (50, 720, 2048, "nt"): "64x64x16/s4",  # smolvla_gate_up x1.70
+    (50, 720, 960, "nt"): "64x64x32/s8",  # smolvla_q x1.21 (re-swept)
+    (50, 720, 320, "nt"): "64x64x32/s8",  # smolvla_k_v x1.21 (re-swept)
+    (50, 960, 720, "nt"): "64x64x16/s8",  # smolvla_o x1.22 (re-swept)
+    (50, 720, 2048, "nt"): "64x64x16/s8",  # smolvla_gate_up x1.08 (re-swept)
     (50, 2048, 720, "nt"): "64x64x16/s16",  # smolvla_down x1.06
-    (16, 320, 320, "nt"): "64x64x16/s2",  # smolvla_cross_kv x1.03
-    (50, 720, 32, "nt"): "64x64x16/s4",  # smolvla_action_out x1.75
+    (16, 320, 320, "nt"): "64x64x16/s8",  # smolvla_cross_kv x1.21 (re-swept)
+    (50, 720, 32, "nt"): "64x64x16/s8",  # smolvla_action_out x1.21 (re-swept)
     (1500, 384, 1152, "nt"): "128x128x16",  # whisper_qkv_fused x1.12
     (1500, 384, 1536, "nt"): "64x64x16",  # whisper_fc1 x1.17
     (1500, 1536, 384, "nt"): "64x64x16/s8",  # whisper_fc2 x1.29
-    (1500, 384, 64, "nt"): "64x64x16/s2",  # whisper_train_head x1.09
+    (1500, 384, 64, "nt"): "64x64x16/s8",  # whisper_train_head x1.25 (re-swept)
     (384, 1500, 1536, "tn"): "64x64x16/s8",  # whisper_dw_fc1 x1.46
 }
 
