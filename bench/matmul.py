@@ -23,6 +23,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 
 import numpy as np
 
@@ -125,7 +126,10 @@ def run_case(args, device, dev, torch, rec, case, m, k, n, layout, origin, call:
     sess.load_state_dict({"a": a, "b": b})
     try:
         ours_y = sess.run({}, fetch=("y",))["y"]
-        ours = profile_ms(sess, {}, args.warmup, args.repeats)["all"]
+        names = [d.name for d in program.dispatches]
+        groups = {n: partial(str.__eq__, n) for n in names}
+        prof = profile_ms(sess, {}, args.warmup, args.repeats, groups)
+        ours = prof["all"]
         ta, tb = torch.from_numpy(a).to(dev), torch.from_numpy(b).to(dev)
         fn = torch_fn(torch, ta, tb, layout)
         err = rel_err(ours_y, to_numpy(fn()))
@@ -140,6 +144,7 @@ def run_case(args, device, dev, torch, rec, case, m, k, n, layout, origin, call:
             "torch_min_ms": theirs["min"],
             "rel_err": err,
             "dispatches": len(program.dispatches),
+            "ours_dispatch_ms": {n: prof[n]["median"] for n in names},
             "compile_s": round(compile_s, 3),
         }
         rec.add(
