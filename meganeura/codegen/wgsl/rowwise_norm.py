@@ -51,6 +51,11 @@ Index = Callable[[str], str]  # unit index expression -> channel index expressio
 
 
 def kind_of(op: str) -> str:
+    """The norm an op belongs to (``group_norm_backward`` -> ``group_norm``).
+
+    Raises:
+        KeyError: for an op of no norm.
+    """
     for kind in ("layer_norm", "rms_norm", "group_norm", "batch_norm"):
         if op.startswith(kind):
             return kind
