@@ -8,6 +8,12 @@ Cases (f32; bytes = what an ideal kernel reads + writes once):
   softmax      rows of 1500 (Whisper scores) and 49152 (SmolLM2 logits)  8 B / element
   layer_norm   rows of 384 (Whisper), weight and bias                  8 B / element
   rms_norm     rows of 576 (SmolLM2), weight, eps 1e-5                 8 B / element
+  group_norm   x [N, C, H, W], G groups, weight and bias: U-Net [4, 128, 64, 64] G32, ResNet
+               [32, 256, 14, 14] G32 and a chunked one (groups of 2^17 elements, more than
+               the teams hold in registers) [2, 256, 64, 64] G8        8 B / element
+  group_norm_fb  the same forward plus the backward ops autodiff emits (dx, dweight, dbias)
+               for an upstream gradient g, vs torch forward + autograd.grad; bytes of an
+               ideal pair of kernels: x read, y written; x, g read, dx written  20 B / element
   embedding    SmolLM2 table [49152, 576], 65536 i32 ids        8 B / output element + ids
   adam         Adam update of one big parameter (p, g, m, v read; p, m, v written)
                vs torch.optim.Adam(fused=True)                        28 B / element
@@ -22,7 +28,10 @@ switches flipped, suffixing the case name with @variant, to compare them with th
   vpt1/vpt2/vpt8  vec4s per thread (vector.VEC_PER_THREAD; default 4)
   tree            team reductions through workgroup memory, no subgroups (rowwise.USE_SUBGROUPS)
   units2/units8   units per thread the team size aims at (rowwise.TARGET_UNITS; default 4)
-  general         the general row kernels instead of the team kernels (rowwise.MAX_UNITS = 0)
+  general         the general row kernels instead of the team kernels (rowwise.MAX_UNITS = 0,
+                  CHUNKED = False)
+  chunked         norms walk their rows in chunks whenever a thread would hold more than one
+                  unit (rowwise.MAX_UNITS = 1); softmax then takes the general kernels
 
 Usage: python bench/bandwidth.py [--quick] [--repeats 10] [--out-name bandwidth] [--variants all]
 """
@@ -64,7 +73,8 @@ VARIANTS = {
     "tree": [("rowwise", "USE_SUBGROUPS", False)],
     "units2": [("rowwise", "TARGET_UNITS", 2)],
     "units8": [("rowwise", "TARGET_UNITS", 8)],
-    "general": [("rowwise", "MAX_UNITS", 0)],
+    "general": [("rowwise", "MAX_UNITS", 0), ("rowwise", "CHUNKED", False)],
+    "chunked": [("rowwise", "MAX_UNITS", 1)],
 }
 
 
@@ -289,6 +299,67 @@ def main() -> None:
             shape=[rows, width],
         )
 
+    def group_norm_case(name, shape, groups, backward):
+        c = shape[1]
+        x, up = _data(shape, 14), _data(shape, 15)
+        w, bias = 1.0 + 0.1 * _data((c,), 16), 0.1 * _data((c,), 17)
+        params = {"x": x, "w": w, "b": bias, **({"up": up} if backward else {})}
+        numel = int(np.prod(shape))
+
+        def build():
+            g = mn.GraphBuilder()
+            xs = g.parameter("x", shape)
+            ws, bs = g.parameter("w", (c,)), g.parameter("b", (c,))
+            y = F.group_norm(xs, groups, ws, bs, eps=1e-5)
+            if not backward:
+                g.output("y", y)
+                return g.build()
+            # The backward ops autodiff emits for group_norm (ops/norm.py's gradient rule).
+            gy = g.parameter("up", shape)
+            attrs = {"num_groups": groups, "eps": 1e-5}
+            g.output("fwd", y)
+            g.output("y", g.add("group_norm_backward", [xs, ws, gy], attrs))
+            g.output("dw", g.add("group_norm_weight_backward", [xs, gy], attrs))
+            g.output("db", F.sum(gy, (0, *range(2, len(shape)))))
+            return g.build()
+
+        tx, tup = torch.from_numpy(x).to(dev), torch.from_numpy(up).to(dev)
+        tw, tb = torch.from_numpy(w).to(dev), torch.from_numpy(bias).to(dev)
+
+        def torch_fn():
+            if not backward:
+                return tF.group_norm(tx, groups, tw, tb, eps=1e-5)
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_(True) for t in (tx, tw, tb)]
+                y = tF.group_norm(leaves[0], groups, leaves[1], leaves[2], eps=1e-5)
+                return torch.autograd.grad(y, leaves, tup)[0]
+
+        def check_all(sess) -> float:
+            # Every output against torch: y (or dx), and with the backward dweight and dbias.
+            if not backward:
+                return rel_err(sess.run({}, fetch=("y",))["y"], to_numpy(torch_fn()))
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_(True) for t in (tx, tw, tb)]
+                y = tF.group_norm(leaves[0], groups, leaves[1], leaves[2], eps=1e-5)
+                want = dict(zip(("y", "dw", "db"), torch.autograd.grad(y, leaves, tup)))
+            got = sess.run({}, fetch=tuple(want))
+            return max(rel_err(got[k], to_numpy(want[k])) for k in want)
+
+        case(name, build, params, {}, torch_fn, (20 if backward else 8) * numel,
+             ref_out=check_all, shape=list(shape), groups=groups)  # fmt: skip
+
+    def group_norm_cases(suffix=""):
+        if args.quick:
+            shapes = (("unet", (1, 32, 32, 32), 8), ("resnet", (2, 64, 7, 7), 32),
+                      ("chunked", (1, 80, 30, 30), 1))  # fmt: skip
+        else:
+            shapes = (("unet", (4, 128, 64, 64), 32), ("resnet", (32, 256, 14, 14), 32),
+                      ("chunked", (2, 256, 64, 64), 8))  # fmt: skip
+        for label, shape, groups in shapes:
+            for backward in (False, True):
+                kind = "group_norm_fb" if backward else "group_norm"
+                group_norm_case(f"{kind}_{label}{suffix}", shape, groups, backward)
+
     def all_rows_cases(suffix=""):
         x_sum = _data((n,), 13)
         tx_sum = torch.from_numpy(x_sum).to(dev)
@@ -327,6 +398,7 @@ def main() -> None:
             lambda x, w: tF.rms_norm(x, (576,), w, eps=1e-5),
             "w",
         )
+        group_norm_cases(suffix)
 
     all_rows_cases()
 

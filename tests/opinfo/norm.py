@@ -4,7 +4,11 @@ Invariants of the samples: normalized sizes 1, 3, 7, 257 and 1000 for the row no
 with one group, with one group per channel and with N = 1; batch_norm with N = 1 and spatial
 positions, with [N, C] inputs, and with a channel of exactly 2 values; plain (no weight/bias)
 forms; one input with a large common offset (|mean| >> std) that an E[x^2] - E[x]^2 variance
-would get wrong. Samples stay small (< 1e4 elements) so the whole family runs in seconds.
+would get wrong. Samples stay small (< 1e4 elements) so the whole family runs in seconds, except
+the long groups of the row archetype (``codegen/wgsl/rowwise_norm.py``): a group of 32
+channels x 32x32 held in registers, and groups of more than 65536 elements (more than 16 units
+per thread of a 1024-thread team) walked in chunks, in vec4 and in scalar units with ragged
+last chunks (group_norm ``chunked_*``, batch_norm ``chunked``).
 
 batch_norm in training mode creates its running statistics as ``state`` leaves inside the
 entry function; their update is checked against torch in ``tests/codegen/test_norm.py``.
@@ -74,7 +78,10 @@ def _layer_norm_ref(x, ns, w=None, b=None, eps=1e-5):
 # ---- group_norm / batch_norm ------------------------------------------------------------------
 def _group_norm_samples(rng):
     cases = [((2, 6, 5), 3, "g3"), ((2, 4, 3, 3), 1, "one_group"), ((2, 4, 7), 4, "g_eq_c"),
-             ((1, 6, 9), 2, "n1"), ((3, 8, 2, 2), 4, "4d"), ((2, 6), 2, "no_spatial")]  # fmt: skip
+             ((1, 6, 9), 2, "n1"), ((3, 8, 2, 2), 4, "4d"), ((2, 6), 2, "no_spatial"),
+             ((4, 32, 7, 7), 8, "resnet_ragged"), ((1, 32, 32, 32), 1, "long_32x32x32"),
+             ((1, 80, 30, 30), 1, "chunked_vec4"),
+             ((1, 33, 47, 47), 3, "chunked_scalar")]  # fmt: skip
     out = []
     for shape, g, name in cases:
         w, b = _affine(rng, (shape[1],))
@@ -87,7 +94,8 @@ def _group_norm_samples(rng):
 
 def _bn_cases():
     return [((4, 3), "nc"), ((1, 3, 5, 5), "n1_spatial"), ((3, 2, 7), "ncl"),
-            ((2, 5, 3, 3), "nchw"), ((3, 1, 1), "three_values"), ((8, 4, 33), "long")]  # fmt: skip
+            ((2, 5, 3, 3), "nchw"), ((3, 1, 1), "three_values"), ((8, 4, 33), "long"),
+            ((3, 4, 5, 7), "ragged_segments"), ((2, 2, 180, 190), "chunked")]  # fmt: skip
 
 
 def _batch_norm_train_samples(rng):

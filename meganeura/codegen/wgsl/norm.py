@@ -2,18 +2,21 @@
 their backward ops and the running-statistics update), plus dropout and the loss kernels of
 ``loss.py`` (their ``LOWERINGS`` entries live in this table).
 
-layer_norm and rms_norm forward and input gradient use the team kernels of ``rowwise`` (row in
-registers, vec4 loads, subgroup reductions) when a row fits; otherwise, and for the others,
-every norm kernel walks the index maps of ``norm_layout`` and schedules its sequences with
-``rows.plan_rows``: one workgroup per long contiguous group, 32 neighbouring groups per
-workgroup when a group is strided, one thread per group below 64 elements. Statistics are f32
-and two-pass over ``x - shift`` (shift = the group's first element, so a large common offset
-cancels exactly): the group sum (blocked partial sums, then a pairwise tree) gives the mean, a
-second pass sums squared deviations (rms_norm: squares, no shift); ``rstd =
-inverseSqrt(var + eps)``. Backward kernels recompute the statistics from x (the group is read
-again, usually from cache) rather than saving them; the weight gradient first writes (shift,
-mean, rstd) per group to scratch, then sums ``g * xhat`` over each channel. batch_norm in eval
-mode is one elementwise map with the running statistics.
+Every norm kernel is first asked of the row archetype (``rowwise_norm``: one team per group,
+vec4 loads, subgroup reductions, the group in registers or walked in chunks). What it declines
+is lowered here by the general kernels: constant inputs, batch_norm channels and group_norm
+weight-gradient channel sums whose contiguous runs are shorter than ``rowwise_norm.MIN_SEG``
+(batch_norm of [N, C], say), and the channel sums of layer_norm / rms_norm weight gradients
+(one strided column per weight element). These walk the index maps of ``norm_layout`` and
+schedule their sequences with ``rows.plan_rows``: one workgroup per long contiguous group, 32
+neighbouring groups per workgroup when a group is strided, one thread per group below 64
+elements. Statistics are f32 and two-pass over ``x - shift`` (shift = the group's first
+element, so a large common offset cancels exactly): the group sum (blocked partial sums, then
+a pairwise tree) gives the mean, a second pass sums squared deviations (rms_norm: squares, no
+shift); ``rstd = inverseSqrt(var + eps)``. Backward kernels recompute the statistics from x
+(the group is read again, usually from cache) rather than saving them; the weight gradient
+first writes (shift, mean, rstd) per group to scratch, then sums ``g * xhat`` over each
+channel. batch_norm in eval mode is one elementwise map with the running statistics.
 """
 
 from __future__ import annotations
@@ -27,19 +30,17 @@ from .elementwise import emit_map, lower_fill
 from .loss import lower_bce_with_logits, lower_dropout
 from .norm_layout import Layout, channel_layout, group_layout
 from .rows import RowPlan, for_each, plan_rows, shared_decl, strided_loop, thread_coords, tree
-from .rowwise import lower_norm_backward_rows, lower_norm_rows
+from .rowwise_norm import (
+    kind_of,
+    lower_norm_backward_team,
+    lower_norm_team,
+    stats_team,
+    update_stats_team,
+    weight_backward_team,
+)
 
-# Norms whose groups are contiguous rows weighted by position: the team kernels of ``rowwise``.
-_ROWWISE = ("layer_norm", "rms_norm")
 _ADD = lambda a, b: f"{a} + {b}"  # noqa: E731
 _ZERO2 = "vec2<f32>(0.0, 0.0)"
-
-
-def _kind(op: str) -> str:
-    for kind in ("layer_norm", "rms_norm", "group_norm", "batch_norm"):
-        if op.startswith(kind):
-            return kind
-    raise KeyError(op)
 
 
 def _plan(lay: Layout) -> RowPlan:
@@ -82,14 +83,13 @@ _SQ = "fn sq(v: f32) -> f32 { return v * v; }\n"
 def lower_norm(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
     """layer_norm / rms_norm / group_norm / batch_norm (training): one kernel per group."""
     node = graph[node_id]
-    kind = _kind(node.op)
+    kind = kind_of(node.op)
     if kind == "batch_norm" and not node.attr("training"):
         return _lower_batch_norm_eval(graph, node_id, limits)
+    ks = lower_norm_team(graph, node_id, limits)
+    if ks is not None:
+        return ks
     lay = group_layout(node.type.shape, kind, node.attr_dict)
-    if kind in _ROWWISE:
-        ks = lower_norm_rows(graph, node_id, limits, lay.count, lay.length)
-        if ks is not None:
-            return ks
     plan = _plan(lay)
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(node.inputs[0], "x")
@@ -113,17 +113,16 @@ def lower_norm(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]
 def lower_norm_backward(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
     """``dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat))`` per group, ``gw = g * w``."""
     node = graph[node_id]
-    kind = _kind(node.op)
+    kind = kind_of(node.op)
     rms = kind == "rms_norm"
     lay = group_layout(node.type.shape, kind, node.attr_dict)
     if lay.length == 1 and not rms:
         # A one-element group normalizes to 0 whatever x is: dx is exactly 0. Computing it
         # as gw - mean(gw) leaves FMA rounding times rstd = 1/sqrt(eps) on some GPUs.
         return lower_fill(graph, node_id, limits, 0.0)
-    if kind in _ROWWISE:
-        ks = lower_norm_backward_rows(graph, node_id, limits, lay.count, lay.length)
-        if ks is not None:
-            return ks
+    ks = lower_norm_backward_team(graph, node_id, limits)
+    if ks is not None:
+        return ks
     plan = _plan(lay)
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(node.inputs[0], "x")
@@ -165,18 +164,12 @@ def lower_norm_backward(graph: Graph, node_id: int, limits: Limits) -> list[Kern
     return [kb.finish("", body, plan.size, groups, helpers, 14 * n, 3 * node.type.nbytes)]
 
 
-def lower_norm_weight_backward(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
-    """``dweight[c] = sum g * xhat`` over channel c: (mean, rstd) per group into scratch, then
-    one reduction per channel."""
+def _stats_kernel(graph: Graph, node_id: int, limits: Limits) -> KernelSource:
+    """(shift, mean, rstd) per group into scratch ``stats``, with the rows kernels."""
     node = graph[node_id]
-    kind = _kind(node.op)
-    x_id, g_id = node.inputs
-    shape = graph[x_id].type.shape
-    lay = group_layout(shape, kind, node.attr_dict)
-    chan = channel_layout(shape, kind, node.attr_dict)
-    if chan.length == 0 or lay.length == 0:
-        return lower_fill(graph, node_id, limits, 0.0)
-
+    kind = kind_of(node.op)
+    x_id = node.inputs[0]
+    lay = group_layout(graph[x_id].type.shape, kind, node.attr_dict)
     plan = _plan(lay)
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(x_id, "x")
@@ -188,7 +181,24 @@ def lower_norm_weight_backward(graph: Graph, node_id: int, limits: Limits) -> li
         f"    {st}[3u * row + 1u] = mean;\n    {st}[3u * row + 2u] = rstd;\n  }}\n"
     )
     helpers = shared_decl(plan, "red", "f32") + _SQ + lay.helpers("g")
-    stats_k = kb.finish("stats", body, plan.size, -(-lay.count // plan.ox), helpers)
+    return kb.finish("stats", body, plan.size, -(-lay.count // plan.ox), helpers)
+
+
+def lower_norm_weight_backward(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
+    """``dweight[c] = sum g * xhat`` over channel c: (mean, rstd) per group into scratch, then
+    one reduction per channel."""
+    node = graph[node_id]
+    kind = kind_of(node.op)
+    x_id, g_id = node.inputs
+    shape = graph[x_id].type.shape
+    lay = group_layout(shape, kind, node.attr_dict)
+    chan = channel_layout(shape, kind, node.attr_dict)
+    if chan.length == 0 or lay.length == 0:
+        return lower_fill(graph, node_id, limits, 0.0)
+    ks = weight_backward_team(graph, node_id, limits)
+    if ks is not None:
+        return ks
+    stats_k = stats_team(graph, node_id, limits, x_id) or _stats_kernel(graph, node_id, limits)
 
     cplan = _plan(chan)
     kb = KernelBuilder(graph, node, limits)
@@ -223,6 +233,9 @@ def lower_update_stats(graph: Graph, node_id: int, limits: Limits) -> list[Kerne
     lay = group_layout(shape, "batch_norm", {})
     if lay.count == 0:
         return []
+    ks = update_stats_team(graph, node_id, limits)
+    if ks is not None:
+        return ks
     plan = _plan(lay)
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(x_id, "x")
