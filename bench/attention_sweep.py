@@ -2,12 +2,14 @@
 kernel) on the issue's shapes, forward and backward, against
 torch.nn.functional.scaled_dot_product_attention (f32) in the same process.
 
-Each variant forces one plan for all five attention kernels (``BLOCK_OVERRIDE``; a plan
-that does not fit the adapter falls back to the lane kernel, visible in ``kernels``),
+Each variant forces one plan for all attention kernels (``BLOCK_OVERRIDE``; a plan that
+does not fit the adapter falls back to the lane kernel, visible in ``kernels``) and dk and dv
+in one ``dkv`` pass or in two (``FUSE_KEY_VALUE``; ``-sep`` variants run them apart),
 compiles the forward + backward program of ``bench/attention.py`` and reports per-kernel GPU
-times (``Session.profile``): fwd, stats, dq, dk, dv. Torch: CUDA events around ``sdpa`` and
-``sdpa`` + ``o.backward(go)``. The summary row ``best`` takes the fastest plan per kernel
-(what a tuned plan table would give). Outputs and gradients are checked against torch.
+times (``Session.profile``): fwd, stats, dq, dk, dv, dkv (0 for kernels a variant does not
+run). Torch: CUDA events around ``sdpa`` and ``sdpa`` + ``o.backward(go)``. The summary row
+``best`` takes the fastest plan per kernel, and the faster of dkv and dk + dv (what a tuned
+plan table would give). Outputs and gradients are checked against torch.
 
 ``--quick`` (a lavapipe smoke test): Whisper at L=96 and three variants only.
 
@@ -46,16 +48,28 @@ KERNELS = {
     "dq": f"{SDPA}_backward_query",
     "dk": f"{SDPA}_backward_key",
     "dv": f"{SDPA}_backward_value",
+    "dkv": f"{SDPA}_backward_key_value",  # dk and dv in one pass (fusion of the two nodes)
 }
 SWEEP_CASES = ("whisper", "smollm2")
 
 
-def variants() -> list[tuple[str, dict]]:
+def variants() -> list[tuple[str, dict, bool | None]]:
+    """(label, BLOCK_OVERRIDE, FUSE_KEY_VALUE) per variant."""
     from meganeura.codegen.wgsl.attention_plan import BLOCK_PLANS
 
-    out = [("auto", {}), ("lane", {m: None for m in KERNELS})]
+    lane = {m: None for m in KERNELS}
+    out = [
+        ("auto", {}, None),
+        ("auto-sep", {}, False),
+        ("lane", lane, True),
+        ("lane-sep", lane, False),
+    ]
     for plan in BLOCK_PLANS:
-        out.append(("block" + "x".join(map(str, plan)), {m: plan for m in KERNELS}))
+        label = "block" + "x".join(map(str, plan))
+        out += [
+            (label, {m: plan for m in KERNELS}, True),
+            (label + "-sep", {m: plan for m in KERNELS}, False),
+        ]
     return out
 
 
@@ -73,7 +87,7 @@ def main() -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     warm = warm_gpu(device, dev, args.warm_seconds)
     rec = Recorder(args, device, {"torch_device": dev, "gpu_warmup": warm})
-    head = f"{'case':<30} {'fwd':>8} {'stats':>8} {'dq':>8} {'dk':>8} {'dv':>8} {'bwd':>8}"
+    head = f"{'case':<30}" + "".join(f" {m:>8}" for m in KERNELS) + f" {'bwd':>8}"
     head += f" {'fwd x':>6} {'f+b x':>6} {'err':>8}"
 
     for name, b, hq, hkv, lq, lk, d, causal in CASES:
@@ -112,14 +126,16 @@ def main() -> None:
               f"fwd+bwd {torch_fb * 1e3:.1f} us; ours in us")  # fmt: skip
         print(head)
         best: dict[str, tuple[float, str]] = {}
-        for label, override in variants()[: 3 if args.quick else None]:
+        for label, override, fuse in variants()[: 3 if args.quick else None]:
             attention_plan.BLOCK_OVERRIDE.clear()
             attention_plan.BLOCK_OVERRIDE.update(override)
+            attention_plan.FUSE_KEY_VALUE = fuse
             try:
                 graph = build(b, hq, hkv, lq, lk, d, causal, True)
                 program, sess = compile_for(graph, device=device)
             finally:
                 attention_plan.BLOCK_OVERRIDE.clear()
+                attention_plan.FUSE_KEY_VALUE = None
             try:
                 sess.load_state_dict(arrays)
                 out = sess.run({}, fetch=("o", "dq", "dk", "dv"))
@@ -129,10 +145,11 @@ def main() -> None:
             finally:
                 sess.close()
             ms = {m: prof[m]["median"] for m in KERNELS}
+            ran = {dispatch_op(x.name) for x in program.dispatches}
             for m, t in ms.items():
-                if m not in best or t < best[m][0]:
+                if KERNELS[m] in ran and (m not in best or t < best[m][0]):
                     best[m] = (t, label)
-            bwd = sum(ms[m] for m in ("stats", "dq", "dk", "dv"))
+            bwd = sum(t for m, t in ms.items() if m != "fwd")
             kernels = [x.name for x in program.dispatches if "attention" in x.name]
             row = result(
                 f"sdpa_{name}_{label}",
@@ -150,6 +167,10 @@ def main() -> None:
             line = f"{name + ' ' + label:<30}" + "".join(f" {ms[m] * 1e3:8.1f}" for m in KERNELS)
             line += f" {bwd * 1e3:8.1f} {row['fwd_speedup']:6.2f} {row['speedup']:6.2f}"
             rec.add(row, line + f" {err:8.1e}")
+        split = sum(best[m][0] for m in ("dk", "dv")) if "dk" in best and "dv" in best else None
+        if "dkv" in best and split is not None:  # keep the faster way to get dk and dv
+            for m in ("dkv",) if best["dkv"][0] > split else ("dk", "dv"):
+                del best[m]
         total = sum(t for t, _ in best.values())
         choice = {m: lbl for m, (_, lbl) in best.items()}
         rec.add(

@@ -21,8 +21,11 @@ recompute the probabilities ``p = exp(s - lse)`` tile by tile, as FlashAttention
   * ``..._backward_query/key/value`` read it: ``dp = g v^T``, ``ds = p (dp - delta)``,
     ``dq = scale ds k``, ``dk = scale ds^T q``, ``dv = p^T g``; dk and dv sum over the query
     heads that share a kv head; each op recomputes ``q k^T`` (four passes in all, where a
-    fused FlashAttention-2 backward makes two). The mask gets no gradient (it is an input
-    or a constant); a mask that is a trainable parameter is treated as a constant.
+    fused FlashAttention-2 backward makes two; with fusion on, the scheduler has one kernel
+    compute the dk and dv ops of an attention together where its plan allows, see
+    ``passes.fuse.plan_attention_key_value``: three passes). The mask gets no gradient (it
+    is an input or a constant); a mask that is a trainable parameter is treated as a
+    constant.
 
 ``apply_rotary_emb(x [..., L, D])`` rotates the halves of the last dim (HF ``rotate_half``):
 ``out = x cos + rotate_half(x) sin`` with angle ``pos * theta^(-2i/D)``, pos = offset + l.

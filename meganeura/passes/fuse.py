@@ -2,12 +2,15 @@
 
 ``plan_fusion`` groups elementwise nodes with their elementwise producers, and optionally one
 ``matmul`` whose result feeds them (an epilogue: bias, activation, residual computed in the
-matmul's store stage). The typed IR stays the source of truth: the graph is not rewritten,
-the interpreter and autodiff never see a fused op; the scheduler lowers each group as one
-kernel (``codegen.wgsl.fused``) at the position of its last member.
+matmul's store stage). ``plan_attention_key_value`` pairs the key and value gradients of one
+attention, which one kernel computes in one pass over the probabilities. The typed IR stays
+the source of truth: the graph is not rewritten, the interpreter and autodiff never see a
+fused op; the scheduler lowers each group as one kernel (``codegen.wgsl.fused``) at the
+position of its last member.
 
-Invariants of every returned group (each check is conservative; a rejected merge only costs
-a dispatch):
+Invariants of every group ``plan_fusion`` returns (each check is conservative; a rejected
+merge only costs a dispatch); an attention pair keeps the first and the ordering and
+effect rules (its two members have their own shapes and read no member):
   * it has two or more members, all needed (they would get kernels), with nonzero elements;
   * every member's shape broadcasts (NumPy rule) to the group's ``shape``, and every stored
     member (one read outside the group, through a view or directly, or a graph output) has
@@ -25,11 +28,12 @@ a dispatch):
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from ..graph.ir import VIEW_OPS, Graph
 from ..ops import OPS
+from ..ops.attention import BWD_K, BWD_V
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,11 @@ class FusionGroup:
     Attributes:
         members: node ids in program order; the last is where the kernel runs.
         outputs: members the kernel stores (read outside the group, or graph outputs).
-        shape: the iteration shape; every stored member has it.
-        anchor: the ``matmul`` whose store stage computes the others, or None.
+        shape: the iteration shape; every stored member has it (an attention pair: the key
+            gradient's shape; the value gradient may differ in the last dim).
+        anchor: the ``matmul`` whose store stage computes the others, or the attention
+            key-gradient node whose kernel also computes its value-gradient sibling
+            (``plan_attention_key_value``), or None.
     """
 
     members: tuple[int, ...]
@@ -161,4 +168,52 @@ def plan_fusion(
         outputs = tuple(m for m in order if planner.stored(members, m))
         shape = graph[order[-1]].type.shape
         groups.append(FusionGroup(order, outputs, shape, planner.anchor[members]))
+    return tuple(sorted(groups, key=lambda grp: grp.sink))
+
+
+def _readers(graph: Graph, users: list[list[int]], vid: int) -> list[int]:
+    """The nodes that read ``vid``'s storage: its users, through views to their users."""
+    out = []
+    for u in users[vid]:
+        out.extend(_readers(graph, users, u) if graph[u].op in VIEW_OPS else [u])
+    return out
+
+
+def plan_attention_key_value(
+    graph: Graph, needed: Sequence[bool], accept: Callable[[int], bool] = lambda _: True
+) -> tuple[FusionGroup, ...]:
+    """Pair the key and value gradients of each attention, for one kernel to compute both
+    (FlashAttention-2's backward forms dK and dV in one pass: Dao 2023, Algorithm 2).
+
+    A pair is a needed ``..._backward_key`` node (operands q, k, v, dO, stats, mask?) and a
+    needed ``..._backward_value`` node reading the same q, k, dO, stats and mask with the same
+    attributes, when ``accept(key node)`` holds (the kernel's choice: ``codegen.wgsl.attention
+    .fuses_key_value``). The kernel runs at the later member's position, so no node may read
+    the earlier one before that and no op with in-place effects may lie between them.
+
+    Returns:
+        Groups of (key gradient, value gradient) in program order, both stored, anchored on
+        the key-gradient node, ordered by their last member.
+    """
+    users = graph.users()
+    effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
+    values: dict[tuple, int] = {}
+    for n in graph.nodes:
+        if n.op == BWD_V and needed[n.id]:
+            values.setdefault((n.inputs, n.attrs), n.id)
+    groups = []
+    for n in graph.nodes:
+        if n.op != BWD_K or not needed[n.id]:
+            continue
+        q, k, _, g, stats, *mask = n.inputs
+        dv = values.get(((q, k, g, stats, *mask), n.attrs))
+        if dv is None or not accept(n.id):
+            continue
+        first, last = min(n.id, dv), max(n.id, dv)
+        if any(r < last for r in _readers(graph, users, first)):
+            continue
+        if any(first < e < last for e in effects):
+            continue
+        del values[((q, k, g, stats, *mask), n.attrs)]
+        groups.append(FusionGroup((first, last), (first, last), graph[n.id].type.shape, n.id))
     return tuple(sorted(groups, key=lambda grp: grp.sink))

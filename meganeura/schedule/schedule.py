@@ -5,7 +5,8 @@ whose values reach an output or an effect, judged by what each kernel really bin
 constant inlining and transpose folding), resolves views (``reshape``, ``stop_gradient``) to
 the value whose buffer they share, and measures each value's lifetime in dispatch positions.
 
-With fusion on, ``passes.fuse.plan_fusion`` groups nodes; a group is lowered as one kernel
+With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
+pairs attention gradients); a group is lowered as one kernel
 (``codegen.wgsl.fused``) at its last member's position, binding the group's external inputs
 and its stored outputs only, so lifetimes come from those bindings; the other members get no
 kernel and no storage. Optimizer updates are grouped likewise (``update_groups``): one kernel
@@ -18,12 +19,13 @@ from dataclasses import dataclass
 
 from ..codegen.kernel import ArenaRef, KernelSource, Limits, ScratchRef, UpdateGroup, ValueRef
 from ..codegen.wgsl import lower, reads
+from ..codegen.wgsl.attention import key_value_fusible
 from ..codegen.wgsl.elementwise import FUSIBLE
 from ..codegen.wgsl.fused import lower_group
 from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import VIEW_OPS, Graph
 from ..ops import OPS
-from ..passes.fuse import FusionGroup, plan_fusion
+from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
 from .planner import Interval
 from .update_groups import arena_roles, arena_value, plan_update_groups
 
@@ -89,7 +91,10 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             raise ValueError(f"output {name!r} is a constant; it has no storage")
         pinned.add(root[v])
 
-    groups = plan_fusion(graph, FUSIBLE, needed) if fuse else ()
+    groups = ()
+    if fuse:
+        kv = plan_attention_key_value(graph, needed, lambda n: key_value_fusible(graph, n, limits))
+        groups = tuple(sorted(plan_fusion(graph, FUSIBLE, needed) + kv, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     dispatches = _lower_all(graph, needed, limits, groups, updates)
     clash = _arena_clashes(graph, dispatches, updates)

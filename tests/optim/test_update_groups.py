@@ -42,7 +42,8 @@ def test_transformer_block_step_runs_its_updates_as_one_kernel():
     p = compile(net.graph, CompileOptions(loss="loss", optimizer=AdamW()))
     assert len(p.parameters) == 12
     assert [n.split(" ", 1)[1] for n in _updates(p)] == ["adam_update group of 12"]
-    assert len(p.dispatches) == 64  # 75 with one update kernel per parameter
+    # 74 with one update kernel per parameter; one kernel computes attention's dk and dv
+    assert len(p.dispatches) == 63
 
 
 @pytest.mark.parametrize("align", [256, 64])

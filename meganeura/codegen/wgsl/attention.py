@@ -1,5 +1,9 @@
-"""WGSL lowerings of the attention family: the flash-attention kernels (``attention_flash``)
-and the rotary position embedding.
+"""WGSL lowerings of the attention family: the flash-attention kernels (``attention_flash``,
+register-tiled variants in ``attention_block``) and the rotary position embedding.
+
+Besides one kernel per attention op (``LOWERINGS``), ``lower_key_value`` computes a key-gradient
+node and its value-gradient sibling in one pass (``dkv`` mode), for the pairs that
+``passes.fuse.plan_attention_key_value`` forms where ``fuses_key_value`` says so.
 
 Rotary embedding: one thread per (row, frequency) pair, four pairs per thread. The angle
 ``pos * theta^(-2i/D)`` is reduced exactly before cos/sin: each frequency is baked as its
@@ -14,6 +18,7 @@ remains is the device's cos/sin on [-pi, pi].
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from decimal import Context, Decimal
 
 from ...graph.ir import Graph
@@ -21,7 +26,7 @@ from ...ops.attention import BWD_K, BWD_Q, BWD_V, SDPA, STATS
 from ..kernel import KernelSource, Limits
 from .attention_block import lower_block
 from .attention_flash import dims_of, lower_flash
-from .attention_plan import choose_block_plan
+from .attention_plan import choose_block_plan, fuses_key_value
 from .common import PER_THREAD, WG, KernelBuilder, element_slots, f32_literal, u
 
 _PI = Decimal("3.14159265358979323846264338327950288419716939937510582097494459")
@@ -106,6 +111,33 @@ def lower_attention(graph: Graph, node_id: int, limits: Limits, mode: str) -> li
     if plan is None:
         return lower_flash(graph, node_id, limits, mode)
     return lower_block(graph, node_id, limits, mode, dims, plan)
+
+
+KEY_VALUE = f"{SDPA}_backward_key_value"  # the op token of dkv kernels' names (profiles)
+
+
+def key_value_fusible(graph: Graph, key_node: int, limits: Limits) -> bool:
+    """Whether one ``dkv`` kernel should compute key-gradient node ``key_node`` together with
+    its value-gradient sibling on this adapter (``attention_plan.fuses_key_value``)."""
+    return fuses_key_value(dims_of(graph, graph[key_node], "dkv"), limits)
+
+
+def lower_key_value(
+    graph: Graph, key_node: int, value_node: int, limits: Limits
+) -> list[KernelSource]:
+    """One dispatch writing dk (node ``key_node``, a ``..._backward_key``) and dv (node
+    ``value_node``, the ``..._backward_value`` of the same attention): the block kernel
+    when a ``dkv`` block plan fits, else the lane kernel. Named
+    ``%<key>+<value> scaled_dot_product_attention_backward_key_value ...``."""
+    dims = dims_of(graph, graph[key_node], "dkv")
+    plan = choose_block_plan("dkv", dims, limits)
+    if plan is None:
+        kernels = lower_flash(graph, key_node, limits, "dkv", value_node)
+    else:
+        kernels = lower_block(graph, key_node, limits, "dkv", dims, plan, value_node)
+    head = f"%{key_node} {BWD_K}"
+    name = f"%{key_node}+{value_node} {KEY_VALUE}"
+    return [replace(ks, name=name + ks.name.removeprefix(head)) for ks in kernels]
 
 
 def _mode(mode: str):

@@ -3,14 +3,16 @@ the three gradients, as matmul-like tiles.
 
 Same work split as ``attention_flash`` (a workgroup owns ``rows`` rows of one (batch, kv head)
 pair: query rows of the whole GQA group for ``fwd``/``stats``/``dq``, key rows for ``dk``/
-``dv``; the other side streams through workgroup memory a tile at a time), but the score tile
-is computed like a matmul: the rows' vectors sit in workgroup memory too, and thread
+``dv``/``dkv``; the other side streams through workgroup memory a tile at a time), but the
+score tile is computed like a matmul: the rows' vectors sit in workgroup memory too, and thread
 (tr, ts) computes the 4 x ``per_lane`` scores of rows ``4 tr .. 4 tr + 3`` and stream entries
 ``ts + lanes * j``, so each workgroup-memory read feeds 4 or ``per_lane`` dot products
 (named accumulators, unrolled at generation time). Probabilities (or score gradients) go
 through workgroup memory, transposed so one vec4 holds a stream entry's value for a
 thread's 4 rows; the accumulate step gives thread (tr, ts) the same 4 rows and every
-``lanes``-th vec4 column, so softmax rescaling stays in the thread.
+``lanes``-th vec4 column, so softmax rescaling stays in the thread. ``dkv`` (dk and dv in one
+pass) stores both a tile's probabilities and its score gradients, then accumulates dv from
+the dO tile and dk from the Q tile after one barrier.
 
 Scores are kept in the log2 domain: ``z = (q . k) * scale * log2(e) + mask * log2(e)`` and
 ``p = exp2(z - m)`` (the same numbers as ``exp(s - m)``, one multiply cheaper; FlashAttention-2,
@@ -92,22 +94,59 @@ class _Block:
                     self.emit(f"      {prefix}{r}_{j} = {prefix}{r}_{j} + dot(x{r}, y{j});")
             self.emit("    }")
 
-    def accumulate(self, seg: str, n4: int) -> None:
-        """acc[r][col] += sum over the tile's entries e of p[e][r] * seg[e][col]."""
+    def accumulate(
+        self, seg: str, n4: int, weights: str = "p", acc: str = "acc", cols: str = "cc"
+    ) -> None:
+        """acc[r][col] += sum over the tile's entries e of weights[e][r] * seg[e][col], for
+        the thread's columns ``{cols}{i}`` (in a block of its own, so it may run twice)."""
         R4, C4 = self.plan.rows // 4, -(-n4 // self.plan.lanes)
         base, stride = self.off(seg), self.stride(seg)
+        self.emit("    {")
         for e in range(self.plan.tile):
-            self.emit(f"    let pv{e} = sh[{u(self.off('p') + e * R4)} + tr];")
+            self.emit(f"    let pv{e} = sh[{u(self.off(weights) + e * R4)} + tr];")
             for i in range(C4):
-                self.emit(f"    let cv{e}_{i} = sh[{u(base + e * stride)} + cc{i}];")
+                self.emit(f"    let cv{e}_{i} = sh[{u(base + e * stride)} + {cols}{i}];")
                 for r in range(4):
-                    self.emit(f"    acc{r}_{i} = acc{r}_{i} + pv{e}.{XYZW[r]} * cv{e}_{i};")
+                    self.emit(f"    {acc}{r}_{i} = {acc}{r}_{i} + pv{e}.{XYZW[r]} * cv{e}_{i};")
+        self.emit("    }")
 
-    def store_p(self, prefix: str) -> None:
+    def store_p(self, prefix: str, seg: str = "p") -> None:
         R4 = self.plan.rows // 4
         for j in range(self.plan.per_lane):
             vals = ", ".join(f"{prefix}{r}_{j}" for r in range(4))
-            self.emit(f"    sh[{u(self.off('p'))} + e{j} * {u(R4)} + tr] = vec4<f32>({vals});")
+            self.emit(f"    sh[{u(self.off(seg))} + e{j} * {u(R4)} + tr] = vec4<f32>({vals});")
+
+    def columns(self, name: str, n4: int) -> None:
+        """``{name}{i}``: the vec4 columns of an ``n4``-wide accumulator this thread owns
+        (every ``lanes``-th, clamped into range; stores skip the clamped ones)."""
+        TS = self.plan.lanes
+        C4 = -(-n4 // TS)
+        for i in range(C4):
+            cc = f"ts + {u(TS * i)}"
+            self.emit(f"  let {name}{i} = {cc if TS * C4 == n4 else f'min({cc}, {u(n4 - 1)})'};")
+
+    def store_rows(
+        self, out: str, acc: str, cols: str, n: int, factor: str = "", inv: bool = False
+    ) -> None:
+        """Each live row of the thread writes its accumulator ``{acc}{r}_{i}`` (columns
+        ``{cols}{i}``, ``n`` floats per row) times ``factor`` (times ``inv.r`` with ``inv``)."""
+        TS, n4 = self.plan.lanes, -(-n // 4)
+        C4 = -(-n4 // TS)
+        rowvar = "qrow" if self.qrows else "krow"
+        for r in range(4):
+            f = f" * inv.{XYZW[r]}" if inv else factor
+            self.emit(f"  if (live{r}) {{")
+            for i in range(C4):
+                for e in range(4):
+                    cond = [f"{cols}{i} * 4u + {u(e)} < {u(n)}"] if n % 4 or TS * C4 != n4 else []
+                    if TS * C4 != n4:
+                        cond.append(f"ts + {u(TS * i)} < {u(n4)}")
+                    idx = f"{rowvar}{r} * {u(n)} + {cols}{i} * 4u + {u(e)}"
+                    stmt = self.kb.store(out, idx, f"{acc}{r}_{i}.{XYZW[e]}{f}")
+                    self.emit(
+                        f"    if ({' && '.join(cond)}) {{ {stmt} }}" if cond else f"    {stmt}"
+                    )
+            self.emit("  }")
 
     def scores(self) -> None:
         """z{r}_{j} (log2-domain scores) and ok{r}_{j} (unmasked) for this tile."""
@@ -162,9 +201,17 @@ class _Block:
 
 
 def lower_block(
-    graph: Graph, node_id: int, limits: Limits, mode: str, dims: Dims, plan: BlockPlan
+    graph: Graph,
+    node_id: int,
+    limits: Limits,
+    mode: str,
+    dims: Dims,
+    plan: BlockPlan,
+    value_node: int | None = None,
 ) -> list[KernelSource]:
-    """One dispatch of the register-tiled kernel in ``mode`` (see the module docstring)."""
+    """One dispatch of the register-tiled kernel in ``mode`` (see the module docstring); in
+    ``dkv`` mode ``node_id`` is the key-gradient node and ``value_node`` its value-gradient
+    sibling, whose output the kernel writes too."""
     node = graph[node_id]
     if node.type.numel == 0:
         return []
@@ -189,11 +236,15 @@ def lower_block(
         strides,
         (scale2, f32_literal(node.attr("scale")), bool(node.attr("is_causal"))),
     )
-    out = kb.write(node_id, "out")
+    outs = {"out": kb.write(node_id, "out")}
+    if mode == "dkv":
+        outs["dv"] = kb.write(value_node, "dv")
     R, BS, TS = plan.rows, plan.tile, plan.lanes
     tiles = -(-k.n_rows // R)
-    n4c = dims.d4 if mode in ("dq", "dk") else dims.dv4  # accumulator (stats: delta) width
+    # accumulator (stats: delta) width; dkv's second accumulator (dv) is dims.dv4 wide
+    n4c = dims.d4 if mode in ("dq", "dk", "dkv") else dims.dv4
     C4 = -(-n4c // TS)
+    C4v = -(-dims.dv4 // TS)
     sb, sh, si, sj = strides
 
     k.emit(
@@ -229,9 +280,9 @@ def lower_block(
         )
         if "b2" in k.layout:
             k.emit(f"  let rb2{j} = {u(k.off('b2'))} + e{j} * {u(k.stride('b2'))};")
-    for i in range(C4):
-        cc = f"ts + {u(TS * i)}"
-        k.emit(f"  let cc{i} = {cc if TS * C4 == n4c else f'min({cc}, {u(n4c - 1)})'};")
+    k.columns("cc", n4c)
+    if mode == "dkv":
+        k.columns("vc", dims.dv4)
     if mode == "dq":
         st = src["st"]
         k.emit(
@@ -244,6 +295,8 @@ def lower_block(
         )
     if mode != "stats":
         k.emit(*(f"  var acc{r}_{i} = vec4<f32>(0.0);" for r in range(4) for i in range(C4)))
+    if mode == "dkv":
+        k.emit(*(f"  var vacc{r}_{i} = vec4<f32>(0.0);" for r in range(4) for i in range(C4v)))
     if mode in ("fwd", "stats"):
         k.emit(f"  var m = vec4<f32>({LOWEST});", "  var l = vec4<f32>(0.0);")
 
@@ -255,7 +308,7 @@ def lower_block(
             k.copy("a2", src["dout"], f"bh * {u(G * lq)} + sr", dims.dv, R, first, k.n_rows - 1)
     else:
         k.copy("a", src["k"], f"bh * {u(lk)} + sr", d, R, first, k.n_rows - 1)
-        if mode == "dk":
+        if mode in ("dk", "dkv"):
             k.copy("a2", src["v"], f"bh * {u(lk)} + sr", dims.dv, R, first, k.n_rows - 1)
 
     # the stream loop
@@ -289,7 +342,7 @@ def lower_block(
         qhead = f"(bh * {u(G)} + hg)"  # the stream's head in q, dO and stats memory
         row = f"{qhead} * {u(lq)} + sr"
         k.copy("b", src["q"], row, d, BS, "s0", lq - 1)
-        if mode == "dk":
+        if mode in ("dk", "dkv"):
             k.copy("b2", src["dout"], row, dims.dv, BS, "s0", lq - 1)
         else:
             k.copy("c", src["dout"], row, dims.dv, BS, "s0", lq - 1)
@@ -308,10 +361,10 @@ def lower_block(
     k.emit("  }")
     if not k.qrows:
         k.emit("  }")
-    _finish(k, mode, out, C4, n4c)
+    _finish(k, mode, outs, C4, n4c)
     helpers = f"var<workgroup> sh: array<vec4<f32>, {k.total}>;\n"
     per_pair = {"fwd": d + dims.dv, "stats": d, "dq": 2 * d + dims.dv, "dk": 2 * d + dims.dv,
-                "dv": d + dims.dv}  # fmt: skip
+                "dv": d + dims.dv, "dkv": 2 * d + 2 * dims.dv}  # fmt: skip
     flops = 2 * dims.b * hq * lq * lk * per_pair[mode] // (2 if k.causal else 1)
     body = "\n".join(k.lines)
     return [
@@ -366,16 +419,24 @@ def _tile_update(k: _Block, mode: str, C4: int, n4c: int) -> None:
         for j in range(NJ):
             delta = f"dlt.{XYZW[r]}" if k.qrows else f"st{j}.y"
             k.emit(f"    let ds{r}_{j} = p{r}_{j} * (dp{r}_{j} - {delta});")
+    if mode == "dkv":  # dv += p^T dO, dk += ds^T Q: both weight tiles first, one barrier
+        k.store_p("p")
+        k.store_p("ds", "ds")
+        k.emit("    workgroupBarrier();")
+        k.accumulate("b", n4c, weights="ds")
+        k.accumulate("b2", k.dims.dv4, weights="p", acc="vacc", cols="vc")
+        return
     k.store_p("ds")
     k.emit("    workgroupBarrier();")
     k.accumulate("b", n4c)
 
 
-def _finish(k: _Block, mode: str, out: str, C4: int, n4c: int) -> None:
-    """Merge what lanes share (fwd: row sums; stats: max, sum, delta) and store."""
+def _finish(k: _Block, mode: str, outs: dict[str, str], C4: int, n4c: int) -> None:
+    """Merge what lanes share (fwd: row sums; stats: max, sum, delta) and store (dkv: dk to
+    ``outs["out"]``, dv to ``outs["dv"]``)."""
     R4, TS, red = k.plan.rows // 4, k.plan.lanes, k.off("red")
     dv = k.dims.dv
-    kb = k.kb
+    kb, out = k.kb, outs["out"]
     if mode == "stats":
         k.emit("  var dlt = vec4<f32>(0.0);")
         for i in range(C4):
@@ -415,7 +476,6 @@ def _finish(k: _Block, mode: str, out: str, C4: int, n4c: int) -> None:
             )
         k.emit("  }")
         return
-    factor = ""
     if mode == "fwd":
         k.emit(
             "  workgroupBarrier();",
@@ -424,20 +484,10 @@ def _finish(k: _Block, mode: str, out: str, C4: int, n4c: int) -> None:
             "  var lt = " + " + ".join(f"sh[{u(red + t * R4)} + tr]" for t in range(TS)) + ";",
             "  let inv = select(vec4<f32>(0.0), 1.0 / lt, lt > vec4<f32>(0.0));",
         )
-    n = {"fwd": dv, "dq": k.dims.d, "dk": k.dims.d, "dv": dv}[mode]
-    rowvar = "qrow" if k.qrows else "krow"
-    for r in range(4):
-        if mode == "fwd":
-            factor = f" * inv.{XYZW[r]}"
-        elif mode in ("dq", "dk"):
-            factor = f" * {k.scale_nat}"
-        k.emit(f"  if (live{r}) {{")
-        for i in range(C4):
-            for e in range(4):
-                cond = [f"cc{i} * 4u + {u(e)} < {u(n)}"] if (n % 4 or TS * C4 != n4c) else []
-                if TS * C4 != n4c:
-                    cond.append(f"ts + {u(TS * i)} < {u(n4c)}")
-                stmt = kb.store(out, f"{rowvar}{r} * {u(n)} + cc{i} * 4u + {u(e)}",
-                                f"acc{r}_{i}.{XYZW[e]}{factor}")  # fmt: skip
-                k.emit(f"    if ({' && '.join(cond)}) {{ {stmt} }}" if cond else f"    {stmt}")
-        k.emit("  }")
+        k.store_rows(out, "acc", "cc", dv, inv=True)
+    elif mode == "dv":
+        k.store_rows(out, "acc", "cc", dv)
+    else:
+        k.store_rows(out, "acc", "cc", k.dims.d, f" * {k.scale_nat}")
+        if mode == "dkv":
+            k.store_rows(outs["dv"], "vacc", "vc", dv)

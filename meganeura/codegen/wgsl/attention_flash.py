@@ -1,12 +1,14 @@
 """The flash-attention kernel family: the forward, its statistics and the three gradients.
 
-One generator, five modes. A workgroup owns a tile of rows of one (batch, kv head) pair and
+One generator, six modes. A workgroup owns a tile of rows of one (batch, kv head) pair and
 streams the other side through workgroup memory, one tile of entries at a time:
   * ``fwd``, ``stats``, ``dq``: rows are query rows of the kv head's whole query group (heads
     hk*G .. hk*G+G-1 are contiguous in memory, so a GQA group is one run of G*Lq rows and each
     K/V tile is read once for all G heads); the stream is the keys (K, V tiles);
-  * ``dk``, ``dv``: rows are keys; the stream is the query rows of each head of the group in
-    turn (Q, dO and stats tiles), so dk and dv sum over the group's heads.
+  * ``dk``, ``dv``, ``dkv``: rows are keys; the stream is the query rows of each head of the
+    group in turn (Q, dO and stats tiles), so dk and dv sum over the group's heads; ``dkv``
+    computes both from one pass (the probabilities it forms for dk's score gradients are the
+    weights of dv), writing the outputs of a key-gradient node and its value-gradient sibling.
 Each thread holds its row's vectors (q or k, v, dO) and accumulators in named vec4 registers,
 unrolled over the head dim at generation time; the ``lanes`` threads of a row split the stream
 (entry ``t + lanes * u`` of each tile for lane t), then merge pairwise in workgroup memory
@@ -28,7 +30,15 @@ from dataclasses import dataclass
 
 from ...graph.ir import Graph
 from ..kernel import KernelSource, Limits
-from .attention_plan import QUERY_ROW_MODES, Dims, Plan, choose_plan, extents, shared_layout
+from .attention_plan import (
+    QUERY_ROW_MODES,
+    Dims,
+    Plan,
+    accumulators,
+    choose_plan,
+    extents,
+    shared_layout,
+)
 from .common import KernelBuilder, Src, broadcast_strides, f32_literal, u
 
 LOWEST = f32_literal(-3.4028234663852886e38)  # running-max sentinel: below every finite score
@@ -41,6 +51,7 @@ OPERANDS = {
     "dq": ("v", "dout", "st"),
     "dk": ("v", "dout", "st"),
     "dv": ("dout", "st"),
+    "dkv": ("v", "dout", "st"),  # the key-gradient node's operands
 }
 
 
@@ -57,6 +68,15 @@ class _Kernel:
     mask_strides: tuple[int, int, int, int]
     scale: str
     causal: bool
+
+    @property
+    def accs(self) -> list[str]:
+        """The row's vec4 accumulators: ``acc{c}`` for its output row (dkv: dk's), then
+        ``vacc{c}`` for dv's row in dkv mode."""
+        if self.mode == "dkv":
+            d4, dv4 = self.dims.d4, self.dims.dv4
+            return [f"acc{c}" for c in range(d4)] + [f"vacc{c}" for c in range(dv4)]
+        return [f"acc{c}" for c in range(accumulators(self.mode, self.dims))]
 
     @property
     def query_rows(self) -> bool:
@@ -97,17 +117,22 @@ def _sum(terms: list[str]) -> str:
 
 
 def dims_of(graph: Graph, node, mode: str) -> Dims:
-    """Problem sizes of attention node ``node`` lowered in ``mode``."""
+    """Problem sizes of attention node ``node`` lowered in ``mode`` (dkv: the key-gradient
+    node)."""
     ins = node.inputs
     b, hq, lq, d = graph[ins[0]].type.shape
     _, hkv, lk, _ = graph[ins[1]].type.shape
-    # Dv: of the output (fwd, dv), of ``out`` (stats) or of ``v`` (dq, dk)
+    # Dv: of the output (fwd, dv), of ``out`` (stats) or of ``v`` (dq, dk, dkv)
     dv = (node.type if mode in ("fwd", "dv") else graph[ins[2]].type).shape[3]
     return Dims(b, hkv, hq // hkv, lq, lk, d, dv)
 
 
-def lower_flash(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[KernelSource]:
-    """One dispatch of the flash kernel in ``mode`` for node ``node_id``."""
+def lower_flash(
+    graph: Graph, node_id: int, limits: Limits, mode: str, value_node: int | None = None
+) -> list[KernelSource]:
+    """One dispatch of the flash kernel in ``mode`` for node ``node_id``; in ``dkv`` mode
+    ``node_id`` is the key-gradient node and ``value_node`` its value-gradient sibling, whose
+    output the kernel writes too."""
     node = graph[node_id]
     ins = node.inputs
     dims = dims_of(graph, node, mode)
@@ -129,7 +154,9 @@ def lower_flash(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[K
     total, layout = shared_layout(mode, dims, plan)
     k = _Kernel(mode, dims, plan, layout, src, mask, strides,
                 f32_literal(node.attr("scale")), bool(node.attr("is_causal")))  # fmt: skip
-    out = kb.write(node_id, "out")
+    outs = {"out": kb.write(node_id, "out")}
+    if mode == "dkv":
+        outs["dv"] = kb.write(value_node, "dv")
 
     lines = [
         f"  let tile = wg % {u(tiles)};",
@@ -145,9 +172,10 @@ def lower_flash(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[K
     lines += _row_registers(k)
     lines += _stream_loops(k)
     lines += _merge(k)
-    lines += _finish(k, kb, out)
+    lines += _finish(k, kb, outs)
     helpers = f"var<workgroup> sh: array<vec4<f32>, {total}>;\n"
-    per_pair = {"fwd": d + dv, "stats": d, "dq": 2 * d + dv, "dk": 2 * d + dv, "dv": d + dv}
+    per_pair = {"fwd": d + dv, "stats": d, "dq": 2 * d + dv, "dk": 2 * d + dv, "dv": d + dv,
+                "dkv": 2 * d + 2 * dv}  # fmt: skip
     flops = 2 * b * hq * lq * lk * per_pair[mode] // (2 if k.causal else 1)
     groups = b * hkv * tiles
     return [kb.finish(mode, "\n".join(lines), plan.size, groups, helpers, flops=flops)]
@@ -176,11 +204,10 @@ def _row_registers(k: _Kernel) -> list[str]:
     else:
         lines = [f"  let krow = bh * {u(k.dims.lk)} + rowc;", f"  let kb = krow * {u(d)};"]
         lines += [f"  let k{c} = {_load4(k.src['k'], 'kb', c, d)};" for c in range(k.dims.d4)]
-        if k.mode == "dk":
+        if k.mode in ("dk", "dkv"):
             lines.append(f"  let vb = krow * {u(dv)};")
             lines += [f"  let v{c} = {_load4(k.src['v'], 'vb', c, dv)};" for c in range(k.dims.dv4)]
-    n_acc = {"fwd": k.dims.dv4, "stats": 0, "dq": k.dims.d4, "dk": k.dims.d4, "dv": k.dims.dv4}
-    lines += [f"  var acc{c} = vec4<f32>(0.0);" for c in range(n_acc[k.mode])]
+    lines += [f"  var {a} = vec4<f32>(0.0);" for a in k.accs]
     if k.mode in ("fwd", "stats"):
         lines += [f"  var m = {LOWEST};", "  var l = 0.0;"]
     return lines
@@ -307,17 +334,23 @@ def _entries(k: _Kernel) -> list[str]:
             lse, delta = f"st{j}.x", f"st{j}.y"
         lines.append(f"    let p{j} = select(0.0, exp(sc{j} - {lse}), ok{j});")
         if k.mode != "dv":
-            # dp = dO_i . v_j: dO in registers (dq) or in the tile (dk), v the other way
+            # dp = dO_i . v_j: dO in registers (dq) or in the tile (dk, dkv), v the other way
             lines.append(f"    let b{j} = {k.entry('v' if k.mode == 'dq' else 'g', j)};")
             dp = _dot("g" if k.mode == "dq" else "v", k.dims.dv4, f"b{j}")
             lines.append(f"    let ds{j} = p{j} * (({dp}) - {delta});")
         else:
             lines.append(f"    let b{j} = {k.entry('g', j)};")
     # dq += ds k_j, dk += ds q_i (the a{j} entries); dv += p dO_i (the b{j} entries)
-    coef, addr, n = ("p", "b", k.dims.dv4) if k.mode == "dv" else ("ds", "a", k.dims.d4)
-    for c in range(n):
-        terms = [f"{coef}{j} * sh[{addr}{j} + {u(c)}]" for j in range(NJ)]
-        lines.append(f"    acc{c} = acc{c} + {_sum(terms)};")
+    if k.mode == "dkv":
+        updates = [("acc", "ds", "a", k.dims.d4), ("vacc", "p", "b", k.dims.dv4)]
+    elif k.mode == "dv":
+        updates = [("acc", "p", "b", k.dims.dv4)]
+    else:
+        updates = [("acc", "ds", "a", k.dims.d4)]
+    for acc, coef, addr, n in updates:
+        for c in range(n):
+            terms = [f"{coef}{j} * sh[{addr}{j} + {u(c)}]" for j in range(NJ)]
+            lines.append(f"    {acc}{c} = {acc}{c} + {_sum(terms)};")
     return lines
 
 
@@ -325,8 +358,7 @@ def _merge(k: _Kernel) -> list[str]:
     """Pairwise merge of the lanes of each row into lane 0, halving the lanes each round."""
     T = k.plan.lanes
     softmax = k.mode in ("fwd", "stats")
-    n_acc = {"fwd": k.dims.dv4, "stats": 0, "dq": k.dims.d4, "dk": k.dims.d4, "dv": k.dims.dv4}
-    acc = range(n_acc[k.mode])
+    acc = k.accs
     slot = len(acc) + (1 if softmax else 0)
     first = 1 if softmax else 0
     lines = []
@@ -337,7 +369,7 @@ def _merge(k: _Kernel) -> list[str]:
             f"  if (t >= {u(s)} && t < {u(2 * s)}) {{",
             f"    let base = (r * {u(s)} + t - {u(s)}) * {u(slot)};",
             *(["    sh[base] = vec4<f32>(m, l, 0.0, 0.0);"] if softmax else []),
-            *[f"    sh[base + {u(first + c)}] = acc{c};" for c in acc],
+            *[f"    sh[base + {u(first + c)}] = {a};" for c, a in enumerate(acc)],
             "  }",
             "  workgroupBarrier();",
             f"  if (t < {u(s)}) {{",
@@ -352,28 +384,31 @@ def _merge(k: _Kernel) -> list[str]:
                 "    l = l * a1 + other.y * a2;",
                 "    m = mn;",
             ]
-            lines += [f"    acc{c} = acc{c} * a1 + sh[base + {u(1 + c)}] * a2;" for c in acc]
+            lines += [
+                f"    {a} = {a} * a1 + sh[base + {u(c + 1)}] * a2;" for c, a in enumerate(acc)
+            ]
         else:
-            lines += [f"    acc{c} = acc{c} + sh[base + {u(c)}];" for c in acc]
+            lines += [f"    {a} = {a} + sh[base + {u(c)}];" for c, a in enumerate(acc)]
         lines.append("  }")
         s //= 2
     return lines
 
 
 def _store(
-    kb: KernelBuilder, out: str, base: str, n: int, count: int, factor: str = ""
+    kb: KernelBuilder, out: str, base: str, n: int, count: int, factor: str = "", acc: str = "acc"
 ) -> list[str]:
     return [
-        "    " + kb.store(out, f"{base} + {u(4 * c + e)}", f"acc{c}.{XYZW[e]}{factor}")
+        "    " + kb.store(out, f"{base} + {u(4 * c + e)}", f"{acc}{c}.{XYZW[e]}{factor}")
         for c in range(count)
         for e in range(4)
         if 4 * c + e < n
     ]
 
 
-def _finish(k: _Kernel, kb: KernelBuilder, out: str) -> list[str]:
-    """Lane 0 of each live row writes its result."""
+def _finish(k: _Kernel, kb: KernelBuilder, outs: dict[str, str]) -> list[str]:
+    """Lane 0 of each live row writes its result (dkv: to ``outs["out"]`` and ``outs["dv"]``)."""
     d, dv = k.dims.d, k.dims.dv
+    out = outs["out"]
     lines = ["  if (live && t == 0u) {" if k.plan.lanes > 1 else "  if (live) {"]
     if k.mode == "fwd":
         lines += ["    let inv = select(0.0, 1.0 / l, l > 0.0);", f"    let ob = qrow * {u(dv)};"]
@@ -391,8 +426,11 @@ def _finish(k: _Kernel, kb: KernelBuilder, out: str) -> list[str]:
     elif k.mode == "dq":
         lines.append(f"    let ob = qrow * {u(d)};")
         lines += _store(kb, out, "ob", d, k.dims.d4, f" * {k.scale}")
-    elif k.mode == "dk":
+    elif k.mode in ("dk", "dkv"):
         lines += _store(kb, out, "kb", d, k.dims.d4, f" * {k.scale}")
+        if k.mode == "dkv":
+            lines.append(f"    let ob = krow * {u(dv)};")
+            lines += _store(kb, outs["dv"], "ob", dv, k.dims.dv4, acc="vacc")
     else:
         lines.append(f"    let ob = krow * {u(dv)};")
         lines += _store(kb, out, "ob", dv, k.dims.dv4)

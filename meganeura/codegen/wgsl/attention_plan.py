@@ -20,7 +20,7 @@ from .common import next_pow2
 THREADS = 64
 TARGET_GROUPS = 256  # shrink row tiles until this many workgroups (or 4-row tiles) exist
 MAX_PER_LANE = 8  # stream entries per lane per tile (each a named score register)
-QUERY_ROW_MODES = ("fwd", "stats", "dq")  # rows are queries; the others (dk, dv) rows are keys
+QUERY_ROW_MODES = ("fwd", "stats", "dq")  # rows are queries; the others (dk, dv, dkv) rows are keys
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,13 @@ def segments(mode: str, dims: Dims) -> list[tuple[str, int]]:
 
 def merge_slot(mode: str, dims: Dims) -> int:
     """vec4s of one lane's partial state in a merge round."""
-    return {"fwd": dims.dv4 + 1, "stats": 1, "dq": dims.d4, "dk": dims.d4, "dv": dims.dv4}[mode]
+    return accumulators(mode, dims) + (1 if mode in ("fwd", "stats") else 0)
+
+
+def accumulators(mode: str, dims: Dims) -> int:
+    """vec4 accumulators a row keeps: its output row (``dkv``: the dk row and the dv row)."""
+    return {"fwd": dims.dv4, "stats": 0, "dq": dims.d4, "dk": dims.d4, "dv": dims.dv4,
+            "dkv": dims.d4 + dims.dv4}[mode]  # fmt: skip
 
 
 def shared_layout(mode: str, dims: Dims, plan: Plan) -> tuple[int, dict[str, tuple[int, int]]]:
@@ -155,7 +161,12 @@ BLOCK_OVERRIDE: dict[str, tuple[int, int, int, int] | None] = {}
 # took 1233 us against the lane kernel's 1364. At SmolLM2 the plan the group-count rule picked
 # (8x8x2x4) was 3.8x slower than the lane kernel. So the automatic choice is the lane kernel,
 # except the modes listed here: mode -> (plan, fewest rows per (batch, kv head)).
-AUTO_BLOCK: dict[str, tuple[tuple[int, int, int, int], int]] = {"dk": ((32, 32, 8, 8), 1024)}
+# dkv (dk and dv in one pass) is dk plus one more accumulation from the same tiles, so it
+# takes dk's plan; not yet measured on its own (bench/attention_sweep.py does).
+AUTO_BLOCK: dict[str, tuple[tuple[int, int, int, int], int]] = {
+    "dk": ((32, 32, 8, 8), 1024),
+    "dkv": ((32, 32, 8, 8), 1024),
+}
 
 
 @dataclass(frozen=True)
@@ -187,7 +198,8 @@ def block_layout(mode: str, dims: Dims, plan: BlockPlan) -> tuple[int, dict[str,
     kernel. Segments: ``a`` (the rows' q or k), ``a2`` (their dO or v), ``b``/``b2`` (the
     stream tile's counterparts), ``c`` (the tile multiplied into the accumulator when it is
     not ``b``), ``st`` (the tile's lse and delta), ``p`` (probabilities or score gradients,
-    transposed: 4 rows per vec4) and ``red`` (per-lane row partials)."""
+    transposed: 4 rows per vec4), ``ds`` (``dkv``: the score gradients, ``p`` holding the
+    probabilities) and ``red`` (per-lane row partials)."""
     d4, dv4 = dims.d4, dims.dv4
     R, T = plan.rows, plan.tile
     segs = {
@@ -196,11 +208,13 @@ def block_layout(mode: str, dims: Dims, plan: BlockPlan) -> tuple[int, dict[str,
         "dq": [("a", R, _pad(d4)), ("a2", R, _pad(dv4)), ("b", T, _pad(d4)), ("b2", T, _pad(dv4))],
         "dk": [("a", R, _pad(d4)), ("a2", R, _pad(dv4)), ("b", T, _pad(d4)), ("b2", T, _pad(dv4))],
         "dv": [("a", R, _pad(d4)), ("b", T, _pad(d4)), ("c", T, dv4)],
-    }[mode]
-    if mode in ("dk", "dv"):
+    }[mode if mode != "dkv" else "dk"]
+    if mode in ("dk", "dv", "dkv"):
         segs.append(("st", T, 1))
     if mode != "stats":
         segs.append(("p", T, R // 4))
+    if mode == "dkv":  # probabilities (into dv) and score gradients (into dk) side by side
+        segs.append(("ds", T, R // 4))
     segs.append(("red", plan.lanes * (3 if mode == "stats" else 1), R // 4))
     layout, off = {}, 0
     for name, n, stride in segs:
@@ -251,3 +265,27 @@ def choose_block_plan(
         if best is None or groups > best[0]:
             best = (groups, plan)
     return best[1] if best else None
+
+
+# ---- dk and dv in one pass ("dkv") -----------------------------------------------------------
+# The lane kernel in dkv mode keeps the key row's k and v and both accumulators in registers:
+# 2 (D4 + Dv4) vec4s per thread, where dk alone keeps 2 D4 + Dv4: 48 vec4s at D = Dv = 64,
+# the most any lane kernel holds today (it ran within 11% of the block kernel at Whisper),
+# while 64 more f32 registers per thread (16-entry tiles, see MAX_PER_LANE) ran 5x slower
+# from spilling. So the lane dkv kernel runs only within that budget (D = Dv <= 48), and
+# larger heads without a block plan keep the separate dk and dv kernels. Unmeasured beyond
+# that: bench/attention_sweep.py's "lane" variant forces the lane dkv kernel.
+LANE_KV_MAX_VEC4 = 48
+# True forces the dkv kernel wherever a graph has both gradients, False forbids it; None
+# chooses by ``fuses_key_value``'s rule. Benchmarks compare both ways through this.
+FUSE_KEY_VALUE: bool | None = None
+
+
+def fuses_key_value(dims: Dims, limits: Limits) -> bool:
+    """Whether one ``dkv`` kernel should compute dk and dv (else a dk and a dv kernel): with a
+    block plan, or with the lane kernel when its registers fit ``LANE_KV_MAX_VEC4``."""
+    if FUSE_KEY_VALUE is not None:
+        return FUSE_KEY_VALUE
+    if choose_block_plan("dkv", dims, limits) is not None:
+        return True
+    return 2 * (dims.d4 + dims.dv4) <= LANE_KV_MAX_VEC4

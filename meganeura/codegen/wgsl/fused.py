@@ -1,5 +1,6 @@
 """Fused kernels: one dispatch computing a whole ``passes.fuse.FusionGroup``.
 
+A pair of attention key and value gradients is ``attention.lower_key_value``'s one pass.
 A group of elementwise nodes becomes one map over the group's iteration shape: each element
 loads the group's external operands (each through its own baked broadcast strides relative
 to that shape), evaluates every member in program order as a WGSL ``let`` with the same
@@ -21,8 +22,10 @@ import math
 from dataclasses import replace
 
 from ...graph.ir import Graph
+from ...ops.attention import BWD_K
 from ...passes.fuse import FusionGroup
 from ..kernel import KernelSource, Limits
+from .attention import lower_key_value
 from .common import (
     PER_THREAD,
     WG,
@@ -158,6 +161,9 @@ def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[Kernel
             if i not in group.members and not is_constant(graph, i):
                 check_numel(graph, resolve_view(graph, i), limits)
         check_numel(graph, m, limits)
+    if group.anchor is not None and graph[group.anchor].op == BWD_K:
+        (value,) = (m for m in group.members if m != group.anchor)
+        return lower_key_value(graph, group.anchor, value, limits)
     body = GroupBody(graph, group)
     if group.anchor is not None:
         kernels = lower_matmul(graph, group.anchor, limits, epilogue=_MatmulEpilogue(body))
