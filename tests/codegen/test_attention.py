@@ -227,9 +227,8 @@ def test_block_plans_fit_or_fall_back(mode):
     assert choose_block_plan(mode, big, lim, by_groups=True) is None
     tiny = Dims(1, 1, 1, 3, 7, 6, 3)
     assert isinstance(choose_block_plan(mode, tiny, lim, by_groups=True), BlockPlan)
-    # the measured default: the lane kernel, except dk on long sequences
-    auto = choose_block_plan(mode, whisper, lim)
-    assert (auto is not None) == (mode == "dk")
+    # the measured default (trusted shader modules): the lane kernel everywhere
+    assert choose_block_plan(mode, whisper, lim) is None
     assert choose_block_plan(mode, Dims(1, 3, 3, 128, 128, 64, 64), lim) is None
 
 

@@ -155,18 +155,14 @@ BLOCK_MIN_GROUPS = 128  # prefer the first plan giving at least this many workgr
 # mode -> a BLOCK_PLANS-style tuple forcing that plan, or None forcing the lane kernel
 # (attention_flash); modes not listed choose automatically. Benchmarks sweep through this.
 BLOCK_OVERRIDE: dict[str, tuple[int, int, int, int] | None] = {}
-# The automatic choice, from bench/attention_sweep.py on the H200 (2026-11-30, us per kernel):
-# the lane kernel was the fastest, or within 3%, for every kernel at Whisper (6 x 1500 x 64)
-# and SmolLM2 (9/3 x 128 x 64, causal) sizes, except dk at Whisper, where block 32x32x8x8
-# took 1233 us against the lane kernel's 1364. At SmolLM2 the plan the group-count rule picked
-# (8x8x2x4) was 3.8x slower than the lane kernel. So the automatic choice is the lane kernel,
-# except the modes listed here: mode -> (plan, fewest rows per (batch, kv head)).
-# dkv (dk and dv in one pass) is dk plus one more accumulation from the same tiles, so it
-# takes dk's plan; not yet measured on its own (bench/attention_sweep.py does).
-AUTO_BLOCK: dict[str, tuple[tuple[int, int, int, int], int]] = {
-    "dk": ((32, 32, 8, 8), 1024),
-    "dkv": ((32, 32, 8, 8), 1024),
-}
+# The automatic choice, from bench/attention_sweep.py on the H200 (2026-11-30, us per kernel,
+# trusted shader modules): the lane kernel was the fastest, or within 3%, for every kernel at
+# Whisper (6 x 1500 x 64) and SmolLM2 (9/3 x 128 x 64, causal) sizes. (With naga's runtime
+# checks, block 32x32x8x8 had won dk at Whisper, 1233 us against 1364; without them the lane
+# dk takes 657 us against the block's 851, and the fused block dkv 1041 us against lane dk +
+# dv's 955.) So the automatic choice is the lane kernel, except the modes listed here:
+# mode -> (plan, fewest rows per (batch, kv head)); none today.
+AUTO_BLOCK: dict[str, tuple[tuple[int, int, int, int], int]] = {}
 
 
 @dataclass(frozen=True)
@@ -269,13 +265,15 @@ def choose_block_plan(
 
 # ---- dk and dv in one pass ("dkv") -----------------------------------------------------------
 # The lane kernel in dkv mode keeps the key row's k and v and both accumulators in registers:
-# 2 (D4 + Dv4) vec4s per thread, where dk alone keeps 2 D4 + Dv4: 48 vec4s at D = Dv = 64,
-# the most any lane kernel holds today (it ran within 11% of the block kernel at Whisper),
-# while 64 more f32 registers per thread (16-entry tiles, see MAX_PER_LANE) ran 5x slower
-# from spilling. So the lane dkv kernel runs only within that budget (D = Dv <= 48), and
-# larger heads without a block plan keep the separate dk and dv kernels. Unmeasured beyond
-# that: bench/attention_sweep.py's "lane" variant forces the lane dkv kernel.
+# 2 (D4 + Dv4) vec4s per thread, where dk alone keeps 2 D4 + Dv4: 48 vec4s at D = Dv = 64.
+# Within that budget (D = Dv <= 48) it always runs fused. Beyond it the kernel spills, which
+# costs in proportion to the query rows each key row streams over (Lq x query heads per kv
+# head). Measured on the H200 (bench/attention_sweep.py, D = 64): at SmolLM2, 384 streamed rows,
+# fused 59.6 us against dk + dv's 71.8; at Whisper, 1500 rows, fused 1319 us against 955. So
+# larger heads fuse up to LANE_KV_MAX_STREAM streamed rows and keep separate dk and dv kernels
+# beyond.
 LANE_KV_MAX_VEC4 = 48
+LANE_KV_MAX_STREAM = 512
 # True forces the dkv kernel wherever a graph has both gradients, False forbids it; None
 # chooses by ``fuses_key_value``'s rule. Benchmarks compare both ways through this.
 FUSE_KEY_VALUE: bool | None = None
@@ -283,9 +281,11 @@ FUSE_KEY_VALUE: bool | None = None
 
 def fuses_key_value(dims: Dims, limits: Limits) -> bool:
     """Whether one ``dkv`` kernel should compute dk and dv (else a dk and a dv kernel): with a
-    block plan, or with the lane kernel when its registers fit ``LANE_KV_MAX_VEC4``."""
+    block plan, or with the lane kernel when its registers fit ``LANE_KV_MAX_VEC4`` or each
+    key row streams over at most ``LANE_KV_MAX_STREAM`` query rows."""
     if FUSE_KEY_VALUE is not None:
         return FUSE_KEY_VALUE
     if choose_block_plan("dkv", dims, limits) is not None:
         return True
-    return 2 * (dims.d4 + dims.dv4) <= LANE_KV_MAX_VEC4
+    fits = 2 * (dims.d4 + dims.dv4) <= LANE_KV_MAX_VEC4
+    return fits or dims.lq * dims.group <= LANE_KV_MAX_STREAM
