@@ -69,11 +69,14 @@ def variants(m: int, k: int, n: int, quick: bool) -> list[str]:
     out = ["128x128x8", "128x128x16", "128x64x16", "64x128x16", "64x64x16"]
     if m * n >= 2048 * 2048:
         out.append("128x128x8/np")  # what prefetch buys
+    if m * n >= 1024 * 1024:  # two-deep prefetch
+        out += ["128x128x8/d2", "128x128x16/d2", "64x64x16/d2"]
     if m * n >= 4096 * 1024:  # 16 x 8 outputs per thread, only where tiles stay plentiful
         out += ["256x128x8", "128x256x8", "256x128x8/np", "128x256x8/np"]
     small = -(-m // 64) * -(-n // 64) < 2 * mm.SMS
-    if small:  # longer K steps: more loads in flight per step of the chain
-        out += ["64x64x32", "64x64x64/np"]
+    if small:  # longer K steps, or two-deep prefetch: more loads in flight per step
+        out += ["64x64x32", "64x64x64/np", "64x64x16/d2"]
+        out += [f"64x64x16/s{s}/d2" for s in (4, 8) if k // s >= 32]
     for t in ("128x128x8", "64x64x16", "64x64x32"):
         tiling = mm.TILINGS[t]
         tiles = -(-m // tiling.bm) * -(-n // tiling.bn)

@@ -27,6 +27,7 @@ rng = np.random.default_rng(99)
 
 TILED = ["64x64x16", "128x128x8", "128x64x16", "64x128x16", "128x128x8/np", "64x64x16/s3"]
 TILED += ["256x128x8", "128x256x8/np", "64x64x32/s2/np", "64x64x32/np"]
+TILED += ["128x128x8/d2", "64x64x16/s3/d2", "128x64x16/d2"]
 
 
 def _randn(*shape):

@@ -108,6 +108,8 @@ class Plan:
         lanes: gemv only: threads sharing one output column's K (W stored [N, K]) or the
             number of K slices per workgroup (W stored [K, N]).
         prefetch: tiled only: register prefetch + double-buffered workgroup tiles.
+        deep: tiled with prefetch only: two register sets, so each K step's loads are issued
+            two steps before they are stored (in flight over two multiplies instead of one).
     """
 
     kernel: str
@@ -115,6 +117,7 @@ class Plan:
     splits: int = 1
     lanes: int = 32
     prefetch: bool = True
+    deep: bool = False
 
     @property
     def name(self) -> str:
@@ -123,16 +126,18 @@ class Plan:
             base
             + (f"/s{self.splits}" if self.splits > 1 else "")
             + ("" if self.prefetch else "/np")
+            + ("/d2" if self.deep and self.prefetch else "")
         )
 
 
 def parse_plan(name: str) -> Plan:
-    """``"128x128x8"``, ``"64x64x16/s4"``, ``"128x128x8/np"`` (no prefetch), ``"gemv32/s2"``.
+    """``"128x128x8"``, ``"64x64x16/s4"``, ``"128x128x8/np"`` (no prefetch), ``"128x128x8/d2"``
+    (two-deep prefetch), ``"gemv32/s2"``.
 
     Raises:
         ValueError: for a name outside that grammar or a tiling not in ``TILINGS``.
     """
-    m = re.fullmatch(r"(gemv(\d+)|\d+x\d+x\d+)(?:/s(\d+))?(/np)?", name)
+    m = re.fullmatch(r"(gemv(\d+)|\d+x\d+x\d+)(?:/s(\d+))?(/np|/d2)?", name)
     if m is None:
         raise ValueError(f"bad matmul plan name {name!r}")
     splits = int(m.group(3) or 1)
@@ -143,7 +148,10 @@ def parse_plan(name: str) -> Plan:
         return Plan("gemv", None, splits, lanes)
     if m.group(1) not in TILINGS:
         raise ValueError(f"unknown tiling {m.group(1)!r}; known: {sorted(TILINGS)}")
-    return Plan("tiled", TILINGS[m.group(1)], splits, prefetch=m.group(4) is None)
+    suffix = m.group(4)
+    return Plan(
+        "tiled", TILINGS[m.group(1)], splits, prefetch=suffix != "/np", deep=suffix == "/d2"
+    )
 
 
 # ---- plan choice ------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class _Stage:
     def size(self) -> int:
         return self.bk * self.row4
 
-    def setup(self, prefetch: bool) -> list[str]:
+    def setup(self, prefetch: bool, deep: bool = False) -> list[str]:
         p, lines = self.p, []
         for j in range(self.units):
             unit = "lid" if j == 0 else f"(lid + {u(WG * j)})"
@@ -98,10 +98,12 @@ class _Stage:
             lines.append(f"  let {p}b{j} = {p}_off + {_times(f'{p}r{j}', self.rowstride)};")
             if prefetch:
                 lines.append(f"  var {p}v{j}: vec4<f32>;")
+            if deep:
+                lines.append(f"  var {p}w{j}: vec4<f32>;")
         return lines
 
-    def fetch(self, k0: str, declare: bool) -> list[str]:
-        """Load this thread's runs at K tile ``k0`` into ``{p}v{j}``."""
+    def fetch(self, k0: str, declare: bool, reg: str = "v") -> list[str]:
+        """Load this thread's runs at K tile ``k0`` into ``{p}{reg}{j}``."""
         p, kb, op, lines = self.p, self.kb, self.op, []
         ragged_rows, ragged_k = self.extent % self.span != 0, self.k % self.bk != 0
         for j in range(self.units):
@@ -127,21 +129,22 @@ class _Stage:
                         conds.append(f"{kc} < {u(self.k)}")
                     elems.append(_select(op.scalar(kb, index), conds, False))
                 value = f"vec4<f32>({', '.join(elems)})"
-            lines.append(f"    {'let ' if declare else ''}{p}v{j} = {value};")
+            lines.append(f"    {'let ' if declare else ''}{p}{reg}{j} = {value};")
         return lines
 
-    def stash(self, buf: str) -> list[str]:
-        """Store the fetched runs into the workgroup buffer starting at vec4 ``buf``."""
+    def stash(self, buf: str, reg: str = "v") -> list[str]:
+        """Store the fetched runs (``{p}{reg}{j}``) into the workgroup buffer starting at vec4
+        ``buf``."""
         p, lines = self.p, []
         for j in range(self.units):
             at = f"{self.shared}[{buf}{p}s{j}"
             if self.along_k:
                 lines += [
-                    f"    {at} + {u(c * self.row4)}][{p}c{j}] = {p}v{j}.{'xyzw'[c]};"
+                    f"    {at} + {u(c * self.row4)}][{p}c{j}] = {p}{reg}{j}.{'xyzw'[c]};"
                     for c in range(4)
                 ]
             else:
-                lines.append(f"    {at}] = {p}v{j};")
+                lines.append(f"    {at}] = {p}{reg}{j};")
         return lines
 
 
@@ -190,7 +193,8 @@ def emit_tiled(
         lines += ["  let k_begin = 0u;", f"  let k_end = {u(p.k)};"]
     lines += p.offsets()
     lines += [f"  let tx = lid % {u(THREADS)};", f"  let ty = lid / {u(THREADS)};"]
-    lines += sa.setup(plan.prefetch) + sb.setup(plan.prefetch)
+    deep = plan.prefetch and plan.deep and not ABLATE
+    lines += sa.setup(plan.prefetch, deep) + sb.setup(plan.prefetch, deep)
     acc = [(g, i, h) for g in range(t.tm // 4) for i in range(4) for h in range(t.tn // 4)]
     lines += [f"  var acc{g}{i}{h} = vec4<f32>(0.0);" for g, i, h in acc]
 
@@ -222,7 +226,10 @@ def emit_tiled(
         return out
 
     step = f"k0 = k0 + {u(t.bk)}"
-    if plan.prefetch and not ablate:
+    if deep:
+        lines += _deep_loop(sa, sb, t.bk, multiply)
+        buffers = 2
+    elif plan.prefetch and not ablate:
         lines += sa.fetch("k_begin", False) + sb.fetch("k_begin", False)
         lines += sa.stash("") + sb.stash("")
         lines += ["  workgroupBarrier();", "  var par = 0u;"]
@@ -266,6 +273,39 @@ def emit_tiled(
         f"var<workgroup> Bs: array<vec4<f32>, {buffers * sb.size}>;\n"
     )
     return "\n".join(lines), helpers, mn * p.nb * splits
+
+
+def _deep_loop(sa: _Stage, sb: _Stage, bk: int, multiply) -> list[str]:
+    """The K loop with two-deep prefetch, two K steps per iteration.
+
+    Buffers alternate by step (A's first half of ``As`` for even steps, second for odd), so
+    their offsets are constants; register sets ``v`` and ``w`` alternate too: the loads for step
+    t + 2 are issued before step t multiplies and stored after step t + 1 does. Each store goes
+    to the buffer whose last reads ended at the barrier before it.
+    """
+
+    def fetch(k0: str, reg: str) -> list[str]:
+        return sa.fetch(k0, False, reg) + sb.fetch(k0, False, reg)
+
+    def stash(half: int, reg: str) -> list[str]:
+        return sa.stash(f"{u(half * sa.size)} + ", reg) + sb.stash(f"{u(half * sb.size)} + ", reg)
+
+    def ahead(n: int) -> str:
+        return f"k0 + {u(n * bk)} < k_end"
+
+    lines = fetch("k_begin", "v") + stash(0, "v")
+    lines += [f"  if (k_begin + {u(bk)} < k_end) {{"] + fetch(f"k_begin + {u(bk)}", "w")
+    lines += ["  }", "  workgroupBarrier();"]
+    lines.append(f"  for (var k0 = k_begin; k0 < k_end; k0 = k0 + {u(2 * bk)}) {{")
+    lines += [f"    if ({ahead(2)}) {{"] + fetch(f"k0 + {u(2 * bk)}", "v") + ["    }"]
+    lines += multiply(f"{u(0)} + ", f"{u(0)} + ")
+    lines += [f"    if ({ahead(1)}) {{"] + stash(1, "w") + ["    }", "    workgroupBarrier();"]
+    lines += [f"    if (!({ahead(1)})) {{ break; }}"]
+    lines += [f"    if ({ahead(3)}) {{"] + fetch(f"k0 + {u(3 * bk)}", "w") + ["    }"]
+    lines += multiply(f"{u(sa.size)} + ", f"{u(sb.size)} + ")
+    lines += [f"    if ({ahead(2)}) {{"] + stash(0, "v") + ["    }", "    workgroupBarrier();"]
+    lines.append("  }")
+    return lines
 
 
 def _store(store: Store, t, m: int, n: int, acc) -> list[str]:
