@@ -124,7 +124,7 @@ def test_default_plans_match_float64():
 
 
 def test_heuristic():
-    assert heuristic_plan(4096, 4096, 4096) == Plan("tiled", LARGE)
+    assert heuristic_plan(4096, 4096, 4096) == Plan("tiled", LARGE, deep=True)
     assert heuristic_plan(128, 576, 576).splits == 4  # few tiles, K split in 4 (swept)
     assert heuristic_plan(1024, 1024, 1024) == Plan("tiled", SMALL)  # 256 tiles (measured)
     assert heuristic_plan(1500, 384, 1536).tiling.name == "128x64x16"

@@ -4,7 +4,8 @@ Every matmul lowers to one of two kernels, chosen per shape by a ``Plan``:
   * ``tiled`` (``matmul_tiled.py``): 256 threads register-tile a BM x BN output block
     (``TILINGS``: 128x128, 128x64, 64x128, 64x64), vec4 global loads where the layout allows,
     the next K tile prefetched into registers while the current one is multiplied out of
-    double-buffered workgroup memory (one barrier per K step);
+    double-buffered workgroup memory (one barrier per K step), or two tiles ahead through two
+    register sets (``Plan.deep``, the default on 128x128);
   * ``gemv`` (``matmul_gemv.py``): M <= 8 (decode), threads split K and reduce in workgroup
     memory, each warp reading neighbouring addresses of the weight.
 Either can split K (``Plan.splits`` > 1): chunk s of K writes its partial product to scratch
@@ -258,8 +259,10 @@ def heuristic_plan(m: int, k: int, n: int, batch: int = 1) -> Plan:
 
     if m >= 128 and n >= 128 and tiles(LARGE) >= LARGE_MIN_TILES:
         # with naga's runtime checks prefetch cost this tile 5-9%; without them it gains
-        # 6-15% at 2048^3 and 4096^3 and 36% on SmolLM2's LM head (TUNED's sweep)
-        return Plan("tiled", LARGE)
+        # 6-15% at 2048^3 and 4096^3 and 36% on SmolLM2's LM head, and two-deep prefetch
+        # another 6-11% (bench/results/matmul_sweep_d2_h200.json: 4096^3 36.2 -> 39.1-39.9
+        # TFLOP/s, the LM head 29.3 -> 32.5)
+        return Plan("tiled", LARGE, deep=True)
     tall, wide = TILINGS["128x64x16"], TILINGS["64x128x16"]
     halves = [t for t in (tall, wide) if tiles(t) >= HALF_MIN_TILES and m >= t.bm and n >= t.bn]
     if halves:

@@ -15,8 +15,10 @@ threads 4 K apart fall in different banks.
 
 Prefetch (``Plan.prefetch``): the next K tile is loaded into registers before the current one
 is multiplied, and stored into the other of two workgroup buffers afterwards; one barrier per
-K step (a buffer is rewritten only after the barrier that ends every read of it). Without
-prefetch: load, barrier, multiply, barrier, one buffer.
+K step (a buffer is rewritten only after the barrier that ends every read of it). Two-deep
+(``Plan.deep``): two register sets, the loads of step t + 2 issued before step t multiplies
+and stored after step t + 1 does, so they are in flight over two multiplies (``_deep_loop``).
+Without prefetch: load, barrier, multiply, barrier, one buffer.
 
 Loads past M, N or K read zero through ``select`` (robust buffer access keeps the unselected
 read harmless); checks are emitted only for dims that do not divide evenly.
