@@ -11,7 +11,8 @@ evenly by the shapes, skips a shape's remaining plans (never the default) once i
 spent; the JSON is rewritten after each shape.
 
 Usage: python bench/matmul_sweep.py [--quick] [--out PATH] [--repeats 5] [--warmup 2]
-                                    [--budget-s 170] [--only CASE ...] [--runtime-checks on|off]
+                                    [--budget-s 170] [--only CASE ...] [--layout nn|nt|tn|tt]
+                                    [--runtime-checks on|off]
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def main() -> None:
     ap.add_argument("--warm-seconds", type=float, default=None)
     ap.add_argument("--only", nargs="*", default=None, help="case names to run")
     ap.add_argument("--adapter", default=os.environ.get("MEGANEURA_ADAPTER"))
+    ap.add_argument("--layout", choices=("nn", "nt", "tn", "tt"), default=None,
+                    help="run the chosen shapes in this operand layout instead of their own")
     ap.add_argument("--runtime-checks", choices=("on", "off"), default=None,
                     help="naga's runtime checks in shader modules (default: the library's)")
     args = ap.parse_args()
@@ -109,7 +112,7 @@ def main() -> None:
     warm_s = args.warm_seconds if args.warm_seconds is not None else (0.0 if args.quick else 2.0)
     out = args.out or os.path.join(
         os.path.dirname(os.path.abspath(__file__)),
-        "results", "quick" if args.quick else "", "matmul_sweep.json",
+        "results", "quick" if args.quick else "sweeps", "matmul_sweep.json",
     )  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
 
@@ -136,6 +139,8 @@ def main() -> None:
     print(f"{'case':<22} {'layout':<4} {'M':>5} {'K':>5} {'N':>6} {'plan':<16} "
           f"{'ms':>9} {'TFLOP/s':>8} {'xcuBLAS':>7} {'rel_err':>8}")  # fmt: skip
     todo = [s for s in shapes(args.quick) if not args.only or s[0] in args.only]
+    if args.layout:  # the same shapes in another operand layout
+        todo = [(c, m, k, n, args.layout, o) for c, m, k, n, _, o in todo]
     for i, (case, m, k, n, layout, origin) in enumerate(todo):
         # an even share of the budget per shape, so a slow start cannot starve the last ones
         deadline = t0 + args.budget_s * (i + 1) / len(todo)

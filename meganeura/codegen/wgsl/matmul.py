@@ -182,6 +182,17 @@ TUNED: dict[tuple[int, int, int, str], str] = {
     (1500, 1536, 384, "nt"): "64x64x16/s8",  # whisper_fc2 x1.29
     (1500, 384, 64, "nt"): "64x64x16/s8",  # whisper_train_head x1.25 (re-swept)
     (384, 1500, 1536, "tn"): "64x64x16/s8",  # whisper_dw_fc1 x1.46
+    # the same projections written x @ W (W stored [K, N]), swept with --layout nn
+    # (bench/results/sweeps/matmul_sweep_nn_h200.json): split-K pays even below SPLIT_MIN_WORK
+    (128, 576, 576, "nn"): "64x64x16/s8",  # smollm2_q_o x1.05
+    (128, 576, 192, "nn"): "64x64x16/s8",  # smollm2_k_v x1.62
+    (50, 720, 960, "nn"): "64x64x32/s8",  # smolvla_q x1.09
+    (50, 720, 320, "nn"): "64x64x16/s8",  # smolvla_k_v x2.06
+    (50, 720, 2048, "nn"): "64x64x16/s8",  # smolvla_gate_up x1.13
+    (50, 2048, 720, "nn"): "64x64x32/s8",  # smolvla_down x1.08
+    (16, 320, 320, "nn"): "64x64x16/s8",  # smolvla_cross_kv x1.31
+    (50, 720, 32, "nn"): "64x64x32/s8",  # smolvla_action_out x2.08
+    (1500, 384, 64, "nn"): "64x64x16/s8/d2",  # whisper_train_head x1.27
 }
 
 SMS = 132  # multiprocessors of the H200 the heuristic was written for
@@ -260,7 +271,7 @@ def heuristic_plan(m: int, k: int, n: int, batch: int = 1) -> Plan:
     if m >= 128 and n >= 128 and tiles(LARGE) >= LARGE_MIN_TILES:
         # with naga's runtime checks prefetch cost this tile 5-9%; without them it gains
         # 6-15% at 2048^3 and 4096^3 and 36% on SmolLM2's LM head, and two-deep prefetch
-        # another 6-11% (bench/results/matmul_sweep_d2_h200.json: 4096^3 36.2 -> 39.1-39.9
+        # another 6-11% (bench/results/sweeps/matmul_sweep_d2_h200.json: 4096^3 36.2 -> 39.1-39.9
         # TFLOP/s, the LM head 29.3 -> 32.5)
         return Plan("tiled", LARGE, deep=True)
     tall, wide = TILINGS["128x64x16"], TILINGS["64x128x16"]
