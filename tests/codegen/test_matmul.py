@@ -262,3 +262,23 @@ def test_batched_transpose_fold_and_same_operand_twice(k, plan):
     res = check(graph, {"x": _randn(2, 3, m, k)})
     (kern,) = [kk for kk in res.kernels if kk.name.startswith(f"%{gram.id} ")]
     assert len(kern.bindings) == 2
+
+
+@pytest.mark.parametrize("mode", ["no_global", "no_shared"])
+def test_benchmark_ablations_compile_and_leave_no_trace(mode):
+    """bench/matmul_ablation.py's variants must stay valid WGSL (they are only timed), and
+    lowering after them is the ordinary kernel again."""
+    from meganeura.codegen.wgsl import matmul_tiled
+
+    graph, inputs, want, y = _product(64, 40, 64, "nn")
+    force_plan("64x64x16/d2")
+    matmul_tiled.ABLATE[:] = [mode]
+    try:
+        ablated = run(graph, inputs).values[y]
+    finally:
+        matmul_tiled.ABLATE[:] = []
+    try:
+        _assert_close(run(graph, inputs).values[y], want, 40)
+    finally:
+        force_plan(None)
+    assert ablated.shape == want.shape

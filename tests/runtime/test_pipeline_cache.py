@@ -80,3 +80,41 @@ def test_compile_records_every_stage():
     assert all(v >= 0 for v in times.values())
     inference = compile(build_mlp(8, (784, 16, 10), labels=False).graph)
     assert "graph" not in inference.meta["compile_seconds"]
+
+
+@pytest.mark.gpu
+def test_runtime_checks_are_part_of_the_cache_key(gpu_device):
+    """The same program with naga's runtime checks on and off: both compile (separately, as
+    the key includes the flag), give the same values, and the flag is restored."""
+    from meganeura.runtime import Session
+
+    program = _program(uuid.uuid4().hex)
+    cache = gpu_device.pipelines
+    default = cache.runtime_checks
+    x = np.arange(N, dtype=np.float32) - 100
+    outs = []
+    try:
+        for checks in (True, False):
+            cache.runtime_checks = checks
+            with Session(program, gpu_device) as sess:
+                assert (sess.pipelines_compiled, sess.pipelines_reused) == (2, 1)
+                outs.append(sess.run({"x": x}, ["z"])["z"])
+    finally:
+        cache.runtime_checks = default
+    np.testing.assert_array_equal(outs[0], 4 * x)
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checks", [True, False])
+def test_bad_wgsl_names_the_kernel_either_way(gpu_device, checks):
+    from meganeura.runtime.pipelines import KernelError
+
+    cache = gpu_device.pipelines
+    default = cache.runtime_checks
+    cache.runtime_checks = checks
+    try:
+        with pytest.raises(KernelError, match="'%7 broken'.*failed to compile"):
+            cache.get("%7 broken", f"fn main( {{ // {uuid.uuid4().hex}", (True,))
+    finally:
+        cache.runtime_checks = default
