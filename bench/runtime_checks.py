@@ -57,6 +57,7 @@ def measure(device, build, params, args):
     from meganeura.training import compile_for
 
     sessions, outs, times = {}, {}, {True: [], False: []}
+    before = device.pipelines.runtime_checks
     try:
         for checks in (True, False):
             device.pipelines.runtime_checks = checks
@@ -69,7 +70,7 @@ def measure(device, build, params, args):
                 prof = profile_ms(sessions[checks], {}, args.warmup, args.repeats)
                 times[checks].append(prof["all"]["median"])
     finally:
-        device.pipelines.runtime_checks = True
+        device.pipelines.runtime_checks = before
         for sess in sessions.values():
             sess.close()
     diff = max(rel_err(outs[False][k], outs[True][k]) for k in outs[True])

@@ -76,13 +76,14 @@ class PipelineCache:
             driver's pipeline creation).
         runtime_checks: whether shader modules get naga's runtime checks (index clamping and
             loop bounding, WebGPU's default); False creates them trusted
-            (``fastpath.create_shader_module``). Read when a pipeline is compiled; pipelines of
-            either kind are cached apart.
+            (``fastpath.create_shader_module``); None (the default) follows the module's
+            ``RUNTIME_CHECKS``. Read when a pipeline is compiled; pipelines of either kind are
+            cached apart.
     """
 
     def __init__(self, gpu: wgpu.GPUDevice, runtime_checks: bool | None = None):
         self.gpu = gpu
-        self.runtime_checks = RUNTIME_CHECKS if runtime_checks is None else runtime_checks
+        self.runtime_checks = runtime_checks
         self.compiled = 0
         self.hits = 0
         self.shader_seconds = 0.0
@@ -132,7 +133,7 @@ class PipelineCache:
                 ``writes`` (a binding missing from the layout, or read/write access differing).
         """
         writes = tuple(bool(w) for w in writes)
-        checks = bool(self.runtime_checks)
+        checks = bool(RUNTIME_CHECKS if self.runtime_checks is None else self.runtime_checks)
         key = (wgsl_hash(wgsl), writes, checks)
         pipeline = self._pipelines.get(key)
         if pipeline is not None:

@@ -118,3 +118,16 @@ def test_bad_wgsl_names_the_kernel_either_way(gpu_device, checks):
             cache.get("%7 broken", f"fn main( {{ // {uuid.uuid4().hex}", (True,))
     finally:
         cache.runtime_checks = default
+
+
+@pytest.mark.gpu
+def test_cache_follows_the_module_flag_when_unset(gpu_device, monkeypatch):
+    from meganeura.runtime import Session, pipelines
+
+    cache = gpu_device.pipelines
+    monkeypatch.setattr(cache, "runtime_checks", None)
+    program = _program(uuid.uuid4().hex)
+    for flag, compiled in ((True, 2), (False, 2), (True, 0)):
+        monkeypatch.setattr(pipelines, "RUNTIME_CHECKS", flag)
+        with Session(program, gpu_device) as sess:
+            assert sess.pipelines_compiled == compiled
