@@ -91,7 +91,7 @@ def test_batched_plans(plan):
 
 
 def test_64_deep_k_steps_where_they_fit():
-    """64x64x64 needs 33 KiB without prefetch: run it where the adapter allows, and check
+    """64x64x64 needs 34 KiB without prefetch: run it where the adapter allows, and check
     choose_plan falls back to a tile that fits where it does not (lavapipe: 32 KiB)."""
     limits = device_limits()
     need = matmul.tiled_shared_bytes(matmul.TILINGS["64x64x64"], prefetch=False)
@@ -282,3 +282,22 @@ def test_benchmark_ablations_compile_and_leave_no_trace(mode):
     finally:
         force_plan(None)
     assert ablated.shape == want.shape
+
+
+@pytest.mark.parametrize(
+    "plan", ["256x128x8/d2", "128x128x8/s5/d2", "64x64x16/s7/d2"], indirect=True
+)
+@pytest.mark.parametrize("layout", ["nn", "tt"])
+@pytest.mark.parametrize("m,k,n", [(9, 8, 7), (257, 40, 5), (5, 250, 300)])
+def test_two_deep_prefetch_on_ragged_steps(m, k, n, layout, plan):
+    """One K step, split chunks of one to three steps, an odd step count: the two-deep loop's
+    break and its alternating buffers."""
+    graph, inputs, want, y = _product(m, k, n, layout)
+    _assert_close(run(graph, inputs).values[y], want, k)
+
+
+@pytest.mark.parametrize("plan", ["128x128x8/d2", "64x64x16/s3/d2"], indirect=True)
+def test_batched_two_deep_prefetch(plan):
+    for layout in ("nn", "tn"):
+        graph, inputs, want, y = _product(70, 45, 36, layout, batch=(3,))
+        _assert_close(run(graph, inputs).values[y], want, 45)

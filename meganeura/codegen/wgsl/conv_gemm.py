@@ -16,9 +16,10 @@ K = N * OH * OW), K is cut into ``splits`` chunks of whole K steps, each chunk w
 partial C densely to scratch (``[split][grp][m][n]``), and a second dispatch sums the chunks
 in a fixed order (deterministic), then stores through the output mapping and adds the bias.
 
-Every thread of a workgroup runs every barrier; loads past M, N or K are zero by ``select``
-(robust buffer access keeps the unselected out-of-range read harmless), stores past M or N
-are skipped. All index math is u32 and may wrap below zero on purpose: ``u32(h - p) < H`` is
+Every thread of a workgroup runs every barrier; loads past M, N or K are zero by ``select``,
+and their index is selected to 0 as well, so no read leaves its binding (shader modules are
+created without naga's bounds checks, ``runtime/pipelines.py``); stores past M or N are
+skipped. All index math is u32 and may wrap below zero on purpose: ``u32(h - p) < H`` is
 the test ``0 <= h - p < H`` for values far below 2^31.
 """
 
@@ -312,8 +313,13 @@ class _Stage:
                     conds.append(f"{p}_in{j}")
                 if self.k % self.bk:
                     conds.append(f"{p}_k{r} < {u(self.k)}")
-                load = self.op.src.at(index)
-                vals.append(f"select(0.0, {load}, {' && '.join(conds)})" if conds else load)
+                if conds:  # the index too, so that no read leaves the binding
+                    ok = " && ".join(conds)
+                    vals.append(
+                        f"select(0.0, {self.op.src.at(f'select(0u, {index}, {ok})')}, {ok})"
+                    )
+                else:
+                    vals.append(self.op.src.at(index))
             dst = f"{self.shared}[l{p}{r}_k * {u(self.span // 4)} + l{p}{r}_r]"
             body.append(f"{dst} = vec4<f32>({', '.join(vals)});")
             first_skipped = (r + 1) * THREADS > self.slots

@@ -20,8 +20,9 @@ K step (a buffer is rewritten only after the barrier that ends every read of it)
 and stored after step t + 1 does, so they are in flight over two multiplies (``_deep_loop``).
 Without prefetch: load, barrier, multiply, barrier, one buffer.
 
-Loads past M, N or K read zero through ``select`` (robust buffer access keeps the unselected
-read harmless); checks are emitted only for dims that do not divide evenly.
+Loads past M, N or K read zero through ``select``, with the index selected to 0 as well, so no
+read leaves its binding (shader modules are created without naga's bounds checks,
+``runtime/pipelines.py``); checks are emitted only for dims that do not divide evenly.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ def _times(expr: str, n: int) -> str:
     return expr if n == 1 else f"{expr} * {u(n)}"
 
 
-def _select(load: str, conds: list[str], vec: bool) -> str:
+def _guarded(read, index: str, conds: list[str], vec: bool) -> str:
+    """``read(index)``, or zero where ``conds`` fail; the index is then 0 too, so the read
+    stays inside the binding."""
     if not conds:
-        return load
+        return read(index)
+    ok = " && ".join(conds)
     zero = "vec4<f32>(0.0)" if vec else "0.0"
-    return f"select({zero}, {load}, {' && '.join(conds)})"
+    return f"select({zero}, {read(f'select(0u, {index}, {ok})')}, {ok})"
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ class _Stage:
                 conds = [f"{p}r{j} < {u(self.extent)}"] if ragged_rows else []
                 conds += [f"{kk} < {u(self.k)}"] if ragged_k else []
                 index = f"{p}b{j} + {_times(kk, self.kstride)}"
-                value = _select(op.vec4(kb, index), conds, True)
+                value = _guarded(lambda i: op.vec4(kb, i), index, conds, True)
             else:
                 elems = []
                 for c in range(4):
@@ -129,7 +133,7 @@ class _Stage:
                         conds.append(f"{row} < {u(self.extent)}")
                     if ragged_k:
                         conds.append(f"{kc} < {u(self.k)}")
-                    elems.append(_select(op.scalar(kb, index), conds, False))
+                    elems.append(_guarded(lambda i: op.scalar(kb, i), index, conds, False))
                 value = f"vec4<f32>({', '.join(elems)})"
             lines.append(f"    {'let ' if declare else ''}{p}{reg}{j} = {value};")
         return lines
