@@ -109,7 +109,7 @@ def add_args(ap, name: str, repeats: int = 10, warmup: int = 3) -> None:
         choices=("on", "off"),
         default=None,
         help="naga's runtime checks in shader modules (default: the library's, "
-        "meganeura.runtime.pipelines.RUNTIME_CHECKS)",
+        "meganeura.runtime.pipelines.default_runtime_checks: off on Vulkan)",
     )
     ap.set_defaults(_default_repeats=repeats, _default_warmup=warmup)
 

@@ -127,7 +127,7 @@ class Device:
         self.min_storage_buffer_offset_alignment = lim.get(
             "min-storage-buffer-offset-alignment", 256
         )
-        self.pipelines = PipelineCache(gpu)
+        self.pipelines = PipelineCache(gpu, backend=self.info.get("backend_type"))
 
     @classmethod
     def open(cls, adapter: str | None = None) -> Device:

@@ -196,12 +196,13 @@ def create_shader_module(gpu: wgpu.GPUDevice, label: str, wgsl: str, checks: boo
     """A shader module from WGSL, with or without the runtime checks naga adds when it
     translates to the backend's language.
 
-    With ``checks`` (WebGPU's default), every dynamically indexed array and storage access is
-    clamped into bounds and every loop carries a counter that breaks it after 2^64 iterations.
+    With ``checks`` (WebGPU's default), naga clamps dynamically indexed arrays into bounds (and
+    storage accesses, where the backend's driver does not bound them itself) and gives every
+    loop a counter that breaks it after 2^64 iterations.
     Without them (``wgpuDeviceCreateShaderModuleTrusted`` with no ``WGPUShaderRuntimeChecks``),
     the shader is passed on as written: an out-of-range index is undefined behaviour, as in
-    CUDA. meganeura's kernels are generated for fixed shapes and guard every partial tile, and
-    the op database runs them both ways; see ``PipelineCache.runtime_checks``.
+    CUDA. meganeura's kernels are generated for fixed shapes and guard every partial tile; see
+    ``pipelines.default_runtime_checks`` for where this is the default.
 
     Raises:
         wgpu.GPUError: the WGSL fails to parse or validate (as ``create_shader_module``).

@@ -14,10 +14,9 @@ Invariants:
     because it drops bindings the shader never uses, which then makes bind-group creation fail;
   * the cache key is (sha256 of the WGSL, writes flags, runtime checks): identical kernels in
     one program or across programs share one pipeline;
-  * shader modules are created without naga's runtime checks unless ``RUNTIME_CHECKS`` (or a
-    cache's ``runtime_checks``) says otherwise: no index clamping, no loop counters
-    (``fastpath.create_shader_module``). Every kernel is generated for fixed shapes and guards
-    its partial tiles itself; the checks cost attention 1.46-1.64x on the H200.
+  * on Vulkan, shader modules are created without naga's runtime checks (no index clamping,
+    no loop counters; ``fastpath.create_shader_module``) unless ``RUNTIME_CHECKS`` or a
+    cache's ``runtime_checks`` says otherwise; ``default_runtime_checks`` says why.
 
 The cache lives in memory for the process. wgpu-py 0.32 bundles wgpu-native 29.0.1.1, whose C
 API has no pipeline-cache objects (the ``pipeline-cache`` feature is listed, but
@@ -57,11 +56,25 @@ def wgsl_hash(wgsl: str) -> str:
     return hashlib.sha256(wgsl.encode("utf-8")).hexdigest()
 
 
-# naga's runtime checks for new PipelineCaches; see PipelineCache.runtime_checks. Off: every
-# kernel is generated for fixed shapes with explicit guards on partial tiles, the op database
-# runs them in CI, and on the H200 the checks cost 1.46-1.64x in attention and 1-8% in matmul
-# and conv (bench/runtime_checks.py, bench/results/runtime_checks_h200.json).
-RUNTIME_CHECKS = False
+# naga's runtime checks (index clamping, loop counters) in shader modules: True or False for
+# every device, or None (the default) for ``default_runtime_checks`` of each device's backend.
+# Read when a pipeline is compiled; see PipelineCache.runtime_checks.
+RUNTIME_CHECKS: bool | None = None
+
+
+def default_runtime_checks(backend: str | None) -> bool:
+    """Whether a device on ``backend`` (an adapter's ``backend_type``) gets runtime checks when
+    nothing says otherwise: off on Vulkan, on elsewhere.
+
+    Off, a shader is passed on as written, so an out-of-range index is undefined behaviour, as
+    in CUDA. meganeura's kernels are generated for fixed shapes, guard every partial tile and
+    select a zero index for the loads they discard, and the op database runs them this way in
+    CI (lavapipe, Vulkan). On Vulkan, wgpu also enables the driver's robust buffer access for
+    storage buffers. On the H200 the checks cost 1.46-1.64x in attention and 1-8% in matmul and
+    conv (bench/runtime_checks.py, bench/results/runtime_checks_h200.json). Metal and DX12 were
+    not measured, so they keep WebGPU's default there.
+    """
+    return str(backend or "").casefold() != "vulkan"
 
 
 class PipelineCache:
@@ -77,13 +90,21 @@ class PipelineCache:
         runtime_checks: whether shader modules get naga's runtime checks (index clamping and
             loop bounding, WebGPU's default); False creates them trusted
             (``fastpath.create_shader_module``); None (the default) follows the module's
-            ``RUNTIME_CHECKS``. Read when a pipeline is compiled; pipelines of either kind are
-            cached apart.
+            ``RUNTIME_CHECKS``, and where that is None too, ``default_runtime_checks`` of
+            ``backend``. Read when a pipeline is compiled; pipelines of either kind are cached
+            apart.
+        backend: the adapter's ``backend_type`` (``"Vulkan"``, ``"Metal"``, ``"D3D12"`` ...).
     """
 
-    def __init__(self, gpu: wgpu.GPUDevice, runtime_checks: bool | None = None):
+    def __init__(
+        self,
+        gpu: wgpu.GPUDevice,
+        runtime_checks: bool | None = None,
+        backend: str | None = None,
+    ):
         self.gpu = gpu
         self.runtime_checks = runtime_checks
+        self.backend = backend
         self.compiled = 0
         self.hits = 0
         self.shader_seconds = 0.0
@@ -93,6 +114,13 @@ class PipelineCache:
 
     def __len__(self) -> int:
         return len(self._pipelines)
+
+    def checks_now(self) -> bool:
+        """Whether a pipeline compiled now gets naga's runtime checks (see ``runtime_checks``)."""
+        for choice in (self.runtime_checks, RUNTIME_CHECKS):
+            if choice is not None:
+                return bool(choice)
+        return default_runtime_checks(self.backend)
 
     def layout(self, writes: tuple[bool, ...]) -> wgpu.GPUBindGroupLayout:
         """The bind group layout for group 0 with one storage binding per ``writes`` flag.
@@ -133,7 +161,7 @@ class PipelineCache:
                 ``writes`` (a binding missing from the layout, or read/write access differing).
         """
         writes = tuple(bool(w) for w in writes)
-        checks = bool(RUNTIME_CHECKS if self.runtime_checks is None else self.runtime_checks)
+        checks = self.checks_now()
         key = (wgsl_hash(wgsl), writes, checks)
         pipeline = self._pipelines.get(key)
         if pipeline is not None:

@@ -107,13 +107,23 @@ def lower_all(graph: Graph, limits: Limits) -> list[tuple[int, list[KernelSource
     return out
 
 
+def _checks(dev) -> bool:
+    from meganeura.runtime import pipelines
+
+    if pipelines.RUNTIME_CHECKS is not None:
+        return pipelines.RUNTIME_CHECKS
+    return pipelines.default_runtime_checks(dev.adapter.info.get("backend_type"))
+
+
 def _pipeline(dev, k: KernelSource):
     import wgpu
 
+    from meganeura.runtime.fastpath import create_shader_module
+
     key = k.wgsl + repr([isinstance(r, ScratchRef) or r.write for r in k.bindings])
     if key not in _PIPELINES:
-        try:
-            module = dev.create_shader_module(code=k.wgsl)
+        try:  # as the runtime creates them: without naga's checks where that is its default
+            module = create_shader_module(dev, k.name, k.wgsl, _checks(dev))
         except Exception as e:  # show the generated source next to the compiler's complaint
             raise AssertionError(f"{k.name} does not compile: {e}\n{k.wgsl}") from None
         entries = [

@@ -131,3 +131,25 @@ def test_cache_follows_the_module_flag_when_unset(gpu_device, monkeypatch):
         monkeypatch.setattr(pipelines, "RUNTIME_CHECKS", flag)
         with Session(program, gpu_device) as sess:
             assert sess.pipelines_compiled == compiled
+
+
+def test_runtime_checks_default_by_backend(monkeypatch):
+    """Off on Vulkan (measured, and the driver bounds storage reads), on where not measured;
+    the module flag overrides the backend rule and a cache's own flag overrides both."""
+    from meganeura.runtime import pipelines
+    from meganeura.runtime.pipelines import PipelineCache, default_runtime_checks
+
+    assert not default_runtime_checks("Vulkan") and not default_runtime_checks("vulkan")
+    assert default_runtime_checks("Metal") and default_runtime_checks("D3D12")
+    assert default_runtime_checks(None)
+    monkeypatch.setattr(pipelines, "RUNTIME_CHECKS", None)
+    assert PipelineCache(None, backend="Metal").checks_now()
+    assert not PipelineCache(None, backend="Vulkan").checks_now()
+    monkeypatch.setattr(pipelines, "RUNTIME_CHECKS", True)
+    assert PipelineCache(None, backend="Vulkan").checks_now()
+    assert not PipelineCache(None, runtime_checks=False, backend="Metal").checks_now()
+
+
+@pytest.mark.gpu
+def test_device_cache_knows_its_backend(gpu_device):
+    assert gpu_device.pipelines.backend == gpu_device.info.get("backend_type")

@@ -2,7 +2,8 @@
 
 Every matmul lowers to one of two kernels, chosen per shape by a ``Plan``:
   * ``tiled`` (``matmul_tiled.py``): 256 threads register-tile a BM x BN output block
-    (``TILINGS``: 128x128, 128x64, 64x128, 64x64), vec4 global loads where the layout allows,
+    (``TILINGS``: 128x128, 128x64, 64x128, 64x64 with K steps of 16, 32 or 64, 256x128,
+    128x256), vec4 global loads where the layout allows,
     the next K tile prefetched into registers while the current one is multiplied out of
     double-buffered workgroup memory (one barrier per K step), or two tiles ahead through two
     register sets (``Plan.deep``, the default on 128x128);
@@ -161,8 +162,9 @@ def parse_plan(name: str) -> Plan:
 # ``bench/matmul_sweep.py`` prints. Shapes not listed fall back to ``heuristic_plan``.
 # Measured best plans (bench/matmul_sweep.py on the H200, 2026-11-30; plans >= 3% faster than
 # the heuristic's choice at the time; the gain over that choice in the comment). Re-swept with
-# trusted shader modules (pipelines.RUNTIME_CHECKS off): every entry still held, and 128x128x8
-# with prefetch became the best large plan (1.06-1.36x over /np), now the heuristic's.
+# naga's runtime checks off (bench/results/sweeps/): 128x128x8 with prefetch became the best
+# large plan (1.06-1.36x over /np), now the heuristic's, so the two square /np entries went;
+# the small projections moved to 8-way splits ("re-swept"); the rest still held.
 TUNED: dict[tuple[int, int, int, str], str] = {
     (512, 4096, 512, "nn"): "128x128x8/s8",  # long_k x1.15
     (128, 576, 576, "nt"): "64x64x16/s8",  # smollm2_q_o x1.04 (re-swept)

@@ -19,7 +19,8 @@ words) in named registers: every element is read from global memory once and wri
 workgroup runs ``wg / T`` rows side by side.
 
 Chunked mode (rows that would need more than ``MAX_UNITS`` units per thread, so, by default,
-rows of more than 65536 elements given 1024-thread teams; only for callers that pass
+rows of more than 65536 elements read as vec4, 16384 read as scalars, given 1024-thread
+teams; only for callers that pass
 ``chunked=True``, whose statistics merge per chunk): the same team walks the row in chunks of
 ``T * min(TARGET_UNITS, MAX_UNITS)`` units, thread ``y`` taking units ``c + y + i * T`` of
 chunk ``c``: a loop over the full chunks (no bounds checks), then one partial chunk. Each
