@@ -118,7 +118,11 @@ def test_fused_key_value_gradients_match_torch(case, plan, gpu_device, override)
     got, want, kernels = _run_fused(gpu_device, qs, ks, vs, mask, **kw)
     assert KEY_VALUE in kernels and BWD_K not in kernels and BWD_V not in kernels
     for n in ("out", "q", "k", "v"):
-        assert _rel(got[n], want[n]) < 2e-6, n
+        if want[n].any():
+            assert _rel(got[n], want[n]) < 2e-6, n
+        else:  # one key: dq is zero in exact arithmetic, f32 rounding of dP - delta (~1e-9 on
+            # the H200, whose compiler contracts into FMAs) may leave it off by a few ulps of 1
+            assert np.abs(got[n]).max() < 1e-6, n
     if case == "causal_gqa_mask":
         # keys no query sees (masked for all of them) get exactly zero gradient
         assert not got["k"][..., 2::5, :].any() and not got["v"][..., 2::5, :].any()
