@@ -256,6 +256,20 @@ class Src:
         return f"{self.name}[{index}]"
 
 
+def guarded_read(read: Callable[[str], str], index: str, ok: str, fill: str) -> str:
+    """WGSL reading ``read(index)`` where ``ok`` holds and ``fill`` elsewhere; the index is
+    selected to 0 where ``ok`` fails, so the discarded read stays inside its binding (shader
+    modules may be created without naga's bounds checks, ``runtime/pipelines.py``).
+
+    Args:
+        read: index expression -> load expression (``Src.at``, a vec4 read ...).
+        index: u32 index expression, possibly out of range where ``ok`` is false.
+        ok: bool expression.
+        fill: the value where ``ok`` is false, of the load's type.
+    """
+    return f"select({fill}, {read(f'select(0u, {index}, {ok})')}, {ok})"
+
+
 # storage element type -> the compute type it is widened to on load
 _WIDEN = {"f16": "f32", "vec4<f16>": "vec4<f32>"}
 

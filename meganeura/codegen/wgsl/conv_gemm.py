@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ...dtypes import DType
 from ..kernel import KernelSource
-from .common import KernelBuilder, Src, u
+from .common import KernelBuilder, Src, guarded_read, u
 from .matmul import LARGE_MIN_TILES
 
 # Split K while fewer workgroups than this would run, keeping at least MIN_SPLIT_K of K
@@ -313,13 +313,8 @@ class _Stage:
                     conds.append(f"{p}_in{j}")
                 if self.k % self.bk:
                     conds.append(f"{p}_k{r} < {u(self.k)}")
-                if conds:  # the index too, so that no read leaves the binding
-                    ok = " && ".join(conds)
-                    vals.append(
-                        f"select(0.0, {self.op.src.at(f'select(0u, {index}, {ok})')}, {ok})"
-                    )
-                else:
-                    vals.append(self.op.src.at(index))
+                at, ok = self.op.src.at, " && ".join(conds)
+                vals.append(guarded_read(at, index, ok, "0.0") if conds else at(index))
             dst = f"{self.shared}[l{p}{r}_k * {u(self.span // 4)} + l{p}{r}_r]"
             body.append(f"{dst} = vec4<f32>({', '.join(vals)});")
             first_skipped = (r + 1) * THREADS > self.slots

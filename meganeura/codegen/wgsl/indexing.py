@@ -23,6 +23,7 @@ from .common import (
     compute_dtype,
     contiguous_strides,
     element_slots,
+    guarded_read,
     literal,
     strided_index,
     u,
@@ -106,7 +107,7 @@ def _lower_embed(graph, node_id, limits, lo, step, fill) -> list[KernelSource]:
         offset = " + ".join(reversed(terms)) or "0u"
         # `&` rather than `&&`: no short-circuit branches in the per-element path
         lines.append(f"  let ok{e} = {' & '.join(f'({c})' for c in checks) or 'true'};")
-        lines.append(f"  let v{e} = select({fill}, {x.at(f'select(0u, {offset}, ok{e})')}, ok{e});")
+        lines.append(f"  let v{e} = {guarded_read(x.at, offset, f'ok{e}', fill)};")
     lines += [f"  {guard(e, kb.store(out, f'i{e}', f'v{e}'))}" for e in range(PER_THREAD)]
     nbytes = node.type.nbytes + x.type.nbytes
     return [kb.finish("", "\n".join(lines), WG, groups, nbytes=nbytes)]

@@ -426,6 +426,18 @@ class Problem:
     def layout(self) -> str:
         return ("t" if self.a.cols != 1 else "n") + ("t" if self.b.cols != 1 else "n")
 
+    def k_range(self, groups: int, splits: int, chunk: int) -> list[str]:
+        """Statements defining this workgroup's ``k_begin`` and ``k_end``: chunk ``wg /
+        groups`` of ``chunk`` when K is split, else all of K (``groups``: the workgroups of one
+        split)."""
+        if splits == 1:
+            return ["  let k_begin = 0u;", f"  let k_end = {u(self.k)};"]
+        return [
+            f"  let split = wg / {u(groups)};",
+            f"  let k_begin = split * {u(chunk)};",
+            f"  let k_end = min(k_begin + {u(chunk)}, {u(self.k)});",
+        ]
+
     def offsets(self) -> list[str]:
         """Statements defining ``a_off``, ``b_off``, ``c_off`` from batch index ``bi``."""
         shape, (bs_a, bs_b) = coalesce(self.bshape, [self.a.batch, self.b.batch])

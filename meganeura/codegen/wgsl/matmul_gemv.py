@@ -27,14 +27,7 @@ from .matmul import WG, Plan, Problem, Store, _bind, vec_ok
 def _prologue(p: Problem, cols: int, splits: int, chunk: int) -> tuple[list[str], int]:
     blocks = -(-p.n // cols)
     lines = [f"  let cb = wg % {u(blocks)};", f"  let bi = (wg / {u(blocks)}) % {u(p.nb)};"]
-    if splits > 1:
-        lines += [
-            f"  let split = wg / {u(blocks * p.nb)};",
-            f"  let k_begin = split * {u(chunk)};",
-            f"  let k_end = min(k_begin + {u(chunk)}, {u(p.k)});",
-        ]
-    else:
-        lines += ["  let k_begin = 0u;", f"  let k_end = {u(p.k)};"]
+    lines += p.k_range(blocks * p.nb, splits, chunk)
     return lines + p.offsets(), blocks * p.nb * splits
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .common import KernelBuilder, u
+from .common import KernelBuilder, guarded_read, u
 from .matmul import THREADS, WG, Operand, Plan, Problem, Store, _bind, vec_ok
 
 
@@ -38,13 +38,10 @@ def _times(expr: str, n: int) -> str:
 
 
 def _guarded(read, index: str, conds: list[str], vec: bool) -> str:
-    """``read(index)``, or zero where ``conds`` fail; the index is then 0 too, so the read
-    stays inside the binding."""
+    """``read(index)``, or zero where ``conds`` fail (``common.guarded_read``)."""
     if not conds:
         return read(index)
-    ok = " && ".join(conds)
-    zero = "vec4<f32>(0.0)" if vec else "0.0"
-    return f"select({zero}, {read(f'select(0u, {index}, {ok})')}, {ok})"
+    return guarded_read(read, index, " && ".join(conds), "vec4<f32>(0.0)" if vec else "0.0")
 
 
 @dataclass(frozen=True)
@@ -189,14 +186,7 @@ def emit_tiled(
         f"  let tile_m = (wg / {u(tiles_n)}) % {u(tiles_m)};",
         f"  let bi = (wg / {u(mn)}) % {u(p.nb)};",
     ]
-    if splits > 1:
-        lines += [
-            f"  let split = wg / {u(mn * p.nb)};",
-            f"  let k_begin = split * {u(chunk)};",
-            f"  let k_end = min(k_begin + {u(chunk)}, {u(p.k)});",
-        ]
-    else:
-        lines += ["  let k_begin = 0u;", f"  let k_end = {u(p.k)};"]
+    lines += p.k_range(mn * p.nb, splits, chunk)
     lines += p.offsets()
     lines += [f"  let tx = lid % {u(THREADS)};", f"  let ty = lid / {u(THREADS)};"]
     deep = plan.prefetch and plan.deep and not ABLATE
