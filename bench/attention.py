@@ -34,17 +34,15 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (  # noqa: E402
-    Recorder,
     add_args,
     dispatch_op,
     profile_ms,
     rel_err,
     resolve_args,
     result,
+    start,
     time_torch,
     to_numpy,
-    torch_setup,
-    warm_gpu,
 )
 
 # name, B, Hq, Hkv, Lq, Lk, D, causal
@@ -95,14 +93,10 @@ def main() -> None:
     add_args(ap, "attention")
     args = ap.parse_args()
     resolve_args(args)
-    from meganeura.runtime import get_device
     from meganeura.training import compile_for
 
-    device = get_device(args.adapter)
-    torch, dev = torch_setup()
+    device, torch, dev, rec = start(args)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    warm = warm_gpu(device, dev, args.warm_seconds)
-    rec = Recorder(args, device, {"torch_device": dev, "gpu_warmup": warm})
 
     for name, b, hq, hkv, lq, lk, d, causal in CASES:
         if args.quick and name == "whisper":

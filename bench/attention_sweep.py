@@ -28,17 +28,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.attention import CASES, build  # noqa: E402
 from bench.common import (  # noqa: E402
-    Recorder,
     add_args,
     dispatch_op,
     profile_ms,
     rel_err,
     resolve_args,
     result,
+    start,
     time_torch,
     to_numpy,
-    torch_setup,
-    warm_gpu,
 )
 
 SDPA = "scaled_dot_product_attention"
@@ -79,14 +77,10 @@ def main() -> None:
     args = ap.parse_args()
     resolve_args(args)
     from meganeura.codegen.wgsl import attention_plan
-    from meganeura.runtime import get_device
     from meganeura.training import compile_for
 
-    device = get_device(args.adapter)
-    torch, dev = torch_setup()
+    device, torch, dev, rec = start(args)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    warm = warm_gpu(device, dev, args.warm_seconds)
-    rec = Recorder(args, device, {"torch_device": dev, "gpu_warmup": warm})
     head = f"{'case':<30}" + "".join(f" {m:>8}" for m in KERNELS) + f" {'bwd':>8}"
     head += f" {'fwd x':>6} {'f+b x':>6} {'err':>8}"
 

@@ -48,16 +48,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (  # noqa: E402
-    Recorder,
     add_args,
     profile_ms,
     rel_err,
     resolve_args,
     result,
+    start,
     time_torch,
     to_numpy,
-    torch_setup,
-    warm_gpu,
 )
 
 
@@ -131,14 +129,10 @@ def main() -> None:
     import meganeura as mn
     import meganeura.nn.functional as F
     from meganeura.optim import Adam, apply_optimizer
-    from meganeura.runtime import get_device
     from meganeura.training import compile_for
 
-    device = get_device(args.adapter)
-    torch, dev = torch_setup()
+    device, torch, dev, rec = start(args)
     tF = torch.nn.functional
-    warm = warm_gpu(device, dev, args.warm_seconds)
-    rec = Recorder(args, device, {"torch_device": dev, "gpu_warmup": warm})
 
     n = 1 << 16 if args.quick else 1 << 26  # 256 KiB / 256 MiB per f32 tensor
     n_big = 1 << 18 if args.quick else 1 << 28  # 1 MiB / 1 GiB

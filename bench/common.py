@@ -291,6 +291,21 @@ def warm_gpu(device, dev: str, seconds: float) -> dict:
     return done
 
 
+def start(args):
+    """What every kernel benchmark does first: the device (``--adapter``), torch on its GPU,
+    ``--warm-seconds`` of warm-up, and a Recorder noting both.
+
+    Returns:
+        (device, torch, torch device string, Recorder).
+    """
+    from meganeura.runtime import get_device
+
+    device = get_device(args.adapter)
+    torch, dev = torch_setup()
+    warm = warm_gpu(device, dev, args.warm_seconds)
+    return device, torch, dev, Recorder(args, device, {"torch_device": dev, "gpu_warmup": warm})
+
+
 class Recorder:
     """Collects result rows and rewrites the result file after each one, so a run cut short
     (a time limit on the GPU machine) keeps what it measured; ``finish`` marks it complete."""

@@ -41,15 +41,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (  # noqa: E402
-    Recorder,
     add_args,
     resolve_args,
     result,
+    start,
     stats,
     timeit,
-    torch_setup,
     torch_sync,
-    warm_gpu,
 )
 
 SIZE = 256  # f32 elements of the chained tensor (1 KiB)
@@ -365,12 +363,7 @@ def main() -> None:
     add_args(ap, "dispatch", repeats=20)
     args = ap.parse_args()
     resolve_args(args)
-    from meganeura.runtime import get_device
-
-    device = get_device(args.adapter)
-    torch, dev = torch_setup()
-    warm = warm_gpu(device, dev, args.warm_seconds)
-    rec = Recorder(args, device, {"torch_device": dev, "gpu_warmup": warm})
+    device, torch, dev, rec = start(args)
     raw = Raw(device.gpu)
     dispatch_rows(args, device, torch, dev, rec, raw)
     upload_rows(args, device, torch, dev, rec)

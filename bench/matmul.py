@@ -30,18 +30,16 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (  # noqa: E402
-    Recorder,
     add_args,
     profile_ms,
     rel_err,
     resolve_args,
     result,
+    start,
     time_torch,
     timeit,
     to_numpy,
-    torch_setup,
     torch_sync,
-    warm_gpu,
 )
 
 # (name, M, K, N, where it comes from). Layout is applied on top: nt = x[M,K] @ W[N,K]^T.
@@ -183,12 +181,7 @@ def main() -> None:
     ap.add_argument("--no-call", action="store_true", help="skip the end-to-end call timings")
     args = ap.parse_args()
     resolve_args(args)
-    from meganeura.runtime import get_device
-
-    device = get_device(args.adapter)
-    torch, dev = torch_setup()
-    warm = warm_gpu(device, dev, args.warm_seconds)
-    rec = Recorder(args, device, {"torch_device": dev, "gpu_warmup": warm})
+    device, torch, dev, rec = start(args)
 
     def scale(d: int) -> int:  # --quick: every shape divided by 8 (at least 1)
         return max(1, d // 8) if args.quick else d

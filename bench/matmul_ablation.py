@@ -26,14 +26,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (  # noqa: E402
-    Recorder,
     add_args,
     profile_ms,
     resolve_args,
     result,
+    start,
     time_torch,
-    torch_setup,
-    warm_gpu,
 )
 from bench.matmul import build, torch_fn  # noqa: E402
 
@@ -49,13 +47,9 @@ def main() -> None:
     resolve_args(args)
     from meganeura.codegen.wgsl import matmul as mm
     from meganeura.codegen.wgsl import matmul_tiled
-    from meganeura.runtime import get_device
     from meganeura.training import compile_for
 
-    device = get_device(args.adapter)
-    torch, dev = torch_setup()
-    warm = warm_gpu(device, dev, args.warm_seconds)
-    rec = Recorder(args, device, {"torch_device": dev, "gpu_warmup": warm})
+    device, torch, dev, rec = start(args)
     s = 256 if args.quick else args.size
     graph, a_shape, b_shape = build(s, s, s, "nn")
     rng = np.random.default_rng(0)

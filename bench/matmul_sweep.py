@@ -98,10 +98,18 @@ def main() -> None:
     ap.add_argument("--warm-seconds", type=float, default=None)
     ap.add_argument("--only", nargs="*", default=None, help="case names to run")
     ap.add_argument("--adapter", default=os.environ.get("MEGANEURA_ADAPTER"))
-    ap.add_argument("--layout", choices=("nn", "nt", "tn", "tt"), default=None,
-                    help="run the chosen shapes in this operand layout instead of their own")
-    ap.add_argument("--runtime-checks", choices=("on", "off"), default=None,
-                    help="naga's runtime checks in shader modules (default: the library's)")
+    ap.add_argument(
+        "--layout",
+        choices=("nn", "nt", "tn", "tt"),
+        default=None,
+        help="run the chosen shapes in this operand layout instead of their own",
+    )
+    ap.add_argument(
+        "--runtime-checks",
+        choices=("on", "off"),
+        default=None,
+        help="naga's runtime checks in shader modules (default: the library's)",
+    )
     args = ap.parse_args()
     if args.runtime_checks is not None:
         from meganeura.runtime import pipelines

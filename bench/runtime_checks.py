@@ -27,15 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import attention, conv, matmul  # noqa: E402
 from bench.common import (  # noqa: E402
-    Recorder,
     add_args,
     profile_ms,
     rel_err,
     resolve_args,
     result,
+    start,
     time_torch,
-    torch_setup,
-    warm_gpu,
 )
 
 # (case, M, K, N, layout)
@@ -117,12 +115,7 @@ def main() -> None:
     add_args(ap, "runtime_checks")
     args = ap.parse_args()
     resolve_args(args)
-    from meganeura.runtime import get_device
-
-    device = get_device(args.adapter)
-    torch, dev = torch_setup()
-    warm = warm_gpu(device, dev, args.warm_seconds)
-    rec = Recorder(args, device, {"torch_device": dev, "gpu_warmup": warm})
+    device, torch, dev, rec = start(args)
     rng = np.random.default_rng(0)
 
     for case, m, k, n, layout in MATMULS:
