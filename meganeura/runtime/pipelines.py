@@ -77,6 +77,11 @@ def default_runtime_checks(backend: str | None) -> bool:
     return str(backend or "").casefold() != "vulkan"
 
 
+def runtime_checks_for(backend: str | None) -> bool:
+    """``RUNTIME_CHECKS`` where it is set, else ``default_runtime_checks(backend)``."""
+    return default_runtime_checks(backend) if RUNTIME_CHECKS is None else bool(RUNTIME_CHECKS)
+
+
 class PipelineCache:
     """Pipelines and bind group layouts of one ``GPUDevice``.
 
@@ -117,10 +122,9 @@ class PipelineCache:
 
     def checks_now(self) -> bool:
         """Whether a pipeline compiled now gets naga's runtime checks (see ``runtime_checks``)."""
-        for choice in (self.runtime_checks, RUNTIME_CHECKS):
-            if choice is not None:
-                return bool(choice)
-        return default_runtime_checks(self.backend)
+        if self.runtime_checks is not None:
+            return bool(self.runtime_checks)
+        return runtime_checks_for(self.backend)
 
     def layout(self, writes: tuple[bool, ...]) -> wgpu.GPUBindGroupLayout:
         """The bind group layout for group 0 with one storage binding per ``writes`` flag.

@@ -108,11 +108,9 @@ def lower_all(graph: Graph, limits: Limits) -> list[tuple[int, list[KernelSource
 
 
 def _checks(dev) -> bool:
-    from meganeura.runtime import pipelines
+    from meganeura.runtime.pipelines import runtime_checks_for
 
-    if pipelines.RUNTIME_CHECKS is not None:
-        return pipelines.RUNTIME_CHECKS
-    return pipelines.default_runtime_checks(dev.adapter.info.get("backend_type"))
+    return runtime_checks_for(dev.adapter.info.get("backend_type"))
 
 
 def _pipeline(dev, k: KernelSource):
