@@ -14,8 +14,8 @@ Usage (from the repository root)::
     python scripts/wgsl_digest.py > after.txt && diff before.txt after.txt
 
 ``--forced`` adds every matmul plan and attention block plan forced onto the database's
-samples of those ops. A case that fails to compile is recorded with its error's type and message, so a change in
-what fails also shows up in the diff.
+samples of those ops. A case that fails to compile is recorded with its error's type and
+message, so a change in what fails also shows up in the diff.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ LIMITS = {
         subgroups=True,
     ),
 }
+ATTENTION_MODES = ("fwd", "stats", "dq", "dk", "dv", "dkv")
 
 
 def _digest(graph, options: CompileOptions, limits: Limits) -> str:
@@ -129,12 +130,21 @@ def _forced_cases():
             knobs = [(p, lambda p=p: matmul.force_plan(p)) for p in plans]
             reset = lambda: matmul.force_plan(None)  # noqa: E731
         elif "scaled_dot_product_attention" in info.ops:
-            modes = ("fwd", "stats", "dq", "dk", "dv", "dkv")
             knobs = [
-                (f"block{p}", lambda p=p: attention_plan.BLOCK_OVERRIDE.update(dict.fromkeys(modes, p)))
+                (
+                    f"block{p}",
+                    lambda p=p: attention_plan.BLOCK_OVERRIDE.update(
+                        dict.fromkeys(ATTENTION_MODES, p)
+                    ),
+                )
                 for p in attention_plan.BLOCK_PLANS
             ]
-            knobs.append(("lane", lambda: attention_plan.BLOCK_OVERRIDE.update(dict.fromkeys(modes))))
+            knobs.append(
+                (
+                    "lane",
+                    lambda: attention_plan.BLOCK_OVERRIDE.update(dict.fromkeys(ATTENTION_MODES)),
+                )
+            )
             reset = attention_plan.BLOCK_OVERRIDE.clear
         else:
             continue
