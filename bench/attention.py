@@ -12,7 +12,7 @@ Ours, forward + backward: one program holding the forward and the gradients of q
 ``meganeura.autodiff.differentiate`` of ``loss = sum(o * go)`` (go a parameter: the output
 gradient), outputs o, dq, dk, dv. GPU times from ``Session.profile``; "ours" counts the
 attention kernels only (forward, stats, dq, and dk and dv, or dkv where one kernel computes
-both: ``attention_plan.fuses_key_value``), ``ours_all_ms`` adds the loss's mul/sum
+both: ``attention.plan.fuses_key_value``), ``ours_all_ms`` adds the loss's mul/sum
 and its backward (a few tiny elementwise dispatches PyTorch does not run, since
 ``o.backward(go)`` starts from go directly). Torch: CUDA events around ``sdpa`` and around
 ``sdpa`` + ``o.backward(go)``. Outputs and gradients are checked against PyTorch (rel_err).

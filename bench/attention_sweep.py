@@ -1,4 +1,4 @@
-"""Benchmark sweep: every attention kernel plan (``attention_plan.BLOCK_PLANS`` and the lane
+"""Benchmark sweep: every attention kernel plan (``attention.plan.BLOCK_PLANS`` and the lane
 kernel) on the issue's shapes, forward and backward, against
 torch.nn.functional.scaled_dot_product_attention (f32) in the same process.
 
@@ -53,7 +53,7 @@ SWEEP_CASES = ("whisper", "smollm2")
 
 def variants() -> list[tuple[str, dict, bool | None]]:
     """(label, BLOCK_OVERRIDE, FUSE_KEY_VALUE) per variant."""
-    from meganeura.codegen.wgsl.attention_plan import BLOCK_PLANS
+    from meganeura.codegen.wgsl.attention.plan import BLOCK_PLANS
 
     lane = {m: None for m in KERNELS}
     out = [
@@ -76,7 +76,7 @@ def main() -> None:
     add_args(ap, "attention_sweep", repeats=20, warmup=5)
     args = ap.parse_args()
     resolve_args(args)
-    from meganeura.codegen.wgsl import attention_plan
+    from meganeura.codegen.wgsl.attention import plan as attention_plan
     from meganeura.training import compile_for
 
     device, torch, dev, rec = start(args)

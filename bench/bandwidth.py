@@ -64,15 +64,15 @@ def _data(shape, seed: int) -> np.ndarray:
 
 
 VARIANTS = {
-    "scalar": [("vector", "ENABLED", False), ("reduce", "VEC4", False)],
-    "vpt1": [("vector", "VEC_PER_THREAD", 1)],
-    "vpt2": [("vector", "VEC_PER_THREAD", 2)],
-    "vpt8": [("vector", "VEC_PER_THREAD", 8)],
-    "tree": [("rowwise", "USE_SUBGROUPS", False)],
-    "units2": [("rowwise", "TARGET_UNITS", 2)],
-    "units8": [("rowwise", "TARGET_UNITS", 8)],
-    "general": [("rowwise", "MAX_UNITS", 0), ("rowwise", "CHUNKED", False)],
-    "chunked": [("rowwise", "MAX_UNITS", 1)],
+    "scalar": [("elementwise.vector", "ENABLED", False), ("reduce.reductions", "VEC4", False)],
+    "vpt1": [("elementwise.vector", "VEC_PER_THREAD", 1)],
+    "vpt2": [("elementwise.vector", "VEC_PER_THREAD", 2)],
+    "vpt8": [("elementwise.vector", "VEC_PER_THREAD", 8)],
+    "tree": [("rowwise.team", "USE_SUBGROUPS", False)],
+    "units2": [("rowwise.team", "TARGET_UNITS", 2)],
+    "units8": [("rowwise.team", "TARGET_UNITS", 8)],
+    "general": [("rowwise.team", "MAX_UNITS", 0), ("rowwise.team", "CHUNKED", False)],
+    "chunked": [("rowwise.team", "MAX_UNITS", 1)],
 }
 
 

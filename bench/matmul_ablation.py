@@ -1,7 +1,7 @@
 """Profile by difference: where the time of the tiled matmul kernel goes on a 4096^3 product.
 
 NVIDIA's hardware profiler reads CUDA kernels, not Vulkan ones, so this places the kernel's
-time by timing variants that leave stages out (``matmul_tiled.ABLATE``):
+time by timing variants that leave stages out (``matmul/tiled.py: ABLATE``):
   * ``full``: the kernel as shipped;
   * ``no_global``: no global loads or workgroup stores; the K loop multiplies whatever the
     workgroup tiles hold (barriers kept);
@@ -45,8 +45,8 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=4096)
     args = ap.parse_args()
     resolve_args(args)
-    from meganeura.codegen.wgsl import matmul as mm
-    from meganeura.codegen.wgsl import matmul_tiled
+    from meganeura.codegen.wgsl.matmul import plan as mm
+    from meganeura.codegen.wgsl.matmul import tiled as matmul_tiled
     from meganeura.training import compile_for
 
     device, torch, dev, rec = start(args)

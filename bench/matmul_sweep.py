@@ -6,7 +6,7 @@ plan of ``variants(...)`` is forced with ``matmul.force_plan``, compiled, checke
 PyTorch's result (rel_err) and timed as GPU time from ``Session.profile`` (as bench/matmul.py
 does); torch is timed with CUDA events in the same process. Prints one table row per
 (shape, plan), the best plan per shape with its ratio to cuBLAS, and the ``TUNED`` dict to
-paste into ``meganeura/codegen/wgsl/matmul.py``. A ``--budget-s`` wall-clock budget, shared
+paste into ``meganeura/codegen/wgsl/matmul/tuned.py``. A ``--budget-s`` wall-clock budget, shared
 evenly by the shapes, skips a shape's remaining plans (never the default) once its share is
 spent; the JSON is rewritten after each shape.
 
@@ -60,7 +60,7 @@ def shapes(quick: bool) -> list[tuple[str, int, int, int, str, str]]:
 
 def variants(m: int, k: int, n: int, quick: bool) -> list[str]:
     """Plans worth timing for one shape (the default plan is added by the caller)."""
-    from meganeura.codegen.wgsl import matmul as mm
+    from meganeura.codegen.wgsl.matmul import plan as mm
 
     if m <= mm.GEMV_MAX_M:
         out = [f"gemv{lanes}" for lanes in (8, 16, 32, 64)]
@@ -124,7 +124,7 @@ def main() -> None:
     )  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
 
-    from meganeura.codegen.wgsl import matmul as mm
+    from meganeura.codegen.wgsl.matmul import plan as mm
     from meganeura.runtime import get_device
     from meganeura.training import compile_for, device_limits
 
@@ -212,7 +212,7 @@ def main() -> None:
     for r in best.values():
         print(f"{r['case']:<22} {r['plan']:<16} {r['tflops']:>8.2f} {r['vs_cublas']:>7.3f} "
               f"{r['default_plan']:<16} {r['gain_over_default']:>5.2f}")  # fmt: skip
-    print("\n# paste into meganeura/codegen/wgsl/matmul.py (plans >= 3% faster than default):")
+    print("\n# paste into meganeura/codegen/wgsl/matmul/tuned.py (plans >= 3% over the default):")
     print("TUNED: dict[tuple[int, int, int, str], str] = {")
     for r in best.values():
         if r["gain_over_default"] >= 1.03:

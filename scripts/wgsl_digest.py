@@ -117,11 +117,11 @@ def _cases():
 def _forced_cases():
     """Every matmul plan and attention block plan forced onto the database's samples of those
     ops (the plans the sweeps try and the codegen tests force, beyond each shape's default)."""
-    try:
+    try:  # the layout by kernel family, then the flat one it replaced
         from meganeura.codegen.wgsl.attention import plan as attention_plan
+        from meganeura.codegen.wgsl.matmul import plan as matmul
     except ImportError:
-        from meganeura.codegen.wgsl import attention_plan
-    from meganeura.codegen.wgsl import matmul
+        from meganeura.codegen.wgsl import attention_plan, matmul
 
     plans = [f"{t}{s}{d}" for t in matmul.TILINGS for s in ("", "/s4") for d in ("", "/np", "/d2")]
     plans += ["gemv8", "gemv32/s2", "gemv64"]

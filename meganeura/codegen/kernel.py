@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 from ..dtypes import DType
 
+# Generated kernels index in u32, which stays exact while every flat index (and index + one
+# workgroup) is below 2^31: the most elements one bound value (or an optimizer arena) may hold.
+MAX_ELEMENTS = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class Limits:

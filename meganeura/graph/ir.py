@@ -153,3 +153,12 @@ class Graph:
         from .printer import format_graph
 
         return format_graph(self)
+
+
+def resolve_view(graph: Graph, vid: int) -> int:
+    """The id of the value whose storage ``vid`` reads: ``vid`` itself, or for a view
+    (``VIEW_OPS``: ``reshape``, ``stop_gradient``) the value it reinterprets, followed through
+    chains of views. Scheduling, memory planning and code generation bind that value's buffer."""
+    while graph[vid].op in VIEW_OPS:
+        vid = graph[vid].inputs[0]
+    return vid

@@ -6,7 +6,7 @@ re-exports the functions. Each backward op computes ``grad * f'(x)`` in one kern
 same formula as its forward (so forward and backward never mix approximations) and is marked
 not differentiable (no double backward). Formulas are those of PyTorch's CPU/CUDA kernels
 (aten/src/ATen/native/cpu/Activation.cpp); the WGSL lowerings evaluate algebraically equal
-forms that do not overflow or cancel (``codegen/wgsl/mathlib.py``). References are float64
+forms that do not overflow or cancel (``codegen/wgsl/core/mathlib.py``). References are float64
 safe: they keep their input's dtype.
 """
 
@@ -154,7 +154,7 @@ def gelu(input: Tensor, approximate: str = "none") -> Tensor:  # noqa: A002
     """Gaussian error linear unit (torch.nn.functional.gelu), f32, any shape.
 
     ``approximate="none"``: ``x * Phi(x)``, ``Phi(x) = (1 + erf(x / sqrt 2)) / 2`` with an f32
-    erf accurate to about 1 ulp (FreeBSD msun's erff, see ``codegen/wgsl/mathlib.py``).
+    erf accurate to about 1 ulp (FreeBSD msun's erff, see ``codegen/wgsl/core/mathlib.py``).
     ``approximate="tanh"``: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``. Each
     backward differentiates its own forward formula (PyTorch's GeluBackward).
 

@@ -5,8 +5,8 @@
 matmul's store stage). ``plan_attention_key_value`` pairs the key and value gradients of one
 attention, which one kernel computes in one pass over the probabilities. The typed IR stays
 the source of truth: the graph is not rewritten, the interpreter and autodiff never see a
-fused op; the scheduler lowers each group as one kernel (``codegen.wgsl.fused``) at the
-position of its last member.
+fused op; the scheduler lowers each group as one kernel (``codegen.wgsl.elementwise.fused``)
+at the position of its last member.
 
 Invariants of every group ``plan_fusion`` returns (each check is conservative; a rejected
 merge only costs a dispatch); an attention pair keeps the first and the ordering and
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from ..graph.ir import VIEW_OPS, Graph
+from ..graph.ir import VIEW_OPS, Graph, resolve_view
 from ..ops import OPS
 from ..ops.attention import BWD_K, BWD_V
 
@@ -68,17 +68,11 @@ def _broadcasts(src: Sequence[int], dst: Sequence[int]) -> bool:
     return all(s in (1, d) for s, d in zip(src, tail, strict=True))
 
 
-def _root(graph: Graph, vid: int) -> int:
-    while graph[vid].op in VIEW_OPS:
-        vid = graph[vid].inputs[0]
-    return vid
-
-
 class _Planner:
     def __init__(self, graph: Graph, fusible: Collection[str], needed: Sequence[bool]) -> None:
         self.graph, self.fusible = graph, fusible
         self.users = graph.users()
-        self.out_roots = {_root(graph, v) for _, v in graph.outputs}
+        self.out_roots = {resolve_view(graph, v) for _, v in graph.outputs}
         self.effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
         self.group: dict[int, frozenset[int]] = {}
         self.anchor: dict[frozenset[int], int | None] = {}
@@ -106,7 +100,7 @@ class _Planner:
             return False
         for m in members:
             for i in g[m].inputs:
-                if i not in members and _root(g, i) in members:
+                if i not in members and resolve_view(g, i) in members:
                     return False  # a member read back from memory inside its own kernel
             if self.stored(members, m):
                 if g[m].type.shape != shape:
@@ -187,9 +181,10 @@ def plan_attention_key_value(
 
     A pair is a needed ``..._backward_key`` node (operands q, k, v, dO, stats, mask?) and a
     needed ``..._backward_value`` node reading the same q, k, dO, stats and mask with the same
-    attributes, when ``accept(key node)`` holds (the kernel's choice: ``codegen.wgsl.attention
-    .fuses_key_value``). The kernel runs at the later member's position, so no node may read
-    the earlier one before that and no op with in-place effects may lie between them.
+    attributes, when ``accept(key node)`` holds (the kernel's choice:
+    ``codegen.wgsl.attention.lowering.key_value_fusible``). The kernel runs at the later
+    member's position, so no node may read the earlier one before that and no op with in-place
+    effects may lie between them.
 
     Returns:
         Groups of (key gradient, value gradient) in program order, both stored, anchored on

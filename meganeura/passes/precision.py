@@ -3,7 +3,7 @@
 ``narrow_storage`` is the last rewrite before scheduling. It changes the ``TensorType`` of
 chosen values from f32 to f16 and nothing else: the ops, their order and their operands stay
 as they were. The kernels read an f16 value widened to f32 and narrow on store
-(``codegen.wgsl.common.KernelBuilder``), so every operation and every accumulation still
+(``codegen.wgsl.core.builder.KernelBuilder``), so every operation and every accumulation still
 runs in f32 and only the bytes moved through memory are halved (the "f16 storage, f32
 accumulation" scheme of mixed-precision training, Micikevicius et al., "Mixed Precision
 Training", ICLR 2018, without loss scaling).
@@ -37,7 +37,7 @@ import dataclasses
 from collections.abc import Collection
 
 from ..dtypes import DType
-from ..graph.ir import VIEW_OPS, Graph, TensorType
+from ..graph.ir import VIEW_OPS, Graph, TensorType, resolve_view
 from ..ops import OPS
 
 WIDE_OPS = frozenset(
@@ -55,12 +55,6 @@ WIDE_OPS = frozenset(
 NARROW_LEAVES = frozenset({"parameter"})
 
 
-def _root(graph: Graph, vid: int) -> int:
-    while graph[vid].op in VIEW_OPS:
-        vid = graph[vid].inputs[0]
-    return vid
-
-
 def half_candidates(
     graph: Graph, keep: Collection[int] = (), parameters: bool = False
 ) -> frozenset[int]:
@@ -74,12 +68,12 @@ def half_candidates(
     Returns:
         Ids of f32 values, none of them a view, leaf other than a parameter, or output.
     """
-    wide = {_root(graph, v) for v in keep}
-    wide |= {_root(graph, v) for _, v in graph.outputs}
+    wide = {resolve_view(graph, v) for v in keep}
+    wide |= {resolve_view(graph, v) for _, v in graph.outputs}
     for node in graph.nodes:
         d = OPS.get(node.op)
         if d is not None and d.writes:
-            wide |= {_root(graph, i) for i in node.inputs}
+            wide |= {resolve_view(graph, i) for i in node.inputs}
     out = []
     for node in graph.nodes:
         if node.type.dtype is not DType.f32 or node.id in wide or node.op in VIEW_OPS:
@@ -111,7 +105,8 @@ def narrow_storage(
     half = set(half_candidates(graph, keep, parameters))
     nodes = []
     for node in graph.nodes:
-        if node.op in VIEW_OPS and _root(graph, node.id) in half and node.type.dtype is DType.f32:
+        is_view = node.op in VIEW_OPS
+        if is_view and resolve_view(graph, node.id) in half and node.type.dtype is DType.f32:
             half.add(node.id)
         if node.id in half:
             node = dataclasses.replace(node, type=TensorType(node.type.shape, DType.f16))

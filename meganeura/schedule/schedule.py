@@ -7,10 +7,10 @@ the value whose buffer they share, and measures each value's lifetime in dispatc
 
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
 pairs attention gradients); a group is lowered as one kernel
-(``codegen.wgsl.fused``) at its last member's position, binding the group's external inputs
-and its stored outputs only, so lifetimes come from those bindings; the other members get no
-kernel and no storage. Optimizer updates are grouped likewise (``update_groups``): one kernel
-per group at its last member's position, over arenas that the assembler lays out.
+(``codegen.wgsl.elementwise.fused``) at its last member's position, binding the group's
+external inputs and its stored outputs only, so lifetimes come from those bindings; the other
+members get no kernel and no storage. Optimizer updates are grouped likewise (``update_groups``):
+one kernel per group at its last member's position, over arenas that the assembler lays out.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from ..codegen.kernel import ArenaRef, KernelSource, Limits, ScratchRef, UpdateGroup, ValueRef
 from ..codegen.wgsl import lower, reads
-from ..codegen.wgsl.attention import key_value_fusible
-from ..codegen.wgsl.elementwise import FUSIBLE
-from ..codegen.wgsl.fused import lower_group
+from ..codegen.wgsl.attention.lowering import key_value_fusible
+from ..codegen.wgsl.elementwise.fused import lower_group
+from ..codegen.wgsl.elementwise.maps import FUSIBLE
 from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import VIEW_OPS, Graph
 from ..ops import OPS

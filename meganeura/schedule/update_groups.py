@@ -26,9 +26,8 @@ Invariants:
 
 from __future__ import annotations
 
-from ..codegen.kernel import Limits, UpdateGroup
-from ..codegen.wgsl.common import MAX_ELEMENTS, resolve_view
-from ..graph.ir import LEAF_OPS, VIEW_OPS, Graph
+from ..codegen.kernel import MAX_ELEMENTS, Limits, UpdateGroup
+from ..graph.ir import LEAF_OPS, VIEW_OPS, Graph, resolve_view
 from ..ops import OPS
 
 UPDATE_OPS = frozenset({"sgd_update", "sgd_momentum_update", "adam_update"})

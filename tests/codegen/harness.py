@@ -18,9 +18,8 @@ import pytest
 
 from meganeura.codegen.kernel import KernelSource, Limits, ScratchRef, ValueRef
 from meganeura.codegen.wgsl import lower, reads
-from meganeura.codegen.wgsl.common import resolve_view
 from meganeura.dtypes import DType
-from meganeura.graph.ir import Graph
+from meganeura.graph.ir import Graph, resolve_view
 
 _DEVICE: list = []  # [device] once requested, or [None, reason] when there is no adapter
 _PIPELINES: dict[str, object] = {}

@@ -10,8 +10,9 @@ import torch
 
 from meganeura.autodiff import differentiate
 from meganeura.codegen.kernel import Limits
-from meganeura.codegen.wgsl import attention_plan, lower
-from meganeura.codegen.wgsl.attention_plan import (
+from meganeura.codegen.wgsl import lower
+from meganeura.codegen.wgsl.attention import plan as attention_plan
+from meganeura.codegen.wgsl.attention.plan import (
     BLOCK_PLANS,
     BlockPlan,
     Dims,

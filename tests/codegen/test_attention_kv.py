@@ -9,9 +9,9 @@ import pytest
 
 from meganeura.autodiff import differentiate
 from meganeura.codegen.kernel import Limits
-from meganeura.codegen.wgsl import attention_plan
-from meganeura.codegen.wgsl.attention import KEY_VALUE, lower_key_value
-from meganeura.codegen.wgsl.attention_plan import (
+from meganeura.codegen.wgsl.attention import plan as attention_plan
+from meganeura.codegen.wgsl.attention.lowering import KEY_VALUE, lower_key_value
+from meganeura.codegen.wgsl.attention.plan import (
     BLOCK_PLANS,
     BlockPlan,
     Dims,

@@ -13,7 +13,7 @@ import torch.nn.functional as TF
 
 from meganeura.codegen.kernel import Limits
 from meganeura.codegen.wgsl import lower
-from meganeura.codegen.wgsl.conv_gemm import LARGE, NARROW, SMALL, Gemm, plan_splits
+from meganeura.codegen.wgsl.conv.gemm import LARGE, NARROW, SMALL, Gemm, plan_splits
 from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F

@@ -1,7 +1,7 @@
-"""The vec4 path of elementwise and fused maps (``codegen/wgsl/vector.py``): which operand
-layouts take it (and which fall back to scalar), and its values against float64 NumPy for each
-kind of read (same layout, vec4 broadcast of the last dim, per-row splat, literal), integer and
-bool dtypes, partial last blocks, and fused chains with several outputs."""
+"""The vec4 path of elementwise and fused maps (``codegen/wgsl/elementwise/vector.py``): which
+operand layouts take it (and which fall back to scalar), and its values against float64 NumPy
+for each kind of read (same layout, vec4 broadcast of the last dim, per-row splat, literal),
+integer and bool dtypes, partial last blocks, and fused chains with several outputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from meganeura.codegen.kernel import Limits
-from meganeura.codegen.wgsl import lower, vector
+from meganeura.codegen.wgsl import lower
+from meganeura.codegen.wgsl.elementwise import vector
 from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F

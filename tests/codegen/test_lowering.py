@@ -9,9 +9,11 @@ import pytest
 
 from meganeura.codegen.kernel import Limits, ValueRef
 from meganeura.codegen.wgsl import LOWERINGS, lower, reads
-from meganeura.codegen.wgsl.common import VIEW_OPS, f32_literal, fold_grid, int_literal
+from meganeura.codegen.wgsl.core.layout import fold_grid
+from meganeura.codegen.wgsl.core.literals import f32_literal, int_literal
 from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder
+from meganeura.graph.ir import VIEW_OPS
 from meganeura.ops import OPS
 from meganeura.ops import functional as F
 

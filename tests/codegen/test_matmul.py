@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meganeura.codegen.wgsl import matmul, reads
-from meganeura.codegen.wgsl.matmul import (
+from meganeura.codegen.wgsl import reads
+from meganeura.codegen.wgsl.matmul import plan as matmul
+from meganeura.codegen.wgsl.matmul.plan import (
     LARGE,
     SMALL,
     Plan,
@@ -268,7 +269,7 @@ def test_batched_transpose_fold_and_same_operand_twice(k, plan):
 def test_benchmark_ablations_compile_and_leave_no_trace(mode):
     """bench/matmul_ablation.py's variants must stay valid WGSL (they are only timed), and
     lowering after them is the ordinary kernel again."""
-    from meganeura.codegen.wgsl import matmul_tiled
+    from meganeura.codegen.wgsl.matmul import tiled as matmul_tiled
 
     graph, inputs, want, y = _product(64, 40, 64, "nn")
     force_plan("64x64x16/d2")

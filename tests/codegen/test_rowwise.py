@@ -1,4 +1,4 @@
-"""The team row kernels (``codegen/wgsl/rowwise.py``): softmax, log_softmax, layer_norm and
+"""The team row kernels (``codegen/wgsl/rowwise/team.py``): softmax, log_softmax, layer_norm and
 rms_norm forward and backward over contiguous rows, through both team reductions (subgroup
 shuffles and the workgroup-memory tree), for row lengths that give teams of 1 to 256 threads,
 vec4 and scalar units, partial last units and several rows per workgroup; values against
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from meganeura.codegen.wgsl import lower, rowwise
+from meganeura.codegen.wgsl import lower
+from meganeura.codegen.wgsl.rowwise import team as rowwise
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops.functional import log_softmax, softmax
 from meganeura.ops.norm import layer_norm, rms_norm

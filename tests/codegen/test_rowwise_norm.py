@@ -1,4 +1,4 @@
-"""The normalizations on the row archetype (``codegen/wgsl/rowwise_norm.py``): group_norm and
+"""The normalizations on the row archetype (``codegen/wgsl/norm/team.py``): group_norm and
 batch_norm (training) forward, input and weight gradients and running statistics, and
 layer_norm / rms_norm in chunked mode, in register mode and in chunked mode (forced on small
 rows by lowering ``rowwise.MAX_UNITS`` and ``MAX_TEAM``), through both team reductions; values
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from meganeura.autodiff import differentiate
-from meganeura.codegen.wgsl import lower, rowwise
+from meganeura.codegen.wgsl import lower
+from meganeura.codegen.wgsl.rowwise import team as rowwise
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 from meganeura.ops.norm import batch_norm, group_norm, layer_norm, rms_norm

@@ -3,7 +3,7 @@
 Covers ``meganeura/ops/elementwise.py`` (unary math, binary arithmetic with broadcasting,
 comparisons, ``where``, ``cast``) and the layout ops of ``meganeura/ops/shape.py`` that exist
 today (``permute``, ``broadcast_to``, ``reshape``, ``stop_gradient``), whose kernels live in
-``codegen/wgsl/elementwise.py``.
+``codegen/wgsl/elementwise/maps.py``.
 
 Invariants of the samples: every entry has sizes 1, 3, 7, 257, 1000, one spanning several
 workgroup blocks (2113 = 2 * 1024 + 65) so tails are exercised, and an empty tensor; inputs

@@ -5,7 +5,7 @@ tile nor of the K step (1, 3, 7, 33, 65, 129, 257), 2-D and batched products, ba
 broadcast both ways ([3,1,M,K] @ [1,4,K,N]) and a 2-D right operand shared by a batch,
 operands transposed through ``.mT`` (which the kernel folds into its strides instead of
 materializing a permute), one long inner dimension (K = 2000), and shapes that reach each
-default kernel path of ``codegen/wgsl/matmul.py``: vec4 loads, gemv (M <= 8) and split-K.
+default kernel path of ``codegen/wgsl/matmul/``: vec4 loads, gemv (M <= 8) and split-K.
 """
 
 from __future__ import annotations

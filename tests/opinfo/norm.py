@@ -5,7 +5,7 @@ with one group, with one group per channel and with N = 1; batch_norm with N = 1
 positions, with [N, C] inputs, and with a channel of exactly 2 values; plain (no weight/bias)
 forms; one input with a large common offset (|mean| >> std) that an E[x^2] - E[x]^2 variance
 would get wrong. Samples stay small (< 1e4 elements) so the whole family runs in seconds, except
-the long groups of the row archetype (``codegen/wgsl/rowwise_norm.py``): a group of 32
+the long groups of the row archetype (``codegen/wgsl/norm/team.py``): a group of 32
 channels x 32x32 held in registers, and groups of more than 65536 elements (more than 16 units
 per thread of a 1024-thread team) walked in chunks, in vec4 and in scalar units with ragged
 last chunks (group_norm ``chunked_*``, batch_norm ``chunked``).

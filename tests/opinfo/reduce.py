@@ -2,7 +2,7 @@
 
 Covers ``meganeura/ops/reduce.py`` (``sum``, ``mean``, ``amax`` over dim sets with and without
 ``keepdim``), ``meganeura/ops/nn.py`` (``softmax``, ``log_softmax`` along dims 0, 1 and -1,
-lowered by the row kernels in ``codegen/wgsl/nn.py``) and ``functional.mse_loss`` (a
+lowered by the row kernels in ``codegen/wgsl/rowwise/softmax.py``) and ``functional.mse_loss`` (a
 composite of ``sub``, ``mul`` and ``mean``/``sum``).
 
 Invariants of the samples: reductions cover whole-tensor, innermost (contiguous rows),

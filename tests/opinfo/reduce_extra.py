@@ -1,7 +1,7 @@
 """Op-database entries for the reductions and scans added beside sum/mean/amax: ``var`` (and
 the ``std`` composite), ``logsumexp``, ``amin``, ``max``/``min`` along a dim (values and
 indices), ``argmax``, ``argmin`` and ``cumsum`` (``meganeura/ops/reduce.py``; kernels in
-``codegen/wgsl/reduce.py`` and ``codegen/wgsl/scan.py``).
+``codegen/wgsl/reduce/reductions.py`` and ``codegen/wgsl/reduce/scan.py``).
 
 Invariants of the samples: group sizes 1, 3, 7, 257 and 1000; whole-tensor, innermost
 (contiguous), outermost and middle (strided) and multi-dim groups, keepdim both ways; one

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from meganeura.codegen.kernel import Limits, ValueRef
-from meganeura.codegen.wgsl.elementwise import FUSIBLE
+from meganeura.codegen.wgsl.elementwise.maps import FUSIBLE
 from meganeura.compile import CompileOptions, build_training_graph, compile
 from meganeura.graph.builder import GraphBuilder
 from meganeura.graph.interpret import interpret

@@ -1,7 +1,7 @@
 """Optimizer update lowerings: ``sgd_update``, ``sgd_momentum_update``, ``adam_update``, one
 kernel per parameter (``lower_update``) or one per update group (``lower_update_group``).
 
-Four parameter elements per thread (``common.element_slots``). Operands are ``(param, grad,
+Four parameter elements per thread (``core.layout.element_slots``). Operands are ``(param, grad,
 hyper, clip, *state)``; the param and state buffers are bound ``read_write`` and updated in
 place, and the op's token value is never bound. ``hyper`` (learning rate, bias corrections) is
 read from its buffer so schedules change without recompiling; ``clip`` is read, or inlined when
@@ -18,14 +18,16 @@ from collections.abc import Callable
 
 from ...graph.ir import Graph
 from ..kernel import KernelSource, Limits, UpdateGroup
-from .common import PER_THREAD, WG, KernelBuilder, Src, element_slots, f32_literal, u
+from .core.builder import KernelBuilder, Src
+from .core.layout import PER_THREAD, WG, element_slots
+from .core.literals import f32_literal, u
 
 
 def lower_update(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
     """SGD (plain or momentum/Nesterov) or Adam/AdamW step on one parameter tensor.
 
     ``PER_THREAD`` elements per thread: every load first, then per element the update and
-    its guarded stores (see ``common.element_slots``).
+    its guarded stores (see ``core.layout.element_slots``).
     """
     node = graph[node_id]
     p_id, g_id, h_id, c_id, *state = node.inputs

@@ -1,0 +1,431 @@
+"""The flash-attention kernel family: the forward, its statistics and the three gradients.
+
+One generator, six modes. A workgroup owns a tile of rows of one (batch, kv head) pair and
+streams the other side through workgroup memory, one tile of entries at a time:
+  * ``fwd``, ``stats``, ``dq``: rows are query rows of the kv head's whole query group (heads
+    hk*G .. hk*G+G-1 are contiguous in memory, so a GQA group is one run of G*Lq rows and each
+    K/V tile is read once for all G heads); the stream is the keys (K, V tiles);
+  * ``dk``, ``dv``, ``dkv``: rows are keys; the stream is the query rows of each head of the
+    group in turn (Q, dO and stats tiles), so dk and dv sum over the group's heads; ``dkv``
+    computes both from one pass (the probabilities it forms for dk's score gradients are the
+    weights of dv), writing the outputs of a key-gradient node and its value-gradient sibling.
+Each thread holds its row's vectors (q or k, v, dO) and accumulators in named vec4 registers,
+unrolled over the head dim at generation time; the ``lanes`` threads of a row split the stream
+(entry ``t + lanes * u`` of each tile for lane t), then merge pairwise in workgroup memory
+(online-softmax rescaling for the forward, sums for gradients). Scores are f32 and
+max-subtracted (online softmax with a running max and sum per row, FlashAttention-2). Work
+decomposition: ``plan``.
+
+Masking never relies on inf arithmetic: an entry is masked when its mask value has the bit
+pattern of -inf, when the causal rule excludes it (key j > query i) or when it lies past the
+end; masked entries get probability 0 through ``select``, masked scores use the lowest finite
+f32 as the running-max sentinel, and a row with no unmasked entry writes zeros (its stats row
+writes lse = 0). Reads are clamped into range, so padding lanes and rows compute on finite data
+and never store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ....graph.ir import Graph
+from ...kernel import KernelSource, Limits
+from ..core.builder import KernelBuilder, Src
+from ..core.layout import broadcast_strides
+from ..core.literals import f32_literal, u
+from .plan import QUERY_ROW_MODES, Dims, Plan, accumulators, choose_plan, extents, shared_layout
+
+LOWEST = f32_literal(-3.4028234663852886e38)  # running-max sentinel: below every finite score
+NEG_INF_BITS = "0xff800000u"
+XYZW = "xyzw"
+# operand names after (q, k), per mode; an optional mask follows them
+OPERANDS = {
+    "fwd": ("v",),
+    "stats": ("o", "dout"),
+    "dq": ("v", "dout", "st"),
+    "dk": ("v", "dout", "st"),
+    "dv": ("dout", "st"),
+    "dkv": ("v", "dout", "st"),  # the key-gradient node's operands
+}
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """What the statement emitters need to know about the kernel being generated."""
+
+    mode: str
+    dims: Dims
+    plan: Plan
+    layout: dict[str, tuple[int, int]]
+    src: dict[str, Src]
+    mask: Src | None
+    mask_strides: tuple[int, int, int, int]
+    scale: str
+    causal: bool
+
+    @property
+    def accs(self) -> list[str]:
+        """The row's vec4 accumulators: ``acc{c}`` for its output row (dkv: dk's), then
+        ``vacc{c}`` for dv's row in dkv mode."""
+        if self.mode == "dkv":
+            d4, dv4 = self.dims.d4, self.dims.dv4
+            return [f"acc{c}" for c in range(d4)] + [f"vacc{c}" for c in range(dv4)]
+        return [f"acc{c}" for c in range(accumulators(self.mode, self.dims))]
+
+    @property
+    def query_rows(self) -> bool:
+        return self.mode in QUERY_ROW_MODES
+
+    @property
+    def n_rows(self) -> int:
+        return extents(self.mode, self.dims)[0]
+
+    @property
+    def n_stream(self) -> int:
+        return extents(self.mode, self.dims)[1]
+
+    def entry(self, seg: str, j: int) -> str:
+        """Address of stream entry ``jj{j}``'s segment ``seg`` in workgroup memory."""
+        off, stride = self.layout[seg]
+        return f"{u(off)} + jj{j} * {u(stride)}" if stride != 1 else f"{u(off)} + jj{j}"
+
+
+def stride_sum(terms: list[tuple[str, int]]) -> str:
+    """u32 expression ``sum(var * stride)`` without zero strides."""
+    parts = [v if s == 1 else f"{v} * {u(s)}" for v, s in terms if s]
+    return " + ".join(parts) or "0u"
+
+
+def _load4(src: Src, base: str, c: int, n: int) -> str:
+    """vec4 of elements 4c..4c+3 of a row starting at ``base`` (0 past the row's n)."""
+    comps = [src.at(f"{base} + {u(4 * c + e)}") if 4 * c + e < n else "0.0" for e in range(4)]
+    return f"vec4<f32>({', '.join(comps)})"
+
+
+def _dot(regs: str, count: int, addr: str) -> str:
+    return " + ".join(f"dot({regs}{c}, sh[{addr} + {u(c)}])" for c in range(count))
+
+
+def _sum(terms: list[str]) -> str:
+    return " + ".join(terms)
+
+
+def dims_of(graph: Graph, node, mode: str) -> Dims:
+    """Problem sizes of attention node ``node`` lowered in ``mode`` (dkv: the key-gradient
+    node)."""
+    ins = node.inputs
+    b, hq, lq, d = graph[ins[0]].type.shape
+    _, hkv, lk, _ = graph[ins[1]].type.shape
+    # Dv: of the output (fwd, dv), of ``out`` (stats) or of ``v`` (dq, dk, dkv)
+    dv = (node.type if mode in ("fwd", "dv") else graph[ins[2]].type).shape[3]
+    return Dims(b, hkv, hq // hkv, lq, lk, d, dv)
+
+
+def lower_flash(
+    graph: Graph, node_id: int, limits: Limits, mode: str, value_node: int | None = None
+) -> list[KernelSource]:
+    """One dispatch of the flash kernel in ``mode`` for node ``node_id``; in ``dkv`` mode
+    ``node_id`` is the key-gradient node and ``value_node`` its value-gradient sibling, whose
+    output the kernel writes too."""
+    node = graph[node_id]
+    ins = node.inputs
+    dims = dims_of(graph, node, mode)
+    b, hkv, lq, lk, d, dv = dims.b, dims.hkv, dims.lq, dims.lk, dims.d, dims.dv
+    hq = hkv * dims.group
+    plan = choose_plan(mode, dims, limits)
+    n_rows = extents(mode, dims)[0]
+    tiles = -(-n_rows // plan.rows)
+    if node.type.numel == 0:
+        return []
+
+    kb = KernelBuilder(graph, node, limits)
+    src = {"q": kb.read(ins[0], "q"), "k": kb.read(ins[1], "k")}
+    n_fixed = 2 + len(OPERANDS[mode])
+    for name, vid in zip(OPERANDS[mode], ins[2:n_fixed], strict=True):
+        src[name] = kb.read(vid, name)
+    mask = kb.read(ins[n_fixed], "mask") if len(ins) > n_fixed else None
+    strides = broadcast_strides(mask.type.shape, (b, hq, lq, lk)) if mask else (0, 0, 0, 0)
+    total, layout = shared_layout(mode, dims, plan)
+    k = _Kernel(mode, dims, plan, layout, src, mask, strides,
+                f32_literal(node.attr("scale")), bool(node.attr("is_causal")))  # fmt: skip
+    outs = {"out": kb.write(node_id, "out")}
+    if mode == "dkv":
+        outs["dv"] = kb.write(value_node, "dv")
+
+    lines = [
+        f"  let tile = wg % {u(tiles)};",
+        f"  let bh = wg / {u(tiles)};",
+        f"  let b = bh / {u(hkv)};",
+        f"  let hk = bh % {u(hkv)};",
+        f"  let t = lid % {u(plan.lanes)};" if plan.lanes > 1 else "  let t = 0u;",
+        f"  let r = lid / {u(plan.lanes)};" if plan.lanes > 1 else "  let r = lid;",
+        f"  let row = tile * {u(plan.rows)} + r;",
+        f"  let live = row < {u(n_rows)};",
+        f"  let rowc = min(row, {u(n_rows - 1)});",
+    ]
+    lines += _row_registers(k)
+    lines += _stream_loops(k)
+    lines += _merge(k)
+    lines += _finish(k, kb, outs)
+    helpers = f"var<workgroup> sh: array<vec4<f32>, {total}>;\n"
+    per_pair = {"fwd": d + dv, "stats": d, "dq": 2 * d + dv, "dk": 2 * d + dv, "dv": d + dv,
+                "dkv": 2 * d + 2 * dv}  # fmt: skip
+    flops = 2 * b * hq * lq * lk * per_pair[mode] // (2 if k.causal else 1)
+    groups = b * hkv * tiles
+    return [kb.finish(mode, "\n".join(lines), plan.size, groups, helpers, flops=flops)]
+
+
+def _row_registers(k: _Kernel) -> list[str]:
+    """The row's own vectors, loaded once, and zeroed accumulators."""
+    d, dv, lq, G = k.dims.d, k.dims.dv, k.dims.lq, k.dims.group
+    sb, sh, si, _ = k.mask_strides
+    if k.query_rows:
+        lines = [
+            f"  let qrow = bh * {u(G * lq)} + rowc;",
+            f"  let ri = rowc % {u(lq)};",
+            f"  let rh = hk * {u(G)} + rowc / {u(lq)};",
+            f"  let mrow = {stride_sum([('b', sb), ('rh', sh), ('ri', si)])};",
+            f"  let qb = qrow * {u(d)};",
+        ]
+        lines += [f"  let q{c} = {_load4(k.src['q'], 'qb', c, d)};" for c in range(k.dims.d4)]
+        if k.mode == "dq":
+            lines.append(f"  let gb = qrow * {u(dv)};")
+            lines += [
+                f"  let g{c} = {_load4(k.src['dout'], 'gb', c, dv)};" for c in range(k.dims.dv4)
+            ]
+            lines.append(f"  let lse = {k.src['st'].at('qrow * 2u')};")
+            lines.append(f"  let delta = {k.src['st'].at('qrow * 2u + 1u')};")
+    else:
+        lines = [f"  let krow = bh * {u(k.dims.lk)} + rowc;", f"  let kb = krow * {u(d)};"]
+        lines += [f"  let k{c} = {_load4(k.src['k'], 'kb', c, d)};" for c in range(k.dims.d4)]
+        if k.mode in ("dk", "dkv"):
+            lines.append(f"  let vb = krow * {u(dv)};")
+            lines += [f"  let v{c} = {_load4(k.src['v'], 'vb', c, dv)};" for c in range(k.dims.dv4)]
+    lines += [f"  var {a} = vec4<f32>(0.0);" for a in k.accs]
+    if k.mode in ("fwd", "stats"):
+        lines += [f"  var m = {LOWEST};", "  var l = 0.0;"]
+    return lines
+
+
+def _load_tile(k: _Kernel, seg: str, src: Src, row: str, n: int) -> list[str]:
+    """Cooperative copy of the current tile's segment ``seg`` (rows of ``n`` floats of
+    ``src``; ``row`` is the stream entry's row index in ``src``) into workgroup memory."""
+    off, stride = k.layout[seg]
+    last = u(k.n_stream - 1)
+    step = u(k.plan.size)
+    if seg == "st":
+        return [
+            f"    for (var e = lid; e < {u(k.plan.tile)}; e = e + {step}) {{",
+            f"      let sr = min(s0 + e, {last});",
+            f"      let base = ({row}) * 2u;",
+            f"      let lse_delta = vec2<f32>({src.at('base')}, {src.at('base + 1u')});",
+            f"      sh[{u(off)} + e] = vec4<f32>(lse_delta, 0.0, 0.0);",
+            "    }",
+        ]
+    width = -(-n // 4)
+    comps = []
+    for e in range(4):
+        if n % 4 == 0:
+            comps.append(src.at(f"base + {u(e)}"))
+        else:  # the row's last vec4 is partial: clamp the read, zero the value
+            load = src.at(f"min(base + {u(e)}, {u(src.type.numel - 1)})")
+            comps.append(f"select(0.0, {load}, c * 4u + {u(e)} < {u(n)})")
+    return [
+        f"    for (var e = lid; e < {u(k.plan.tile * width)}; e = e + {step}) {{",
+        f"      let rr = e / {u(width)};",
+        f"      let c = e % {u(width)};",
+        f"      let sr = min(s0 + rr, {last});",
+        f"      let base = ({row}) * {u(n)} + c * 4u;",
+        f"      sh[{u(off)} + rr * {u(stride)} + c] = vec4<f32>({', '.join(comps)});",
+        "    }",
+    ]
+
+
+def _stream_loops(k: _Kernel) -> list[str]:
+    """The loop over stream tiles: barrier, cooperative loads, barrier, this lane's entries."""
+    d, dv, lq, lk, G = k.dims.d, k.dims.dv, k.dims.lq, k.dims.lk, k.dims.group
+    R, BS = k.plan.rows, k.plan.tile
+    if k.query_rows:
+        row = f"bh * {u(lk)} + sr"
+        loads = _load_tile(k, "k", k.src["k"], row, d)
+        if k.mode in ("fwd", "dq"):
+            loads += _load_tile(k, "v", k.src["v"], row, dv)
+    else:
+        row = f"(bh * {u(G)} + hg) * {u(lq)} + sr"
+        loads = _load_tile(k, "q", k.src["q"], row, d)
+        loads += _load_tile(k, "g", k.src["dout"], row, dv)
+        loads += _load_tile(k, "st", k.src["st"], row, 2)
+    body = ["    workgroupBarrier();", *loads, "    workgroupBarrier();", *_entries(k)]
+    if not k.query_rows:
+        # keys j see queries i >= j only (causal): start at the tile's first key
+        start = f"tile * {u(R)}" if k.causal else "0u"
+        sb, sh, _, sj = k.mask_strides
+        head = f"(hk * {u(G)} + hg)"
+        return [
+            f"  for (var hg = 0u; hg < {u(G)}; hg = hg + 1u) {{",
+            f"  let mcol = {stride_sum([('b', sb), (head, sh), ('rowc', sj)])};",
+            f"  for (var s0 = {start}; s0 < {u(lq)}; s0 = s0 + {u(BS)}) {{",
+            *body,
+            "  }",
+            "  }",
+        ]
+    if k.causal:  # queries i see keys j <= i: stop after the tile's last query's keys
+        lines = [
+            f"  let r_first = tile * {u(R)};",
+            f"  let r_last = min(r_first + {u(R)}, {u(k.n_rows)}) - 1u;",
+            f"  let one_head = r_first / {u(lq)} == r_last / {u(lq)};",
+            f"  let s_end = select({u(lk)}, min({u(lk)}, r_last % {u(lq)} + 1u), one_head);",
+        ]
+    else:
+        lines = [f"  let s_end = {u(lk)};"]
+    return lines + [f"  for (var s0 = 0u; s0 < s_end; s0 = s0 + {u(BS)}) {{", *body, "  }"]
+
+
+def _entries(k: _Kernel) -> list[str]:
+    """This lane's ``per_lane`` entries of the current tile: scores, then the mode's update."""
+    T, NJ = k.plan.lanes, k.plan.per_lane
+    ragged = k.n_stream % k.plan.tile != 0 or (k.causal and not k.query_rows)
+    mstride = k.mask_strides[3] if k.query_rows else k.mask_strides[2]
+    lines = []
+    for j in range(NJ):
+        lines.append(f"    let jj{j} = t + {u(T * j)};" if T > 1 else f"    let jj{j} = {u(j)};")
+        lines.append(f"    let j{j} = s0 + jj{j};")
+        conds = [f"j{j} < {u(k.n_stream)}"] if ragged else []
+        if k.causal:
+            conds.append(f"j{j} <= ri" if k.query_rows else f"rowc <= j{j}")
+        seg, regs = ("k", "q") if k.query_rows else ("q", "k")
+        lines.append(f"    let a{j} = {k.entry(seg, j)};")
+        score = f"({_dot(regs, k.dims.d4, f'a{j}')}) * {k.scale}"
+        if k.mask is not None:
+            base = "mrow" if k.query_rows else "mcol"
+            idx = stride_sum([(base, 1), (f"min(j{j}, {u(k.n_stream - 1)})", mstride)])
+            lines.append(f"    let mv{j} = {k.mask.at(idx)};")
+            if k.mask.literal is None:
+                conds.append(f"bitcast<u32>(mv{j}) != {NEG_INF_BITS}")
+            score += f" + mv{j}"
+        lines.append(f"    let ok{j} = {' && '.join(conds) if conds else 'true'};")
+        lines.append(f"    let sc{j} = {score};")
+    ps = [f"p{j}" for j in range(NJ)]
+    if k.mode in ("fwd", "stats"):
+        lines += [f"    let x{j} = select({LOWEST}, sc{j}, ok{j});" for j in range(NJ)]
+        mt = "x0"
+        for j in range(1, NJ):
+            mt = f"max({mt}, x{j})"
+        lines += [f"    let mn = max(m, {mt});", "    let alpha = exp(m - mn);"]
+        lines += [f"    let p{j} = select(0.0, exp(x{j} - mn), ok{j});" for j in range(NJ)]
+        lines.append(f"    l = l * alpha + {_sum(ps)};")
+        if k.mode == "fwd":
+            lines += [f"    let b{j} = {k.entry('v', j)};" for j in range(NJ)]
+            for c in range(k.dims.dv4):
+                terms = [f"p{j} * sh[b{j} + {u(c)}]" for j in range(NJ)]
+                lines.append(f"    acc{c} = acc{c} * alpha + {_sum(terms)};")
+        return lines + ["    m = mn;"]
+    for j in range(NJ):
+        if k.query_rows:
+            lse, delta = "lse", "delta"
+        else:
+            lines.append(f"    let st{j} = sh[{k.entry('st', j)}];")
+            lse, delta = f"st{j}.x", f"st{j}.y"
+        lines.append(f"    let p{j} = select(0.0, exp(sc{j} - {lse}), ok{j});")
+        if k.mode != "dv":
+            # dp = dO_i . v_j: dO in registers (dq) or in the tile (dk, dkv), v the other way
+            lines.append(f"    let b{j} = {k.entry('v' if k.mode == 'dq' else 'g', j)};")
+            dp = _dot("g" if k.mode == "dq" else "v", k.dims.dv4, f"b{j}")
+            lines.append(f"    let ds{j} = p{j} * (({dp}) - {delta});")
+        else:
+            lines.append(f"    let b{j} = {k.entry('g', j)};")
+    # dq += ds k_j, dk += ds q_i (the a{j} entries); dv += p dO_i (the b{j} entries)
+    if k.mode == "dkv":
+        updates = [("acc", "ds", "a", k.dims.d4), ("vacc", "p", "b", k.dims.dv4)]
+    elif k.mode == "dv":
+        updates = [("acc", "p", "b", k.dims.dv4)]
+    else:
+        updates = [("acc", "ds", "a", k.dims.d4)]
+    for acc, coef, addr, n in updates:
+        for c in range(n):
+            terms = [f"{coef}{j} * sh[{addr}{j} + {u(c)}]" for j in range(NJ)]
+            lines.append(f"    {acc}{c} = {acc}{c} + {_sum(terms)};")
+    return lines
+
+
+def _merge(k: _Kernel) -> list[str]:
+    """Pairwise merge of the lanes of each row into lane 0, halving the lanes each round."""
+    T = k.plan.lanes
+    softmax = k.mode in ("fwd", "stats")
+    acc = k.accs
+    slot = len(acc) + (1 if softmax else 0)
+    first = 1 if softmax else 0
+    lines = []
+    s = T // 2
+    while s >= 1:
+        lines += [
+            "  workgroupBarrier();",
+            f"  if (t >= {u(s)} && t < {u(2 * s)}) {{",
+            f"    let base = (r * {u(s)} + t - {u(s)}) * {u(slot)};",
+            *(["    sh[base] = vec4<f32>(m, l, 0.0, 0.0);"] if softmax else []),
+            *[f"    sh[base + {u(first + c)}] = {a};" for c, a in enumerate(acc)],
+            "  }",
+            "  workgroupBarrier();",
+            f"  if (t < {u(s)}) {{",
+            f"    let base = (r * {u(s)} + t) * {u(slot)};",
+        ]
+        if softmax:
+            lines += [
+                "    let other = sh[base];",
+                "    let mn = max(m, other.x);",
+                "    let a1 = exp(m - mn);",
+                "    let a2 = exp(other.x - mn);",
+                "    l = l * a1 + other.y * a2;",
+                "    m = mn;",
+            ]
+            lines += [
+                f"    {a} = {a} * a1 + sh[base + {u(c + 1)}] * a2;" for c, a in enumerate(acc)
+            ]
+        else:
+            lines += [f"    {a} = {a} + sh[base + {u(c)}];" for c, a in enumerate(acc)]
+        lines.append("  }")
+        s //= 2
+    return lines
+
+
+def _store(
+    kb: KernelBuilder, out: str, base: str, n: int, count: int, factor: str = "", acc: str = "acc"
+) -> list[str]:
+    return [
+        "    " + kb.store(out, f"{base} + {u(4 * c + e)}", f"{acc}{c}.{XYZW[e]}{factor}")
+        for c in range(count)
+        for e in range(4)
+        if 4 * c + e < n
+    ]
+
+
+def _finish(k: _Kernel, kb: KernelBuilder, outs: dict[str, str]) -> list[str]:
+    """Lane 0 of each live row writes its result (dkv: to ``outs["out"]`` and ``outs["dv"]``)."""
+    d, dv = k.dims.d, k.dims.dv
+    out = outs["out"]
+    lines = ["  if (live && t == 0u) {" if k.plan.lanes > 1 else "  if (live) {"]
+    if k.mode == "fwd":
+        lines += ["    let inv = select(0.0, 1.0 / l, l > 0.0);", f"    let ob = qrow * {u(dv)};"]
+        lines += _store(kb, out, "ob", dv, k.dims.dv4, " * inv")
+    elif k.mode == "stats":
+        lines.append(f"    let ob = qrow * {u(dv)};")
+        lines.append("    var delta = 0.0;")
+        for c in range(k.dims.dv4):
+            g, o = _load4(k.src["dout"], "ob", c, dv), _load4(k.src["o"], "ob", c, dv)
+            lines.append(f"    delta = delta + dot({g}, {o});")
+        lines += [
+            "    " + kb.store(out, "qrow * 2u", "select(0.0, m + log(l), l > 0.0)"),
+            "    " + kb.store(out, "qrow * 2u + 1u", "delta"),
+        ]
+    elif k.mode == "dq":
+        lines.append(f"    let ob = qrow * {u(d)};")
+        lines += _store(kb, out, "ob", d, k.dims.d4, f" * {k.scale}")
+    elif k.mode in ("dk", "dkv"):
+        lines += _store(kb, out, "kb", d, k.dims.d4, f" * {k.scale}")
+        if k.mode == "dkv":
+            lines.append(f"    let ob = krow * {u(dv)};")
+            lines += _store(kb, outs["dv"], "ob", dv, k.dims.dv4, acc="vacc")
+    else:
+        lines.append(f"    let ob = krow * {u(dv)};")
+        lines += _store(kb, out, "ob", dv, k.dims.dv4)
+    return lines + ["  }"]

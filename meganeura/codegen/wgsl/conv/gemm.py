@@ -1,0 +1,370 @@
+"""A register-tiled GEMM whose operands are gathered by generated index math (implicit GEMM).
+
+``C[grp][m, n] = sum_k A[grp][m, k] * B[grp][k, n]`` for every group ``grp``, with A and B
+never materialized: each ``Operand`` says, as WGSL text, how the element at (line, k) of this
+thread is addressed and when it reads zero (padding, stride gaps, ragged edges). The
+convolution lowerings (``lowering.py``) describe im2col, its transpose and the weight-gradient
+products this way. The kernel is ``matmul/tiled.py``'s design: 256 threads, each keeping a
+``tm x tn`` block in named vec4 accumulators, operands staged per K step of ``bk`` in
+workgroup memory as vec4 along M and N, the ``bk`` inner steps unrolled at generation. Three
+tilings: 64x64 (16x16 threads, 4x4 outputs each), 128x128 (8x8 each) when there are enough
+such tiles to fill a large GPU, and 16x256 (4x64 threads) when M <= 16 (depthwise and
+few-channel convolutions), which would waste most of a 64-row tile.
+
+Split-K: when the M x N tiles are too few to fill a GPU and K is long (weight gradients:
+K = N * OH * OW), K is cut into ``splits`` chunks of whole K steps, each chunk writes its
+partial C densely to scratch (``[split][grp][m][n]``), and a second dispatch sums the chunks
+in a fixed order (deterministic), then stores through the output mapping and adds the bias.
+
+Every thread of a workgroup runs every barrier; loads past M, N or K are zero by ``select``,
+and their index is selected to 0 as well, so no read leaves its binding (shader modules are
+created without naga's bounds checks, ``runtime/pipelines.py``); stores past M or N are
+skipped. All index math is u32 and may wrap below zero on purpose: ``u32(h - p) < H`` is
+the test ``0 <= h - p < H`` for values far below 2^31.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ....dtypes import DType
+from ...kernel import KernelSource
+from ..core.builder import KernelBuilder, Src, guarded_read
+from ..core.literals import u
+from ..matmul.plan import LARGE_MIN_TILES
+
+# Split K while fewer workgroups than this would run, keeping at least MIN_SPLIT_K of K
+# (a multiple of the K step) per chunk and the partials within MAX_SCRATCH bytes.
+TARGET_GROUPS = 264
+MIN_SPLIT_K = 256
+MAX_SPLITS = 128
+MAX_SCRATCH = 64 << 20
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """``ty x tx`` threads (256), each computing ``tm x tn`` outputs (multiples of 4);
+    K advances by ``bk``."""
+
+    ty: int
+    tx: int
+    tm: int
+    tn: int
+    bk: int
+
+    @property
+    def bm(self) -> int:
+        return self.ty * self.tm
+
+    @property
+    def bn(self) -> int:
+        return self.tx * self.tn
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """Sizes of the product: ``groups`` independent [m, k] @ [k, n]."""
+
+    m: int
+    n: int
+    k: int
+    groups: int
+
+
+SMALL = Tiling(16, 16, 4, 4, 16)
+LARGE = Tiling(16, 16, 8, 8, 8)
+NARROW = Tiling(4, 64, 4, 4, 8)
+THREADS = 256
+
+
+def choose_tiling(g: Gemm) -> Tiling:
+    """128x128 tiles only when there are enough of them to keep a large GPU busy (the matmul
+    measurement); 16-row tiles when M <= 16."""
+    if g.m <= NARROW.bm:
+        return NARROW
+    tiles = -(-g.m // LARGE.bm) * -(-g.n // LARGE.bn) * g.groups
+    return LARGE if g.m >= 128 and g.n >= 128 and tiles >= LARGE_MIN_TILES else SMALL
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How the GEMM reads one operand. Statement names carry the given ids, so one thread can
+    stage several lines and K positions.
+
+    Attributes:
+        src: the bound value.
+        along_k: whether consecutive threads should walk k (else the line index: M for A,
+            N for B), chosen so each warp's load instruction reads neighbouring addresses.
+        line: ``line(j, expr)`` -> statements fixing this thread's line ``j``, run once.
+        kstep: ``kstep(s, k)`` -> statements for position ``k`` (names suffixed ``s``),
+            shared by the lines staged at that k.
+        element: ``element(j, s)`` -> (statements, flat index of line ``j`` at the k of
+            ``kstep`` ``s``, conditions under which it is a real element; empty when always).
+    """
+
+    src: Src
+    along_k: bool
+    line: Callable[[int, str], list[str]]
+    kstep: Callable[[str, str], list[str]]
+    element: Callable[[int, str], tuple[list[str], str, list[str]]]
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where C[grp][m, n] goes: flat index ``col(n) + row(m)`` (``grp`` is in scope).
+
+    Attributes:
+        col: expression of a column's part of the flat index (may divide by constants).
+        row: expression of a row's part.
+        bias: optional per-row addend, ``(value id, index_of_row)``: the bias element for
+            row ``m`` of group ``grp``.
+    """
+
+    col: Callable[[str], str]
+    row: Callable[[str], str]
+    bias: tuple[int, Callable[[str], str]] | None = None
+
+
+def plan_splits(g: Gemm, t: Tiling, limits) -> tuple[int, int]:
+    """(splits, K per split, a multiple of ``t.bk``)."""
+    if g.k == 0:
+        return 1, t.bk
+    tiles = -(-g.m // t.bm) * -(-g.n // t.bn) * g.groups
+    splits = 1
+    if tiles < TARGET_GROUPS and g.k >= 2 * MIN_SPLIT_K:
+        splits = min(-(-TARGET_GROUPS // tiles), g.k // MIN_SPLIT_K, MAX_SPLITS)
+        numel = max(g.m * g.n * g.groups, 1)
+        cap = min(MAX_SCRATCH, limits.max_storage_buffer_binding_size) // (4 * numel)
+        splits = max(1, min(splits, cap))
+    per = -(-g.k // splits)
+    per = -(-per // t.bk) * t.bk
+    return -(-g.k // per), per
+
+
+def emit_gemm(
+    kb: KernelBuilder, g: Gemm, a: Operand, b: Operand, out: Output, suffix: str = ""
+) -> list[KernelSource]:
+    """The dispatch(es) computing C into the node's output. ``kb`` holds A's and B's
+    bindings; this binds the output (or split-K scratch, keyed by ``suffix``) and the bias.
+    Kernel names end in ``gemm{suffix}`` and ``sum_splits{suffix}``."""
+    t = choose_tiling(g)
+    splits, per = plan_splits(g, t, kb.limits)
+    tiles_m, tiles_n = -(-g.m // t.bm), -(-g.n // t.bn)
+    key = f"partials{suffix}"
+    if splits > 1:
+        target = kb.scratch(key, splits * g.m * g.n * g.groups, DType.f32, "partials")
+        bias = None
+    else:
+        target = kb.write(kb.node.id, "out")
+        bias = None if out.bias is None else kb.read(out.bias[0], "bias")
+    lines = [
+        f"  let tile_n = wg % {u(tiles_n)};",
+        f"  let tile_m = (wg / {u(tiles_n)}) % {u(tiles_m)};",
+        f"  let bi = wg / {u(tiles_n * tiles_m)};",
+        f"  let grp = bi % {u(g.groups)};" if g.groups > 1 else "  let grp = 0u;",
+        f"  let split = bi / {u(g.groups)};" if splits > 1 else "",
+        f"  let tx = lid % {u(t.tx)};",
+        f"  let ty = lid / {u(t.tx)};",
+    ]
+    stage_a = _Stage(a, "a", "As", t.bm, t.bk, g.m, g.k, "tile_m")
+    stage_b = _Stage(b, "b", "Bs", t.bn, t.bk, g.n, g.k, "tile_n")
+    lines += stage_a.setup() + stage_b.setup()
+    acc = [(gi, i, h) for gi in range(t.tm // 4) for i in range(4) for h in range(t.tn // 4)]
+    lines += [f"  var acc{gi}{i}{h} = vec4<f32>(0.0);" for gi, i, h in acc]
+    if splits > 1:
+        lines.append(f"  let k_end = min(split * {u(per)} + {u(per)}, {u(g.k)});")
+        lines.append(f"  for (var k0 = split * {u(per)}; k0 < k_end; k0 = k0 + {u(t.bk)}) {{")
+    else:
+        lines.append(f"  for (var k0 = 0u; k0 < {u(g.k)}; k0 = k0 + {u(t.bk)}) {{")
+    lines += stage_a.load() + stage_b.load()
+    lines.append("    workgroupBarrier();")
+    for kk in range(t.bk):
+        lines.append("    {")
+        lines += [
+            f"      let a{gi} = As[{u(kk * t.bm // 4 + gi * t.ty)} + ty];"
+            for gi in range(t.tm // 4)
+        ]
+        lines += [
+            f"      let b{h} = Bs[{u(kk * t.bn // 4 + h * t.tx)} + tx];" for h in range(t.tn // 4)
+        ]
+        lines += [f"      acc{gi}{i}{h} += a{gi}.{'xyzw'[i]} * b{h};" for gi, i, h in acc]
+        lines.append("    }")
+    lines += ["    workgroupBarrier();", "  }"]
+    lines += _store(kb, out, t, g, acc, target, splits > 1, bias)
+    flops = 2 * g.m * g.n * g.k * g.groups
+    helpers = (
+        f"var<workgroup> As: array<vec4<f32>, {t.bk * t.bm // 4}>;\n"
+        f"var<workgroup> Bs: array<vec4<f32>, {t.bk * t.bn // 4}>;\n"
+    )
+    shared = 4 * t.bk * (t.bm + t.bn)
+    if shared > kb.limits.max_workgroup_storage_size:
+        raise ValueError(f"conv GEMM tile needs {shared} B of workgroup memory; limit is lower")
+    groups = tiles_m * tiles_n * g.groups * splits
+    body = "\n".join(s for s in lines if s)
+    main = kb.finish(f"gemm{suffix}", body, THREADS, groups, helpers, flops=flops)
+    if splits == 1:
+        return [main]
+    return [main, _sum_splits(kb, g, out, splits, key, suffix)]
+
+
+# Above this many splits, four threads share each element's partials (more loads in flight);
+# below it one thread sums them all, 256 elements per workgroup.
+LANES_FROM_SPLITS = 8
+
+
+def _sum_splits(
+    kb0: KernelBuilder, g: Gemm, out: Output, splits: int, key: str, suffix: str
+) -> KernelSource:
+    """Sum the split-K partials into the output (plus the bias). With ``lanes`` threads per
+    element, lane l sums chunks l, l + lanes, ... into two alternating accumulators; lanes
+    combine in lane order, so the result is deterministic."""
+    kb = KernelBuilder(kb0.graph, kb0.node, kb0.limits)
+    total = g.m * g.n * g.groups
+    part = kb.scratch(key, splits * total, DType.f32, "partials")
+    dst = kb.write(kb.node.id, "out")
+    bias = None if out.bias is None else kb.read(out.bias[0], "bias")
+    lanes = 4 if splits > LANES_FROM_SPLITS else 1
+    per = THREADS // lanes
+    body = (
+        f"  let e = wg * {u(per)} + lid % {u(per)};\n"
+        f"  let lane = lid / {u(per)};\n"
+        f"  let ec = min(e, {u(total - 1)});\n"
+        "  var s0 = 0.0;\n  var s1 = 0.0;\n"
+        f"  for (var t = lane; t < {u(splits)}; t = t + {u(2 * lanes)}) {{\n"
+        f"    s0 += {part}[t * {u(total)} + ec];\n"
+        f"    let t1 = t + {u(lanes)};\n"
+        f"    if (t1 < {u(splits)}) {{ s1 += {part}[t1 * {u(total)} + ec]; }}\n"
+        "  }\n"
+    )
+    helpers = ""
+    if lanes > 1:
+        body += "  red[lid] = s0 + s1;\n  workgroupBarrier();\n"
+        terms = " + ".join(f"red[lid + {u(i * per)}]" for i in range(1, lanes))
+        value = f"(red[lid] + {terms})"
+        helpers = f"var<workgroup> red: array<f32, {THREADS}>;\n"
+    else:
+        value = "(s0 + s1)"
+    if bias is not None:
+        value += f" + {bias.at(out.bias[1]('row'))}"
+    index = f"{out.col('col')} + {out.row('row')}"
+    body += (
+        f"  if (lane == 0u && e < {u(total)}) {{\n"
+        f"    let grp = e / {u(g.m * g.n)};\n"
+        f"    let row = (e / {u(g.n)}) % {u(g.m)};\n"
+        f"    let col = e % {u(g.n)};\n"
+        f"    {kb.store(dst, index, value)}\n  }}\n"
+    )
+    groups = -(-total // per)
+    return kb.finish(f"sum_splits{suffix}", body, THREADS, groups, helpers, flops=splits * total)
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """Staging of one operand's ``bk x span`` tile: ``span * bk / 4`` vec4 slots, slot
+    ``lid + 256 r`` for rep ``r`` (threads past the last slot skip the store but still meet
+    every barrier)."""
+
+    op: Operand
+    p: str
+    shared: str
+    span: int
+    bk: int
+    extent: int
+    k: int
+    tile: str
+
+    @property
+    def slots(self) -> int:
+        return self.span * self.bk // 4
+
+    def reps(self) -> range:
+        return range(-(-self.slots // THREADS))
+
+    def setup(self) -> list[str]:
+        """Which k and which 4 lines each rep stages, and the per-line setup."""
+        p, runs, lines = self.p, self.span // 4, []
+        for r in self.reps():
+            slot = "lid" if r == 0 else f"(lid + {u(r * THREADS)})"
+            if self.op.along_k:
+                lines += [f"  let l{p}{r}_k = {slot} % {u(self.bk)};"]
+                lines += [f"  let l{p}{r}_r = {slot} / {u(self.bk)};"]
+            else:
+                lines += [f"  let l{p}{r}_r = {slot} % {u(runs)};"]
+                lines += [f"  let l{p}{r}_k = {slot} / {u(runs)};"]
+            lines.append(f"  let {p}{r}_first = {self.tile} * {u(self.span)} + l{p}{r}_r * 4u;")
+            for jj in range(4):
+                j = 4 * r + jj
+                lines += ["  " + s for s in self.op.line(j, f"({p}{r}_first + {u(jj)})")]
+                if self.extent % self.span:
+                    lines.append(f"  let {p}_in{j} = {p}{r}_first + {u(jj)} < {u(self.extent)};")
+        return lines
+
+    def load(self) -> list[str]:
+        p, lines = self.p, []
+        for r in self.reps():
+            body = [f"let {p}_k{r} = k0 + l{p}{r}_k;"] + self.op.kstep(str(r), f"{p}_k{r}")
+            vals = []
+            for jj in range(4):
+                j = 4 * r + jj
+                stmts, index, conds = self.op.element(j, str(r))
+                body += stmts
+                conds = list(conds)
+                if self.extent % self.span:
+                    conds.append(f"{p}_in{j}")
+                if self.k % self.bk:
+                    conds.append(f"{p}_k{r} < {u(self.k)}")
+                at, ok = self.op.src.at, " && ".join(conds)
+                vals.append(guarded_read(at, index, ok, "0.0") if conds else at(index))
+            dst = f"{self.shared}[l{p}{r}_k * {u(self.span // 4)} + l{p}{r}_r]"
+            body.append(f"{dst} = vec4<f32>({', '.join(vals)});")
+            first_skipped = (r + 1) * THREADS > self.slots
+            if first_skipped:
+                lines.append(f"    if (lid + {u(r * THREADS)} < {u(self.slots)}) {{")
+                lines += ["      " + s for s in body] + ["    }"]
+            else:
+                lines += ["    " + s for s in body]
+        return lines
+
+
+def _store(
+    kb: KernelBuilder,
+    out: Output,
+    t: Tiling,
+    g: Gemm,
+    acc,
+    target: str,
+    partial: bool,
+    bias: Src | None,
+):
+    """Stores of this thread's block: through ``out``'s mapping, or densely into the split's
+    slice of the partials."""
+    lines = []
+    for h in range(t.tn // 4):
+        for c in range(4):
+            col = f"tile_n * {u(t.bn)} + {u(h * 4 * t.tx + c)} + tx * 4u"
+            lines.append(f"  let col{h}{c} = {col};")
+            lines.append(f"  let cb{h}{c} = {f'col{h}{c}' if partial else out.col(f'col{h}{c}')};")
+    for gi in range(t.tm // 4):
+        for i in range(4):
+            lines.append("  {")
+            lines.append(f"    let row = tile_m * {u(t.bm)} + {u(gi * 4 * t.ty + i)} + ty * 4u;")
+            if partial:
+                slab = f"(split * {u(g.groups)} + grp) * {u(g.m)} + row"
+                lines.append(f"    let rb = ({slab}) * {u(g.n)};")
+            else:
+                lines.append(f"    let rb = {out.row('row')};")
+            extra = ""
+            if bias is not None:
+                lines.append(f"    let bias = {bias.at(out.bias[1]('row'))};")
+                extra = " + bias"
+            stores = []
+            for h in range(t.tn // 4):
+                for c in range(4):
+                    value = f"acc{gi}{i}{h}.{'xyzw'[c]}{extra}"
+                    st = kb.store(target, f"cb{h}{c} + rb", value)
+                    stores.append(f"if (col{h}{c} < {u(g.n)}) {{ {st} }}" if g.n % t.bn else st)
+            body = " ".join(stores)
+            lines.append(f"    if (row < {u(g.m)}) {{ {body} }}" if g.m % t.bm else f"    {body}")
+            lines.append("  }")
+    return lines

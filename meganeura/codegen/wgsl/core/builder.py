@@ -1,0 +1,276 @@
+"""``KernelBuilder``: the bindings of one kernel and the assembly of its WGSL.
+
+Invariants kept here, so that each emitter cannot get them wrong on its own:
+  * a graph value is bound at most once per kernel (reads of the same value, or of views of
+    it, share one binding; a value both read and written gets one ``read_write`` binding);
+  * views (``reshape``, ``stop_gradient``) are resolved to the value that owns the buffer
+    (``graph.ir.resolve_view``), and constants are inlined as exact literals, never bound;
+  * every bound value has fewer than 2^31 elements (``codegen.kernel.MAX_ELEMENTS``) and fits
+    the adapter's storage-binding limit, else ``ValueError`` names it;
+  * a value stored as f16 (fast mode, ``passes.precision``) is bound as ``array<f16>`` and
+    the kernel starts with ``enable f16;``; emitters read and write bindings only through
+    ``Src.at``, ``KernelBuilder.load`` and ``KernelBuilder.store``, which widen to f32 on
+    load and narrow on store, so every kernel computes and accumulates in f32
+    (``compute_dtype``); binding an f16 value for an adapter without ``shader-f16`` raises
+    ``ValueError``;
+  * loads that may fall outside their binding go through ``guarded_read``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ....dtypes import DType
+from ....graph.ir import Graph, Node, TensorType, resolve_view
+from ...kernel import MAX_ELEMENTS, ArenaRef, KernelSource, Limits, ScratchRef, ValueRef
+from .layout import fold_grid, linear_workgroup
+from .literals import literal
+
+ENTRY_ARGS = (
+    "@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, "
+    "@builtin(local_invocation_index) lid: u32"
+)
+
+
+def is_constant(graph: Graph, vid: int) -> bool:
+    return graph[resolve_view(graph, vid)].op == "constant"
+
+
+def check_numel(graph: Graph, vid: int, limits: Limits) -> None:
+    """Raise ValueError when value ``vid`` cannot be indexed in u32 or bound in one binding.
+
+    The message names the value (its user name for leaves), its type, the limit and the line
+    of user code that declared it.
+    """
+    n = graph[vid]
+    t = n.type
+    label = f"%{vid} {n.name!r}" if n.name else f"%{vid}"
+    where = f" (declared at {n.loc})" if n.loc else ""
+    if t.numel > MAX_ELEMENTS:
+        raise ValueError(
+            f"{label} ({n.op}: {t}) has {t.numel} elements; u32 index math in the "
+            f"generated kernels needs fewer than 2^31{where}"
+        )
+    if t.nbytes > limits.max_storage_buffer_binding_size:
+        raise ValueError(
+            f"{label} ({n.op}: {t}) needs {t.nbytes} bytes, above the adapter's "
+            f"storage binding limit of {limits.max_storage_buffer_binding_size}{where}"
+        )
+
+
+@dataclass(frozen=True)
+class Src:
+    """How a kernel reads one IR value: a binding name, or an inlined literal."""
+
+    type: TensorType
+    name: str | None = None
+    literal: str | None = None
+
+    @property
+    def dtype(self) -> DType:
+        return self.type.dtype
+
+    def at(self, index: str) -> str:
+        """WGSL expression of element ``index`` in its compute type (the literal itself for
+        constants; an f16-stored value is widened to f32)."""
+        if self.literal is not None:
+            return self.literal
+        if self.type.dtype is DType.f16:
+            return f"f32({self.name}[{index}])"
+        return f"{self.name}[{index}]"
+
+
+def guarded_read(read: Callable[[str], str], index: str, ok: str, fill: str) -> str:
+    """WGSL reading ``read(index)`` where ``ok`` holds and ``fill`` elsewhere; the index is
+    selected to 0 where ``ok`` fails, so the discarded read stays inside its binding (shader
+    modules may be created without naga's bounds checks, ``runtime/pipelines.py``).
+
+    Args:
+        read: index expression -> load expression (``Src.at``, a vec4 read ...).
+        index: u32 index expression, possibly out of range where ``ok`` is false.
+        ok: bool expression.
+        fill: the value where ``ok`` is false, of the load's type.
+    """
+    return f"select({fill}, {read(f'select(0u, {index}, {ok})')}, {ok})"
+
+
+# storage element type -> the compute type it is widened to on load
+_WIDEN = {"f16": "f32", "vec4<f16>": "vec4<f32>"}
+
+
+def compute_dtype(dtype: DType) -> DType:
+    """The type kernels compute in for values stored as ``dtype``: f16 storage computes in f32."""
+    return DType.f32 if dtype is DType.f16 else dtype
+
+
+class KernelBuilder:
+    """Collects the bindings of one kernel and assembles its WGSL.
+
+    Binding variables are named ``g_<name>`` so they never collide with the locals emitters
+    use.
+
+    Args:
+        graph: the graph being lowered.
+        node: the node this kernel belongs to (names the kernel, errors quote it).
+        limits: adapter limits (binding sizes are checked against them).
+    """
+
+    def __init__(self, graph: Graph, node: Node, limits: Limits) -> None:
+        self.graph, self.node, self.limits = graph, node, limits
+        self._refs: list[ValueRef | ScratchRef | ArenaRef] = []
+        self._decls: list[tuple[str, str]] = []  # (name, element type) per binding
+        self._by_value: dict[int, int] = {}
+
+    def _bind_value(self, vid: int, name: str, write: bool) -> str:
+        root = resolve_view(self.graph, vid)
+        if root in self._by_value:
+            k = self._by_value[root]
+            if write and not self._refs[k].write:
+                self._refs[k] = ValueRef(root, write=True)
+            return self._decls[k][0]
+        check_numel(self.graph, root, self.limits)
+        dtype = self.graph[root].type.dtype
+        if dtype is DType.f16 and not self.limits.shader_f16:
+            raise ValueError(
+                f"%{root} ({self.graph[root].op}: {self.graph[root].type}) is stored as f16, "
+                "which needs an adapter with the shader-f16 feature"
+            )
+        self._by_value[root] = len(self._refs)
+        self._refs.append(ValueRef(root, write=write))
+        return self._declare(name, dtype)
+
+    def read(self, vid: int, name: str) -> Src:
+        """Bind value ``vid`` for reading (or inline it when it is a constant)."""
+        root = resolve_view(self.graph, vid)
+        n = self.graph[root]
+        t = self.graph[vid].type
+        if n.op == "constant":
+            return Src(t, literal=literal(n.attr("value"), n.type.dtype))
+        return Src(t, name=self._bind_value(vid, name, write=False))
+
+    def is_bound(self, vid: int) -> bool:
+        """Whether value ``vid`` (or the value owning its buffer) already has a binding."""
+        return resolve_view(self.graph, vid) in self._by_value
+
+    def read_vec4(self, vid: int, name: str) -> str:
+        """Bind value ``vid`` for reading as ``array<vec4<T>>`` (T its storage type) and
+        return the variable. Element i of the value is lane ``i % 4`` of vector ``i / 4``.
+
+        Raises:
+            ValueError: when the value is a constant or already bound (one binding per value).
+        """
+        if is_constant(self.graph, vid) or self.is_bound(vid):
+            raise ValueError(f"%{vid} cannot get a vec4 binding: constant or already bound")
+        var = self._bind_value(vid, name, write=False)
+        self.vectorize(var)
+        return var
+
+    def write(self, vid: int, name: str) -> str:
+        """Bind value ``vid`` (the node's output, or an input updated in place) for writing."""
+        return self._bind_value(vid, name, write=True)
+
+    def scratch(self, key: str, count: int, dtype: DType, name: str) -> str:
+        """Bind node-private scratch storage of ``count`` elements of ``dtype``.
+
+        Scratch holds partial sums and statistics, so it is kept in the compute type: an f16
+        ``dtype`` (a node stored as f16) gets f32 scratch."""
+        dtype = compute_dtype(dtype)
+        self._refs.append(ScratchRef(key, max(count, 1) * dtype.itemsize, dtype))
+        return self._declare(name, dtype)
+
+    def arena(self, key: tuple, dtype: DType, name: str, write: bool) -> str:
+        """Bind the whole arena ``key`` (several values of ``dtype`` at aligned offsets)."""
+        if dtype is DType.f16:
+            raise NotImplementedError(f"arena {key}: f16 storage is not lowered yet")
+        self._refs.append(ArenaRef(key, write))
+        return self._declare(name, dtype)
+
+    def element_type(self, var: str) -> str:
+        """WGSL element type of the storage binding ``var`` (``f32``, ``f16``, ``i32``, ...)."""
+        for name, ty in self._decls:
+            if name == var:
+                return ty
+        raise KeyError(f"{var!r} is not a binding of this kernel")
+
+    def load(self, var: str, index: str) -> str:
+        """Expression reading element ``index`` of binding ``var`` in its compute type
+        (f16 storage is widened to f32, vec4<f16> to vec4<f32>). Kernels read bound values
+        through this or ``Src.at`` so that the fast (f16-storage) mode needs no change in the
+        emitter."""
+        ty = self.element_type(var)
+        if ty in _WIDEN:
+            return f"{_WIDEN[ty]}({var}[{index}])"
+        return f"{var}[{index}]"
+
+    def store(self, var: str, index: str, expr: str) -> str:
+        """Statement writing compute-type ``expr`` to element ``index`` of binding ``var``
+        (narrowed to f16 / vec4<f16> when the binding stores f16)."""
+        ty = self.element_type(var)
+        if ty in _WIDEN:
+            return f"{var}[{index}] = {ty}({expr});"
+        return f"{var}[{index}] = {expr};"
+
+    def vectorize(self, var: str) -> None:
+        """Re-declare binding ``var`` as ``array<vec4<T>>`` (T its element type): element q is
+        scalars 4q .. 4q + 3. The caller reads and writes it only through ``load``/``store``
+        (which widen and narrow vec4<f16>) and must keep every vec4 index below numel / 4.
+        Idempotent.
+
+        Raises:
+            KeyError: when ``var`` is not a binding of this kernel.
+        """
+        for k, (name, ty) in enumerate(self._decls):
+            if name == var:
+                if not ty.startswith("vec4<"):
+                    self._decls[k] = (name, f"vec4<{ty}>")
+                return
+        raise KeyError(f"{var!r} is not a binding of this kernel")
+
+    def _declare(self, name: str, dtype: DType) -> str:
+        var = f"g_{name}"
+        if any(var == d for d, _ in self._decls):
+            var = f"{var}_{len(self._decls)}"  # two bindings asked for the same name
+        self._decls.append((var, dtype.wgsl))
+        return var
+
+    def finish(
+        self,
+        suffix: str,
+        body: str,
+        workgroup_size: int,
+        groups: int,
+        helpers: str = "",
+        flops: int = 0,
+        nbytes: int = 0,
+        extra_args: str = "",
+    ) -> KernelSource:
+        """Assemble the kernel: declarations, helper functions, then ``main``.
+
+        ``body`` runs after ``wg`` (the linear workgroup id, padding dropped) is defined;
+        ``extra_args`` are more builtins of ``main`` (e.g. ``@builtin(subgroup_size) sgs: u32``).
+        """
+        grid = fold_grid(groups, self.limits)
+        decls = []
+        for i, ((name, ty), ref) in enumerate(zip(self._decls, self._refs, strict=True)):
+            access = "read_write" if ref.write else "read"
+            decls.append(f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{ty}>;")
+        src = "\n".join(decls) + "\n\n"
+        # f16 bindings, or an f16 conversion in the code (a fused cast to f16 not stored)
+        if any(re.search(r"\bf16\b", ty) for _, ty in self._decls) or re.search(
+            r"\bf16\b", body + helpers
+        ):
+            src = "enable f16;\n\n" + src
+        if helpers:
+            src += helpers.strip("\n") + "\n\n"
+        src += f"@compute @workgroup_size({workgroup_size})\nfn main({ENTRY_ARGS}{extra_args}) {{\n"
+        src += linear_workgroup(groups, grid) + body.rstrip() + "\n}\n"
+        name = f"%{self.node.id} {self.node.op}" + (f" {suffix}" if suffix else "")
+        return KernelSource(name, src, tuple(self._refs), grid, flops, nbytes)
+
+
+def indent(text: str, level: int = 1) -> str:
+    """``text`` with every non-blank line indented by ``level`` steps of two spaces."""
+    pad = "  " * level
+    return "".join(pad + line if line.strip() else line for line in text.splitlines(True))

@@ -1,0 +1,60 @@
+"""WGSL literals: exact f32 decimals, wrapped integers, u32 index constants.
+
+Literals never spell inf or NaN (WGSL rejects them): f32 constants are printed as the exact
+decimal of their float32 value, integers with an ``i``/``u`` suffix, so a constant inlined in a
+kernel is bit-identical to the value the graph holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ....dtypes import DType
+
+
+def f32_literal(value: float) -> str:
+    """Exact WGSL literal of ``float32(value)``, e.g. ``1.0``, ``1e-06``, ``(-0.5)``.
+
+    Raises:
+        ValueError: for inf or NaN, which WGSL cannot spell.
+    """
+    with np.errstate(over="ignore"):
+        v = float(np.float32(value))
+    if not math.isfinite(v):
+        raise ValueError(f"{value!r} is not a finite float32; WGSL has no inf/NaN literals")
+    # repr of the float64 holding a float32 is its exact shortest decimal, so WGSL's
+    # abstract-float -> f32 conversion is exact (no second rounding at the range edge).
+    text = repr(abs(v))
+    if "." not in text and "e" not in text:
+        text += ".0"
+    return f"(-{text})" if math.copysign(1.0, v) < 0 else text
+
+
+def int_literal(value: int, dtype: DType) -> str:
+    """WGSL literal of an integer in ``dtype`` (i32 wraps like NumPy's astype; bool -> 0u/1u)."""
+    if dtype is DType.bool:
+        return "1u" if value else "0u"
+    if dtype is DType.u32:
+        return f"{int(value) % 2**32}u"
+    v = int(np.array(value).astype(np.int64).astype(np.int32))
+    if v == -(2**31):
+        return "(-2147483647i - 1i)"  # 2147483648i alone is out of range
+    return f"(-{-v}i)" if v < 0 else f"{v}i"
+
+
+def literal(value: float | int | bool, dtype: DType) -> str:
+    """Literal of a constant node's value in its dtype."""
+    if dtype.is_floating:
+        return f32_literal(float(value))
+    return int_literal(int(value), dtype)
+
+
+def zero(dtype: DType) -> str:
+    return literal(0, dtype)
+
+
+def u(n: int) -> str:
+    """A u32 literal for index math."""
+    return f"{n}u"

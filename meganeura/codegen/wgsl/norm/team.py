@@ -1,0 +1,392 @@
+"""The normalizations on the row archetype (``rowwise.team``): layer_norm, rms_norm, group_norm and
+batch_norm (training) forward, input gradient, weight gradient and batch_norm's running
+statistics, one team per group.
+
+Rows. A group is a team row (``norm_ref.group_dims``): layer_norm / rms_norm a contiguous row
+whose weight is shaped like it; group_norm a contiguous run of C/G channels x H*W whose unit
+``j`` has weight ``channel = (row % G) * C/G + j / (H*W / width)`` (vec4 units when 4 divides
+H*W, so a unit never straddles two channels); batch_norm channel c: N segments of H*W,
+``stride = C*H*W``, weight ``c``. Segmented rows of fewer than ``MIN_SEG`` elements per segment
+(batch_norm of [N, C], say) read too scattered for a team and are left to the general kernels
+(the lowerings return None), as are constant inputs.
+
+Statistics (f32). Both modes subtract ``shift``, the group's first element, before anything
+else, so a large common offset cancels exactly (the shifted-data algorithm; rms_norm: shift =
+mean = 0, ``ssd = sum x^2``).
+  * Register mode: two passes over the registers: ``mean`` of x - shift (team sum), then
+    ``ssd = sum ((x - shift) - mean)^2`` (team sum), so exactly the general kernels' two-pass
+    statistics.
+  * Chunked mode: one pass over the row. Each chunk's own mean and squared deviations come from
+    its registers (two-pass, exact), and merge into the thread's running (count, sum, M2) by
+    Chan et al.'s update ``M2 += M2_c + d^2 n n_c / (n + n_c)`` (d: the difference of the two
+    means). Then the team sums the sums (the mean) and each thread's ``M2 + n (m_t - mean)^2``
+    (``ssd``): the exact decomposition of the group's squared deviations, so no E[x^2] - E[x]^2
+    cancellation anywhere. ``rstd = inverseSqrt(ssd / n + eps)``.
+
+Input gradient, with ``gw = g * w`` and ``xc = (x - shift) - mean``: ``dx = rstd * (gw -
+mean(gw) - xc rstd * rstd mean(gw xc))`` (rms_norm: no ``mean(gw)``), the statistics pass also
+summing ``gw`` and ``gw * xc`` (one team reduction of a vector with ``ssd``); in chunked mode
+``sum gw (x - shift - m)`` is carried per thread about its running mean ``m`` and moved to the
+group mean like M2 (``P += (m_old - m_new) * sum gw``), then the row is read again to write dx.
+
+Weight gradient ``sum g * xhat`` per channel: batch_norm's channel is its group, so one kernel
+(the statistics pass with w = 1: ``rstd * sum g xc``); group_norm writes (shift, mean, rstd) per
+group to scratch, then sums over channel rows (batch_norm's segmented layout) reading them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ....graph.ir import Graph
+from ....ops.norm_ref import group_dims
+from ...kernel import KernelSource, Limits
+from ..core.builder import KernelBuilder, Src
+from ..core.literals import f32_literal, u
+from ..rowwise.team import Chunk, RowKernel, TeamPlan, plan_team, sources_bound
+
+MIN_SEG = 16  # elements per segment below which a segmented row is left to the rows kernels
+
+Index = Callable[[str], str]  # unit index expression -> channel index expression
+
+
+def kind_of(op: str) -> str:
+    """The norm an op belongs to (``group_norm_backward`` -> ``group_norm``).
+
+    Raises:
+        KeyError: for an op of no norm.
+    """
+    for kind in ("layer_norm", "rms_norm", "group_norm", "batch_norm"):
+        if op.startswith(kind):
+            return kind
+    raise KeyError(op)
+
+
+def _segments(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(N, C, H*W) of an input [N, C, *]."""
+    return shape[0], shape[1], math.prod(shape[2:])
+
+
+def plan_groups(shape, kind: str, attrs, limits: Limits) -> TeamPlan | None:
+    """The team plan over the groups of ``kind`` on ``shape``, or None (rows kernels)."""
+    count, length, _ = group_dims(shape, kind, attrs)
+    if kind in ("layer_norm", "rms_norm"):
+        return plan_team(count, length, limits, chunked=True)
+    n, c, s = _segments(shape)
+    if kind == "group_norm":
+        return plan_team(count, length, limits, align=s, chunked=True)
+    return _plan_channels(n, c, s, limits)
+
+
+def _plan_channels(n: int, c: int, s: int, limits: Limits) -> TeamPlan | None:
+    """C rows, row c the N segments of channel c (batch_norm's groups)."""
+    if n == 1:
+        return plan_team(c, s, limits, chunked=True)
+    if s < MIN_SEG:
+        return None
+    return plan_team(c, n * s, limits, align=s, seg=s, stride=c * s, chunked=True)
+
+
+def _channel(rk: RowKernel, kind: str, shape, attrs) -> Index | None:
+    """The weight index of a unit of the current row (None: the weight is shaped like the
+    row, unit-addressable)."""
+    if kind in ("layer_norm", "rms_norm"):
+        return None
+    if kind == "batch_norm":
+        return lambda j: "rowc"
+    _, c, s = _segments(shape)
+    g = attrs["num_groups"]
+    segu = s // rk.plan.width
+    first = "0u" if g == 1 else f"(rowc % {u(g)}) * {u(c // g)}"
+    rk.line(f"let gch = {first};")
+    return lambda j: f"gch + {j}" if segu == 1 else f"gch + ({j}) / {u(segu)}"
+
+
+def _param(rk: RowKernel, src: Src | None, prefix: str, chan: Index | None):
+    """How a chunk reads a per-channel operand: ``param(ch)`` emits any loads and returns
+    unit i's expression (a literal for a constant; registers for row-shaped weights)."""
+    if src is None:
+        return lambda ch: lambda i: ""
+    if src.literal is not None:
+        return lambda ch: lambda i: src.literal
+    if chan is None:
+        var = rk.bind(src)
+
+        def rowshaped(ch: Chunk):
+            for i in range(ch.m):
+                rk.line(f"let {prefix}{i} = {rk.kb.load(var, ch.unit(i))};")
+            return lambda i: f"{prefix}{i}"
+
+        return rowshaped
+    return lambda ch: lambda i: src.at(chan(ch.unit(i)))
+
+
+def _stats(rk: RowKernel, xv: str, rms: bool, eps: float, grad=None) -> Chunk | None:
+    """Statements leaving ``shift``, ``mean``, ``ssd`` and ``rstd`` of row ``rowc`` (and with
+    ``grad = (g var, weight param)`` also ``d1 = sum gw`` and ``pg = sum gw * xc``). Register
+    mode returns its chunk, whose registers ``a*`` (``g*``, ``gw*``, ``xc*``) stay live."""
+    p = rk.plan
+    n = f32_literal(p.n)
+
+    def loads(ch: Chunk) -> None:
+        rk.load(ch, xv, "a")
+        if grad is not None:
+            gv, wparam = grad
+            rk.load(ch, gv, "g")
+            w = wparam(ch)
+            for i in range(ch.m):
+                rk.line(f"let gw{i} = g{i} * {w(i)};")
+
+    if rms:
+        rk.line("let shift = 0.0;")
+        rk.line("let mean = 0.0;")
+    else:
+        lane = ".x" if p.width == 4 else ""
+        # The group's first element: every thread reads it (from cache) rather than wait for
+        # a broadcast.
+        rk.line(f"let shift = {rk.kb.load(xv, 'rbase')}{lane};")
+    names = ["ssd"] + (["d1"] if grad is not None and not rms else []) + (["pg"] if grad else [])
+    if not p.chunked:
+        ch = rk.registers()
+        loads(ch)
+        if not rms:
+            rk.line(f"var s_t = {ch.sum(lambda i: f'(a{i} - shift)')};")
+            rk.reduce("s_t", "+", "s_tot")
+            rk.line(f"let mean = s_tot / {n};")
+        for i in range(ch.m):
+            rk.line(f"let xc{i} = (a{i} - shift) - mean;")
+        sums = [ch.sum(lambda i: f"sqv(xc{i})")]
+        if grad is not None:
+            sums += [] if rms else [ch.sum(lambda i: f"gw{i}")]
+            sums.append(ch.sum(lambda i: f"gw{i} * xc{i}"))
+        rk.reduce_sums(sums, names)
+        rk.line(f"let rstd = inverseSqrt(ssd / {n} + {f32_literal(eps)});")
+        return ch
+    if rms:
+        rk.line("var tq = 0.0;")
+        rk.line("var tp = 0.0;")
+
+        def body(ch: Chunk) -> None:
+            loads(ch)
+            rk.line(f"tq = tq + {ch.sum(lambda i: f'sqv(a{i})')};")
+            if grad is not None:
+                rk.line(f"tp = tp + {ch.sum(lambda i: f'gw{i} * a{i}')};")
+
+        rk.each_chunk(body)
+        rk.reduce_sums(["tq", "tp"] if grad is not None else ["tq"], names)
+    else:
+        for v in ("tn", "ts", "tq", "tb", "tp"):
+            rk.line(f"var {v} = 0.0;")
+        rk.each_chunk(lambda ch: _merge_chunk(rk, ch, loads, grad is not None))
+        rk.reduce("ts", "+", "s_tot")
+        rk.line(f"let mean = s_tot / {n};")
+        rk.line("let t_d = ts / max(tn, 1.0) - mean;")
+        sums = ["tq + tn * t_d * t_d"]
+        if grad is not None:
+            sums += ["tb", "tp + t_d * tb"]
+        rk.reduce_sums(sums, names)
+    rk.line(f"let rstd = inverseSqrt(ssd / {n} + {f32_literal(eps)});")
+    return None
+
+
+def _merge_chunk(rk: RowKernel, ch: Chunk, loads, grad: bool) -> None:
+    """One chunk's statistics (two-pass over its registers) merged into the thread's running
+    ``tn, ts, tq`` (count, sum of x - shift, M2 about the running mean ``ts / tn``) and, with
+    ``grad``, ``tb = sum gw``, ``tp = sum gw * (x - shift - ts / tn)``."""
+    loads(ch)
+    cnt = ch.count()
+    rk.line(f"let c_n = {cnt};")
+    rk.line(f"let c_s = {ch.sum(lambda i: f'(a{i} - shift)')};")
+    rk.line(f"let c_m = c_s / {'c_n' if ch.full else 'max(c_n, 1.0)'};")
+    rk.line(f"let c_q = {ch.sum(lambda i: f'sqv((a{i} - shift) - c_m)')};")
+    rk.line("let t_m = ts / max(tn, 1.0);")
+    rk.line("let n2 = tn + c_n;")
+    rk.line("let m2 = (ts + c_s) / max(n2, 1.0);")
+    rk.line("tq = tq + c_q + (c_m - t_m) * (c_m - t_m) * (tn * c_n / max(n2, 1.0));")
+    if grad:
+        rk.line(f"let c_b = {ch.sum(lambda i: f'gw{i}')};")
+        rk.line(f"let c_p = {ch.sum(lambda i: f'gw{i} * ((a{i} - shift) - c_m)')};")
+        rk.line("tp = tp + (t_m - m2) * tb + c_p + (c_m - m2) * c_b;")
+        rk.line("tb = tb + c_b;")
+    rk.line("ts = ts + c_s;")
+    rk.line("tn = n2;")
+
+
+def _setup(graph: Graph, node_id: int, limits: Limits, x_id: int):
+    node = graph[node_id]
+    kind = kind_of(node.op)
+    shape = graph[x_id].type.shape
+    plan = plan_groups(shape, kind, node.attr_dict, limits)
+    if plan is None:
+        return None
+    kb = KernelBuilder(graph, node, limits)
+    x = kb.read(x_id, "x")
+    if not sources_bound(x):
+        return None
+    rk = RowKernel(kb, plan)
+    return node, kind, shape, kb, rk, rk.bind(x)
+
+
+def lower_norm_team(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource] | None:
+    """Forward ``((x - shift) - mean) * rstd * w + b`` as one team kernel, or None."""
+    st = _setup(graph, node_id, limits, graph[node_id].inputs[0])
+    if st is None:
+        return None
+    node, kind, shape, kb, rk, xv = st
+    w = kb.read(node.inputs[1], "weight")
+    b = kb.read(node.inputs[2], "bias") if len(node.inputs) > 2 else None
+    out = kb.write(node_id, "out")
+    chan = _channel(rk, kind, shape, node.attr_dict)
+    wp, bp = _param(rk, w, "w", chan), _param(rk, b, "b", chan)
+    regs = _stats(rk, xv, kind == "rms_norm", node.attr("eps"))
+
+    def write(ch: Chunk) -> None:
+        if regs is None:
+            rk.load(ch, xv, "a")
+        wv, bv = wp(ch), bp(ch)
+        plus = (lambda i: f" + {bv(i)}") if b is not None else (lambda i: "")
+        rk.store(ch, out, lambda i: f"((a{i} - shift) - mean) * rstd * {wv(i)}{plus(i)}")
+
+    if regs is not None:
+        write(regs)
+    else:
+        rk.each_chunk(write)
+    return [rk.finish("", 8 * node.type.numel, 2 * node.type.nbytes)]
+
+
+def lower_norm_backward_team(
+    graph: Graph, node_id: int, limits: Limits
+) -> list[KernelSource] | None:
+    """Input gradient ``rstd * (gw - d1 / n - xc rstd * (rstd pg / n))`` as one team kernel
+    (rms_norm: no ``d1`` term), or None."""
+    node = graph[node_id]
+    st = _setup(graph, node_id, limits, node.inputs[0])
+    if st is None:
+        return None
+    node, kind, shape, kb, rk, xv = st
+    rms = kind == "rms_norm"
+    w = kb.read(node.inputs[1], "weight")
+    g = kb.read(node.inputs[2], "g")
+    if not sources_bound(g):
+        return None
+    out = kb.write(node_id, "dx")
+    gv = rk.bind(g)
+    wp = _param(rk, w, "w", _channel(rk, kind, shape, node.attr_dict))
+    regs = _stats(rk, xv, rms, node.attr("eps"), (gv, wp))
+    inv_n = f32_literal(1.0 / rk.plan.n)
+    centre = "" if rms else " - c1"
+    if not rms:
+        rk.line(f"let c1 = d1 * {inv_n};")
+    rk.line(f"let c2 = rstd * pg * {inv_n};")
+    value = lambda i: f"rstd * (gw{i}{centre} - (xc{i} * rstd) * c2)"  # noqa: E731
+    if regs is not None:
+        rk.store(regs, out, value)
+    else:
+
+        def write(ch: Chunk) -> None:
+            rk.load(ch, xv, "a")
+            rk.load(ch, gv, "g")
+            wv = wp(ch)
+            for i in range(ch.m):
+                rk.line(f"let gw{i} = g{i} * {wv(i)};")
+                rk.line(f"let xc{i} = (a{i} - shift) - mean;")
+            rk.store(ch, out, value)
+
+        rk.each_chunk(write)
+    return [rk.finish("", 14 * node.type.numel, 3 * node.type.nbytes)]
+
+
+def stats_team(graph: Graph, node_id: int, limits: Limits, x_id: int) -> KernelSource | None:
+    """(shift, mean, rstd) of every group into scratch ``stats`` [3 * groups], or None."""
+    st = _setup(graph, node_id, limits, x_id)
+    if st is None:
+        return None
+    node, kind, shape, kb, rk, xv = st
+    _stats(rk, xv, kind == "rms_norm", node.attr("eps"))
+    s = kb.scratch("stats", 3 * rk.plan.rows, node.type.dtype, "stats")
+    rk.line("if (live && y == 0u) {")
+    for k, v in enumerate(("shift", "mean", "rstd")):
+        rk.line(f"  {s}[3u * row + {u(k)}] = {v};")
+    rk.line("}")
+    return rk.finish("stats")
+
+
+def weight_backward_team(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource] | None:
+    """batch_norm's ``dweight[c] = rstd * sum g * xc`` over channel c as one team kernel; group
+    norm's channel sums of ``g * xhat`` with the group statistics from scratch (the stats
+    kernel comes first); None for the other norms and layouts the teams do not serve."""
+    node = graph[node_id]
+    x_id, g_id = node.inputs
+    kind = kind_of(node.op)
+    if kind == "batch_norm":
+        st = _setup(graph, node_id, limits, x_id)
+        if st is None:
+            return None
+        node, kind, shape, kb, rk, xv = st
+        g = kb.read(g_id, "g")
+        out = kb.write(node_id, "dweight")
+        one = Src(g.type, literal="1.0")
+        _stats(rk, xv, False, node.attr("eps"), (rk.bind(g), _param(rk, one, "w", None)))
+        rk.line(f"if (live && y == 0u) {{ {kb.store(out, 'row', 'rstd * pg')} }}")
+        return [rk.finish("")]
+    if kind != "group_norm":
+        return None
+    shape = graph[x_id].type.shape
+    n, c, s = _segments(shape)
+    plan = _plan_channels(n, c, s, limits)
+    stats_k = stats_team(graph, node_id, limits, x_id)
+    if plan is None or stats_k is None:
+        return None
+    groups = node.attr("num_groups")
+    kb = KernelBuilder(graph, node, limits)
+    x, g = kb.read(x_id, "x"), kb.read(g_id, "g")
+    if not sources_bound(g):
+        return None
+    st = kb.scratch("stats", 3 * n * groups, node.type.dtype, "stats")
+    out = kb.write(node_id, "dweight")
+    rk = RowKernel(kb, plan)
+    xv, gv = rk.bind(x), rk.bind(g)
+    segu = s // plan.width
+    rk.line(f"let gj = rowc / {u(c // groups)};")
+    rk.line("var acc = 0.0;")
+
+    def body(ch: Chunk) -> None:
+        rk.load(ch, xv, "a")
+        rk.load(ch, gv, "g")
+        for i in range(ch.m):
+            j = ch.unit(i)
+            sample = f"({j}) / {u(segu)}" if plan.segmented else "0u"
+            rk.line(f"let s{i} = 3u * ({sample} * {u(groups)} + gj);")
+        term = lambda i: f"g{i} * (((a{i} - {st}[s{i}]) - {st}[s{i} + 1u]) * {st}[s{i} + 2u])"  # noqa: E731
+        rk.line(f"acc = acc + {ch.sum(term)};")
+
+    rk.each_chunk(body)
+    rk.reduce("acc", "+", "total")
+    rk.line(f"if (live && y == 0u) {{ {kb.store(out, 'row', 'total')} }}")
+    return [stats_k, rk.finish("reduce")]
+
+
+def update_stats_team(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource] | None:
+    """batch_norm's running statistics (``lowering.lower_update_stats``) as one team kernel."""
+    node = graph[node_id]
+    x_id, rm_id, rv_id = node.inputs
+    shape = graph[x_id].type.shape
+    n, c, s = _segments(shape)
+    plan = _plan_channels(n, c, s, limits)
+    if plan is None:
+        return None
+    kb = KernelBuilder(graph, node, limits)
+    x = kb.read(x_id, "x")
+    if not sources_bound(x):
+        return None
+    rm, rv = kb.write(rm_id, "running_mean"), kb.write(rv_id, "running_var")
+    rk = RowKernel(kb, plan)
+    _stats(rk, rk.bind(x), False, 0.0)
+    mom = node.attr("momentum")
+    a, b = f32_literal(mom), f32_literal(1.0 - mom)
+    rk.line("if (live && y == 0u) {")
+    rk.line(f"  {rm}[row] = {a} * (shift + mean) + {b} * {rm}[row];")
+    rk.line(f"  {rv}[row] = {a} * (ssd / {f32_literal(plan.n - 1)}) + {b} * {rv}[row];")
+    rk.line("}")
+    return [rk.finish("")]

@@ -1,0 +1,1 @@
+"""Reductions over any set of dims (``reductions``) and prefix sums (``scan``)."""
