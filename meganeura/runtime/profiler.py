@@ -1,7 +1,9 @@
 """GPU time per dispatch, from timestamp queries: where a step's time goes.
 
-:func:`profile_session` replays a Session's step with timestamps around every dispatch, in one
-of two ways:
+``Session.profile`` checks the feeds and runs the warm-up steps, then hands its dispatches,
+pipelines and bind groups to :func:`profile_dispatches`, which replays them with timestamps
+around every dispatch in one of two ways (:func:`choose_method` picks one). This module never
+sees a Session, so the Session's GPU objects and feed checks stay its own:
 
   * ``inside`` (preferred; needs wgpu-native's ``timestamp-query-inside-passes``): the ordinary
     step's single compute pass with a timestamp before the first dispatch and after each one,
@@ -30,7 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -39,8 +41,8 @@ import numpy as np
 import wgpu
 
 if TYPE_CHECKING:
+    from ..schedule.program import Dispatch
     from .device import Device
-    from .session import Session
 
 _MAX_QUERIES = 4096  # WebGPU: a GPUQuerySet holds at most 4096 queries
 _INSIDE = "timestamp-query-inside-passes"
@@ -291,41 +293,66 @@ def require_timestamps(device: Device) -> None:
     )
 
 
-def profile_session(
-    session: Session,
-    feeds: Mapping[str, np.ndarray],
-    repeats: int = 1,
-    warmup: int = 1,
-    method: Method = "auto",
-) -> Profile:
-    """Profile ``session``'s step; see :meth:`Session.profile`.
+def choose_method(device: Device, method: Method = "auto") -> Literal["inside", "passes"]:
+    """How :func:`profile_dispatches` will take timestamps on ``device``.
+
+    Args:
+        device: the Device the step runs on.
+        method: ``"inside"``, ``"passes"``, or ``"auto"`` (``"inside"`` when the device has
+            ``timestamp-query-inside-passes``, else ``"passes"``).
+
+    Returns:
+        ``"inside"`` or ``"passes"``.
 
     Raises:
+        ValueError: an unknown ``method``.
         ProfilerError: no ``timestamp-query`` on the device, or ``method="inside"`` without
             ``timestamp-query-inside-passes``.
-        ValueError: ``repeats`` < 1, ``warmup`` < 0 or an unknown ``method``.
-        InputError: bad feeds (checked before anything runs).
     """
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     if method not in ("auto", "inside", "passes"):
         raise ValueError(f"method must be 'auto', 'inside' or 'passes', got {method!r}")
-    device = session.device
     require_timestamps(device)
     inside = _INSIDE in device.features
     if method == "inside" and not inside:
         raise ProfilerError(f"{device.name} has no '{_INSIDE}' feature; use method='passes'")
-    inside = inside and method != "passes"
-    session._live()
-    todo = [
-        (i, d, session._pipelines[i], session._bind_groups[i])
-        for i, d in enumerate(session.program.dispatches)
-        if 0 not in d.grid
-    ]
-    session._feed(feeds)  # checks every feed before anything runs
-    for _ in range(warmup):
-        session.run(feeds)
+    return "inside" if inside and method != "passes" else "passes"
 
+
+def profile_dispatches(
+    device: Device,
+    dispatches: Sequence[Dispatch],
+    pipelines: Sequence[wgpu.GPUComputePipeline],
+    bind_groups: Sequence[wgpu.GPUBindGroup],
+    repeats: int = 1,
+    method: Literal["inside", "passes"] = "passes",
+) -> Profile:
+    """Replay a step's dispatches ``repeats`` times with timestamps; see :meth:`Session.profile`.
+
+    Each repeat is one command buffer and one submission, followed by a read-back of the
+    resolved timestamps. Inputs must already be uploaded: nothing is checked or written here
+    but the dispatches' own bindings.
+
+    Args:
+        device: the Device that owns the pipelines and bind groups.
+        dispatches: the step's dispatches in program order; those with an empty grid are
+            skipped, as the step skips them.
+        pipelines: one per dispatch, in the same order.
+        bind_groups: one per dispatch, in the same order.
+        repeats: profiled steps (at least 1).
+        method: from :func:`choose_method`.
+
+    Returns:
+        One :class:`DispatchTiming` per executed dispatch per repeat, in a :class:`Profile`.
+
+    Raises:
+        ValueError: ``repeats`` < 1.
+    """
+    if repeats < 1:
+        raise ValueError(f"need repeats >= 1, got {repeats}")
+    inside = method == "inside"
+    todo = [
+        (i, d, pipelines[i], bind_groups[i]) for i, d in enumerate(dispatches) if 0 not in d.grid
+    ]
     gpu, queue = device.gpu, device.gpu.queue
     count = len(todo) + 1 if inside else 2 * len(todo)
     sizes = [min(_MAX_QUERIES, count - k) for k in range(0, count, _MAX_QUERIES)]
@@ -371,8 +398,7 @@ def profile_session(
                     grid=tuple(d.grid),
                 )
             )
-    used = "inside" if inside else "passes"
-    return Profile(tuple(timings), repeats, device.name, period, source, used)
+    return Profile(tuple(timings), repeats, device.name, period, source, method)
 
 
 def _record_passes(enc, todo, slot) -> None:

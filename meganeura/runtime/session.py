@@ -5,8 +5,8 @@ host, uploads the inputs, replays the prebuilt dispatch list into one compute pa
 (:class:`.fastpath.Recorder`) followed by copies of the fetched outputs into a persistent
 staging buffer, submits once, and maps the staging buffer to read the outputs. The host side
 goes through direct wgpu-native calls (:mod:`.fastpath`).
-Host-side checks of feeds live in :mod:`.slots`; ``profile`` (timestamps per dispatch) lives in
-:mod:`.profiler` and leaves ``run`` uninstrumented.
+Host-side checks of feeds live in :mod:`.slots`; ``profile`` checks and uploads the feeds as
+``run`` does, then times the dispatches with :mod:`.profiler`, and leaves ``run`` uninstrumented.
 
 Invariants:
   * nothing reaches the GPU before every feed (names, shapes, exact dtypes, label ranges) has
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import wgpu
@@ -31,10 +30,8 @@ from ..schedule.program import Program
 from . import fastpath
 from .device import Device, get_device
 from .pipelines import check_limits, find_invalid_dispatch
+from .profiler import Method, Profile, choose_method, profile_dispatches
 from .slots import BoundSlot, InputError, bind_slots, ceil_to, check_labels, checked, decode
-
-if TYPE_CHECKING:
-    from .profiler import Profile
 
 _USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 _STAGING_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
@@ -220,7 +217,7 @@ class Session:
         feeds: Mapping[str, np.ndarray],
         repeats: int = 1,
         warmup: int = 1,
-        method: str = "auto",
+        method: Method = "auto",
     ) -> Profile:
         """Time every dispatch of the step on the GPU with timestamp queries.
 
@@ -242,11 +239,25 @@ class Session:
         Raises:
             ProfilerError: the device lacks ``timestamp-query`` (or, for ``"inside"``,
                 ``timestamp-query-inside-passes``).
-            InputError: as :meth:`run`.
+            InputError: as :meth:`run`; raised before anything runs.
+            ValueError: ``repeats`` < 1, ``warmup`` < 0 or an unknown ``method``.
+            RuntimeError: the Session is closed.
         """
-        from .profiler import profile_session
-
-        return profile_session(self, feeds, repeats=repeats, warmup=warmup, method=method)
+        if repeats < 1 or warmup < 0:
+            raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+        chosen = choose_method(self.device, method)
+        self._live()
+        self._feed(feeds)
+        for _ in range(warmup):
+            self.run(feeds)
+        return profile_dispatches(
+            self.device,
+            self.program.dispatches,
+            self._pipelines,
+            self._bind_groups,
+            repeats=repeats,
+            method=chosen,
+        )
 
     def _record(self, fetch: tuple[str, ...]) -> wgpu.GPUCommandBuffer:
         def copy_outputs(enc: wgpu.GPUCommandEncoder) -> None:

@@ -18,6 +18,8 @@ from meganeura.runtime.profiler import (
     DispatchTiming,
     Profile,
     ProfilerError,
+    choose_method,
+    profile_dispatches,
     require_timestamps,
 )
 from meganeura.schedule.program import BufferSpec, Dispatch, Program, TensorSlot
@@ -97,6 +99,33 @@ def test_missing_timestamp_feature_is_a_clear_error():
     dev.adapter.features = {"timestamp-query"}
     with pytest.raises(ProfilerError, match="created without it"):
         require_timestamps(dev)
+
+
+def _fake_device(*features: str) -> SimpleNamespace:
+    return SimpleNamespace(
+        features=frozenset(features), adapter=SimpleNamespace(features=set(features)), name="fake"
+    )
+
+
+def test_choose_method_prefers_inside_and_refuses_what_the_device_lacks():
+    both = _fake_device("timestamp-query", "timestamp-query-inside-passes")
+    plain = _fake_device("timestamp-query")
+    assert choose_method(both) == "inside"
+    assert choose_method(both, "passes") == "passes"
+    assert choose_method(plain) == "passes"
+    assert choose_method(plain, "passes") == "passes"
+    with pytest.raises(ProfilerError, match="fake has no 'timestamp-query-inside-passes'"):
+        choose_method(plain, "inside")
+    with pytest.raises(ProfilerError, match="does not offer"):
+        choose_method(_fake_device("timestamp-query-inside-passes"), "auto")
+    with pytest.raises(ValueError, match="method must be .* got 'fast'"):
+        choose_method(both, "fast")
+
+
+def test_profile_dispatches_refuses_zero_repeats_before_touching_the_device():
+    # The fake has no .gpu: reaching the device would raise AttributeError instead.
+    with pytest.raises(ValueError, match="repeats >= 1, got 0"):
+        profile_dispatches(_fake_device("timestamp-query"), (), (), (), repeats=0)
 
 
 # ----------------------------------------------------------------------------- on the GPU
@@ -181,13 +210,26 @@ def test_profile_rejects_bad_arguments_before_running(ts_device):
     from meganeura.runtime import InputError, Session
 
     with Session(_counting_program(), ts_device) as s:
-        with pytest.raises(InputError):
-            s.profile({"x": np.zeros(N, np.float64)})
+        for bad in ({"x": np.zeros(N, np.float64)}, {"x": np.zeros(N, np.float32), "z": 0}, {}):
+            with pytest.raises(InputError) as from_run:
+                s.run(bad)
+            with pytest.raises(InputError) as from_profile:
+                s.profile(bad)
+            assert str(from_profile.value) == str(from_run.value)
         with pytest.raises(ValueError, match="repeats"):
             s.profile({"x": np.zeros(N, np.float32)}, repeats=0)
         with pytest.raises(ValueError, match="method"):
             s.profile({"x": np.zeros(N, np.float32)}, method="fast")
         np.testing.assert_array_equal(s.read("count"), np.zeros(N, np.float32))
+
+
+def test_profile_refuses_a_closed_session(ts_device):
+    from meganeura.runtime import Session
+
+    s = Session(_counting_program(), ts_device)
+    s.close()
+    with pytest.raises(RuntimeError, match="this Session is closed"):
+        s.profile({"x": np.zeros(N, np.float32)})
 
 
 def test_profile_mnist_training_step(ts_device, tmp_path):
