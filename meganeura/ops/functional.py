@@ -139,7 +139,13 @@ def stop_gradient(x: Tensor) -> Tensor:
 
 
 # ---- shape ------------------------------------------------------------------------------------
-def _dim(d: int, ndim: int, what: str = "dim") -> int:
+def normalize_dim(d: int, ndim: int, what: str = "dim") -> int:
+    """``d`` in ``[0, ndim)`` (negative dims count from the end, as in PyTorch); a 0-d tensor
+    accepts 0 and -1, as ``torch.sum(t0d, 0)`` does.
+
+    Raises:
+        IndexError: when ``d`` is out of range; the message names ``what`` (``"dim"`` ...).
+    """
     if not -ndim <= d < builtins.max(ndim, 1):
         raise IndexError(f"{what} {d} out of range for a {ndim}-d tensor")
     return d % ndim if ndim else 0
@@ -161,7 +167,7 @@ def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
 
 
 def permute(x: Tensor, dims: Sequence[int]) -> Tensor:
-    dims = tuple(_dim(int(d), x.ndim) for d in dims)
+    dims = tuple(normalize_dim(int(d), x.ndim) for d in dims)
     if dims == tuple(range(x.ndim)):
         return x
     return _unary("permute", x, dims=dims)
@@ -169,7 +175,7 @@ def permute(x: Tensor, dims: Sequence[int]) -> Tensor:
 
 def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
     perm = list(range(x.ndim))
-    a, b = _dim(dim0, x.ndim), _dim(dim1, x.ndim)
+    a, b = normalize_dim(dim0, x.ndim), normalize_dim(dim1, x.ndim)
     perm[a], perm[b] = perm[b], perm[a]
     return permute(x, perm)
 
@@ -182,23 +188,29 @@ def broadcast_to(x: Tensor, shape: Sequence[int]) -> Tensor:
 
 
 def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
-    s, e = _dim(start_dim, x.ndim), _dim(end_dim, x.ndim)
+    s, e = normalize_dim(start_dim, x.ndim), normalize_dim(end_dim, x.ndim)
     shape = x.shape[:s] + (math.prod(x.shape[s : e + 1]),) + x.shape[e + 1 :]
     return reshape(x, shape)
 
 
 # ---- reductions -------------------------------------------------------------------------------
-def _dims(x: Tensor, dim) -> tuple[int, ...]:
+def normalize_dims(x: Tensor, dim) -> tuple[int, ...]:
+    """The sorted, distinct dims of ``x`` named by ``dim`` (None: every dim; an int or a
+    sequence of ints, negative from the end).
+
+    Raises:
+        IndexError: for a dim out of range.
+    """
     if dim is None:
         return tuple(range(x.ndim))
     if isinstance(dim, int):
         dim = (dim,)
-    out = sorted({_dim(int(d), x.ndim) for d in dim})
+    out = sorted({normalize_dim(int(d), x.ndim) for d in dim})
     return tuple(out)
 
 
 def _reduce(op: str, x: Tensor, dim, keepdim: bool) -> Tensor:
-    dims = _dims(x, dim)
+    dims = normalize_dims(x, dim)
     if not dims:
         return x
     return x.builder.add(op, [x], {"dims": dims, "keepdim": bool(keepdim)})
@@ -234,11 +246,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
-    return _unary("softmax", x, dim=_dim(dim, x.ndim))
+    return _unary("softmax", x, dim=normalize_dim(dim, x.ndim))
 
 
 def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
-    return _unary("log_softmax", x, dim=_dim(dim, x.ndim))
+    return _unary("log_softmax", x, dim=normalize_dim(dim, x.ndim))
 
 
 def cross_entropy(

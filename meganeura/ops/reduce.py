@@ -201,14 +201,6 @@ DEFS = [
 
 
 # ---- user-facing functions --------------------------------------------------------------------
-def _dims(x: Tensor, dim: Dim) -> tuple[int, ...]:
-    if dim is None:
-        return tuple(range(x.ndim))
-    if isinstance(dim, int):
-        dim = (dim,)
-    return tuple(sorted({F._dim(int(d), x.ndim) for d in dim}))
-
-
 def _reduce(op: str, x: Tensor, dims: tuple[int, ...], keepdim: bool, **attrs) -> Tensor:
     return x.builder.add(op, [x], {"dims": dims, "keepdim": bool(keepdim), **attrs})
 
@@ -222,7 +214,7 @@ def amin(x: Tensor, dim: Dim = None, keepdim: bool = False) -> Tensor:
     Raises:
         IndexError: for a dim out of range. GraphTypeError: for bool input or an empty group.
     """
-    dims = _dims(x, dim)
+    dims = F.normalize_dims(x, dim)
     return _reduce("amin", x, dims, keepdim) if dims else x
 
 
@@ -236,7 +228,7 @@ class ValuesIndices(NamedTuple):
 def _extremum(op: str, arg: str, whole: str, x: Tensor, dim: int | None, keepdim: bool):
     if dim is None:
         return _reduce(whole, x, tuple(range(x.ndim)), False) if x.ndim else x
-    dims = (F._dim(int(dim), x.ndim),) if x.ndim else ()
+    dims = (F.normalize_dim(int(dim), x.ndim),) if x.ndim else ()
     return ValuesIndices(_reduce(op, x, dims, keepdim), _reduce(arg, x, dims, keepdim))
 
 
@@ -266,13 +258,17 @@ def argmax(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
     Raises:
         IndexError: for a dim out of range. GraphTypeError: for bool input or an empty dim.
     """
-    dims = tuple(range(x.ndim)) if dim is None else (F._dim(int(dim), x.ndim),) * (x.ndim > 0)
+    dims = (
+        tuple(range(x.ndim)) if dim is None else (F.normalize_dim(int(dim), x.ndim),) * (x.ndim > 0)
+    )
     return _reduce("argmax", x, dims, keepdim)
 
 
 def argmin(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
     """Index (i32) of the minimum; the mirror of :func:`argmax` (``torch.argmin``)."""
-    dims = tuple(range(x.ndim)) if dim is None else (F._dim(int(dim), x.ndim),) * (x.ndim > 0)
+    dims = (
+        tuple(range(x.ndim)) if dim is None else (F.normalize_dim(int(dim), x.ndim),) * (x.ndim > 0)
+    )
     return _reduce("argmin", x, dims, keepdim)
 
 
@@ -289,7 +285,7 @@ def var(x: Tensor, dim: Dim = None, *, correction: float = 1, keepdim: bool = Fa
         GraphTypeError: for non-float input, an empty group, or ``N - correction <= 0``
             (PyTorch returns NaN or inf there; WGSL has no portable NaN/inf).
     """
-    dims = _dims(x, dim)
+    dims = F.normalize_dims(x, dim)
     return _reduce("var", x, dims, keepdim, correction=float(correction))
 
 
@@ -311,7 +307,7 @@ def logsumexp(x: Tensor, dim: int | Sequence[int], keepdim: bool = False) -> Ten
         IndexError: for a dim out of range. GraphTypeError: for non-float input or an
         empty group.
     """
-    return _reduce("logsumexp", x, _dims(x, dim), keepdim)
+    return _reduce("logsumexp", x, F.normalize_dims(x, dim), keepdim)
 
 
 def _scan(x: Tensor, dim: int, reverse: bool) -> Tensor:
@@ -329,4 +325,4 @@ def cumsum(x: Tensor, dim: int) -> Tensor:
     Raises:
         IndexError: for a dim out of range. GraphTypeError: for bool input.
     """
-    return _scan(x, F._dim(int(dim), x.ndim), False)
+    return _scan(x, F.normalize_dim(int(dim), x.ndim), False)
