@@ -2,11 +2,22 @@
 
 ``gpu_device`` yields the cached wgpu Device (lavapipe on CI) or skips the test with the reason
 when no adapter can be obtained, so GPU tests never fail for lack of a GPU.
+
+Every collected item is also kept (before ``-k``/``-m`` deselect any) for tests/test_ids.py,
+which checks that all test ids are readable and stable.
 """
 
 from __future__ import annotations
 
 import pytest
+
+COLLECTED = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Keep the whole collection, so ``pytest tests -k readable`` checks every id cheaply."""
+    config.stash[COLLECTED] = list(items)
 
 
 @pytest.fixture(scope="session")
