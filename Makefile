@@ -4,6 +4,8 @@
 #
 # `make test` runs one pytest-xdist worker per CPU this process may use (`-n JOBS`) when there is
 # more than one, else a plain run; `make test JOBS=1` forces a plain run, `JOBS=4` four workers.
+# `--dist loadgroup` keeps each module that shares a random generator on one worker, in order
+# (tests/conftest.py marks them), so every test gets the data a serial run gives it.
 
 PYTHON ?= python3
 RUFF ?= $(PYTHON) -m ruff
@@ -12,7 +14,9 @@ PIP_FLAGS ?= $(if $(wildcard .whl/*.whl),--find-links .whl)
 LINT_PATHS = meganeura tests scripts
 # CPUs this process may run on (its affinity mask, as nproc counts them; os.cpu_count() where
 # there is no affinity call, e.g. macOS). Deferred: only `make test` runs it.
-JOBS ?= $(shell $(PYTHON) -c 'import os; print(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)')
+JOBS ?= $(shell $(PYTHON) -c 'import os; f = getattr(os, "sched_getaffinity", None); \
+	print(len(f(0)) if f else os.cpu_count() or 1)')
+XDIST_ARGS = $(if $(filter-out 0 1,$(strip $(JOBS))),-n $(strip $(JOBS)) --dist loadgroup)
 
 .PHONY: setup demo test lint format
 
@@ -26,7 +30,7 @@ demo: setup
 
 # pytest is the recipe's only command, so its exit status is make's.
 test: setup
-	$(PYTHON) -m pytest -q $(if $(filter-out 0 1,$(strip $(JOBS))),-n $(strip $(JOBS))) tests
+	$(PYTHON) -m pytest -q $(XDIST_ARGS) tests
 
 lint:
 	$(RUFF) check $(LINT_PATHS)
