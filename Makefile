@@ -1,12 +1,22 @@
 # Entry points: `make demo` trains the MNIST demo, `make test` runs the test suite. Both first run
 # `setup`, which makes sure a Vulkan adapter exists (lavapipe on machines without a GPU) and
 # installs meganeura in editable mode with its test and plot extras.
+#
+# `make test` runs one pytest-xdist worker per CPU this process may use (`-n JOBS`) when there is
+# more than one, else a plain run; `make test JOBS=1` forces a plain run, `JOBS=4` four workers.
+# `--dist loadgroup` keeps each module that shares a random generator on one worker, in order
+# (tests/conftest.py marks them), so every test gets the data a serial run gives it.
 
 PYTHON ?= python3
 RUFF ?= $(PYTHON) -m ruff
 # Wheels dropped in .whl/ (e.g. a local torch CPU wheel) are offered to pip.
 PIP_FLAGS ?= $(if $(wildcard .whl/*.whl),--find-links .whl)
 LINT_PATHS = meganeura tests scripts
+# CPUs this process may run on (its affinity mask, as nproc counts them; os.cpu_count() where
+# there is no affinity call, e.g. macOS). Deferred: only `make test` runs it.
+JOBS ?= $(shell $(PYTHON) -c 'import os; f = getattr(os, "sched_getaffinity", None); \
+	print(len(f(0)) if f else os.cpu_count() or 1)')
+XDIST_ARGS = $(if $(filter-out 0 1,$(strip $(JOBS))),-n $(strip $(JOBS)) --dist loadgroup)
 
 .PHONY: setup demo test lint format
 
@@ -18,8 +28,9 @@ setup:
 demo: setup
 	$(PYTHON) -m meganeura train mnist
 
+# pytest is the recipe's only command, so its exit status is make's.
 test: setup
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q $(XDIST_ARGS) tests
 
 lint:
 	$(RUFF) check $(LINT_PATHS)

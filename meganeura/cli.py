@@ -1,7 +1,9 @@
 """Command line: ``meganeura info | train mnist | predict | profile mnist``.
 
 This is the only place that reads environment variables (``MEGANEURA_ADAPTER``: a substring
-of the adapter to use, e.g. ``nvidia`` or ``llvmpipe``).
+of the adapter to use, e.g. ``nvidia`` or ``llvmpipe``). The runtime only sets one Vulkan
+loader variable before the first adapter request (``runtime/device.py``,
+``_quiet_vulkan_device_select``).
 """
 
 from __future__ import annotations

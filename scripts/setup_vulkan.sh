@@ -15,9 +15,13 @@ APT_PACKAGES=(mesa-vulkan-drivers libvulkan1)
 log() { echo "setup_vulkan: $*" >&2; }
 
 # 0: wgpu found a Vulkan/Metal/D3D12 adapter; 1: it did not; 2: wgpu cannot be imported.
+# The probe's stderr is held back and shown only when it finds no adapter: without a Wayland
+# session Mesa's device-select Vulkan layer prints "XDG_RUNTIME_DIR is invalid" even when all
+# is well (meganeura itself turns that layer off: meganeura/runtime/device.py), but the reason
+# a probe failed must stay visible.
 wgpu_adapter_status() {
-    # stderr is dropped: the Vulkan loader complains about XDG_RUNTIME_DIR even when all is well.
-    "$PYTHON" - 2>/dev/null <<'PY' || return $?
+    local err status=0
+    err=$("$PYTHON" - 2>&1 >/dev/null <<'PY'
 import sys
 try:
     import wgpu
@@ -25,12 +29,18 @@ except ImportError:
     sys.exit(2)
 try:
     backends = {a.info["backend_type"] for a in wgpu.gpu.enumerate_adapters_sync()}
-except Exception:
-    sys.exit(1)
+except Exception as e:
+    sys.exit(f"enumerating adapters failed: {type(e).__name__}: {e}")
 # An OpenGL adapter alone does not count: Mesa offers one even without any Vulkan driver, and
 # meganeura's compute path targets Vulkan, Metal or D3D12.
-sys.exit(0 if backends & {"Vulkan", "Metal", "D3D12"} else 1)
+if not backends & {"Vulkan", "Metal", "D3D12"}:
+    sys.exit(f"no Vulkan, Metal or D3D12 adapter (found: {sorted(backends) or 'none'})")
 PY
+) || status=$?
+    if [ "$status" -eq 1 ] && [ -n "$err" ]; then
+        printf '%s\n' "$err" | sed 's/^/setup_vulkan: probe: /' >&2
+    fi
+    return "$status"
 }
 
 # Fallback when wgpu cannot be installed (offline): a Vulkan loader plus at least one ICD.

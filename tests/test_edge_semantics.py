@@ -50,7 +50,11 @@ def t64(a: np.ndarray, grad: bool = False) -> torch.Tensor:
 
 # ---- -inf masks -------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,dim", [((5, 33), 1), ((4, 300), -1), ((70, 6), 0)])
+@pytest.mark.parametrize(
+    "shape,dim",
+    [((5, 33), 1), ((4, 300), -1), ((70, 6), 0)],
+    ids=["5x33-dim1", "4x300-dim-1", "70x6-dim0"],
+)
 def test_softmax_with_additive_neg_inf_mask(shape, dim, gpu_device):
     x = rng.normal(size=shape).astype(np.float32) * 4
     mask = np.where(rng.uniform(size=shape) < 0.4, -np.inf, 0.0).astype(np.float32)
@@ -152,12 +156,12 @@ def test_sum_of_two_million_values_within_1e_5_of_float64(gpu_device):
 @pytest.mark.parametrize(
     "shape,make",
     [
-        ((0,), lambda x: F.sum(x)),
-        ((3, 0), lambda x: F.mean(x, 1)),
-        ((0, 4), lambda x: F.amax(x, 0, keepdim=True)),
-        ((2, 0, 3), lambda x: F.sum(x, (0, 1))),
-        ((3, 0), lambda x: F.softmax(x, 1)),
-        ((0, 5), lambda x: F.log_softmax(x, 0)),
+        pytest.param((0,), lambda x: F.sum(x), id="sum-0-all"),
+        pytest.param((3, 0), lambda x: F.mean(x, 1), id="mean-3x0-dim1"),
+        pytest.param((0, 4), lambda x: F.amax(x, 0, keepdim=True), id="amax-0x4-dim0"),
+        pytest.param((2, 0, 3), lambda x: F.sum(x, (0, 1)), id="sum-2x0x3-dims0_1"),
+        pytest.param((3, 0), lambda x: F.softmax(x, 1), id="softmax-3x0-dim1"),
+        pytest.param((0, 5), lambda x: F.log_softmax(x, 0), id="log_softmax-0x5-dim0"),
     ],
 )
 def test_reduction_over_zero_elements_is_rejected_at_build(shape, make):

@@ -10,10 +10,13 @@ Invariants:
     so pipelines compiled for one Session are reused by the next;
   * limits are read back from the created device, never assumed; they are plain ints;
   * library code never reads environment variables: the CLI passes the selection string in.
+    The one environment access is :func:`_quiet_vulkan_device_select`, which sets a Vulkan
+    loader variable (no meganeura setting) before the first adapter request.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,7 +63,37 @@ def _matches(info: Mapping[str, Any], needle: str) -> bool:
     return any(needle in str(info.get(f, "")).casefold() for f in fields)
 
 
+# Variables with which a user asks Mesa's device-select layer to pick the GPU (DRI_PRIME is
+# implemented by that layer on Vulkan); while one is set the layer stays on.
+_DEVICE_SELECT_REQUESTS = (
+    "MESA_VK_DEVICE_SELECT",
+    "MESA_VK_DEVICE_SELECT_FORCE_DEFAULT_DEVICE",
+    "DRI_PRIME",
+)
+
+
+def _quiet_vulkan_device_select() -> None:
+    """Turn off Mesa's implicit ``VK_LAYER_MESA_device_select`` for this process.
+
+    That layer (``libVkLayer_MESA_device_select.so``) reorders the physical devices so that the
+    display's GPU comes first; to find that GPU it calls ``wl_display_connect`` inside
+    ``vkEnumeratePhysicalDevices``, and without a Wayland session (a server, CI, lavapipe) every
+    call prints ``error: XDG_RUNTIME_DIR is invalid or not set in the environment.`` to stderr
+    before anything else. meganeura picks its adapter itself (power preference or the
+    ``adapter`` substring), so the display's choice is not needed for compute.
+    ``NODEVICE_SELECT=1`` is the layer manifest's ``disable_environment``; the Vulkan loader
+    reads it when wgpu creates its instance (at the first adapter request or enumeration), so
+    this runs just before that. It only sets a loader variable, never one of meganeura's
+    settings (those come from the CLI), and it overrides nothing: a ``NODEVICE_SELECT`` the
+    user set is kept, and while a variable asking the layer to choose is set
+    (:data:`_DEVICE_SELECT_REQUESTS`) the layer stays on. Errors still reach stderr.
+    """
+    if not any(name in os.environ for name in _DEVICE_SELECT_REQUESTS):
+        os.environ.setdefault("NODEVICE_SELECT", "1")
+
+
 def _select_adapter(adapter: str | None) -> wgpu.GPUAdapter:
+    _quiet_vulkan_device_select()  # before wgpu's instance exists; see there
     if adapter is None:
         found = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
         if found is None:

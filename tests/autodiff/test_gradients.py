@@ -24,6 +24,8 @@ from meganeura.graph.interpret import interpret
 from meganeura.ops import OPS
 from meganeura.ops import functional as F
 
+from ..ids import dims_id
+
 RTOL = 1e-10
 
 
@@ -242,7 +244,7 @@ for _dim in [None, 0, 1, -1, (0, 2), (2, 0, 1)]:
                 th_dim = _dim
             REDUCE.append(
                 C(
-                    f"{_name}_dim{_dim}_keep{_keep}",
+                    f"{_name}_{dims_id(_dim)}" + ("_keepdim" if _keep else ""),
                     lambda t, f=_mg, d=_dim, k=_keep: f(t["x"], d, keepdim=k),
                     lambda t, f=_th, d=th_dim, k=_keep: f(t["x"], d, keepdim=k),
                     {"x": X345},
@@ -551,7 +553,7 @@ def test_loss_must_be_a_floating_scalar():
         differentiate(b.build(), "y", ["x"])
 
 
-@pytest.mark.parametrize("keepdim", [False, True])
+@pytest.mark.parametrize("keepdim", [False, True], ids=["drop", "keepdim"])
 def test_amax_ties_split_the_gradient_equally(keepdim):
     x = np.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [5.0, 1.0, 1.0, 1.0]])
     case = C(

@@ -27,6 +27,7 @@ from meganeura.graph.interpret import interpret
 from meganeura.ops import functional as F
 from meganeura.ops.attention import apply_rotary_emb, scaled_dot_product_attention
 
+from ..ids import attention_dims_id, plan_id
 from ..opinfo.attention import _rope_ref, _sdpa_ref
 from .harness import check, device_limits, run
 
@@ -135,7 +136,7 @@ def test_large_logits_stay_accurate(qscale):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("storage", [1024, 4096, 16384])
+@pytest.mark.parametrize("storage", [1024, 4096, 16384], ids=lambda n: f"smem{n}")
 def test_small_workgroup_memory_plans_agree(storage):
     """Plans with fewer lanes and shorter tiles (forced by small workgroup memory) compute
     the same values; the NumPy interpreter checks every node, backward ops included."""
@@ -165,7 +166,7 @@ def force_plan():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [None, *BLOCK_PLANS], ids=str)
+@pytest.mark.parametrize("plan", [None, *BLOCK_PLANS], ids=plan_id)
 def test_every_kernel_plan_agrees(plan, force_plan):
     """Each register-tiled plan (and the lane kernel, None) on causal GQA with a mask, odd
     lengths spanning several tiles and heads per tile, Lq != Lk, D and Dv not multiples of
@@ -182,7 +183,7 @@ def test_every_kernel_plan_agrees(plan, force_plan):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [(64, 32, 16, 8), (16, 16, 4, 4)], ids=str)
+@pytest.mark.parametrize("plan", [(64, 32, 16, 8), (16, 16, 4, 4)], ids=plan_id)
 def test_block_plans_full_and_cross(plan, force_plan):
     """Unmasked full attention with D = Dv = 64 (the issue's head dim) and Lk < one tile."""
     force_plan(plan)
@@ -202,11 +203,12 @@ def test_large_head_dims_and_single_entries():
 
 
 # ---- plans and kernel text (no GPU) -----------------------------------------------------------
-@pytest.mark.parametrize("storage", [16384, 32768, 49152])
+@pytest.mark.parametrize("storage", [16384, 32768, 49152], ids=lambda n: f"smem{n}")
 @pytest.mark.parametrize(
     "dims",
     [Dims(1, 3, 3, 128, 128, 64, 64), Dims(1, 6, 1, 1500, 1500, 64, 64),
      Dims(2, 3, 3, 1, 129, 64, 64), Dims(1, 1, 1, 3, 7, 6, 3), Dims(1, 1, 1, 2, 2, 256, 256)],
+    ids=attention_dims_id,
 )  # fmt: skip
 def test_plans_fit_the_adapter(dims, storage):
     for mode in ("fwd", "stats", "dq", "dk", "dv"):
@@ -299,8 +301,14 @@ def test_shape_errors():
     assert scaled_dot_product_attention(q3, q3, q3).shape == (6, 3, 8)
 
 
-@pytest.mark.parametrize("causal,gqa,masked", [(False, False, False), (True, True, False),
-                                               (False, True, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "causal,gqa,masked",
+    [
+        pytest.param(False, False, False, id="plain"),
+        pytest.param(True, True, False, id="causal-gqa"),
+        pytest.param(False, True, True, id="gqa-masked"),
+    ],
+)
 def test_reference_gradients_match_torch_in_float64(causal, gqa, masked):
     """The NumPy references and the gradient rule, run by the interpreter in float64."""
     hkv = 2 if gqa else 4

@@ -29,6 +29,7 @@ from meganeura.passes.fuse import plan_attention_key_value
 from meganeura.runtime import Session
 from meganeura.training import device_limits
 
+from ..ids import attention_dims_id, plan_id
 from .test_attention import _graph, _rel, _torch
 
 rng = np.random.default_rng(23)
@@ -108,7 +109,7 @@ CASES = {
 
 # ---- the fused kernels on the GPU -------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [None, *BLOCK_PLANS], ids=str)
+@pytest.mark.parametrize("plan", [None, *BLOCK_PLANS], ids=plan_id)
 @pytest.mark.parametrize("case", CASES)
 def test_fused_key_value_gradients_match_torch(case, plan, gpu_device, override):
     """Each case with the lane kernel (None) and each block plan (a plan that does not fit
@@ -218,11 +219,12 @@ def test_attention_backward_dispatches_on_h200_limits():
     assert len(_attention_kernels(whisper)) == 5
 
 
-@pytest.mark.parametrize("storage", [16384, 32768, 49152])
+@pytest.mark.parametrize("storage", [16384, 32768, 49152], ids=lambda n: f"smem{n}")
 @pytest.mark.parametrize(
     "dims",
     [Dims(1, 3, 3, 128, 128, 64, 64), WHISPER, Dims(2, 3, 3, 1, 129, 64, 64),
      Dims(1, 1, 1, 3, 7, 6, 3), Dims(1, 1, 1, 2, 2, 256, 256)],
+    ids=attention_dims_id,
 )  # fmt: skip
 def test_dkv_plans_fit_the_adapter(dims, storage):
     lim = Limits(max_workgroup_storage_size=storage, max_invocations_per_workgroup=1024)
@@ -265,7 +267,7 @@ def test_fusion_override(override):
     assert not fuses_key_value(smollm2, H200)
 
 
-@pytest.mark.parametrize("plan", [None, BLOCK_PLANS[0]], ids=str)
+@pytest.mark.parametrize("plan", [None, BLOCK_PLANS[0]], ids=plan_id)
 def test_dkv_kernel_text(plan, override):
     """One kernel binding dk and dv for writing, unrolled (no private arrays), no inf/NaN
     literals; the lane and the block variant."""

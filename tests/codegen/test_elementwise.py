@@ -9,6 +9,7 @@ from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
+from ..ids import shape_id
 from .harness import check
 
 pytestmark = pytest.mark.gpu
@@ -55,6 +56,7 @@ def test_tanh_sigmoid_are_stable_at_large_magnitude():
 @pytest.mark.parametrize(
     "sa,sb",
     [((3, 1, 5), (4, 5)), ((4, 5), ()), ((), (2, 3)), ((2, 1, 3, 1), (1, 4, 1, 6)), ((7,), (7,))],
+    ids=shape_id,
 )
 def test_binary_broadcasting(sa, sb):
     b = GraphBuilder()
@@ -113,11 +115,15 @@ def test_where_and_casts():
     check(b.build(), {"x": xs, "y": rng.standard_normal(6).astype(np.float32)})
 
 
+PERMUTES = [((3, 4), (1, 0)), ((2, 3, 4), (2, 0, 1)), ((2, 3, 4, 5), (0, 2, 1, 3)),
+            ((2, 3, 4, 5), (3, 1, 0, 2)), ((1, 5, 1, 3), (3, 2, 1, 0))]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "shape,dims",
-    [((3, 4), (1, 0)), ((2, 3, 4), (2, 0, 1)), ((2, 3, 4, 5), (0, 2, 1, 3)),
-     ((2, 3, 4, 5), (3, 1, 0, 2)), ((1, 5, 1, 3), (3, 2, 1, 0))],
-)  # fmt: skip
+    PERMUTES,
+    ids=[f"{shape_id(s)}-perm{''.join(map(str, d))}" for s, d in PERMUTES],
+)
 def test_permute(shape, dims):
     b = GraphBuilder()
     x = b.input("x", shape)
@@ -126,7 +132,9 @@ def test_permute(shape, dims):
 
 
 @pytest.mark.parametrize(
-    "src,dst", [((5,), (3, 5)), ((3, 1), (3, 4)), ((1, 4, 1), (2, 3, 4, 5)), ((), (2, 2))]
+    "src,dst",
+    [((5,), (3, 5)), ((3, 1), (3, 4)), ((1, 4, 1), (2, 3, 4, 5)), ((), (2, 2))],
+    ids=shape_id,
 )
 def test_broadcast_to(src, dst):
     b = GraphBuilder()

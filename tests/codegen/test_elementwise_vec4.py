@@ -15,6 +15,7 @@ from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
+from ..ids import flag_id, shapes_id
 from .harness import check
 
 RNG = np.random.default_rng(5)
@@ -34,17 +35,21 @@ def _data(shape, dtype=DType.f32):
     return RNG.integers(-1000, 1000, shape).astype(dtype.numpy)
 
 
+VEC4_CASES = [
+    ((4096,), (4096,), True),  # same layout
+    ((7, 12), (12,), True),  # bias of a last dim that is a multiple of 4
+    ((5, 8, 3), (1, 8, 3), True),  # coalesced inner run of 24
+    ((6, 16), (6, 1), True),  # per-row scale: one scalar per vec4
+    ((3, 4, 8), (3, 1, 8), True),  # broadcast over a middle dim, inner run of 8
+    ((7, 10), (10,), False),  # last dim 10: vec4s would straddle rows
+    ((5, 7), (5, 7), False),  # 35 elements: not a multiple of 4
+]
+
+
 @pytest.mark.parametrize(
     "sa,sb,vec",
-    [
-        ((4096,), (4096,), True),  # same layout
-        ((7, 12), (12,), True),  # bias of a last dim that is a multiple of 4
-        ((5, 8, 3), (1, 8, 3), True),  # coalesced inner run of 24
-        ((6, 16), (6, 1), True),  # per-row scale: one scalar per vec4
-        ((3, 4, 8), (3, 1, 8), True),  # broadcast over a middle dim, inner run of 8
-        ((7, 10), (10,), False),  # last dim 10: vec4s would straddle rows
-        ((5, 7), (5, 7), False),  # 35 elements: not a multiple of 4
-    ],
+    VEC4_CASES,
+    ids=[f"{shapes_id(sa, sb)}-{flag_id('vec4', v)}" for sa, sb, v in VEC4_CASES],
 )
 def test_vec4_path_taken_exactly_when_exact(sa, sb, vec):
     g, out = _binary(sa, sb)
@@ -126,7 +131,10 @@ def test_vec_per_thread_variants(monkeypatch, per_thread):
 
 # ---- fused chains (through the runtime, which runs passes.fuse) ---------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,vec", [((16, 64), True), ((5, 9), False)])
+@pytest.mark.parametrize(
+    "shape,vec",
+    [pytest.param((16, 64), True, id="16x64-vec4"), pytest.param((5, 9), False, id="5x9-no_vec4")],
+)
 def test_fused_chain_with_two_outputs(gpu_device, shape, vec):
     from meganeura.training import compile_for
 

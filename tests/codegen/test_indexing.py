@@ -18,6 +18,7 @@ from meganeura.ops import gather as G
 from meganeura.ops import indexing as I  # noqa: E741 - the family module, as F is functional
 from meganeura.ops.gather import _index_select_backward_np
 
+from ..ids import shape_id
 from .harness import check, run
 
 rng = np.random.default_rng(11)
@@ -43,12 +44,12 @@ def test_index_tensor_must_be_integer():
 @pytest.mark.parametrize(
     "call",
     [
-        lambda x, i: I.slice(x, 3, 0, 1),
-        lambda x, i: I.cat([x, x], -4),
-        lambda x, i: G.gather(x, 5, F.reshape(i, (1, 1, 4))),
-        lambda x, i: G.index_select(x, -4, i),
-        lambda x, i: I.split(x, 2, 3),
-        lambda x, i: I.unsqueeze(x, 4),
+        pytest.param(lambda x, i: I.slice(x, 3, 0, 1), id="slice-dim3"),
+        pytest.param(lambda x, i: I.cat([x, x], -4), id="cat-dim-4"),
+        pytest.param(lambda x, i: G.gather(x, 5, F.reshape(i, (1, 1, 4))), id="gather-dim5"),
+        pytest.param(lambda x, i: G.index_select(x, -4, i), id="index_select-dim-4"),
+        pytest.param(lambda x, i: I.split(x, 2, 3), id="split-dim3"),
+        pytest.param(lambda x, i: I.unsqueeze(x, 4), id="unsqueeze-dim4"),
     ],
 )
 def test_dim_out_of_range_names_the_valid_range(call):
@@ -158,16 +159,20 @@ def _select_backward_graph(g_shape, k, dim, size, dtype=DType.i32):
     return b.build(), out.id
 
 
+SELECT_BACKWARD_CASES = [
+    ((600, 3), 0, 7),  # K = 600 > one scan of 256, narrow rows
+    ((5, 300, 2), 1, 40),  # B > 1, K > 256
+    ((2, 9, 700), 1, 3),  # two column blocks of 4 x 256 columns, K <= 64
+    ((70, 1), 0, 1000),  # more targets than indices: one workgroup per first occurrence
+    ((2, 300, 600), 1, 1000),  # ... with K > 256, B > 1 and two column blocks
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "g_shape,dim,size",
-    [
-        ((600, 3), 0, 7),  # K = 600 > one scan of 256, narrow rows
-        ((5, 300, 2), 1, 40),  # B > 1, K > 256
-        ((2, 9, 700), 1, 3),  # two column blocks of 4 x 256 columns, K <= 64
-        ((70, 1), 0, 1000),  # more targets than indices: one workgroup per first occurrence
-        ((2, 300, 600), 1, 1000),  # ... with K > 256, B > 1 and two column blocks
-    ],
+    SELECT_BACKWARD_CASES,
+    ids=[f"{shape_id(g)}-dim{d}-size{n}" for g, d, n in SELECT_BACKWARD_CASES],
 )
 def test_index_select_backward_accumulates_deterministically(g_shape, dim, size):
     k = g_shape[dim]

@@ -21,6 +21,7 @@ from meganeura.codegen.wgsl.matmul.plan import (
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
+from ..ids import shape_id
 from .harness import check, device_limits, lower_all, run
 
 pytestmark = pytest.mark.gpu
@@ -210,6 +211,7 @@ def test_matmul_shapes(m, k, n, tiling):
     "sa,sb",
     [((2, 3, 5, 6), (6, 4)), ((3, 1, 5, 6), (1, 4, 6, 7)), ((4, 9, 3), (4, 3, 70)),
      ((2, 1, 65, 17), (3, 17, 66)), ((1, 5, 6), (3, 6, 7)), ((2, 4, 8), (8, 12))],
+    ids=shape_id,
 )  # fmt: skip
 def test_batched_broadcast(sa, sb, tiling):
     b = GraphBuilder()

@@ -11,14 +11,15 @@ from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 from meganeura.ops.loss import cross_entropy_backward_np, cross_entropy_np
 
+from ..ids import dims_id, shape_id
 from .harness import check, run
 
 pytestmark = pytest.mark.gpu
 rng = np.random.default_rng(5)
 
 
-@pytest.mark.parametrize("shape", [(7, 300), (300, 7), (3, 80, 5), (2, 3, 4)])
-@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("shape", [(7, 300), (300, 7), (3, 80, 5), (2, 3, 4)], ids=shape_id)
+@pytest.mark.parametrize("dim", [0, 1, -1], ids=dims_id)
 def test_softmax_large_logits(shape, dim):
     b = GraphBuilder()
     x = b.input("x", shape)
@@ -40,9 +41,9 @@ def _ce_graph(n, c, ignore_index, reduction, g_value=None):
     return b.build(), loss.id, grad.id
 
 
-@pytest.mark.parametrize("n,c", [(8, 10), (5, 300), (3, 1)])
+@pytest.mark.parametrize("n,c", [(8, 10), (5, 300), (3, 1)], ids=["8x10", "5x300", "3x1"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("ignore", [None, -100, 2])
+@pytest.mark.parametrize("ignore", [None, -100, 2], ids=["no_ignore", "ignore-100", "ignore2"])
 def test_cross_entropy_and_backward(n, c, reduction, ignore):
     graph, loss, grad = _ce_graph(n, c, ignore, reduction)
     logits = (rng.standard_normal((n, c)) * 30).astype(np.float32)

@@ -18,6 +18,7 @@ from meganeura.ops.dropout import dropout, keep_mask
 from meganeura.ops.loss import binary_cross_entropy_with_logits, cross_entropy
 from meganeura.ops.norm import batch_norm, group_norm, layer_norm, rms_norm
 
+from ..ids import shape_id
 from .harness import check, run
 
 rng = np.random.default_rng(11)
@@ -37,7 +38,7 @@ def _bn_model(shape, momentum):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(4, 3), (1, 3, 5, 5), (6, 2, 33)])
+@pytest.mark.parametrize("shape", [(4, 3), (1, 3, 5, 5), (6, 2, 33)], ids=shape_id)
 def test_batch_norm_training_updates_running_stats_like_torch(gpu_device, shape):
     from meganeura.optim import SGD
     from meganeura.training import Trainer
@@ -103,7 +104,11 @@ def _dropout_graph(shape, p):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,p", [((5000,), 0.5), ((3, 257), 0.1), ((7, 11, 13), 0.8)])
+@pytest.mark.parametrize(
+    "shape,p",
+    [((5000,), 0.5), ((3, 257), 0.1), ((7, 11, 13), 0.8)],
+    ids=["5000-p0.5", "3x257-p0.1", "7x11x13-p0.8"],
+)
 def test_dropout_matches_numpy_reference_exactly(shape, p):
     graph, y_id, dx_id = _dropout_graph(shape, p)
     x = rng.standard_normal(shape).astype(np.float32)

@@ -52,7 +52,15 @@ def _hyper(op: str, step: int, attrs: dict) -> np.ndarray:
     return np.array([lr, lr / bc1, np.sqrt(bc2)], np.float32)
 
 
-@pytest.mark.parametrize("op,attrs,n_state,clip_const", CASES)
+def _case_id(case: tuple) -> str:
+    """The op, the attributes that differ from its defaults, and whether clip is a constant."""
+    op, attrs, _, clip_const = case
+    base = ADAM if op == "adam_update" else SGD
+    changed = [k for k, v in attrs.items() if v != base[k]] or ["defaults"]
+    return "-".join([op, *changed, *(["const_clip"] if clip_const else [])])
+
+
+@pytest.mark.parametrize("op,attrs,n_state,clip_const", CASES, ids=[_case_id(c) for c in CASES])
 def test_updates_match_reference_over_steps(op, attrs, n_state, clip_const):
     n_hyper = 3 if op == "adam_update" else 2
     graph = _graph(op, attrs, n_state, n_hyper, clip_const)

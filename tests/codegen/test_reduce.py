@@ -9,29 +9,32 @@ from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
+from ..ids import dims_id, shape_id
 from .harness import check, run
 
 pytestmark = pytest.mark.gpu
 rng = np.random.default_rng(7)
 
 
+REDUCTIONS = [
+    ((6, 5), (1,)),
+    ((6, 5), (0,)),
+    ((6, 5), (0, 1)),
+    ((3, 4, 5), (0, 2)),
+    ((3, 4, 5), (1,)),
+    ((2, 1, 3, 4), (1, 2)),
+    ((4, 300), (1,)),  # contiguous rows >= 64: one workgroup per row
+    ((300, 70), (0,)),  # strided rows >= 64: 32 rows per workgroup
+    ((5, 200, 3), (1,)),
+    ((2, 9, 3, 80), (1, 3)),
+    ((4, 1), (1,)),  # reduce over a size-1 dim only
+]
+
+
 @pytest.mark.parametrize(
-    "shape,dims",
-    [
-        ((6, 5), (1,)),
-        ((6, 5), (0,)),
-        ((6, 5), (0, 1)),
-        ((3, 4, 5), (0, 2)),
-        ((3, 4, 5), (1,)),
-        ((2, 1, 3, 4), (1, 2)),
-        ((4, 300), (1,)),  # contiguous rows >= 64: one workgroup per row
-        ((300, 70), (0,)),  # strided rows >= 64: 32 rows per workgroup
-        ((5, 200, 3), (1,)),
-        ((2, 9, 3, 80), (1, 3)),
-        ((4, 1), (1,)),  # reduce over a size-1 dim only
-    ],
+    "shape,dims", REDUCTIONS, ids=[f"{shape_id(s)}-{dims_id(d)}" for s, d in REDUCTIONS]
 )
-@pytest.mark.parametrize("keepdim", [False, True])
+@pytest.mark.parametrize("keepdim", [False, True], ids=["drop", "keepdim"])
 def test_reductions(shape, dims, keepdim):
     b = GraphBuilder()
     x = b.input("x", shape)

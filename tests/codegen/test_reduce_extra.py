@@ -21,6 +21,7 @@ from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder, GraphTypeError
 from meganeura.ops import reduce as R
 
+from ..ids import dims_id, shape_id
 from .harness import check, run
 
 rng = np.random.default_rng(11)
@@ -79,18 +80,22 @@ def test_cumsum_of_100k_elements_is_accurate():
 
 
 # ---- kernel paths -----------------------------------------------------------------------------
+CUMSUM_PATHS = [
+    ((5, 64), 1, 512, 1),  # serial
+    ((70, 65), 0, 512, 1),  # one tile per row, strided
+    ((3, 2049), 1, 2, 1),  # one workgroup walks three tiles
+    ((2, 1100, 3), 1, 2, 1),  # the same, strided
+    ((2, 1100, 3), 1, 512, 3),  # blocked
+    ((2, 2049 * 1024 + 5), 1, 512, 3),  # blocked, offsets scan walks three tiles
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize(
     "shape,dim,many_rows,kernels",
-    [
-        ((5, 64), 1, 512, 1),  # serial
-        ((70, 65), 0, 512, 1),  # one tile per row, strided
-        ((3, 2049), 1, 2, 1),  # one workgroup walks three tiles
-        ((2, 1100, 3), 1, 2, 1),  # the same, strided
-        ((2, 1100, 3), 1, 512, 3),  # blocked
-        ((2, 2049 * 1024 + 5), 1, 512, 3),  # blocked, offsets scan walks three tiles
-    ],
+    CUMSUM_PATHS,
+    ids=[f"{shape_id(s)}-{dims_id(d)}-many_rows{m}" for s, d, m, _ in CUMSUM_PATHS],
 )
 def test_cumsum_paths(monkeypatch, shape, dim, many_rows, kernels, reverse):
     monkeypatch.setattr(scan, "MANY_ROWS", many_rows)
@@ -113,7 +118,11 @@ def test_integer_cumsum_wraps_and_counts():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,dim", [((3, 70000), 1), ((50000, 2), 0), ((40, 3, 600), (0, 2))])
+@pytest.mark.parametrize(
+    "shape,dim",
+    [((3, 70000), 1), ((50000, 2), 0), ((40, 3, 600), (0, 2))],
+    ids=["3x70000-dim1", "50000x2-dim0", "40x3x600-dims0_2"],
+)
 def test_chunked_reductions(shape, dim):
     b = GraphBuilder()
     x = b.input("x", shape)

@@ -13,20 +13,27 @@ from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
+from ..ids import dims_id, flag_id, shape_id
 from .harness import run
 
 RNG = np.random.default_rng(9)
 
 
+VEC4_REDUCTIONS = [
+    ((7, 8), -1, "sum", True),  # 2 units per row: one thread per row
+    ((5, 1028), -1, "mean", True),  # workgroup per row, partial unit loop
+    ((3, 4, 20), (1, 2), "amax", True),  # two reduced dims merge into one run of 80
+    ((2**21,), None, "sum", True),  # whole tensor: chunks, then a combining pass
+    ((6, 6), -1, "sum", False),  # run of 6
+    ((8, 16), 0, "sum", False),  # strided rows
+]
+
+
 @pytest.mark.parametrize(
     "shape,dim,op,vec",
-    [
-        ((7, 8), -1, "sum", True),  # 2 units per row: one thread per row
-        ((5, 1028), -1, "mean", True),  # workgroup per row, partial unit loop
-        ((3, 4, 20), (1, 2), "amax", True),  # two reduced dims merge into one run of 80
-        ((2**21,), None, "sum", True),  # whole tensor: chunks, then a combining pass
-        ((6, 6), -1, "sum", False),  # run of 6
-        ((8, 16), 0, "sum", False),  # strided rows
+    VEC4_REDUCTIONS,
+    ids=[
+        f"{op}-{shape_id(s)}-{dims_id(d)}-{flag_id('vec4', v)}" for s, d, op, v in VEC4_REDUCTIONS
     ],
 )
 def test_vec4_reductions(shape, dim, op, vec):

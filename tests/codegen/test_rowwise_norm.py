@@ -19,6 +19,7 @@ from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 from meganeura.ops.norm import batch_norm, group_norm, layer_norm, rms_norm
 
+from ..ids import shape_id
 from .harness import device_limits, has_subgroups, run
 
 RNG = np.random.default_rng(7)
@@ -111,13 +112,15 @@ def _check(kind, shape, groups, lim, offset=0.0):
 
 
 @pytest.mark.parametrize("subgroups", [True, False], ids=["subgroup", "tree"])
-@pytest.mark.parametrize("shape,groups", GN_SHAPES)
+@pytest.mark.parametrize(
+    "shape,groups", GN_SHAPES, ids=[f"{shape_id(s)}-groups{g}" for s, g in GN_SHAPES]
+)
 def test_group_norm(subgroups, mode, shape, groups):
     _check("group_norm", shape, groups, _limits(subgroups), offset=20.0)
 
 
 @pytest.mark.parametrize("subgroups", [True, False], ids=["subgroup", "tree"])
-@pytest.mark.parametrize("shape", BN_SHAPES)
+@pytest.mark.parametrize("shape", BN_SHAPES, ids=shape_id)
 def test_batch_norm(subgroups, mode, shape):
     _check("batch_norm", shape, None, _limits(subgroups), offset=-10.0)
 

@@ -130,7 +130,7 @@ def _write_mnist_dir(root: Path, n_train: int, n_test: int, gz: bool) -> mnist.M
     return arrays
 
 
-@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize("gz", [False, True], ids=["raw", "gz"])
 def test_idx_directory_round_trip(tmp_path, gz):
     written = _write_mnist_dir(tmp_path, n_train=12, n_test=5, gz=gz)
     loaded = load_mnist(tmp_path, seed=123)

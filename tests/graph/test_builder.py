@@ -15,6 +15,8 @@ from meganeura.graph.builder import GraphBuilder, GraphTypeError
 from meganeura.graph.interpret import interpret
 from meganeura.ops import functional as F
 
+from ..ids import shape_id
+
 FILE = "test_builder.py"
 
 
@@ -107,7 +109,7 @@ def test_cross_entropy_target_length():
     _assert_names(ei.value, "cross_entropy", ["%0: f32[8,10]", "%1: i32[7]"], line)
 
 
-@pytest.mark.parametrize("op", [F.sum, F.mean, F.amax])
+@pytest.mark.parametrize("op", [F.sum, F.mean, F.amax], ids=lambda f: f.__name__)
 def test_reduction_over_empty_dim(op):
     b = GraphBuilder()
     x = b.input("x", (3, 0, 2))
@@ -145,7 +147,7 @@ def test_duplicate_leaf_name_error_names_the_callers_line():
     assert f"{FILE}:{line}" in str(ei.value)
 
 
-@pytest.mark.parametrize("shape", [(3, 3), (9,), (2, 2, 3)])
+@pytest.mark.parametrize("shape", [(3, 3), (9,), (2, 2, 3)], ids=shape_id)
 def test_reshape_wrong_element_count(shape):
     b = GraphBuilder()
     x = b.input("x", (2, 4))

@@ -116,12 +116,26 @@ def test_get_schedule_by_name():
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda: ConstantLR(-1.0), "lr must be finite"),
-        (lambda: ConstantLR(float("nan")), "lr must be finite"),
-        (lambda: LinearWarmup(0.1, 0), "warmup_steps must be >= 1"),
-        (lambda: CosineLR(0.1, total_steps=5, warmup_steps=5), "must exceed warmup_steps"),
-        (lambda: CosineLR(0.1, total_steps=5, min_lr=0.2), "must not exceed lr"),
-        (lambda: CosineLR(0.1, total_steps=5, warmup_steps=-1), "warmup_steps must be >= 0"),
+        pytest.param(lambda: ConstantLR(-1.0), "lr must be finite", id="constant-negative_lr"),
+        pytest.param(lambda: ConstantLR(float("nan")), "lr must be finite", id="constant-nan_lr"),
+        pytest.param(
+            lambda: LinearWarmup(0.1, 0), "warmup_steps must be >= 1", id="warmup-zero_steps"
+        ),
+        pytest.param(
+            lambda: CosineLR(0.1, total_steps=5, warmup_steps=5),
+            "must exceed warmup_steps",
+            id="cosine-warmup_not_below_total",
+        ),
+        pytest.param(
+            lambda: CosineLR(0.1, total_steps=5, min_lr=0.2),
+            "must not exceed lr",
+            id="cosine-min_lr_above_lr",
+        ),
+        pytest.param(
+            lambda: CosineLR(0.1, total_steps=5, warmup_steps=-1),
+            "warmup_steps must be >= 0",
+            id="cosine-negative_warmup",
+        ),
     ],
 )
 def test_invalid_arguments(build, message):

@@ -30,6 +30,8 @@ from meganeura.passes import cse, dce
 from meganeura.passes.fuse import plan_fusion
 from meganeura.schedule.schedule import schedule
 
+from ..ids import shape_id
+
 RNG = np.random.default_rng(0)
 
 
@@ -263,8 +265,10 @@ def test_two_consumer_intermediates_give_exact_results(gpu_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act", ["relu", "silu", "gelu", "tanh", "sigmoid", None])
-@pytest.mark.parametrize("lead", [(37,), (3, 7)])
+@pytest.mark.parametrize(
+    "act", ["relu", "silu", "gelu", "tanh", "sigmoid", None], ids=lambda a: a or "no_act"
+)
+@pytest.mark.parametrize("lead", [(37,), (3, 7)], ids=lambda lead: f"lead_{shape_id(lead)}")
 def test_linear_epilogue_is_exact(gpu_device, act, lead):
     acts = {"relu": F.relu, "silu": silu, "gelu": gelu, "tanh": F.tanh, "sigmoid": F.sigmoid}
     b = GraphBuilder()

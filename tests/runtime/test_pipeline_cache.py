@@ -106,7 +106,7 @@ def test_runtime_checks_are_part_of_the_cache_key(gpu_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("checks", [True, False])
+@pytest.mark.parametrize("checks", [True, False], ids=["checks", "no_checks"])
 def test_bad_wgsl_names_the_kernel_either_way(gpu_device, checks):
     from meganeura.runtime.pipelines import KernelError
 

@@ -148,11 +148,11 @@ def test_run_without_fetch_returns_empty_and_read_any_slot(session):
 @pytest.mark.parametrize(
     ("name", "value", "needle"),
     [
-        ("x", np.zeros(N, np.float64), "astype(np.float32)"),
-        ("x", np.zeros(N + 1, np.float32), f"({N + 1},)"),
-        ("mask", np.zeros(N, np.uint32), "bool"),
-        ("lr", 0.5, "float"),
-        ("y", np.zeros((3, 2), np.int32), "(2, 3)"),
+        pytest.param("x", np.zeros(N, np.float64), "astype(np.float32)", id="x-float64"),
+        pytest.param("x", np.zeros(N + 1, np.float32), f"({N + 1},)", id="x-wrong_length"),
+        pytest.param("mask", np.zeros(N, np.uint32), "bool", id="mask-uint32"),
+        pytest.param("lr", 0.5, "float", id="lr-python_float"),
+        pytest.param("y", np.zeros((3, 2), np.int32), "(2, 3)", id="y-transposed_shape"),
     ],
 )
 def test_bad_feed_raises_before_any_upload(session, name, value, needle):
@@ -261,9 +261,11 @@ def test_broken_wgsl_raises_kernel_error(gpu_device):
 @pytest.mark.parametrize(
     ("bindings", "writes", "needle"),
     [
-        ((X, W, OUT), (False, False, False), "doesn't match"),  # shader writes binding 2
-        ((X, W, OUT), (True, False, True), "doesn't match"),  # shader only reads binding 0
-        ((X, W), (False, False), "missing from the pipeline layout"),
+        # shader writes binding 2
+        pytest.param((X, W, OUT), (False, False, False), "doesn't match", id="output_read_only"),
+        # shader only reads binding 0
+        pytest.param((X, W, OUT), (True, False, True), "doesn't match", id="input_writable"),
+        pytest.param((X, W), (False, False), "missing from the pipeline layout", id="too_few"),
     ],
 )
 def test_mismatched_bindings_raise_kernel_error(gpu_device, bindings, writes, needle):

@@ -111,7 +111,10 @@ def test_duplicate_keys_rejected():
         plan_memory([Interval("a", 4, 0, 1), Interval("a", 8, 2, 3)])
 
 
-@pytest.mark.parametrize("args", [(4, 3, 2), (-1, 0, 1)])
+@pytest.mark.parametrize(
+    "args",
+    [pytest.param((4, 3, 2), id="end_before_start"), pytest.param((-1, 0, 1), id="negative_size")],
+)
 def test_invalid_interval_rejected(args):
     with pytest.raises(ValueError, match="invalid interval"):
         Interval("a", *args)

@@ -74,7 +74,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("opt,tname,kw", CASES, ids=["sgd", "sgd_nesterov_wd", "adam", "adamw"])
-@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["noclip", "clip"])
 def test_steps_match_torch_optim(gpu_device, opt, tname, kw, clip):
     tr, params = _trainer(gpu_device, opt, max_grad_norm=clip)
     batches = [_data(s) for s in range(3)]
