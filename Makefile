@@ -4,8 +4,9 @@
 #
 # `make test` runs one pytest-xdist worker per CPU this process may use (`-n JOBS`) when there is
 # more than one, else a plain run; `make test JOBS=1` forces a plain run, `JOBS=4` four workers.
-# `--dist loadgroup` keeps each module that shares a random generator on one worker, in order
-# (tests/conftest.py marks them), so every test gets the data a serial run gives it.
+# `--dist loadgroup` keeps the op-database tests of one entry on one worker, so each kernel is
+# compiled once (tests/conftest.py); every test seeds its own data, so the results do not
+# depend on which worker runs what.
 
 PYTHON ?= python3
 RUFF ?= $(PYTHON) -m ruff

@@ -6,14 +6,22 @@ when no adapter can be obtained, so GPU tests never fail for lack of a GPU.
 Every collected item is also kept (before ``-k``/``-m`` deselect any) for tests/test_ids.py,
 which checks that all test ids are readable and stable.
 
-Many test modules draw their data from one module-level generator (``rng = default_rng(11)``),
-so a test's data depends on which tests of its module ran before it in the same process. Those
-modules get an ``xdist_group`` mark: under ``pytest -n N --dist loadgroup`` (as ``make test``
-runs) each such module runs whole, in order, on one worker, and every test sees the data it
-sees in a serial run, instead of data that changes with how xdist happened to spread the tests.
+Many test modules draw their data from a module-level generator (``rng = default_rng(11)``).
+Shared as it is, a test's data would depend on which tests of its module ran before it in the
+same process, so under pytest-xdist (``make test``) or ``-k`` it would change from run to run.
+``_own_generator`` gives each test a fresh generator seeded from its id instead: the same data
+whatever runs before it, on whichever worker.
+
+The op-database tests of one entry (forward, gradients, mid-graph, fast mode) run many of the
+same kernels, and on a cold shader cache compiling a kernel costs far more than running it
+(lavapipe compiles on first dispatch: up to a second for an attention kernel). Each entry's
+tests therefore form one ``xdist_group``: under ``--dist loadgroup`` (``make test``) they run on
+one worker, one after another, and each kernel is compiled once.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 import pytest
@@ -21,28 +29,34 @@ import pytest
 COLLECTED = pytest.StashKey[list]()
 
 
+OP_DATABASE_MODULES = frozenset({"tests.test_opinfo", "tests.test_opinfo_fast"})
+
+
 def pytest_configure(config):
     # pytest-xdist registers it too; this keeps a run without xdist free of unknown-mark warnings.
     config.addinivalue_line("markers", "xdist_group(name): run these tests on one xdist worker")
 
 
-def shares_a_generator(module) -> bool:
-    """Whether a test module holds a NumPy Generator at module level (shared by its tests)."""
-    return any(isinstance(v, np.random.Generator) for v in vars(module).values())
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads xdist_group marks
 def pytest_collection_modifyitems(config, items):
     config.stash[COLLECTED] = list(items)  # so `pytest tests -k readable` checks every id
-    shared: dict[str, bool] = {}
     for item in items:
         module = getattr(item, "module", None)
-        if module is None:
-            continue
-        if module.__name__ not in shared:
-            shared[module.__name__] = shares_a_generator(module)
-        if shared[module.__name__]:
-            item.add_marker(pytest.mark.xdist_group(module.__name__))
+        callspec = getattr(item, "callspec", None)
+        if module is not None and module.__name__ in OP_DATABASE_MODULES and callspec:
+            item.add_marker(pytest.mark.xdist_group(f"op-{callspec.params['entry']}"))
+
+
+@pytest.fixture(autouse=True)
+def _own_generator(request, monkeypatch):
+    """Replace each module-level NumPy Generator with one seeded by the test's id."""
+    module = getattr(request, "module", None)
+    if module is None:
+        return
+    seed = zlib.crc32(request.node.nodeid.encode())
+    for name, value in list(vars(module).items()):
+        if isinstance(value, np.random.Generator):
+            monkeypatch.setattr(module, name, np.random.default_rng(seed))
 
 
 @pytest.fixture(scope="session")

@@ -75,7 +75,7 @@ def test_the_check_catches_fallback_and_random_ids():
 
 
 def test_id_helpers():
-    from meganeura.codegen.wgsl.attention_plan import Dims
+    from meganeura.codegen.wgsl.attention.plan import Dims
 
     assert shape_id((3, 1, 5)) == "3x1x5" and shape_id(()) == "scalar" and shape_id((0,)) == "0"
     assert shapes_id((4, 5), ()) == "4x5_scalar"

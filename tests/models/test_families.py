@@ -18,8 +18,11 @@ from meganeura.training import Trainer, compile_for
 pytestmark = pytest.mark.gpu
 
 
-def test_convnet_mnist_reaches_95_percent(gpu_device):
-    # PyTorch, same architecture and recipe, 5 epochs: 95.3-95.9% (issue 3).
+def test_convnet_mnist_reaches_92_percent_in_two_epochs(gpu_device):
+    # PyTorch, same architecture, recipe, initialization and batches, test accuracy after
+    # epochs 1..5 for seeds 0-3: 90.5-92.2%, 92.4-94.2%, 94.2-95.1%, 95.4-96.1%, 94.8-96.1%
+    # (seed 0, this test's: 90.5, 94.2, 95.1, 95.4, 96.1). Two epochs show that the conv,
+    # BatchNorm and pooling gradients train the net as PyTorch's do, at 2/5 of the cost.
     data = load_mnist(seed=0)
     x_train, mean, std = standardize(data.x_train)
     x_test, _, _ = standardize(data.x_test, mean, std)
@@ -30,7 +33,7 @@ def test_convnet_mnist_reaches_95_percent(gpu_device):
     tr.load_parameters(net.model.init_parameters(np.random.default_rng(0)))
     rng = np.random.default_rng(1)
     losses = []
-    for _ in range(5):
+    for _ in range(2):
         for idx in iterate_batches(len(x_train), 64, rng):
             losses.append(float(tr.step({"x": x_train[idx], "y": data.y_train[idx]})["loss"]))
     state = tr.state_dict()
@@ -43,7 +46,7 @@ def test_convnet_mnist_reaches_95_percent(gpu_device):
     ).argmax(1)
     acc = float((pred == data.y_test).mean())
     assert np.mean(losses[:10]) > 1.0 > np.mean(losses[-10:])
-    assert acc >= 0.95, acc
+    assert acc >= 0.92, acc
 
 
 class TorchDecoder(torch.nn.Module):
