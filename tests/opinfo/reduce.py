@@ -88,6 +88,10 @@ SOFTMAX = [
     ((1000, 2), 0, 100.0, "x100_1000x2_dim0"),
     ((3, 7, 33), 0, 100.0, "x100_3x7x33_dim0"),
     ((0, 5), 1, 1.0, "empty_rows"),
+    # a softmax dim followed only by ones: rows are contiguous, but not along the last dim
+    # (issue 11: the team kernel took shape[-1] = 1 as the row and returned all ones)
+    ((7, 1), 0, 1.0, "7x1_dim0_trailing_one"),
+    ((2, 7, 1, 1), 1, 1.0, "2x7x1x1_dim1_trailing_ones"),
 ]
 
 

@@ -368,14 +368,15 @@ def sources_bound(*srcs: Src) -> bool:
 
 # ---- softmax ------------------------------------------------------------------------------------
 def lower_softmax_rows(graph, node_id: int, limits: Limits):
-    """softmax / log_softmax along the last dim as one team kernel, or None when the rows do
-    not fit in registers (``plan_team``) or the input is a constant.
+    """softmax / log_softmax as one team kernel, for a ``dim`` followed only by size-1 dims
+    (so each row is contiguous: ``shape[dim]`` elements), or None when the rows do not fit in
+    registers (``plan_team``) or the input is a constant.
 
     Row statistics: ``mx`` (max), ``lse = log(sum exp(x - mx))``; softmax stores
     ``exp((x - mx) - lse)``, log_softmax ``(x - mx) - lse`` (the NumPy reference's formulas).
     """
     node = graph[node_id]
-    n = node.type.shape[-1]
+    n = node.type.shape[node.attr("dim")]  # not shape[-1]: trailing dims may be ones
     plan = plan_team(node.type.numel // max(n, 1), n, limits)
     if plan is None:
         return None
