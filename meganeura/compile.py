@@ -17,6 +17,7 @@ from .autodiff import differentiate
 from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
 from .dtypes import DType
 from .graph.ir import Graph
+from .graph.verify import verify
 from .optim import Optimizer, apply_optimizer
 from .passes import cse, dce, fold_permutes
 from .passes.precision import narrow_storage
@@ -122,6 +123,8 @@ def compile(
         ``meta["precision_requested"]`` the one asked for.
 
     Raises:
+        GraphError: when ``graph`` breaks an IR invariant (a cycle, a mis-typed node, an
+            unknown op: ``graph.verify``); graphs reach ``compile`` without the builder too.
         ValueError: for inconsistent options, or a tensor larger than one storage binding.
 
     Warns:
@@ -131,6 +134,7 @@ def compile(
     limits = limits or Limits()
     times: dict[str, float] = {} if graph_seconds is None else {"graph": float(graph_seconds)}
     t0 = time.perf_counter()
+    verify(graph, allow_unused_inputs=True)  # an unverified graph gave KeyErrors or wrong values
     master: frozenset[int] = frozenset()
     if options.optimizer is not None:
         graph, master = _training_graph(graph, options)

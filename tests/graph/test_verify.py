@@ -134,3 +134,22 @@ def test_node_missing_attributes_is_a_graph_error():
     g = Graph((_x(), Node(1, "sum", (0,), (), TensorType((), f32))), (("y", 1),))
     with pytest.raises(GraphError, match="sum"):
         verify(g)
+
+
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        pytest.param(
+            (_x(), Node(1, "add", (0, 2), (), T3), Node(2, "neg", (1,), (), T3)), id="cycle"
+        ),
+        pytest.param((_x(), Node(1, "add", (0, 1), (), T3)), id="self_loop"),
+        pytest.param((_x(), Node(1, "neg", (0,), (), TensorType((4,), f32))), id="mis_typed"),
+    ],
+)
+def test_compile_verifies_its_input(nodes):
+    """compile used to take such graphs as they came: a KeyError, or a wrong result for a
+    mis-typed node (issue 11, item 7)."""
+    from meganeura.compile import compile
+
+    with pytest.raises(GraphError):
+        compile(Graph(nodes, (("y", len(nodes) - 1),)))
