@@ -23,7 +23,11 @@ effect rules (its two members have their own shapes and read no member):
   * no op with in-place effects lies between the first and the last member, so the
     external inputs read at the kernel's position hold the values the members saw;
   * at most one ``matmul`` (the anchor); then the group's shape is the matmul's, and the
-    other members all come after it, so none is one of its operands.
+    other members all come after it, so none is one of its operands;
+  * with ``max_bindings``, the kernel binds at most that many storage buffers: its external
+    inputs (views resolved, constants inlined) and stored members, plus one for the split-K
+    scratch of an anchored group (the adapter's ``max_storage_buffers_per_shader_stage``:
+    32 on lavapipe and NVIDIA, 8-10 in browsers).
 """
 
 from __future__ import annotations
@@ -69,8 +73,14 @@ def _broadcasts(src: Sequence[int], dst: Sequence[int]) -> bool:
 
 
 class _Planner:
-    def __init__(self, graph: Graph, fusible: Collection[str], needed: Sequence[bool]) -> None:
-        self.graph, self.fusible = graph, fusible
+    def __init__(
+        self,
+        graph: Graph,
+        fusible: Collection[str],
+        needed: Sequence[bool],
+        max_bindings: int | None = None,
+    ) -> None:
+        self.graph, self.fusible, self.max_bindings = graph, fusible, max_bindings
         self.users = graph.users()
         self.out_roots = {resolve_view(graph, v) for _, v in graph.outputs}
         self.effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
@@ -91,9 +101,19 @@ class _Planner:
     def stored(self, members: frozenset[int], m: int) -> bool:
         return m in self.out_roots or any(u not in members for u in self.users[m])
 
+    def bindings(self, members: frozenset[int], anchor: int | None) -> int:
+        """Storage buffers the group's kernel binds (see the module docstring)."""
+        g = self.graph
+        external = {resolve_view(g, i) for m in members for i in g[m].inputs if i not in members}
+        external = {r for r in external if g[r].op != "constant"}
+        stored = sum(self.stored(members, m) for m in members)
+        return len(external) + stored + (anchor is not None)
+
     def valid(self, members: frozenset[int], shape: tuple[int, ...], anchor: int | None) -> bool:
         g = self.graph
         last, first = max(members), min(members)
+        if self.max_bindings is not None and self.bindings(members, anchor) > self.max_bindings:
+            return False
         if anchor is not None and (g[anchor].type.shape != shape or first != anchor):
             return False
         if any(first < e < last for e in self.effects):
@@ -134,7 +154,10 @@ class _Planner:
 
 
 def plan_fusion(
-    graph: Graph, fusible: Collection[str], needed: Sequence[bool] | None = None
+    graph: Graph,
+    fusible: Collection[str],
+    needed: Sequence[bool] | None = None,
+    max_bindings: int | None = None,
 ) -> tuple[FusionGroup, ...]:
     """Group nodes into kernels (see the module docstring for the invariants kept).
 
@@ -148,12 +171,14 @@ def plan_fusion(
         fusible: op names the fused emitter can compute per element (elementwise ops);
             ``matmul`` may additionally anchor a group.
         needed: per node, whether it gets kernels; default every node.
+        max_bindings: the most storage buffers one kernel may bind (the adapter's
+            ``max_storage_buffers_per_shader_stage``); None: no bound.
 
     Returns:
         The groups of two or more members, ordered by their last member.
     """
     needed = needed if needed is not None else [True] * len(graph.nodes)
-    planner = _Planner(graph, fusible, needed)
+    planner = _Planner(graph, fusible, needed, max_bindings)
     for node in graph.nodes:
         planner.consume(node.id)
     groups = []

@@ -94,7 +94,9 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
     groups = ()
     if fuse:
         kv = plan_attention_key_value(graph, needed, lambda n: key_value_fusible(graph, n, limits))
-        groups = tuple(sorted(plan_fusion(graph, FUSIBLE, needed) + kv, key=lambda g: g.sink))
+        bound = limits.max_storage_buffers_per_shader_stage
+        fused = plan_fusion(graph, FUSIBLE, needed, max_bindings=bound)
+        groups = tuple(sorted(fused + kv, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     dispatches = _lower_all(graph, needed, limits, groups, updates)
     clash = _arena_clashes(graph, dispatches, updates)

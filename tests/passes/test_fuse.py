@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from meganeura.codegen.kernel import Limits, ValueRef
 from meganeura.codegen.wgsl.elementwise.maps import FUSIBLE
@@ -25,7 +26,7 @@ from meganeura.models.transformer import TransformerConfig, build_transformer
 from meganeura.ops import elementwise as E
 from meganeura.ops import functional as F
 from meganeura.ops.activation import gelu, silu
-from meganeura.optim import HYPER_INPUT, AdamW
+from meganeura.optim import HYPER_INPUT, SGD, AdamW
 from meganeura.passes import cse, dce
 from meganeura.passes.fuse import plan_fusion
 from meganeura.schedule.schedule import schedule
@@ -284,3 +285,65 @@ def test_linear_epilogue_is_exact(gpu_device, act, lead):
         "r": RNG.standard_normal((*lead, 70)).astype(np.float32),
     }
     _compare(b.build(), feeds, gpu_device, kernels=1)
+
+
+# ---- the adapter's storage-binding limit (issue 11, item 4) -----------------------------------
+def _wide_sum(n_inputs: int) -> Graph:
+    """``x0 + x1 + ... + x{n-1}``: one fused chain would bind every input and the output."""
+    b = GraphBuilder()
+    acc = b.input("x0", (64,))
+    for i in range(1, n_inputs):
+        acc = acc + b.input(f"x{i}", (64,))
+    b.output("y", acc)
+    return b.build()
+
+
+def _tanh_chain(layers: int) -> Graph:
+    """``sum(tanh^layers(x * w))``; its backward's chain of ``1 - t^2`` factors reads every
+    layer's saved output."""
+    b = GraphBuilder()
+    y = b.input("x", (64,)) * b.parameter("w", (64,))
+    for _ in range(layers):
+        y = F.tanh(y)
+    b.output("loss", F.sum(y))
+    return b.build()
+
+
+def _binding_cases(which: str) -> Graph:
+    if which == "sum_of_33":
+        return _wide_sum(33)
+    options = CompileOptions("loss", SGD(lr=0.1))
+    return _simplified(build_training_graph(_tanh_chain(40), options))
+
+
+@pytest.mark.parametrize("bound", [8, 32])
+@pytest.mark.parametrize("which", ["sum_of_33", "tanh_chain_40_training"])
+def test_no_fused_kernel_binds_more_buffers_than_the_adapter_allows(which, bound):
+    graph = _binding_cases(which)
+    # unbounded, the planner fuses a chain whose kernel binds more than 32 buffers
+    wide = schedule(graph, Limits(max_storage_buffers_per_shader_stage=1000), fuse=True)
+    assert max(len(ks.bindings) for _, ks in wide.dispatches) > 32
+    sched = schedule(graph, Limits(max_storage_buffers_per_shader_stage=bound), fuse=True)
+    assert sched.groups
+    assert max(len(ks.bindings) for _, ks in sched.dispatches) <= bound
+
+
+@pytest.mark.gpu
+def test_over_wide_chains_run_and_match_float64(gpu_device):
+    from meganeura.training import Trainer, compile_for
+
+    _, sess = compile_for(_wide_sum(33), device=gpu_device)
+    feeds = {f"x{i}": np.full(64, i + 0.25, np.float32) for i in range(33)}
+    np.testing.assert_array_equal(sess.run(feeds, ["y"])["y"], np.full(64, 536.25, np.float32))
+
+    tr = Trainer(_tanh_chain(40), SGD(lr=0.1), device=gpu_device)
+    w0, x = np.linspace(-1, 1, 64, dtype=np.float32), np.linspace(0.5, 2, 64, dtype=np.float32)
+    tr.load_parameters({"w": w0})
+    tr.step({"x": x})
+    w64 = torch.tensor(w0, dtype=torch.float64, requires_grad=True)
+    t = torch.tensor(x, dtype=torch.float64) * w64
+    for _ in range(40):
+        t = torch.tanh(t)
+    t.sum().backward()
+    want = w0 - 0.1 * w64.grad.numpy()
+    np.testing.assert_allclose(tr.state_dict()["w"], want, rtol=0, atol=1e-6)
