@@ -264,7 +264,7 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
             )
         )
 
-    checks: dict[str, LabelCheck] = {}
+    checks: dict[tuple, LabelCheck] = {}  # one per (input, bound, ignore_index)
     for node in graph.nodes:
         # Class indices and gather/index_select indices fed by the host are range-checked
         # before a step runs: out of range, the kernels would read zeros silently.
@@ -276,8 +276,9 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
         elif node.op in ("gather", "index_select"):
             target = graph.nodes[sched.root[node.inputs[1]]]
             bound = graph.nodes[node.inputs[0]].type.shape[node.attr("dim")]
-        if target is not None and target.op == "input" and target.name not in checks:
-            checks[target.name] = LabelCheck(target.name, bound, ignore)
+        key = (target.name, bound, ignore) if target is not None else None
+        if target is not None and target.op == "input" and key not in checks:
+            checks[key] = LabelCheck(target.name, bound, ignore, f"{node.op} %{node.id}")
 
     return Program(
         buffers=tuple(buffers),

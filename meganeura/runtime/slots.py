@@ -129,9 +129,10 @@ def check_labels(program: Program, feeds: Mapping[str, np.ndarray]) -> None:
             allowed = f"[0, {lc.num_classes})"
             if lc.ignore_index is not None:
                 allowed += f" or {lc.ignore_index} (ignore_index)"
+            reader = f" ({lc.consumer} reads it)" if lc.consumer else ""
             raise InputError(
                 f"input {lc.name!r}: class index {x.reshape(-1)[flat]} at index "
-                f"{tuple(int(i) for i in idx)} is outside {allowed}; "
+                f"{tuple(int(i) for i in idx)} is outside {allowed}{reader}; "
                 f"{int(bad.sum())} value(s) out of range"
             )
 

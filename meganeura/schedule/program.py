@@ -127,11 +127,13 @@ class TensorSlot:
 @dataclass(frozen=True)
 class LabelCheck:
     """A host-side check run before each step: input ``name`` holds class indices that must
-    lie in [0, num_classes) or equal ``ignore_index``."""
+    lie in [0, num_classes) or equal ``ignore_index``. An input read by several index ops
+    gets one check per distinct bound; ``consumer`` names the op (``"index_select %4"``)."""
 
     name: str
     num_classes: int
     ignore_index: int | None
+    consumer: str = ""
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,36 @@ def test_out_of_range_token_ids_rejected_before_the_step(gpu_device):
     assert tr.step_count == 1
 
 
+def test_one_index_input_is_checked_against_every_op_reading_it(gpu_device):
+    """Ids that are class labels of a 10-way cross-entropy and rows of a 5-row embedding: an
+    id of 7 is a valid class but no row, and must be refused (issue 11, item 9: only the first
+    consumer's bound was checked, and the embedding silently read a zero row)."""
+    from meganeura.dtypes import i32
+    from meganeura.graph.builder import GraphBuilder
+    from meganeura.ops import functional as F
+    from meganeura.ops.gather import embedding
+
+    b = GraphBuilder()
+    ids = b.input("ids", (4,), i32)
+    logits = b.parameter("logits", (4, 10))
+    rows = embedding(ids, b.parameter("emb", (5, 3)))
+    b.output("loss", F.cross_entropy(logits, ids) + F.sum(rows * rows))
+    tr = Trainer(b.build(), SGD(lr=0.1), device=gpu_device)
+    assert sorted(lc.num_classes for lc in tr.program.label_checks) == [5, 10]
+    tr.load_parameters(
+        {"logits": np.zeros((4, 10), np.float32), "emb": np.ones((5, 3), np.float32)}
+    )
+    tr.step({"ids": np.array([0, 1, 4, 2], np.int32)})
+    before = tr.parameters()
+    with pytest.raises(InputError, match=r"'ids'.* 7 .*\[0, 5\) \(index_select %\d+ reads it\)"):
+        tr.step({"ids": np.array([0, 7, 4, 2], np.int32)})
+    with pytest.raises(InputError, match=r"'ids'.* -1 .* out of range"):
+        tr.step({"ids": np.array([0, 1, -1, 2], np.int32)})
+    for k, v in tr.parameters().items():
+        assert np.array_equal(v, before[k]), k
+    assert tr.step_count == 1
+
+
 def test_fuse_switch_reaches_the_compiled_step(gpu_device):
     net = build_mlp(BATCH, SIZES)
     fused = Trainer(net.graph, SGD(lr=0.1), device=gpu_device)
