@@ -17,7 +17,7 @@ import numpy as np
 from .codegen.kernel import Limits
 from .compile import CompileOptions, compile
 from .graph.ir import Graph
-from .io.checkpoint import load_checkpoint, save_checkpoint
+from .io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .optim import HYPER_INPUT, Optimizer
 from .schedule.program import Program
 
@@ -133,14 +133,24 @@ class Trainer:
     def load(self, path: str | Path) -> dict:
         """Restore a checkpoint written by ``save``; returns its metadata.
 
+        Everything is checked before anything is applied: on any error the trainer's
+        parameters, optimizer state and step counter are as they were.
+
         Raises:
-            CheckpointError: missing file, corrupt file, missing/unknown keys, bad shapes.
+            CheckpointError: missing file, corrupt file, missing/unknown keys, bad shapes, or a
+                ``step`` in the metadata that is not an integer >= 0.
         """
         expected = {
             k: (s.shape, s.host.numpy)
             for k, s in {**self.program.parameters, **self.program.state}.items()
         }
         tensors, meta = load_checkpoint(path, expected)
+        step = meta.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(
+                f"{path}: metadata 'step' is {step!r}; expected the number of steps taken, "
+                "an integer >= 0"
+            )
         self.session.load_state_dict(tensors)
-        self.step_count = int(meta.get("step", 0))
+        self.step_count = step
         return meta

@@ -167,6 +167,25 @@ def test_checkpoint_with_missing_or_unknown_keys(gpu_device, tmp_path):
         assert np.array_equal(v, good[k]), k
 
 
+@pytest.mark.parametrize(
+    "step", [-1, "3", None, 2.5, True], ids=["negative", "string", "null", "float", "bool"]
+)
+def test_checkpoint_with_a_bad_step_changes_nothing(gpu_device, tmp_path, step):
+    """Issue 11, item 6: a negative or string step was accepted and a null one failed with a
+    bare TypeError after the tensors had been loaded."""
+    tr, _ = _trainer(gpu_device, SGD(lr=0.1, momentum=0.9))
+    x, y = _data()
+    tr.step({"x": x, "y": y})
+    good = tr.state_dict()
+    other = {k: v + 1 for k, v in good.items()}
+    save_checkpoint(tmp_path / "bad.safetensors", other, {"step": step})
+    with pytest.raises(CheckpointError, match=r"'step' is .*integer >= 0"):
+        tr.load(tmp_path / "bad.safetensors")
+    assert tr.step_count == 1
+    for k, v in tr.state_dict().items():
+        assert np.array_equal(v, good[k]), k
+
+
 def test_out_of_range_token_ids_rejected_before_the_step(gpu_device):
     from meganeura.dtypes import i32
     from meganeura.graph.builder import GraphBuilder
