@@ -276,9 +276,9 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
         elif node.op in ("gather", "index_select"):
             target = graph.nodes[sched.root[node.inputs[1]]]
             bound = graph.nodes[node.inputs[0]].type.shape[node.attr("dim")]
-        key = (target.name, bound, ignore) if target is not None else None
-        if target is not None and target.op == "input" and key not in checks:
-            checks[key] = LabelCheck(target.name, bound, ignore, f"{node.op} %{node.id}")
+        if target is not None and target.op == "input":
+            check = LabelCheck(target.name, bound, ignore, f"{node.op} %{node.id}")
+            checks.setdefault((target.name, bound, ignore), check)
 
     return Program(
         buffers=tuple(buffers),

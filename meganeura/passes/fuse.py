@@ -112,8 +112,6 @@ class _Planner:
     def valid(self, members: frozenset[int], shape: tuple[int, ...], anchor: int | None) -> bool:
         g = self.graph
         last, first = max(members), min(members)
-        if self.max_bindings is not None and self.bindings(members, anchor) > self.max_bindings:
-            return False
         if anchor is not None and (g[anchor].type.shape != shape or first != anchor):
             return False
         if any(first < e < last for e in self.effects):
@@ -127,7 +125,8 @@ class _Planner:
                     return False
                 if any(u not in members and u < last for u in self.users[m]):
                     return False
-        return True
+        # last: the only check whose cost grows with the group's size
+        return self.max_bindings is None or self.bindings(members, anchor) <= self.max_bindings
 
     def consume(self, nid: int) -> None:
         """Merge the groups of ``nid``'s direct operands into ``nid``'s group where valid."""
