@@ -14,14 +14,16 @@ autodiff and code generation work without a GPU.
 
 from . import nn, optim
 from .autodiff import differentiate
-from .compile import CompileOptions, compile
+from .compile import CompileOptions
 from .dtypes import DType, bool_, f16, f32, i32, u32
 from .graph.builder import GraphBuilder, GraphTypeError, Tensor
 from .graph.interpret import interpret
 from .graph.ir import Graph, Node, TensorType
 from .graph.verify import GraphError, verify
+from .nn.compiled import compile
 from .nn.functional import *  # noqa: F403 - the op namespace, listed in nn.functional
 from .nn.functional import __all__ as _ops_all
+from .random import manual_seed
 from .schedule.planner import plan_memory
 from .schedule.program import Program
 from .training import Trainer, compile_for
@@ -48,6 +50,7 @@ __all__ = [
     "f32",
     "i32",
     "interpret",
+    "manual_seed",
     "nn",
     "optim",
     "plan_memory",

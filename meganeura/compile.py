@@ -54,6 +54,9 @@ class CompileOptions:
             the adapter's ``shader-f16`` feature; without it the program is compiled strict
             and a ``PrecisionFallbackWarning`` is issued. ``Program.meta["precision"]`` says
             which precision the program got.
+        shared_parameters: keep parameters and state in their declared dtype in every
+            program (fast mode otherwise stores an inference program's parameters as f16), so
+            several programs of one model can bind the same buffers (``runtime.shared``).
     """
 
     loss: str | None = None
@@ -62,6 +65,7 @@ class CompileOptions:
     trainable: tuple[str, ...] | None = None
     fuse: bool = True
     precision: Literal["strict", "fast"] = "strict"
+    shared_parameters: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in ("strict", "fast"):
@@ -154,7 +158,9 @@ def compile(
         precision = "strict"
     narrowed: frozenset[int] = frozenset()
     if precision == "fast":
-        graph, narrowed = narrow_storage(graph, master, parameters=options.optimizer is None)
+        graph, narrowed = narrow_storage(
+            graph, master, parameters=options.optimizer is None and not options.shared_parameters
+        )
     times["passes"] = time.perf_counter() - t
 
     t = time.perf_counter()

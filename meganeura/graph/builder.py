@@ -133,9 +133,8 @@ class GraphBuilder:
         if op not in OPS:
             raise KeyError(f"unknown op {op!r}")
         d = OPS[op]
+        inputs = [self._operand(op, t) for t in inputs]
         for t in inputs:
-            if not isinstance(t, Tensor):
-                raise GraphTypeError(f"{op}: operand {t!r} is not a Tensor")
             if t.builder is not self:
                 raise GraphTypeError(f"{op}: operand %{t.id} belongs to another graph")
         if d.arity is not None and len(inputs) != d.arity:
@@ -164,6 +163,18 @@ class GraphBuilder:
         )
         self.nodes.append(node)
         return Tensor(self, node.id)
+
+    def _operand(self, op: str, t) -> Tensor:
+        if isinstance(t, Tensor):
+            return t
+        if isinstance(t, np.ndarray) or hasattr(t, "_shape"):
+            from ..nn.tracing import lift  # NumPy constants and module tensors, while tracing
+
+            try:
+                return lift(t, self)
+            except TypeError as e:
+                raise GraphTypeError(f"{op} at {_user_location()}: {e}") from None
+        raise GraphTypeError(f"{op}: operand {t!r} is not a Tensor")
 
     def output(self, name: str, tensor: Tensor) -> Tensor:
         """Name a value so it can be fetched after each step."""
@@ -229,7 +240,72 @@ class Tensor:
             return other
         if isinstance(other, (int, float, bool, np.generic)):
             return self.builder.constant(other, self.dtype)
+        if isinstance(other, np.ndarray) or hasattr(other, "_shape"):
+            return self.builder._operand("operand", other)
         raise TypeError(f"cannot combine {self!r} with {type(other).__name__}")
+
+    def __bool__(self) -> bool:
+        raise TypeError(
+            f"the truth value of {self!r} is unknown while the graph is built: a traced tensor "
+            "has a value only when the compiled program runs. Use where(cond, a, b) for a "
+            "value-dependent choice, or pass a Python value as a static argument"
+        )
+
+    def __float__(self) -> float:
+        raise TypeError(f"float() of {self!r}: a traced tensor has no value until the program runs")
+
+    def __int__(self) -> int:
+        raise TypeError(f"int() of {self!r}: a traced tensor has no value until the program runs")
+
+    def __index__(self) -> int:
+        raise TypeError(
+            f"{self!r} used as a Python index or size: a traced tensor has no value until the "
+            "program runs (index with an integer tensor: x[idx] or index_select)"
+        )
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __iter__(self):
+        raise TypeError(
+            f"iterating over {self!r}: unbind it explicitly (x[i] for i in range(n)) or use split"
+        )
+
+    def numpy(self):
+        raise TypeError(
+            f".numpy() of {self!r}: a traced tensor has no value until the program runs; return "
+            "it from forward and the compiled call gives a NumPy array"
+        )
+
+    def item(self):
+        raise TypeError(f".item() of {self!r}: a traced tensor has no value until the program runs")
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError(
+            f"np.asarray({self!r}): a traced tensor has no value until the program runs; "
+            "NumPy functions cannot act on it (use meganeura's ops)"
+        )
+
+    def size(self, dim: int | None = None):
+        """``torch.Tensor.size``: the shape, or one dim of it."""
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def __eq__(self, o):  # noqa: D105 - elementwise, as torch
+        return self.builder.add("eq", [self, self._lift(o)])
+
+    def __ne__(self, o):
+        return self.builder.add("ne", [self, self._lift(o)])
+
+    def __ge__(self, o):
+        return self.builder.add("greater_equal", [self, self._lift(o)])
+
+    def __le__(self, o):
+        return self.builder.add("less_equal", [self, self._lift(o)])
 
     def __add__(self, o):
         return self.builder.add("add", [self, self._lift(o)])

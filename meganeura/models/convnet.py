@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from ..dtypes import i32
 from ..graph.builder import GraphBuilder
 from ..graph.ir import Graph
-from ..nn import Linear, Module, Sequential
-from ..nn.conv_layers import BatchNorm2d, Conv2d
+from ..nn.graph_conv_layers import BatchNorm2d, Conv2d
+from ..nn.graph_layers import Linear, Module, Sequential
 from ..ops import functional as F
 from ..ops.pool import max_pool2d
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..dtypes import i32
 from ..graph.builder import GraphBuilder
 from ..graph.ir import Graph
-from ..nn import Linear, Module, Sequential
+from ..nn.graph_layers import Linear, Module, Sequential
 from ..ops import functional as F
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from ..dtypes import i32
 from ..graph.builder import GraphBuilder, Tensor
 from ..graph.ir import Graph
-from ..nn import Linear, Module
+from ..nn.graph_layers import Linear, Module
 from ..ops import functional as F
 from ..ops.activation import silu
 from ..ops.attention import apply_rotary_emb, scaled_dot_product_attention

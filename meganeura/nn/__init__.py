@@ -1,6 +1,29 @@
-"""Layers for building models on the graph builder."""
+"""Models as PyTorch writes them: ``mn.nn.Module`` trees of layers with torch.nn's names, traced
+into the typed graph on call (``meganeura.nn.compiled``).
 
-from .conv_layers import BatchNorm2d, Conv2d
-from .layers import Linear, Module, Sequential, uniform
+``import meganeura.nn.functional as F`` gives the ops; ``meganeura.nn.init`` the initializers.
+"""
 
-__all__ = ["BatchNorm2d", "Conv2d", "Linear", "Module", "Sequential", "uniform"]
+from . import functional, init
+from .compiled import CacheInfo, CompiledModule, SignatureError
+from .layers import *  # noqa: F403 - the layers, listed in nn.layers
+from .layers import __all__ as _layers_all
+from .module import IncompatibleKeys, Module, StateDictError
+from .parameter import Buffer, Parameter, UninitializedParameterError
+from .tracing import TraceError
+
+__all__ = [
+    "Buffer",
+    "CacheInfo",
+    "CompiledModule",
+    "IncompatibleKeys",
+    "Module",
+    "Parameter",
+    "SignatureError",
+    "StateDictError",
+    "TraceError",
+    "UninitializedParameterError",
+    "functional",
+    "init",
+    *_layers_all,
+]

@@ -91,7 +91,8 @@ def dropout(
         p: drop probability in [0, 1].
         training: when False (or when p == 0) the input is returned unchanged.
         seed: u32[] tensor (usually a graph input fed each step); required when training
-            with 0 < p < 1.
+            with 0 < p < 1, except inside a traced ``Module.forward``, where each dropout
+            gets its own seed input that the compiled call feeds a fresh random value.
 
     Returns:
         A tensor like ``input`` (zeros when p == 1, as PyTorch).
@@ -106,6 +107,12 @@ def dropout(
         return input
     if p == 1.0:
         return input * 0.0
+    if seed is None:
+        from ..nn.tracing import current_trace
+
+        trace = current_trace()
+        if trace is not None and trace.builder is input.builder:
+            seed = trace.seed()
     if not isinstance(seed, Tensor) or seed.type != TensorType((), DType.u32):
         raise ValueError(f"dropout in training needs a u32[] seed tensor, got {seed!r}")
     return input.builder.add("dropout", [input, seed], {"p": p})

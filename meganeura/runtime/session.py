@@ -50,12 +50,21 @@ class Session:
         pipelines_reused: pipelines it found already compiled on the device.
     """
 
-    def __init__(self, program: Program, device: Device | None = None):
+    def __init__(
+        self,
+        program: Program,
+        device: Device | None = None,
+        external: Mapping[int, tuple[wgpu.GPUBuffer, int]] | None = None,
+    ):
         """Create buffers, pipelines and bind groups.
 
         Args:
             program: the compiled step.
             device: defaults to :func:`get_device` ``()``.
+            external: program buffer id -> (GPU buffer, byte offset): buffers this Session binds
+                instead of creating them, e.g. parameters shared with other programs
+                (``meganeura.runtime.shared``). The caller keeps them alive; ``close`` leaves
+                them alone. Offsets must be multiples of the adapter's storage offset alignment.
 
         Raises:
             KernelError: a kernel fails to compile or bind, a grid or binding exceeds the
@@ -73,15 +82,31 @@ class Session:
         t0 = time.perf_counter()
         check_limits(program, self.device)
         t1 = time.perf_counter()
+        external = dict(external or {})
+        for i, (buf, base) in external.items():
+            if not 0 <= i < len(program.buffers):
+                raise ValueError(f"external buffer for program buffer {i}, which does not exist")
+            if base % self.device.min_storage_buffer_offset_alignment or (
+                base + program.buffers[i].size > buf.size
+            ):
+                raise ValueError(
+                    f"external buffer for program buffer {i}: offset {base} and size "
+                    f"{program.buffers[i].size} do not fit a {buf.size}-byte buffer at the "
+                    f"adapter's offset alignment {self.device.min_storage_buffer_offset_alignment}"
+                )
+        self._own = [i for i in range(len(program.buffers)) if i not in external]
         self._buffers = [
-            gpu.create_buffer(
+            external[b.id][0]
+            if b.id in external
+            else gpu.create_buffer(
                 label=f"b{b.id} {b.role}{' ' + b.name if b.name else ''}",
                 size=ceil_to(max(b.size, 4), 4),
                 usage=_USAGE,
             )
             for b in program.buffers
         ]
-        self._bound = bind_slots(program, self._buffers)
+        self._bases = [external[b.id][1] if b.id in external else 0 for b in program.buffers]
+        self._bound = bind_slots(program, self._buffers, self._bases)
         for lc in program.label_checks:
             if lc.name not in program.inputs or not program.inputs[lc.name].dtype.is_integer:
                 raise ValueError(f"label check names {lc.name!r}, which is not an integer input")
@@ -114,8 +139,11 @@ class Session:
             t = time.perf_counter()
             bufs = [self._buffers[i] for i in d.bindings]
             spans = None
-            if d.offsets or d.sizes:
-                spans = [d.span(k, b.size) for k, b in enumerate(bufs)]
+            if d.offsets or d.sizes or any(self._bases[i] for i in d.bindings):
+                spans = []
+                for k, i in enumerate(d.bindings):
+                    off, size = d.span(k, self.program.buffers[i].size)
+                    spans.append((self._bases[i] + off, size))
             bg = cache.bind_group(d.name, d.writes, bufs, spans)
             self._bind_group_seconds += time.perf_counter() - t
             self._bind_groups.append(bg)
@@ -147,7 +175,7 @@ class Session:
         raw = data.reshape(-1).view(np.uint8)
         if raw.size == 0:
             return
-        if b.start == b.slot.offset and b.length == raw.size:
+        if b.start == b.at and b.length == raw.size:
             fastpath.write(self._queue, b.buffer, b.start, raw)
             return
         # Unaligned (odd-length f16, 2-byte offset): pad to 4 bytes, keeping neighbours' bytes.
@@ -156,7 +184,7 @@ class Session:
         else:
             block = np.frombuffer(self._queue.read_buffer(b.buffer, b.start, b.length), np.uint8)
             block = block.copy()
-        head = b.slot.offset - b.start
+        head = b.at - b.start
         block[head : head + raw.size] = raw
         fastpath.write(self._queue, b.buffer, b.start, block)
 
@@ -290,7 +318,7 @@ class Session:
             raw = fastpath.map_read(self._gpu, self._staging[chunk], lo, hi - lo)
             for n in names:
                 b = self._bound[n]
-                head = self._stage_at[n][1] - lo + b.slot.offset - b.start
+                head = self._stage_at[n][1] - lo + b.at - b.start
                 out[n] = decode(b, raw, head)
         return out
 
@@ -308,7 +336,7 @@ class Session:
         if b.length == 0:
             return np.zeros(b.slot.shape, b.slot.host.numpy)
         raw = self._queue.read_buffer(b.buffer, b.start, b.length)
-        return decode(b, raw, b.slot.offset - b.start)
+        return decode(b, raw, b.at - b.start)
 
     def write(self, name: str, value: np.ndarray) -> None:
         """Overwrite an input, parameter or state slot; checked as strictly as ``run`` feeds.
@@ -375,7 +403,7 @@ class Session:
         """Free the GPU buffers now; the Session cannot be used afterwards."""
         if not self._closed:
             self._closed = True
-            for buf in (*self._buffers, *self._staging):
+            for buf in (*(self._buffers[i] for i in self._own), *self._staging):
                 buf.destroy()
 
     def __enter__(self) -> Session:

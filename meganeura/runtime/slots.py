@@ -42,13 +42,24 @@ class BoundSlot:
     start: int  # aligned down to 4: copies and writes need 4-byte granularity
     length: int  # aligned up to 4
     pad_free: bool  # no other named slot shares [start, start + length)
+    base: int = 0  # byte offset of the program's buffer inside ``buffer`` (a shared buffer)
+
+    @property
+    def at(self) -> int:
+        """Byte offset of the slot's first element inside ``buffer``."""
+        return self.base + self.slot.offset
 
     def what(self) -> str:
         return f"{self.kinds[0]} {self.name!r}"
 
 
-def bind_slots(p: Program, buffers: Sequence[wgpu.GPUBuffer]) -> dict[str, BoundSlot]:
+def bind_slots(
+    p: Program, buffers: Sequence[wgpu.GPUBuffer], bases: Sequence[int] | None = None
+) -> dict[str, BoundSlot]:
     """Resolve every named slot of ``p`` against its buffer.
+
+    ``bases[i]`` is the byte offset at which program buffer ``i`` starts inside
+    ``buffers[i]`` (non-zero for a sub-range of a buffer shared between programs).
 
     Raises:
         ValueError: a slot outside its buffer, or one name naming two different slots.
@@ -73,8 +84,9 @@ def bind_slots(p: Program, buffers: Sequence[wgpu.GPUBuffer]) -> dict[str, Bound
             named.setdefault(name, (s, []))[1].append(kind)
     bound: dict[str, BoundSlot] = {}
     for name, (s, kinds) in named.items():
-        start = s.offset - s.offset % 4
-        length = ceil_to(s.offset + s.nbytes, 4) - start
+        base = bases[s.buffer] if bases is not None else 0
+        start = base + s.offset - (base + s.offset) % 4
+        length = ceil_to(base + s.offset + s.nbytes, 4) - start
         pad_free = not any(
             o.buffer == s.buffer
             and other != name
@@ -82,7 +94,10 @@ def bind_slots(p: Program, buffers: Sequence[wgpu.GPUBuffer]) -> dict[str, Bound
             and o.offset + o.nbytes > start
             for other, (o, _) in named.items()
         )
-        bound[name] = BoundSlot(name, tuple(kinds), s, buffers[s.buffer], start, length, pad_free)
+        pad_free = pad_free and base == 0  # a shared buffer may hold other programs' slots
+        bound[name] = BoundSlot(
+            name, tuple(kinds), s, buffers[s.buffer], start, length, pad_free, base
+        )
     return bound
 
 

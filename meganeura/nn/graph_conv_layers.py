@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from ..graph.builder import GraphBuilder, Tensor
-from .layers import Module, uniform
+from .graph_layers import Module, uniform
 
 
 class Conv2d(Module):

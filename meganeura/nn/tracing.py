@@ -1,0 +1,139 @@
+"""Tracing a Module's ``forward`` into a Graph.
+
+While a :class:`Trace` is active (a context variable), a module's parameters and buffers read
+as graph Tensors (leaves named by their dotted paths from the traced root, as PyTorch names
+them), calling a submodule runs its ``forward``, NumPy arrays mixed into ops become constants,
+and dropout draws its seed from an input the caller feeds each run.
+
+Leaves: a Parameter is a ``parameter`` leaf; a Buffer a ``state`` leaf; a NumPy constant a
+``state`` leaf named ``_constant.<k>`` whose value the trace records; a dropout seed a u32[]
+``input`` named ``_seed.<k>``. Leaves are made on first use, so a parameter the forward never
+reads is not in the graph.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from ..dtypes import DType
+from ..graph.builder import GraphBuilder, Tensor
+from .parameter import Buffer, Parameter, _Persistent, dtype_of
+
+_CURRENT: contextvars.ContextVar[Trace | None] = contextvars.ContextVar(
+    "meganeura_trace", default=None
+)
+
+CONSTANT_PREFIX = "_constant."
+SEED_PREFIX = "_seed."
+
+
+class TraceError(RuntimeError):
+    """Something a traced forward did cannot be part of a static graph."""
+
+
+class Trace:
+    """The graph under construction for one signature of one root module.
+
+    Attributes:
+        builder: the GraphBuilder.
+        names: id(tensor object) -> dotted name from the root.
+        objects: dotted name -> Parameter or Buffer, for the leaves made so far.
+        constants: leaf name -> value of each NumPy constant.
+        seeds: names of the dropout seed inputs, in creation order.
+    """
+
+    def __init__(self, root) -> None:
+        self.builder = GraphBuilder()
+        self.names: dict[int, str] = {}
+        for name, p in root.named_parameters(remove_duplicate=True):
+            self.names.setdefault(id(p), name)
+        for name, b in root.named_buffers(remove_duplicate=True, _all=True):
+            self.names.setdefault(id(b), name)
+        self.objects: dict[str, _Persistent] = {}
+        self.constants: dict[str, np.ndarray] = {}
+        self.seeds: list[str] = []
+        self._leaves: dict[int, Tensor] = {}
+
+    def leaf(self, obj: _Persistent, attr: str) -> Tensor:
+        """The graph leaf of a Parameter or Buffer (made on first use)."""
+        t = self._leaves.get(id(obj))
+        if t is not None:
+            return t
+        name = self.names.get(id(obj))
+        if name is None:
+            raise TraceError(
+                f"forward reads {type(obj).__name__.lower()} {attr!r}, which is not registered "
+                "in the traced model (assign it as an attribute of a submodule in __init__)"
+            )
+        if isinstance(obj, Buffer) and obj.host_only:
+            raise TraceError(f"buffer {name!r} lives on the host only; forward cannot read it")
+        if isinstance(obj, Parameter):
+            t = self.builder.parameter(name, obj.shape, obj.dtype)
+        else:
+            t = self.builder.state(name, obj.shape, obj.dtype)
+        self._leaves[id(obj)] = t
+        self.objects[name] = obj
+        return t
+
+    def constant(self, value) -> Tensor:
+        """A NumPy array as a constant tensor (float64 stored as f32, int64 as i32)."""
+        arr = np.asarray(value)
+        if arr.ndim == 0:
+            dt = DType.f32 if arr.dtype.kind == "f" else None
+            if arr.dtype.kind == "b":
+                dt = DType.bool
+            elif arr.dtype.kind in "iu":
+                dt = DType.i32
+            return self.builder.constant(arr.item(), dt)
+        if arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
+        elif arr.dtype == np.int64:
+            if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
+                raise TraceError(f"int64 constant of shape {arr.shape} exceeds the int32 range")
+            arr = arr.astype(np.int32)
+        dt = dtype_of(arr, "constant")
+        name = f"{CONSTANT_PREFIX}{len(self.constants)}"
+        self.constants[name] = np.ascontiguousarray(arr)
+        return self.builder.state(name, arr.shape, dt)
+
+    def seed(self) -> Tensor:
+        """A fresh u32[] input for one dropout site (fed a new random value each run)."""
+        name = f"{SEED_PREFIX}{len(self.seeds)}"
+        self.seeds.append(name)
+        return self.builder.input(name, (), DType.u32)
+
+
+def current_trace() -> Trace | None:
+    """The active trace, or None outside ``Module`` tracing."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def tracing(trace: Trace) -> Iterator[Trace]:
+    """Make ``trace`` the active one for the duration of the block."""
+    token = _CURRENT.set(trace)
+    try:
+        yield trace
+    finally:
+        _CURRENT.reset(token)
+
+
+def lift(value, builder: GraphBuilder) -> Tensor:
+    """A NumPy array (or Parameter/Buffer) given as an op operand, as a Tensor of ``builder``.
+
+    Raises:
+        TypeError: outside a trace of ``builder`` (graph-building code must declare its inputs).
+    """
+    trace = current_trace()
+    if trace is None or trace.builder is not builder:
+        raise TypeError(
+            f"a {type(value).__name__} operand can only be used inside a traced Module.forward; "
+            "with a GraphBuilder, declare it with g.input, g.parameter or g.state"
+        )
+    if isinstance(value, _Persistent):
+        return trace.leaf(value, "<operand>")
+    return trace.constant(value)
