@@ -310,6 +310,8 @@ class CompiledModule:
             if name in inputs:
                 feeds[name] = seed
         out = runner.run(feeds, tuple(runner.program.outputs))
+        for effect in traced.trace.host_effects:
+            effect()
         return _unflatten(traced.output_spec, out)
 
     def cache_info(self) -> CacheInfo:

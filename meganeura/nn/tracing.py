@@ -14,7 +14,7 @@ reads is not in the graph.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -44,6 +44,8 @@ class Trace:
         objects: dotted name -> Parameter or Buffer, for the leaves made so far.
         constants: leaf name -> value of each NumPy constant.
         seeds: names of the dropout seed inputs, in creation order.
+        host_effects: functions to call on the host after every run of the traced program
+            (``on_run``).
     """
 
     def __init__(self, root) -> None:
@@ -56,6 +58,7 @@ class Trace:
         self.objects: dict[str, _Persistent] = {}
         self.constants: dict[str, np.ndarray] = {}
         self.seeds: list[str] = []
+        self.host_effects: list[Callable[[], None]] = []
         self._leaves: dict[int, Tensor] = {}
 
     def leaf(self, obj: _Persistent, attr: str) -> Tensor:
@@ -105,6 +108,15 @@ class Trace:
         name = f"{SEED_PREFIX}{len(self.seeds)}"
         self.seeds.append(name)
         return self.builder.input(name, (), DType.u32)
+
+    def on_run(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` on the host after every run of the traced program.
+
+        A forward runs once, at trace time; what it does to host-side state (BatchNorm's
+        ``num_batches_tracked += 1``) must happen on every call, as in PyTorch, so it is
+        registered here and replayed by whoever runs the program.
+        """
+        self.host_effects.append(fn)
 
 
 def current_trace() -> Trace | None:
