@@ -25,6 +25,7 @@ from .activation import (
     Tanh,
     Tanhshrink,
 )
+from .attention import MultiheadAttention, NonDynamicallyQuantizableLinear
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .containers import ModuleDict, ModuleList, Sequential
 from .conv import Conv1d, Conv2d
@@ -74,6 +75,8 @@ __all__ = [
     "Mish",
     "ModuleDict",
     "ModuleList",
+    "MultiheadAttention",
+    "NonDynamicallyQuantizableLinear",
     "PReLU",
     "RMSNorm",
     "ReLU",
