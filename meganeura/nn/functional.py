@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..ops.activation import gelu, leaky_relu, silu, softplus
 from ..ops.attention import apply_rotary_emb, scaled_dot_product_attention
 from ..ops.conv import conv1d, conv2d
+from ..ops.creation import arange
 from ..ops.dropout import dropout
 from ..ops.elementwise import (
     abs,  # noqa: A004
@@ -92,6 +93,7 @@ __all__ = [
     "amax",
     "amin",
     "apply_rotary_emb",
+    "arange",
     "argmax",
     "argmin",
     "avg_pool2d",

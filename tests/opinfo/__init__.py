@@ -78,6 +78,7 @@ class OpInfo:
 FAMILIES = (
     "elementwise",
     "elementwise_extra",
+    "creation",
     "reduce",
     "reduce_extra",
     "shape",
