@@ -11,6 +11,7 @@ from ..ops.activation import gelu, leaky_relu, silu, softplus
 from ..ops.attention import apply_rotary_emb, scaled_dot_product_attention
 from ..ops.conv import conv1d, conv2d
 from ..ops.creation import arange
+from ..ops.distance import cosine_similarity, normalize
 from ..ops.dropout import dropout
 from ..ops.elementwise import (
     abs,  # noqa: A004
@@ -106,6 +107,7 @@ __all__ = [
     "clamp",
     "conv1d",
     "conv2d",
+    "cosine_similarity",
     "cos",
     "cross_entropy",
     "cumsum",
@@ -151,6 +153,7 @@ __all__ = [
     "narrow",
     "ne",
     "neg",
+    "normalize",
     "pad",
     "permute",
     "pow",

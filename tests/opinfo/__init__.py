@@ -85,6 +85,7 @@ FAMILIES = (
     "linalg",
     "conv",
     "norm",
+    "distance",
     "attention",
     "loss",
 )
