@@ -34,7 +34,7 @@ from ..core.layout import (
     element_slots,
     strided_index,
 )
-from ..core.literals import f32_literal, literal, zero
+from ..core.literals import NEG_INF_BITS, f32_literal, literal, zero
 from ..core.mathlib import helper_source
 from .vector import emit_vec4, plan_vec4
 
@@ -110,6 +110,8 @@ UNARY: dict[str, Expr] = {
     ),
     "clamp": _clamp,
     "logical_not": lambda x, t, a: f"select(0u, 1u, {x[0]} == {zero(t)})",
+    # by bit pattern: a compiler assuming finite floats may fold a comparison with -inf
+    "isneginf": lambda x, t, a: f"select(0u, 1u, bitcast<u32>({x[0]}) == {NEG_INF_BITS})",
 }
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 _COMPARE = {
