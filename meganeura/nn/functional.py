@@ -86,7 +86,7 @@ from ..ops.loss import binary_cross_entropy_with_logits, cross_entropy, l1_loss
 from ..ops.norm import batch_norm, group_norm, layer_norm, rms_norm
 from ..ops.pool import adaptive_avg_pool2d, avg_pool2d, max_pool2d
 from ..ops.reduce import amin, argmax, argmin, cumsum, logsumexp, max, min, std, var  # noqa: A004
-from ..ops.resample import interpolate, upsample_nearest2d
+from ..ops.resample import interpolate, upsample_bilinear2d, upsample_nearest2d
 
 __all__ = [
     "abs",
@@ -185,6 +185,7 @@ __all__ = [
     "tanh",
     "transpose",
     "unsqueeze",
+    "upsample_bilinear2d",
     "upsample_nearest2d",
     "var",
     "where",
