@@ -5,8 +5,11 @@ stride 2 over odd sizes, dilation 2, groups 2 and depthwise (groups = C), a 1x1 
 stem (7x7, stride 2, padding 3, 64 channels) on a 32x32 input, GEMM edges that are not tile
 multiples (M = 70, N = 200), a weight gradient long enough to be split along K, unbatched
 input, and max-pool windows full of ties (integer-valued inputs) whose gradient must go to the
-first maximum in scan order as PyTorch's CPU kernel sends it. Everything stays small: the
-family runs in seconds on lavapipe.
+first maximum in scan order as PyTorch's CPU kernel sends it. Interpolation: nearest by whole
+factors (a broadcast), by fractions and sizes (gathers; 4-d keeps ATen's same-size copy),
+1-d; bilinear to a size and by factors, align_corners both ways, down- and upsampling in
+one call, recompute_scale_factor, a 1x1 input; linear (3-d) and trilinear (5-d). Everything
+stays small: the family runs in seconds on lavapipe.
 """
 
 from __future__ import annotations
@@ -123,8 +126,47 @@ def _interpolate_samples(rng):
     ]
 
 
-def _interp_ref(x, size=None, scale_factor=None):
-    return TF.interpolate(x, size=size, scale_factor=scale_factor, mode="nearest")
+def _nearest_fraction_samples(rng):
+    return [
+        # 4-d: H 3 -> 3 is a copy (ATen's nearest_idx), W 5 -> 6 reads floor(dst / 1.3)
+        Sample((_x(rng, (2, 3, 3, 5)),), dict(scale_factor=1.3), name="sf1.3_same_height"),
+        Sample((_x(rng, (1, 2, 3, 5)),), dict(size=(7, 4)), name="size_7x4"),
+        Sample((_x(rng, (2, 3, 9, 8)),), dict(scale_factor=(0.5, 0.4)), name="downsample"),
+        Sample((_x(rng, (2, 3, 7)),), dict(scale_factor=2.2), name="1d_sf2.2"),
+    ]
+
+
+def _bilinear_samples(rng):
+    ac = dict(mode="bilinear", align_corners=True)
+    return [
+        Sample((_x(rng, (2, 3, 3, 5)),), dict(size=(5, 7), mode="bilinear"), name="size"),
+        Sample((_x(rng, (2, 3, 3, 5)),), dict(size=(5, 7), **ac), name="size_align"),
+        Sample((_x(rng, (1, 2, 4, 3)),), dict(scale_factor=2.5, mode="bilinear"), name="sf2.5"),
+        Sample(
+            (_x(rng, (2, 1, 7, 9)),), dict(scale_factor=(0.6, 1.7), **ac), name="sf0.6x1.7_align"
+        ),
+        Sample(
+            (_x(rng, (1, 3, 5, 4)),),
+            dict(scale_factor=1.3, mode="bilinear", recompute_scale_factor=True),
+            name="sf1.3_recompute",
+        ),
+        Sample((_x(rng, (2, 2, 1, 1)),), dict(size=(3, 2), mode="bilinear"), name="from_1x1"),
+    ]
+
+
+def _linear_samples(rng):
+    return [
+        Sample((_x(rng, (2, 3, 7)),), dict(scale_factor=1.6, mode="linear"), name="1d"),
+        Sample(
+            (_x(rng, (1, 2, 3, 4, 2)),),
+            dict(size=(5, 3, 4), mode="trilinear", align_corners=True),
+            name="3d_align",
+        ),
+    ]
+
+
+def _interp_ref(x, size=None, scale_factor=None, **kw):
+    return TF.interpolate(x, size=size, scale_factor=scale_factor, **kw)
 
 
 ENTRIES: list[OpInfo] = [
@@ -169,5 +211,26 @@ ENTRIES: list[OpInfo] = [
         _interp_ref,
         _interpolate_samples,
         ("broadcast_to", "sum"),
+    ),
+    OpInfo(
+        "interpolate_nearest_fraction",
+        R.interpolate,
+        _interp_ref,
+        _nearest_fraction_samples,
+        ("arange", "index_select", "index_select_backward"),
+    ),
+    OpInfo(
+        "interpolate_bilinear",
+        R.interpolate,
+        _interp_ref,
+        _bilinear_samples,
+        ("arange", "index_select", "index_select_backward", "clamp"),
+    ),
+    OpInfo(
+        "interpolate_linear_trilinear",
+        R.interpolate,
+        _interp_ref,
+        _linear_samples,
+        ("arange", "index_select", "index_select_backward"),
     ),
 ]
