@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..dtypes import DType
-from ..graph.builder import GraphBuilder, Tensor
+from ..graph.builder import GraphBuilder, Tensor, use_builder
 from .parameter import Buffer, Parameter, _Persistent, dtype_of
 
 _CURRENT: contextvars.ContextVar[Trace | None] = contextvars.ContextVar(
@@ -126,10 +126,12 @@ def current_trace() -> Trace | None:
 
 @contextmanager
 def tracing(trace: Trace) -> Iterator[Trace]:
-    """Make ``trace`` the active one for the duration of the block."""
+    """Make ``trace`` the active one (and its builder ``current_builder()``) for the duration
+    of the block."""
     token = _CURRENT.set(trace)
     try:
-        yield trace
+        with use_builder(trace.builder):  # ops without tensor operands (arange) find the graph
+            yield trace
     finally:
         _CURRENT.reset(token)
 
