@@ -155,6 +155,25 @@ LAYERS = [
     _case("AdaptiveAvgPool1d", "AdaptiveAvgPool1d", (4,), shape=(1, 2, 9)),
     _case("Upsample-nearest-scale", "Upsample", (), {"scale_factor": 2}, shape=(1, 2, 3, 4)),
     _case("Upsample-nearest-size", "Upsample", ((6, 12),), shape=(1, 2, 3, 4)),
+    _case("Upsample-nearest-fractional", "Upsample", (), {"scale_factor": 1.5}, shape=(1, 2, 3, 4)),
+    _case(
+        "Upsample-bilinear",
+        "Upsample",
+        (),
+        {"scale_factor": 2, "mode": "bilinear"},
+        shape=(1, 2, 3, 4),
+    ),
+    _case("UpsamplingBilinear2d", "UpsamplingBilinear2d", ((5, 7),), shape=(2, 1, 3, 4)),
+    _case(
+        "UpsamplingNearest2d", "UpsamplingNearest2d", (), {"scale_factor": 3}, shape=(1, 1, 2, 2)
+    ),
+    _case(
+        "Upsample-linear-align",
+        "Upsample",
+        (7,),
+        {"mode": "linear", "align_corners": True},
+        shape=(1, 2, 4),
+    ),
     _case("Flatten", "Flatten", shape=(2, 3, 4)),
     _case("Identity", "Identity", shape=(2, 3)),
     _case("Linear", "Linear", (4, 3), shape=(2, 5, 4)),

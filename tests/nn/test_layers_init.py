@@ -86,6 +86,7 @@ REPRS = [
     ("AvgPool1d", (2,), {}),
     ("AdaptiveAvgPool2d", ((3, None),), {}),
     ("Upsample", (), {"scale_factor": 2, "mode": "nearest"}),
+    ("UpsamplingBilinear2d", ((4, 6),), {}),
     ("Dropout", (0.1,), {}),
 ]
 

@@ -8,15 +8,16 @@ from ..module import Module
 
 
 class Upsample(Module):
-    """Resize [N, C, H, W] to ``size`` or by ``scale_factor`` (``torch.nn.Upsample``).
+    """Resize the spatial dims to ``size`` or by ``scale_factor`` (``torch.nn.Upsample``).
 
-    Shapes: floating [N, C, H, W] -> [N, C, H', W'] with ``H' = size[0]`` or
-    ``floor(H * scale_factor[0])``. ``mode`` and ``align_corners`` are ``F.interpolate``'s
-    (PyTorch's semantics for the modes it supports); ``scale_factor`` is stored as float
-    (a tuple of floats), as PyTorch stores it.
+    Shapes: floating [N, C, *spatial] -> [N, C, *spatial'] with ``spatial'[i] = size[i]`` or
+    ``floor(spatial[i] * scale_factor[i])``; ``mode`` 'nearest', 'linear' (3-d input),
+    'bilinear' (4-d), 'trilinear' (5-d) or 'area', with ``align_corners`` and
+    ``recompute_scale_factor`` as in ``F.interpolate`` (PyTorch's semantics).
+    ``scale_factor`` is stored as float (a tuple of floats), as PyTorch stores it.
 
     Raises:
-        NotImplementedError: a mode ``F.interpolate`` does not support (at forward).
+        ValueError / NotImplementedError: what ``F.interpolate`` raises (at forward).
     """
 
     def __init__(
@@ -38,10 +39,10 @@ class Upsample(Module):
         self.recompute_scale_factor = recompute_scale_factor
 
     def forward(self, input):  # noqa: A002 - PyTorch's name
-        options = {"align_corners": self.align_corners}
-        options["recompute_scale_factor"] = self.recompute_scale_factor
-        options = {k: v for k, v in options.items() if v is not None}
-        return F.interpolate(input, self.size, self.scale_factor, self.mode, **options)
+        return F.interpolate(
+            input, self.size, self.scale_factor, self.mode, self.align_corners,
+            recompute_scale_factor=self.recompute_scale_factor,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         if self.scale_factor is not None:
