@@ -260,3 +260,13 @@ def test_embedding_refuses(kwargs, error):
 
     with pytest.raises(error):
         mnn.Embedding(10, 3, **kwargs)
+
+
+def test_softmax_without_dim_picks_torchs_legacy_dim():
+    theirs, ours = build("Softmax")
+    x = _input((2, 3, 4), 1.0)  # 3-d: PyTorch's legacy rule picks dim 0
+    with pytest.warns(UserWarning, match="Implicit dimension choice"):
+        got, _ = interpret_forward(ours, [x])
+    with pytest.warns(UserWarning):
+        want = torch_forward(theirs, [x])
+    assert_close(got, want, CPU_RTOL)

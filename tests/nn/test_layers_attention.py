@@ -151,3 +151,18 @@ def test_errors():
         trace_call(ours, ours.forward, [y, y, y], {})
     with pytest.raises(ValueError, match="2D attn_mask"):
         trace_call(ours, ours.forward, [x, x, x], {"attn_mask": _r(L, L + 1)})
+
+
+def test_dropout_in_train_mode_drops_attention_weights():
+    """Train mode with dropout: each returned weight is 0 or the eval weight / (1 - p), and
+    the output is those weights applied to the values (PyTorch returns the dropped weights)."""
+    mn.manual_seed(4)
+    ours = mnn.MultiheadAttention(E, H, dropout=0.5, batch_first=True)
+    xs = [_r(N, L, E), _r(N, S, E), _r(N, S, E)]
+    kw = {"average_attn_weights": False}
+    (_, dropped), _ = interpret_forward(ours, xs, kw)
+    ours.eval()
+    (_, full), _ = interpret_forward(ours, xs, kw)
+    kept = dropped != 0
+    assert 0 < kept.mean() < 1
+    np.testing.assert_allclose(dropped[kept], full[kept] / 0.5, rtol=1e-12)
