@@ -99,9 +99,10 @@ def test_forward_on_gpu_matches_torch(gpu_device, kwargs, inputs, forward_kwargs
     assert_close(ours(*xs, **fkw), torch_forward(theirs, xs, fkw), GPU_RTOL)
 
 
-def test_self_attention_projects_once():
-    """Inside a trace, query is key is value: one packed [*, 3E] matmul, as PyTorch's."""
-    ours = mnn.MultiheadAttention(E, H, batch_first=True)
+def test_self_attention_inside_a_model():
+    """Inside a trace query is key is value: one packed [*, 3E] in-projection matmul, as
+    PyTorch's; a NumPy mask written in forward becomes a constant of the graph."""
+    theirs, ours = build("MultiheadAttention", (E, H), {"batch_first": True})
 
     class Self(mnn.Module):
         def __init__(self):
@@ -109,12 +110,15 @@ def test_self_attention_projects_once():
             self.attn = ours
 
         def forward(self, x):
-            return self.attn(x, x, x, need_weights=False)[0]
+            return self.attn(x, x, x, attn_mask=CAUSAL, need_weights=False)[0]
 
     model = Self()
-    traced = trace_call(model, model.forward, [_r(N, L, E)], {})
-    matmuls = [n for n in traced.graph.nodes if n.op == "matmul"]
-    assert len(matmuls) == 2  # in_proj and out_proj
+    x = _r(N, L, E)
+    traced = trace_call(model, model.forward, [x], {})
+    assert sum(n.op == "matmul" for n in traced.graph.nodes) == 2  # in_proj and out_proj
+    got, _ = interpret_forward(model, [x])
+    want = torch_forward(theirs, [x, x, x], {"attn_mask": CAUSAL, "need_weights": False})[0]
+    assert_close(got, want, 1e-10)
 
 
 def test_state_dict_names_with_separate_projections():
