@@ -235,6 +235,11 @@ class GraphBuilder:
         return g
 
 
+def _operand_like(o) -> bool:
+    """Whether ``o`` can be an operand of a Tensor's operator (what ``Tensor._lift`` takes)."""
+    return isinstance(o, (Tensor, int, float, bool, np.generic, np.ndarray)) or hasattr(o, "_shape")
+
+
 @dataclass(frozen=True, eq=False)
 class Tensor:
     """A handle to one value of a graph under construction."""
@@ -326,9 +331,13 @@ class Tensor:
         return self.ndim
 
     def __eq__(self, o):  # noqa: D105 - elementwise, as torch
+        if not _operand_like(o):
+            return NotImplemented  # Python then compares identity: `Ellipsis in key` works
         return self.builder.add("eq", [self, self._lift(o)])
 
     def __ne__(self, o):
+        if not _operand_like(o):
+            return NotImplemented
         return self.builder.add("ne", [self, self._lift(o)])
 
     def __ge__(self, o):

@@ -256,3 +256,13 @@ def test_use_builder_sets_and_restores_the_current_builder():
     with pytest.raises(TypeError, match="expects a GraphBuilder"):
         with use_builder("not a builder"):
             pass
+
+
+def test_tensor_equality_with_a_non_operand_is_identity():
+    """``==`` builds an elementwise ``eq`` only for operands; anything else (Ellipsis, None,
+    a string) compares by identity, so ``Ellipsis in (t, 0)`` is False, as with torch."""
+    b = GraphBuilder()
+    x = b.input("x", (3,), i32)
+    assert Ellipsis not in (x, 0)
+    assert (x != "a") is True
+    assert (x == 1).node.op == "eq"
