@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..ops.activation import gelu, leaky_relu, silu, softplus
 from ..ops.attention import apply_rotary_emb, scaled_dot_product_attention
 from ..ops.conv import conv1d, conv2d
+from ..ops.conv_transpose import conv_transpose2d
 from ..ops.creation import arange
 from ..ops.distance import cosine_similarity, normalize
 from ..ops.dropout import dropout
@@ -108,6 +109,7 @@ __all__ = [
     "clamp",
     "conv1d",
     "conv2d",
+    "conv_transpose2d",
     "cosine_similarity",
     "cos",
     "cross_entropy",

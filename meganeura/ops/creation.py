@@ -28,6 +28,7 @@ from .registry import OpDef, ShapeError
 
 ARANGE_DTYPES = (DType.f32, DType.i32)
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _arange_type(types, attrs):
@@ -42,6 +43,9 @@ def _arange_type(types, attrs):
     if dtype is DType.f32:
         if not all(type(v) is float and math.isfinite(v) for v in (start, step)):
             raise ShapeError(f"f32 start and step must be finite floats, got {start!r}, {step!r}")
+        last = start + (size - 1) * step
+        if max(abs(start), abs(step), abs(last)) > _F32_MAX:
+            raise ShapeError(f"values {start} .. {last} (step {step}) do not fit f32")
     else:
         if not all(type(v) is int for v in (start, step)):
             raise ShapeError(f"i32 start and step must be ints, got {start!r}, {step!r}")
@@ -112,7 +116,7 @@ def arange(
             (meganeura has no empty tensors), or no builder.
         TypeError: a dtype other than f32/i32, non-numeric bounds, or fractional bounds for
             i32.
-        GraphTypeError: i32 values outside the i32 range.
+        GraphTypeError: values outside the dtype's range.
     """
     if end is None:
         start, end = 0, start

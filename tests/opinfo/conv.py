@@ -4,7 +4,9 @@ Invariants of the samples: batch 1 and 3, channels 1, 3 and 7, spatial 1x1, 7x7 
 stride 2 over odd sizes, dilation 2, groups 2 and depthwise (groups = C), a 1x1 conv, ResNet's
 stem (7x7, stride 2, padding 3, 64 channels) on a 32x32 input, GEMM edges that are not tile
 multiples (M = 70, N = 200), a weight gradient long enough to be split along K, unbatched
-input, and max-pool windows full of ties (integer-valued inputs) whose gradient must go to the
+input, conv_transpose2d (PyTorch's weight layout, stride 2 with output_padding, groups with
+dilation, output_padding >= stride allowed by the dilation, DCGAN's 1x1 -> 4x4, unbatched),
+and max-pool windows full of ties (integer-valued inputs) whose gradient must go to the
 first maximum in scan order as PyTorch's CPU kernel sends it. Interpolation: nearest by whole
 factors (a broadcast), by fractions and sizes (gathers; 4-d keeps ATen's same-size copy),
 1-d; bilinear to a size and by factors, align_corners both ways, down- and upsampling in
@@ -18,6 +20,7 @@ import numpy as np
 import torch.nn.functional as TF
 
 from meganeura.ops import conv as C
+from meganeura.ops import conv_transpose as CT
 from meganeura.ops import pool as P
 from meganeura.ops import resample as R
 
@@ -49,6 +52,38 @@ def _conv2d_samples(rng):
         c((2, 4, 20, 20), (5, 4, 3, 3), False, "split_k_weight_grad", padding=1),
         c((1, 3, 8, 8), (4, 3, 3, 3), False, "padding_same", padding="same"),
         c((3, 6, 6), (2, 3, 3, 3), True, "unbatched", stride=(2, 1)),
+    ]
+
+
+def _conv_transpose_samples(rng):
+    def c(x, w, bias, name, **kw):
+        args = (rng.normal(size=x), rng.normal(size=w) / np.sqrt(np.prod(w[1:])))
+        return Sample(args + ((rng.normal(size=w[1] * kw.get("groups", 1)),) if bias else ()),
+                      kw, name=name)  # fmt: skip
+
+    return [
+        c((2, 3, 5, 5), (3, 4, 3, 3), True, "k3_bias"),
+        c((1, 4, 4, 5), (4, 2, 3, 3), True, "s2_p1_outpad1", stride=2, padding=1, output_padding=1),
+        c(
+            (2, 4, 5, 4),
+            (4, 3, 3, 2),
+            False,
+            "groups2_dil2_s21",
+            groups=2,
+            dilation=2,
+            stride=(2, 1),
+        ),  # fmt: skip
+        c(
+            (1, 2, 4, 4),
+            (2, 3, 3, 3),
+            True,
+            "outpad_ge_stride",
+            dilation=2,
+            output_padding=1,
+            padding=1,
+        ),  # fmt: skip
+        c((1, 2, 1, 1), (2, 3, 4, 4), False, "dcgan_1x1_to_4x4", stride=2),
+        c((3, 4, 4), (3, 2, 2, 2), False, "unbatched_k2_s2", stride=2),
     ]
 
 
@@ -183,6 +218,13 @@ ENTRIES: list[OpInfo] = [
         TF.conv1d,
         _conv1d_samples,
         ("conv2d", "conv2d_backward_input", "conv2d_backward_weight", "reshape"),
+    ),
+    OpInfo(
+        "conv_transpose2d",
+        CT.conv_transpose2d,
+        TF.conv_transpose2d,
+        _conv_transpose_samples,
+        ("conv2d_backward_input", "conv2d", "conv2d_backward_weight", "pad"),
     ),
     OpInfo(
         "max_pool2d",

@@ -38,7 +38,7 @@ def _normalize_samples(rng):
         Sample((r((2, 3, 4)),), {"p": 3.0, "dim": 0}, name="p3_dim0"),
         Sample((ties,), {"p": math.inf}, name="pinf_ties"),
         Sample((r((9,)),), {"dim": 0}, name="1d"),
-        Sample((r((5, 1)),), name="dim_size1"),
+        Sample((r((5, 1)),), name="dim_size1", grad=()),  # sign(x): its gradient is 0
         Sample((zero_row,), name="zero_row"),
         Sample((tiny_row,), {"eps": 1e-12}, name="norm_below_eps"),
     ]

@@ -79,6 +79,7 @@ ERRORS = {
     "bool_bound": ((True,), {}, TypeError, "must be a number"),
     "infinite": ((0, float("inf")), {}, ValueError, "finite"),
     "i32_overflow": ((2**31 - 2, 2**31 + 5), {}, GraphTypeError, "do not fit i32"),
+    "f32_overflow": ((0.0, 1e300, 1e299), {}, GraphTypeError, "do not fit f32"),
 }
 
 
