@@ -131,6 +131,27 @@ LAYERS = [
         {"padding": (1, 2), "padding_mode": "replicate"},
         shape=(2, 5, 5),
     ),
+    _case("ConvTranspose2d", "ConvTranspose2d", (3, 4, 3), shape=(2, 3, 4, 5)),
+    _case(
+        "ConvTranspose2d-stride-pad-outpad-groups-dilation",
+        "ConvTranspose2d",
+        (4, 6, (3, 2)),
+        {
+            "stride": (2, 3),
+            "padding": (1, 0),
+            "output_padding": (1, 2),
+            "groups": 2,
+            "dilation": (1, 2),
+        },
+        shape=(1, 4, 3, 4),
+    ),
+    _case(
+        "ConvTranspose2d-no_bias-unbatched",
+        "ConvTranspose2d",
+        (2, 3, 2),
+        {"stride": 2, "bias": False},
+        shape=(2, 3, 3),
+    ),
     _case("MaxPool2d", "MaxPool2d", (2,), shape=(2, 3, 6, 6)),
     _case(
         "MaxPool2d-stride-pad-dilation-ceil",
@@ -270,3 +291,30 @@ def test_softmax_without_dim_picks_torchs_legacy_dim():
     with pytest.warns(UserWarning):
         want = torch_forward(theirs, [x])
     assert_close(got, want, CPU_RTOL)
+
+
+@pytest.mark.parametrize(
+    "output_size",
+    [
+        pytest.param([10, 11], id="spatial"),
+        pytest.param([1, 2, 9, 12], id="with_batch_and_channels"),
+    ],
+)
+def test_conv_transpose_output_size_picks_output_padding(output_size):
+    theirs, ours = build("ConvTranspose2d", (3, 2, 3), {"stride": 2, "padding": 1})
+    x = _input((1, 3, 5, 6), 1.0)
+    got, _ = interpret_forward(ours, [x], {"output_size": output_size})
+    want = torch_forward(theirs, [x], {"output_size": output_size})
+    assert got.shape[-2:] == tuple(output_size[-2:])
+    assert_close(got, want, CPU_RTOL)
+
+
+def test_conv_transpose_refuses_what_torch_refuses():
+    import meganeura.nn as mnn
+    from meganeura.nn.compiled import trace_call
+
+    with pytest.raises(ValueError, match="zeros"):
+        mnn.ConvTranspose2d(2, 2, 3, padding_mode="reflect")
+    m = mnn.ConvTranspose2d(2, 2, 3, stride=2)
+    with pytest.raises(ValueError, match="valid sizes range"):
+        trace_call(m, m.forward, [np.zeros((1, 2, 4, 4), np.float32)], {"output_size": [20, 20]})

@@ -22,7 +22,9 @@ from .harness import check_uniform
 
 def test_conv_weight_and_bias_bounds():
     mn.manual_seed(1)
-    for m in (mnn.Conv2d(4, 8, (3, 5), groups=2), mnn.Conv1d(6, 16, 3)):
+    convs = (mnn.Conv2d(4, 8, (3, 5), groups=2), mnn.Conv1d(6, 16, 3))
+    # ConvTranspose2d's weight is [in, out / groups, kh, kw]; PyTorch's fan_in reads dim 1.
+    for m in (*convs, mnn.ConvTranspose2d(16, 8, 3, groups=2)):
         fan_in = m.weight.shape[1] * math.prod(m.weight.shape[2:])
         check_uniform(m.weight.data, 1 / math.sqrt(fan_in))  # kaiming_uniform_(a=sqrt(5))
         check_uniform(m.bias.data, 1 / math.sqrt(fan_in))
@@ -80,6 +82,7 @@ REPRS = [
     ("Conv2d", (3, 4, 3), {"padding": "same", "bias": False}),
     ("Conv2d", (4, 4, (3, 1)), {"stride": 2, "padding": 1, "dilation": 2, "groups": 4}),
     ("Conv1d", (3, 4, 3), {"padding_mode": "reflect", "padding": 1}),
+    ("ConvTranspose2d", (4, 2, 3), {"stride": 2, "output_padding": 1, "groups": 2}),
     ("MaxPool2d", (3,), {"stride": 2}),
     ("MaxPool1d", (3,), {}),
     ("AvgPool2d", ((2, 3),), {"padding": 1}),

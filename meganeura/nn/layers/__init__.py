@@ -28,7 +28,7 @@ from .activation import (
 from .attention import MultiheadAttention, NonDynamicallyQuantizableLinear
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .containers import ModuleDict, ModuleList, Sequential
-from .conv import Conv1d, Conv2d
+from .conv import Conv1d, Conv2d, ConvTranspose2d
 from .dropout import Dropout
 from .linear import Flatten, Identity, Linear
 from .normalization import GroupNorm, LayerNorm, RMSNorm
@@ -54,6 +54,7 @@ __all__ = [
     "CELU",
     "Conv1d",
     "Conv2d",
+    "ConvTranspose2d",
     "Dropout",
     "ELU",
     "Embedding",

@@ -242,4 +242,79 @@ class Conv2d(_ConvNd):
         return self._conv_forward(input, self.weight, self.bias, F.conv2d)
 
 
-__all__ = ["Conv1d", "Conv2d"]
+class ConvTranspose2d(_ConvNd):
+    """2-D transposed convolution (the gradient of conv2d with respect to its input;
+    ``torch.nn.ConvTranspose2d``).
+
+    Shapes: input floating [N, C_in, H, W] or [C_in, H, W] -> [N, C_out, H_out, W_out],
+    ``H_out = (H - 1) stride[0] - 2 padding[0] + dilation[0] (kH - 1) + output_padding[0] + 1``
+    (PyTorch docs); weight [C_in, C_out / groups, kH, kW] (in and out swapped against
+    Conv2d's), bias [C_out]. Initialization as PyTorch's: ``kaiming_uniform_(a=sqrt(5))`` with
+    PyTorch's fan_in of this layout, ``weight.shape[1] * kH * kW`` = C_out / groups * kH * kW,
+    for both weight and bias bounds.
+
+    ``forward(input, output_size=None)``: ``output_size`` ([H_out, W_out], optionally with
+    the leading N, C) picks the output_padding that reaches it, as PyTorch.
+
+    Raises:
+        ValueError: groups not dividing the channels, a padding string, a padding_mode other
+            than 'zeros' (as PyTorch), or an ``output_size`` out of reach.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] = 0,
+        output_padding: int | tuple[int, int] = 0,
+        groups: int = 1,
+        bias: bool = True,
+        dilation: int | tuple[int, int] = 1,
+        padding_mode: str = "zeros",
+        dtype=None,
+    ) -> None:
+        if padding_mode != "zeros":
+            raise ValueError(f'Only "zeros" padding mode is supported for {type(self).__name__}')
+        if isinstance(padding, str):
+            raise ValueError(f"{type(self).__name__} takes int or tuple padding, not {padding!r}")
+        super().__init__(
+            in_channels, out_channels, kernel_size, stride, padding, dilation,
+            True, output_padding, groups, bias, padding_mode, dtype,
+        )  # fmt: skip
+
+    def _output_padding(self, input, output_size) -> tuple[int, ...]:  # noqa: A002
+        if output_size is None:
+            return self.output_padding
+        n = self._n
+        size = [int(s) for s in output_size]
+        if len(size) == input.ndim:
+            size = size[-n:]
+        if len(size) != n:
+            raise ValueError(
+                f"ConvTranspose{n}D: for {input.ndim}D input, output_size must have {n} or "
+                f"{input.ndim} elements (got {len(output_size)})"
+            )
+        spatial = input.shape[-n:]
+        lo = [
+            (spatial[d] - 1) * self.stride[d] - 2 * self.padding[d]
+            + self.dilation[d] * (self.kernel_size[d] - 1) + 1
+            for d in range(n)
+        ]  # fmt: skip
+        hi = [lo[d] + self.stride[d] - 1 for d in range(n)]
+        if any(not lo[d] <= size[d] <= hi[d] for d in range(n)):
+            raise ValueError(
+                f"requested an output size of {size}, but valid sizes range from {lo} to {hi} "
+                f"(for an input of {list(spatial)})"
+            )
+        return tuple(size[d] - lo[d] for d in range(n))
+
+    def forward(self, input, output_size=None):  # noqa: A002
+        return F.conv_transpose2d(
+            input, self.weight, self.bias, self.stride, self.padding,
+            self._output_padding(input, output_size), self.groups, self.dilation,
+        )  # fmt: skip
+
+
+__all__ = ["Conv1d", "Conv2d", "ConvTranspose2d"]
