@@ -282,7 +282,7 @@ class CompiledModule:
         key = (spec, modes, self.options.precision, self.options.fuse)
         entry = self._cache.get(key)
         if entry is None:
-            self.misses += count
+            self.misses += 1
             traced = trace_call(self.module, self.module.forward, args, kwargs)
             runner = ProgramRunner(traced, self.options, self.device)
             entry = CacheEntry(
