@@ -163,13 +163,35 @@ def trace_call(module, fn, args, kwargs, outputs_prefix: str = "output") -> Trac
             bound.arguments[name] = _rebuild(s, tensors)
         result = fn(*bound.args, **bound.kwargs)
     named: dict[str, Tensor] = {}
-    out_spec = _outputs(result, outputs_prefix, named)
+    if isinstance(result, dict):  # a dict's keys name the outputs themselves
+        out_spec = ("dict", tuple((k, _outputs(v, str(k), named)) for k, v in result.items()))
+    else:
+        out_spec = _outputs(result, outputs_prefix, named)
     if not named:
         raise SignatureError(f"{getattr(fn, '__qualname__', fn)} returned no Tensor")
     for name, t in named.items():
         b.output(name, t)
     graph = b.build_unverified()
     return Traced(graph, trace, [n for n, _ in arrays], out_spec, time.perf_counter() - t0)
+
+
+def trace(module, *args, fn=None, **kwargs) -> Graph:
+    """The Graph of ``module.forward(*args, **kwargs)`` (or of ``fn(*args, **kwargs)``, a
+    function reading ``module``'s tensors), as ``jax.make_jaxpr`` or ``torch.fx`` give theirs.
+
+    Arrays in the arguments become inputs named by ``forward``'s parameter names (``x``,
+    ``x[0]`` for a tuple's items); the result's Tensors become outputs named ``output`` (or
+    ``output.0``, ... for a tuple; a dict's keys name its outputs); parameters and buffers become leaves
+    with their dotted names. Example::
+
+        graph = mn.nn.trace(model, x)                             # outputs["output"]
+        graph = mn.nn.trace(model, x, y, fn=lambda x, y: {"loss": F.cross_entropy(model(x), y)})
+
+    Raises:
+        SignatureError: arguments that are neither arrays nor static Python values, or a
+            result without a Tensor.
+    """
+    return trace_call(module, fn or module.forward, args, kwargs).graph
 
 
 def _dtype(a: np.ndarray):
