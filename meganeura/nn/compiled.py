@@ -181,8 +181,8 @@ def trace(module, *args, fn=None, **kwargs) -> Graph:
 
     Arrays in the arguments become inputs named by ``forward``'s parameter names (``x``,
     ``x[0]`` for a tuple's items); the result's Tensors become outputs named ``output`` (or
-    ``output.0``, ... for a tuple; a dict's keys name its outputs); parameters and buffers become leaves
-    with their dotted names. Example::
+    ``output.0``, ... for a tuple; a dict's keys name its outputs); parameters and buffers
+    become leaves with their dotted names. Example::
 
         graph = mn.nn.trace(model, x)                             # outputs["output"]
         graph = mn.nn.trace(model, x, y, fn=lambda x, y: {"loss": F.cross_entropy(model(x), y)})
