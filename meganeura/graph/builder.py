@@ -295,10 +295,14 @@ class Tensor:
     def dim(self) -> int:
         return self.ndim
 
-    def __eq__(self, o):  # noqa: D105 - elementwise, as torch
+    def __eq__(self, o):  # elementwise, as torch; other types compare by identity
+        if not isinstance(o, (Tensor, int, float, bool, np.generic, np.ndarray)):
+            return NotImplemented
         return self.builder.add("eq", [self, self._lift(o)])
 
     def __ne__(self, o):
+        if not isinstance(o, (Tensor, int, float, bool, np.generic, np.ndarray)):
+            return NotImplemented
         return self.builder.add("ne", [self, self._lift(o)])
 
     def __ge__(self, o):
