@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 
 from ..dtypes import DType
-from ..graph.builder import Tensor
+from ..graph.builder import Tensor, op_error
 
 Scalar = int | float
 
@@ -152,14 +152,26 @@ def normalize_dim(d: int, ndim: int, what: str = "dim") -> int:
 
 
 def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
-    """Same elements in a new shape; one entry may be -1 (inferred)."""
+    """Same elements in a new shape; one entry may be -1 (inferred).
+
+    Raises:
+        GraphTypeError: for more than one -1, a -1 that no size fits, or a shape of another
+            number of elements (naming ``reshape``, ``x``'s type, the shape and the caller's
+            line).
+    """
     shape = [int(s) for s in shape]
     if shape.count(-1) > 1:
-        raise ValueError(f"reshape of {x!r}: at most one -1 in {shape}")
+        raise op_error("reshape", [x], {"shape": tuple(shape)}, "only one dim can be -1")
     if -1 in shape:
         known = math.prod(s for s in shape if s != -1)
         if known == 0 or x.type.numel % known:
-            raise ValueError(f"reshape of {x!r}: cannot infer -1 in {shape}")
+            why = (
+                "the other dims hold no elements"
+                if known == 0
+                else f"{x.type.numel} elements of {list(x.shape)} are not a multiple of "
+                f"{known}, the product of the other dims"
+            )
+            raise op_error("reshape", [x], {"shape": tuple(shape)}, f"cannot infer the -1: {why}")
         shape[shape.index(-1)] = x.type.numel // known
     if tuple(shape) == x.shape:
         return x
