@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from .autodiff import differentiate
+from .autodiff import differentiate, missing_loss
 from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
 from .dtypes import DType
 from .graph.ir import Graph
@@ -82,6 +82,8 @@ def _training_graph(graph: Graph, options: CompileOptions) -> tuple[Graph, froze
     appended: what the fast mode keeps in f32)."""
     if options.loss is None or options.optimizer is None:
         raise ValueError("training needs both CompileOptions.loss and CompileOptions.optimizer")
+    if options.loss not in graph.output_dict:
+        raise missing_loss(graph, options.loss)
     params = [
         n
         for n in graph.leaves("parameter")
@@ -125,7 +127,8 @@ def compile(
     Raises:
         GraphError: when ``graph`` breaks an IR invariant (a cycle, a mis-typed node, an
             unknown op: ``graph.verify``); graphs reach ``compile`` without the builder too.
-        ValueError: for inconsistent options, or a tensor larger than one storage binding.
+        ValueError: for inconsistent options (a ``loss`` that names no output: the message
+            lists the outputs), or a tensor larger than one storage binding.
 
     Warns:
         PrecisionFallbackWarning: ``precision="fast"`` without ``limits.shader_f16``.

@@ -248,3 +248,21 @@ def test_fuse_switch_reaches_the_compiled_step(gpu_device):
         tr.step({"x": x, "y": y})
     for k, v in fused.parameters().items():
         np.testing.assert_allclose(v, plain.parameters()[k], rtol=1e-6, atol=1e-7)
+
+
+def test_step_returns_the_loss_the_trainer_was_given(gpu_device):
+    # With loss="ce", step(feeds) fetched "loss" by default and failed with InputError
+    # "no output named 'loss'; known: ['ce']".
+    from meganeura.dtypes import i32
+    from meganeura.graph.builder import GraphBuilder
+    from meganeura.ops import functional as F
+
+    b = GraphBuilder()
+    x = b.input("x", (4, 8))
+    y = b.input("y", (4,), i32)
+    b.output("ce", F.cross_entropy(F.linear(x, b.parameter("w", (3, 8))), y))
+    tr = Trainer(b.build(), SGD(lr=0.1), loss="ce", device=gpu_device)
+    tr.load_parameters({"w": np.zeros((3, 8), np.float32)})
+    out = tr.step({"x": np.ones((4, 8), np.float32), "y": np.zeros(4, np.int32)})
+    assert list(out) == ["ce"]
+    np.testing.assert_allclose(out["ce"], np.log(3), rtol=1e-6)  # uniform over 3 classes
