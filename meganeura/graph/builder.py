@@ -37,11 +37,14 @@ def _user_location() -> str:
 
 
 def _describe(v) -> str:
-    """An operand as error messages show it: a Tensor as ``%3: f32[2,3]``, a list of them
-    as ``[%0: f32[2,3], %1: f32[2,4]]``, anything else by its repr."""
+    """An operand as error messages show it: a Tensor as ``%3: f32[2,3]``, a list holding
+    one as ``[%0: f32[2,3], %1: f32[2,4]]``, an array by its shape and dtype, anything else
+    by its repr."""
     if isinstance(v, Tensor):
         return f"%{v.id}: {v.type}"
-    if isinstance(v, (list, tuple)) and v and all(isinstance(t, Tensor) for t in v):
+    if isinstance(v, np.ndarray):
+        return f"ndarray(shape={v.shape}, dtype={v.dtype})"
+    if isinstance(v, (list, tuple)) and any(isinstance(t, (Tensor, np.ndarray)) for t in v):
         return "[" + ", ".join(_describe(t) for t in v) + "]"
     return repr(v)
 

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+import meganeura.nn.functional as F
+from meganeura.dtypes import i32
 from meganeura.graph.builder import GraphBuilder, GraphTypeError
 
 FILE = "test_error_messages.py"
@@ -59,3 +61,82 @@ def test_reshape_names_the_shape_asked_for(shape, says):
         x.reshape(*shape)
     msg = _message(ei, "reshape", ["%0: f32[2,3]", f"shape={shape!r}"], line)
     assert says in msg
+
+
+# ---- cat, stack, split, chunk --------------------------------------------------------------------
+def _ab():
+    b = GraphBuilder()
+    return b, b.input("a", (2, 3)), b.input("b", (2, 4))
+
+
+def test_cat_names_itself_every_operand_the_dim_and_the_line():
+    # It was a bare ShapeError from the shape helper: "operand 1 has shape [2, 4], expected
+    # ['*', 3] (every dim but 0 equal to operand 0's)", with no op, dim or line.
+    _, a, b = _ab()
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.cat([a, b], dim=0)
+    msg = _message(ei, "cat", ["[%0: f32[2,3], %1: f32[2,4]]", "dim=0"], line)
+    assert "operand 1 has shape [2, 4] where [*, 3] is expected" in msg, msg
+    assert "every dim but dim 0 must equal operand 0's [2, 3]" in msg, msg
+    assert F.cat([a, b], dim=1).shape == (2, 7)  # the same operands, along the dim that differs
+
+
+@pytest.mark.parametrize(
+    "second, dim, says",
+    [
+        ((2, 3, 1), 0, "operand 1 has 3 dims [2, 3, 1], operand 0 has 2 [2, 3]"),
+        ("i32", 0, "operand 1 has dtype i32, operand 0 f32"),
+        ((2, 3), 2, "dim 2 out of range: expected -2 <= dim < 2"),
+    ],
+    ids=["ndim", "dtype", "dim_out_of_range"],
+)
+def test_cat_mismatches(second, dim, says):
+    b = GraphBuilder()
+    a = b.input("a", (2, 3))
+    c = b.input("c", (2, 3), i32) if second == "i32" else b.input("c", second)
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.cat((a, c), dim)
+    msg = _message(ei, "cat", [f"[%0: f32[2,3], %1: {c.type}]", f"dim={dim}"], line)
+    assert says in msg, msg
+
+
+def test_cat_of_nothing_and_of_a_non_tensor():
+    _, a, _ = _ab()
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.cat([])
+    assert "needs at least one tensor" in _message(ei, "cat", ["[]", "dim=0"], line)
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.cat([a, 1.0])
+    assert "operand 1 is not a Tensor: 1.0" in _message(ei, "cat", ["%0: f32[2,3]"], line)
+
+
+def test_stack_speaks_of_the_users_shapes_not_the_unsqueezed_ones():
+    # It was cat's message over the unsqueezed views: "operand 1 has shape [1, 3, 3],
+    # expected ['*', 2, 3]", shapes the user never wrote.
+    b = GraphBuilder()
+    a, c = b.input("a", (2, 3)), b.input("c", (3, 3))
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.stack([a, c], dim=1)
+    msg = _message(ei, "stack", ["[%0: f32[2,3], %1: f32[3,3]]", "dim=1"], line)
+    assert "operand 1 is f32[3,3], operand 0 f32[2,3]" in msg, msg
+    assert "[1, 3, 3]" not in msg, msg
+    with pytest.raises(GraphTypeError, match=r"dim=3\) at .*expected -3 <= dim < 3"):
+        F.stack([a, a], dim=3)
+
+
+def test_split_and_chunk_name_the_call_and_the_line():
+    _, a, _ = _ab()
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.split(a, [1, 1], dim=1)
+    msg = _message(ei, "split", ["%0: f32[2,3]", "split_size_or_sections=[1, 1]"], line)
+    assert "sections [1, 1] must be positive and sum to 3, the size of dim 1" in msg, msg
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.chunk(a, 0)
+    assert "chunks must be positive" in _message(ei, "chunk", ["%0: f32[2,3]", "chunks=0"], line)
