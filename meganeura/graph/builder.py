@@ -58,15 +58,23 @@ def format_call(op: str, operands: Sequence = (), attrs: dict | None = None) -> 
 
 
 def op_error(
-    op: str, operands: Sequence = (), attrs: dict | None = None, message: str = ""
-) -> GraphTypeError:
+    op: str,
+    operands: Sequence = (),
+    attrs: dict | None = None,
+    message: str = "",
+    error: type[Exception] = GraphTypeError,
+) -> Exception:
     """The error for arguments a user-facing function rejects before any node is added,
     worded as the builder words a type rule's failure: the function's name, the operands as
     the user passed them (Tensors with their types), its arguments, the user's line, then
     ``message``. A composite (``conv1d`` over ``conv2d``, ``embedding`` over
     ``index_select``) checks its arguments with this, so its errors speak of what the user
-    wrote, not of the ops it lowers to."""
-    return GraphTypeError(f"{format_call(op, operands, attrs)}: {message}")
+    wrote, not of the ops it lowers to.
+
+    ``error`` is the class: GraphTypeError for shapes and dtypes, ValueError where a
+    function documents one for a bad argument value (``padding="same"`` with a stride).
+    """
+    return error(f"{format_call(op, operands, attrs)}: {message}")
 
 
 class GraphBuilder:

@@ -140,3 +140,95 @@ def test_split_and_chunk_name_the_call_and_the_line():
         line = _line() + 1
         F.chunk(a, 0)
     assert "chunks must be positive" in _message(ei, "chunk", ["%0: f32[2,3]", "chunks=0"], line)
+
+
+# ---- conv1d / conv2d ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "x_shape, w_shape, kw, says",
+    [
+        ((2, 4, 16), (8, 5, 3), {}, "weight [8, 5, 3] expects 5 input channels, the input has 4"),
+        ((4, 16), (8, 5, 3), {}, "weight [8, 5, 3] expects 5 input channels, the input has 4"),
+        (
+            (2, 4, 16),
+            (8, 4, 3),
+            {"groups": 2},
+            "weight [8, 4, 3] expects 4 * groups=2 = 8 input channels, the input has 4",
+        ),
+        ((2, 4, 16), (7, 2, 3), {"groups": 2}, "groups=2 does not divide the weight's 7 output"),
+        (
+            (2, 4, 16),
+            (8, 4, 20),
+            {},
+            "input length 16 padded by 0 on each side is smaller than the dilated kernel 20",
+        ),
+        (
+            (2, 4, 16),
+            (8, 4, 4),
+            {"dilation": 6},
+            "input length 16 padded by 0 on each side is smaller than the dilated kernel 19",
+        ),
+        ((2, 4, 16), (8, 4, 3), {"stride": 0}, "stride must be >= 1, got 0"),
+        ((2, 4, 16), (8, 4, 3, 3), {}, "weight must be 3-d [out_channels, in_channels/groups, ke"),
+        ((2, 4, 16, 1), (8, 4, 3), {}, "input must be [N, C, L] or unbatched [C, L], got f32[2,4"),
+    ],
+    ids=[
+        "channels",
+        "channels_unbatched",
+        "channels_groups",
+        "groups_out_channels",
+        "input_too_short",
+        "dilated_kernel_too_long",
+        "stride0",
+        "weight_4d",
+        "input_4d",
+    ],
+)
+def test_conv1d_speaks_of_its_own_3d_shapes(x_shape, w_shape, kw, says):
+    # They were conv2d's: "conv2d(%16: f32[2,4,1,16], %15: f32[8,5,1,3], stride=(1, 1), ...):
+    # expected weight [OC, 4, KH, KW] ...", shapes the user never wrote.
+    b = GraphBuilder()
+    x, w = b.input("x", x_shape), b.input("w", w_shape)
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.conv1d(x, w, **kw)
+    msg = _message(ei, "conv1d", [f"%0: {x.type}", f"%1: {w.type}"], line)
+    assert says in msg, msg
+    for internal in ("conv2d", "KH", ",1,", "(1, "):
+        assert internal not in msg, msg
+
+
+def test_conv1d_bias_and_padding_errors():
+    b = GraphBuilder()
+    x, w = b.input("x", (2, 4, 16)), b.input("w", (8, 4, 4))
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.conv1d(x, w, b.input("bias", (7,)))
+    msg = _message(ei, "conv1d", ["%0: f32[2,4,16]", "%1: f32[8,4,4]", "%2: f32[7]"], line)
+    assert "bias must be f32[8], one per output channel, got f32[7]" in msg, msg
+    with pytest.raises(ValueError) as ei:  # a padding spec is a bad value: ValueError, as before
+        line = _line() + 1
+        F.conv1d(x, w, padding="same")
+    msg = _message(ei, "conv1d", ["%1: f32[8,4,4]", "padding='same'"], line)
+    assert "kernel_size 4 and dilation 1 needs asymmetric padding" in msg, msg
+    with pytest.raises(ValueError, match=r"conv1d\(.*stride=\(1, 2\).*an int or a 1-tuple"):
+        F.conv1d(x, w, stride=(1, 2))
+
+
+def test_conv1d_still_builds_what_it_built():
+    b = GraphBuilder()
+    x, w = b.input("x", (2, 4, 16)), b.input("w", (8, 2, 3))
+    assert F.conv1d(x, w, stride=2, padding=1, groups=2).shape == (2, 8, 8)
+    assert F.conv1d(b.input("u", (4, 16)), w, groups=2, padding="same").shape == (8, 16)
+
+
+def test_conv2d_names_the_unbatched_input_as_given():
+    # An unbatched [C, H, W] input was reported as the [1, C, H, W] view made for it.
+    b = GraphBuilder()
+    x, w = b.input("x", (4, 8, 8)), b.input("w", (8, 5, 3, 3))
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.conv2d(x, w, padding=1)
+    msg = _message(ei, "conv2d", ["%0: f32[4,8,8]", "%1: f32[8,5,3,3]", "padding=1"], line)
+    assert "weight [8, 5, 3, 3] expects 5 input channels, the input has 4" in msg, msg
+    with pytest.raises(GraphTypeError, match=r"input size \[8, 8\] padded by \[0, 0\] on each"):
+        F.conv2d(x, b.input("w9", (8, 4, 9, 9)))
