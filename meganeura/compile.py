@@ -269,8 +269,8 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
 
     checks: dict[tuple, LabelCheck] = {}  # one per (input, bound, ignore_index)
     for node in graph.nodes:
-        # Class indices and gather/index_select indices fed by the host are range-checked
-        # before a step runs: out of range, the kernels would read zeros silently.
+        # Class indices, token ids and gather/index_select indices fed by the host are
+        # range-checked before a step runs: out of range, the kernels would read zeros.
         target = bound = ignore = None
         if node.op == "cross_entropy" and graph.nodes[node.inputs[1]].type.dtype.is_integer:
             target = graph.nodes[sched.root[node.inputs[1]]]
@@ -280,7 +280,10 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
             target = graph.nodes[sched.root[node.inputs[1]]]
             bound = graph.nodes[node.inputs[0]].type.shape[node.attr("dim")]
         if target is not None and target.op == "input":
-            check = LabelCheck(target.name, bound, ignore, f"{node.op} %{node.id}")
+            op = node.origin or node.op  # embedding, not the index_select it lowers to
+            at = f" at {node.loc}" if node.loc else ""
+            what = INDEX_MEANING.get(op, "index")
+            check = LabelCheck(target.name, bound, ignore, f"{op} %{node.id}{at}", what)
             checks.setdefault((target.name, bound, ignore), check)
 
     return Program(
@@ -294,6 +297,10 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
         memory=MemoryReport(plan.planned_bytes, plan.naive_bytes, pinned_bytes),
     )
 
+
+# What an index input's values are to the op reading them, for range-check errors
+# (LabelCheck.what); any other reader (gather, index_select) reads an "index".
+INDEX_MEANING = {"cross_entropy": "class index", "embedding": "token id"}
 
 # Buffer role of each optimizer-group arena (``schedule.update_groups``); states are "state".
 ARENA_BUFFER_ROLES = {"param": "parameter", "grad": "gradient"}

@@ -1,17 +1,25 @@
-"""What ``compile`` and the Trainer say about a loss the graph does not have (issue 10, item
-6): "no output named 'loss'" and the outputs it does have, raised before any device is
-touched (no GPU)."""
+"""What ``compile`` and the Trainer say about what the user wrote (issue 10, item 6): a loss
+the graph does not have is "no output named 'loss'" with the outputs it does have, raised
+before any device is touched; the host-side range check of an index input is worded by the
+op the user called to read it (no GPU)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
+import meganeura.nn.functional as F
 from meganeura.compile import CompileOptions, build_training_graph, compile
 from meganeura.dtypes import i32
 from meganeura.graph.builder import GraphBuilder
-from meganeura.ops import functional as F
 from meganeura.optim import SGD
 from meganeura.training import Trainer
+
+
+def _line() -> int:
+    """The caller's line number."""
+    return sys._getframe(1).f_lineno
 
 
 def _graph_without_a_loss_output():
@@ -70,3 +78,31 @@ def test_a_non_scalar_loss_output_is_named_with_a_hint():
     msg = str(ei.value)
     assert "loss must be a floating scalar, got 'logits' (%" in msg, msg
     assert "f32[4,3]" in msg and ".sum() or .mean()" in msg, msg
+
+
+# ---- index range checks are worded by the op reading the index ----------------------------------
+def test_each_index_check_is_worded_by_its_reader():
+    # An embedding lowers to index_select: its check said "class index" and "index_select".
+    b = GraphBuilder()
+    ids = b.input("ids", (2, 3), i32)
+    y = b.input("y", (6,), i32)
+    sel = b.input("sel", (2,), i32)
+    g = b.input("g", (6, 1), i32)
+    emb_line = _line() + 1
+    h = F.reshape(F.embedding(ids, b.parameter("emb", (5, 4))), (6, 4))
+    logits = F.linear(h, b.parameter("w", (10, 4)))
+    loss = F.cross_entropy(logits, y) + F.sum(F.index_select(logits, 0, sel))
+    b.output("loss", loss + F.sum(F.gather(logits, 1, g)))
+    program = compile(b.build(), CompileOptions(loss="loss", optimizer=SGD()))
+    checks = {lc.name: lc for lc in program.label_checks}
+    assert {k: (v.what, v.num_classes) for k, v in checks.items()} == {
+        "ids": ("token id", 5),
+        "y": ("class index", 10),
+        "sel": ("index", 6),
+        "g": ("index", 10),
+    }
+    assert checks["ids"].consumer.startswith("embedding %")
+    assert checks["ids"].consumer.endswith(f" at test_compile.py:{emb_line}")
+    assert checks["y"].consumer.startswith("cross_entropy %")
+    assert checks["sel"].consumer.startswith("index_select %")
+    assert checks["g"].consumer.startswith("gather %")

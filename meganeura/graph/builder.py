@@ -160,9 +160,18 @@ class GraphBuilder:
 
     # ---- ops ----------------------------------------------------------------------------
     def add(
-        self, op: str, inputs: Sequence[Tensor], attrs: dict[str, AttrValue] | None = None
+        self,
+        op: str,
+        inputs: Sequence[Tensor],
+        attrs: dict[str, AttrValue] | None = None,
+        *,
+        origin: str = "",
     ) -> Tensor:
         """Append ``op(inputs, **attrs)`` after checking its type rule.
+
+        ``origin`` names the user-facing function adding the node when it is not ``op``
+        (``Node.origin``: ``embedding`` for its ``index_select``), so that later errors
+        about the node (a token id out of range) speak of what the user called.
 
         Raises:
             GraphTypeError: when the type rule rejects the operands.
@@ -195,6 +204,7 @@ class GraphBuilder:
             out,
             None,
             _user_location(),
+            origin,
         )
         self.nodes.append(node)
         return Tensor(self, node.id)

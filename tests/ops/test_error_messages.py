@@ -232,3 +232,45 @@ def test_conv2d_names_the_unbatched_input_as_given():
     assert "weight [8, 5, 3, 3] expects 5 input channels, the input has 4" in msg, msg
     with pytest.raises(GraphTypeError, match=r"input size \[8, 8\] padded by \[0, 0\] on each"):
         F.conv2d(x, b.input("w9", (8, 4, 9, 9)))
+
+
+# ---- embedding, gather -------------------------------------------------------------------------
+def test_embedding_with_float_ids_names_embedding_and_the_ids_as_given():
+    # It was index_select's: "index_select(%9: f32[10,6], %40: f32[10], dim=0) ...: index must
+    # be an integer tensor", about a flattened copy of the ids the user never made.
+    b = GraphBuilder()
+    ids, w = b.input("ids", (2, 5)), b.parameter("emb", (10, 6))
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.embedding(ids, w)
+    msg = _message(ei, "embedding", ["%0: f32[2,5]", "%1: f32[10,6]"], line)
+    assert "input must hold integer token ids (i32 or u32), got f32[2,5]" in msg, msg
+    assert "index_select" not in msg and "f32[10]" not in msg, msg
+
+
+def test_embedding_weight_must_be_a_table():
+    b = GraphBuilder()
+    ids = b.input("ids", (2, 5), i32)
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.embedding(ids, b.parameter("emb", (10,)))
+    msg = _message(ei, "embedding", ["%0: i32[2,5]", "%1: f32[10]"], line)
+    assert "weight must be 2-D [num_embeddings, embedding_dim], got f32[10]" in msg, msg
+
+
+def test_embedding_marks_its_node_so_later_errors_can_name_it():
+    b = GraphBuilder()
+    out = F.embedding(b.input("ids", (2, 5), i32), b.parameter("emb", (10, 6)))
+    node = b.nodes[out.node.inputs[0]]  # out is a free reshape of the lookup
+    assert (node.op, node.origin) == ("index_select", "embedding")
+    assert out.shape == (2, 5, 6)
+
+
+def test_gather_dim_out_of_range_names_the_call():
+    b = GraphBuilder()
+    x, idx = b.input("x", (2, 3)), b.input("i", (2, 3), i32)
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.gather(x, 2, idx)
+    msg = _message(ei, "gather", ["%0: f32[2,3]", "dim=2"], line)
+    assert "dim 2 out of range: expected -2 <= dim < 2" in msg, msg
