@@ -274,3 +274,94 @@ def test_gather_dim_out_of_range_names_the_call():
         F.gather(x, 2, idx)
     msg = _message(ei, "gather", ["%0: f32[2,3]", "dim=2"], line)
     assert "dim 2 out of range: expected -2 <= dim < 2" in msg, msg
+
+
+# ---- the ops a PyTorch user reaches first: linear, matmul, layer_norm and the norm family -------
+def test_linear_with_the_wrong_in_features_names_linear_and_the_weight_as_given():
+    # It was matmul's, over the transposed weight: "matmul(%0: f32[2,6], %2: f32[7,5]) ...:
+    # inner dimensions differ: 6 vs 7".
+    b = GraphBuilder()
+    x, w = b.input("x", (2, 6)), b.parameter("fc.weight", (5, 7))
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.linear(x, w)
+    msg = _message(ei, "linear", ["%0: f32[2,6]", "%1: f32[5,7]"], line)
+    assert "input has 6 features (its last dim)" in msg, msg
+    assert "weight [5, 7] is [out_features, in_features] with in_features=7" in msg, msg
+    assert "[7,5]" not in msg, msg
+
+
+@pytest.mark.parametrize(
+    "bias_shape, w_shape, says",
+    [
+        ((4,), (5, 6), "bias must be f32[5] (out_features), got f32[4]"),
+        (None, (5, 6, 1), "weight must be 2-D [out_features, in_features], got f32[5,6,1]"),
+    ],
+    ids=["bias", "weight_3d"],
+)
+def test_linear_bias_and_weight_layout(bias_shape, w_shape, says):
+    b = GraphBuilder()
+    x, w = b.input("x", (2, 6)), b.parameter("w", w_shape)
+    bias = None if bias_shape is None else b.parameter("b", bias_shape)
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.linear(x, w, bias)
+    assert says in _message(ei, "linear", ["%0: f32[2,6]", f"%1: {w.type}"], line)
+
+
+def test_matmul_mismatch_already_names_matmul_both_operands_and_the_line():
+    b = GraphBuilder()
+    a, c = b.input("a", (2, 3)), b.input("c", (2, 3))
+    with pytest.raises(GraphTypeError) as ei:
+        line = _line() + 1
+        F.matmul(a, c)
+    msg = _message(ei, "matmul", ["%0: f32[2,3]", "%1: f32[2,3]"], line)
+    assert "inner dimensions differ: 3 vs 2" in msg, msg
+
+
+def test_layer_norm_normalized_shape_mismatch_names_the_call():
+    # It was "normalized_shape [4] must be the trailing dims of the input Tensor(%0:
+    # f32[2,3])": no op, no line.
+    b = GraphBuilder()
+    x = b.input("x", (2, 3))
+    with pytest.raises(ValueError) as ei:
+        line = _line() + 1
+        F.layer_norm(x, (4,))
+    msg = _message(ei, "layer_norm", ["%0: f32[2,3]", "normalized_shape=(4,)"], line)
+    assert "normalized_shape [4] must be the input's trailing dims, which are [3]" in msg, msg
+    with pytest.raises(ValueError) as ei:
+        line = _line() + 1
+        F.layer_norm(x, 3, weight=b.parameter("ln.weight", (4,)))
+    msg = _message(ei, "layer_norm", ["normalized_shape=3", "weight=%1: f32[4]"], line)
+    assert "weight must have shape [3] (normalized_shape), got f32[4]" in msg, msg
+    with pytest.raises(ValueError, match=r"^layer_norm\(.*\[2, 3, 4\] has more dims than the"):
+        F.layer_norm(x, (2, 3, 4))
+
+
+@pytest.mark.parametrize(
+    "call, op, says",
+    [
+        (lambda b, x: F.rms_norm(x, 8), "rms_norm", "must be the input's trailing dims, which"),
+        (lambda b, x: F.group_norm(x, 3), "group_norm", "num_groups 3 does not divide the inp"),
+        (
+            lambda b, x: F.batch_norm(x, None, None, b.parameter("bn.weight", (3,)), training=True),
+            "batch_norm",
+            "weight must have shape [4] (one per channel), got f32[3]",
+        ),
+        (
+            lambda b, x: F.batch_norm(x, None, None),
+            "batch_norm",
+            "eval mode (training=False) needs running_mean and running_var",
+        ),
+    ],
+    ids=["rms_norm", "group_norm", "batch_norm_weight", "batch_norm_eval"],
+)
+def test_the_other_norms_name_their_call(call, op, says):
+    b = GraphBuilder()
+    x = b.input("x", (2, 4, 5))
+    with pytest.raises(ValueError) as ei:
+        call(b, x)
+    msg = str(ei.value)
+    # the user's line is the lambda's, in the parameter list above
+    assert msg.startswith(f"{op}(%0: f32[2,4,5]") and f") at {FILE}:" in msg, msg
+    assert says in msg, msg
