@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from .autodiff import differentiate
+from .autodiff import differentiate, missing_loss
 from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
 from .dtypes import DType
 from .graph.ir import Graph
@@ -86,6 +86,8 @@ def _training_graph(graph: Graph, options: CompileOptions) -> tuple[Graph, froze
     appended: what the fast mode keeps in f32)."""
     if options.loss is None or options.optimizer is None:
         raise ValueError("training needs both CompileOptions.loss and CompileOptions.optimizer")
+    if options.loss not in graph.output_dict:
+        raise missing_loss(graph, options.loss)
     params = [
         n
         for n in graph.leaves("parameter")
@@ -129,7 +131,8 @@ def compile(
     Raises:
         GraphError: when ``graph`` breaks an IR invariant (a cycle, a mis-typed node, an
             unknown op: ``graph.verify``); graphs reach ``compile`` without the builder too.
-        ValueError: for inconsistent options, or a tensor larger than one storage binding.
+        ValueError: for inconsistent options (a ``loss`` that names no output: the message
+            lists the outputs), or a tensor larger than one storage binding.
 
     Warns:
         PrecisionFallbackWarning: ``precision="fast"`` without ``limits.shader_f16``.
@@ -272,8 +275,8 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
 
     checks: dict[tuple, LabelCheck] = {}  # one per (input, bound, ignore_index)
     for node in graph.nodes:
-        # Class indices and gather/index_select indices fed by the host are range-checked
-        # before a step runs: out of range, the kernels would read zeros silently.
+        # Class indices, token ids and gather/index_select indices fed by the host are
+        # range-checked before a step runs: out of range, the kernels would read zeros.
         target = bound = ignore = None
         if node.op == "cross_entropy" and graph.nodes[node.inputs[1]].type.dtype.is_integer:
             target = graph.nodes[sched.root[node.inputs[1]]]
@@ -283,7 +286,10 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
             target = graph.nodes[sched.root[node.inputs[1]]]
             bound = graph.nodes[node.inputs[0]].type.shape[node.attr("dim")]
         if target is not None and target.op == "input":
-            check = LabelCheck(target.name, bound, ignore, f"{node.op} %{node.id}")
+            op = node.origin or node.op  # embedding, not the index_select it lowers to
+            at = f" at {node.loc}" if node.loc else ""
+            what = INDEX_MEANING.get(op, "index")
+            check = LabelCheck(target.name, bound, ignore, f"{op} %{node.id}{at}", what)
             checks.setdefault((target.name, bound, ignore), check)
 
     return Program(
@@ -297,6 +303,10 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
         memory=MemoryReport(plan.planned_bytes, plan.naive_bytes, pinned_bytes),
     )
 
+
+# What an index input's values are to the op reading them, for range-check errors
+# (LabelCheck.what); any other reader (gather, index_select) reads an "index".
+INDEX_MEANING = {"cross_entropy": "class index", "embedding": "token id"}
 
 # Buffer role of each optimizer-group arena (``schedule.update_groups``); states are "state".
 ARENA_BUFFER_ROLES = {"param": "parameter", "grad": "gradient"}

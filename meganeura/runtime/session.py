@@ -213,8 +213,9 @@ class Session:
             ``{name: array}`` for each fetched output, in the slot's shape and dtype.
 
         Raises:
-            InputError: an unknown, missing or mistyped feed, an out-of-range class index, or an
-                unknown fetch name; raised before anything is uploaded.
+            InputError: an unknown, missing or mistyped feed, an out-of-range index (class
+                index, token id, gather index), or an unknown fetch name; raised before
+                anything is uploaded.
             KernelError: the recorded step fails validation (names the kernel when it can).
         """
         self._live()
