@@ -32,6 +32,15 @@ LOOSER = {
     # is stored as 0.999 in f16, so the one-element gradient s(1 - s) is off by 8.3%.
     ("sigmoid", "scalar"): (RTOL, 0.15),
 }
+# Samples whose intermediates lie outside f16 by construction, with the reason.
+OUTSIDE_F16 = {
+    ("normalize", "zero_row"): "the divisor is eps = 1e-12, 0 in f16 (torch's float16 "
+    "normalize gives NaN there too)",
+    ("normalize", "norm_below_eps"): "a norm below eps = 1e-12: the row rounds to 0 in f16",
+    ("cosine_similarity", "zero_row"): "the divisor is eps = 1e-8, 0 in f16 (torch's float16 "
+    "cosine_similarity gives NaN there too)",
+    ("cosine_similarity", "norm_below_eps"): "a row of ~1e-9, below f16's smallest subnormal",
+}
 
 
 def _cases() -> list:
@@ -41,6 +50,8 @@ def _cases() -> list:
             marks = []
             if _xfail_reason(info, s, "mid_graph" if info.mid_graph else "forward"):
                 marks = [pytest.mark.skip(reason="an expected failure in strict mode")]
+            elif (info.name, s.name) in OUTSIDE_F16:
+                marks = [pytest.mark.skip(reason=OUTSIDE_F16[info.name, s.name])]
             out.append(pytest.param(info.name, s.name, id=f"{info.name}-{s.name}", marks=marks))
     return out
 

@@ -3,13 +3,20 @@
 Every ``add`` runs the op's type rule before the node exists, so errors surface at the line
 of user code that wrote the bad op, with the op, its operands' types and that line quoted.
 Tensors are handles (builder, node id); arithmetic on them appends nodes.
+
+Ops with no tensor operand (``arange``) need to know which graph to extend: they take a
+``builder=`` argument, or else use ``current_builder()``, the builder a tracing layer has
+made current with ``use_builder`` (a context variable, so threads and asyncio tasks each
+see their own).
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +25,29 @@ from ..dtypes import DType, f32
 from .ir import AttrValue, Graph, Node, TensorType, make_attrs
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+_CURRENT: contextvars.ContextVar[GraphBuilder | None] = contextvars.ContextVar(
+    "meganeura_current_builder", default=None
+)
+
+
+def current_builder() -> GraphBuilder | None:
+    """The builder made current by ``use_builder`` in this context, or None."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def use_builder(builder: GraphBuilder) -> Iterator[GraphBuilder]:
+    """Make ``builder`` current (``current_builder()``) inside the ``with`` block; the
+    previous one is restored on exit, so blocks nest."""
+    if not isinstance(builder, GraphBuilder):
+        raise TypeError(f"use_builder expects a GraphBuilder, got {type(builder).__name__}")
+    token = _CURRENT.set(builder)
+    try:
+        yield builder
+    finally:
+        _CURRENT.reset(token)
 
 
 class GraphTypeError(TypeError):

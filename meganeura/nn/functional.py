@@ -10,6 +10,9 @@ from __future__ import annotations
 from ..ops.activation import gelu, leaky_relu, silu, softplus
 from ..ops.attention import apply_rotary_emb, scaled_dot_product_attention
 from ..ops.conv import conv1d, conv2d
+from ..ops.conv_transpose import conv_transpose2d
+from ..ops.creation import arange
+from ..ops.distance import cosine_similarity, normalize
 from ..ops.dropout import dropout
 from ..ops.elementwise import (
     abs,  # noqa: A004
@@ -17,6 +20,7 @@ from ..ops.elementwise import (
     cos,
     erf,
     expm1,
+    isneginf,
     log1p,
     logical_and,
     logical_not,
@@ -83,7 +87,7 @@ from ..ops.loss import binary_cross_entropy_with_logits, cross_entropy, l1_loss
 from ..ops.norm import batch_norm, group_norm, layer_norm, rms_norm
 from ..ops.pool import adaptive_avg_pool2d, avg_pool2d, max_pool2d
 from ..ops.reduce import amin, argmax, argmin, cumsum, logsumexp, max, min, std, var  # noqa: A004
-from ..ops.resample import interpolate, upsample_nearest2d
+from ..ops.resample import interpolate, upsample_bilinear2d, upsample_nearest2d
 
 __all__ = [
     "abs",
@@ -92,6 +96,7 @@ __all__ = [
     "amax",
     "amin",
     "apply_rotary_emb",
+    "arange",
     "argmax",
     "argmin",
     "avg_pool2d",
@@ -104,6 +109,8 @@ __all__ = [
     "clamp",
     "conv1d",
     "conv2d",
+    "conv_transpose2d",
+    "cosine_similarity",
     "cos",
     "cross_entropy",
     "cumsum",
@@ -123,6 +130,7 @@ __all__ = [
     "index",
     "index_select",
     "interpolate",
+    "isneginf",
     "l1_loss",
     "layer_norm",
     "leaky_relu",
@@ -149,6 +157,7 @@ __all__ = [
     "narrow",
     "ne",
     "neg",
+    "normalize",
     "pad",
     "permute",
     "pow",
@@ -178,6 +187,7 @@ __all__ = [
     "tanh",
     "transpose",
     "unsqueeze",
+    "upsample_bilinear2d",
     "upsample_nearest2d",
     "var",
     "where",

@@ -2,11 +2,25 @@
 from the family modules. The user-facing functions live in ``meganeura.ops.functional``."""
 
 from ..graph.ir import LEAF_OPS
-from . import attention, conv, elementwise, indexing, linalg, loss, nn, norm, reduce, shape, update
+from . import (
+    attention,
+    conv,
+    creation,
+    elementwise,
+    indexing,
+    linalg,
+    loss,
+    nn,
+    norm,
+    reduce,
+    shape,
+    update,
+)
 from .registry import OpDef, ShapeError, collect
 
 OPS: dict[str, OpDef] = collect(
     elementwise.DEFS,
+    creation.DEFS,
     reduce.DEFS,
     shape.DEFS,
     indexing.DEFS,

@@ -27,6 +27,10 @@ recompute the probabilities ``p = exp(s - lse)`` tile by tile, as FlashAttention
     is an input or a constant); a mask that is a trainable parameter is treated as a
     constant.
 
+With ``dropout_p > 0`` the user function does not use these ops: it builds PyTorch's math
+reference from matmul, softmax (a masked softmax where masks or causality apply, giving the
+same zeros for fully masked rows) and ``dropout``, and autodiff differentiates that.
+
 ``apply_rotary_emb(x [..., L, D])`` rotates the halves of the last dim (HF ``rotate_half``):
 ``out = x cos + rotate_half(x) sin`` with angle ``pos * theta^(-2i/D)``, pos = offset + l.
 Its gradient is the transposed rotation: the same op with ``inverse`` (sin negated).
@@ -278,6 +282,54 @@ DEFS = [
 ]
 
 
+# ---- attention with dropout, from existing ops --------------------------------------------------
+LOWEST_F32 = -3.4028234663852886e38  # below every finite score: the max of a fully masked row
+
+
+def _masked_softmax(s: Tensor, masked: Tensor) -> Tensor:
+    """Softmax over the last dim of ``s`` where ``masked`` entries count as -inf, with no inf
+    arithmetic (compilers may assume floats are finite): a fully masked row gives zeros. The
+    row max is a constant to autodiff (the softmax does not depend on it)."""
+    from . import functional as F
+
+    m = F.stop_gradient(F.amax(F.where(masked, LOWEST_F32, s), -1, keepdim=True))
+    e = F.where(masked, 0.0, F.exp(F.where(masked, 0.0, s - m)))
+    total = F.sum(e, -1, keepdim=True)
+    return e / F.where(F.greater(total, 0.0), total, 1.0)
+
+
+def _attention_with_dropout(q, k, v, mask, dropout_p, is_causal, scale, seed) -> Tensor:
+    """PyTorch's math reference of SDPA with our masking rules: scores ``q k^T * scale``
+    (kv heads shared by ``Hq / Hkv`` query heads through a broadcast batch dim), the finite
+    entries of ``mask`` added (it gets no gradient), -inf entries and the causal rule masked,
+    softmax, dropout of the probabilities with ``seed`` (``ops.dropout``: the mask is a hash
+    of the element index of the [B, Hq, Lq, Lk] probabilities), then ``@ v``."""
+    from . import functional as F
+    from .creation import arange
+    from .dropout import dropout
+    from .elementwise import isneginf, logical_or
+
+    b, hq, lq, d = q.shape
+    _, hkv, lk, dv = v.shape
+    group = hq // hkv
+    q5 = F.reshape(q, (b, hkv, group, lq, d))
+    k5, v5 = (F.reshape(t, (b, hkv, 1) + t.shape[2:]) for t in (k, v))
+    s = F.reshape(F.matmul(q5, F.transpose(k5, -2, -1)), (b, hq, lq, lk)) * scale
+    masked = None
+    if mask is not None:
+        mask = F.stop_gradient(mask)
+        masked = isneginf(mask)
+        s = s + F.where(masked, 0.0, mask)
+    if is_causal:  # key j > query i is masked (top-left aligned, as PyTorch)
+        col = F.reshape(arange(lk, builder=q.builder), (1, lk))
+        causal = F.greater(col, F.reshape(arange(lq, builder=q.builder), (lq, 1)))
+        masked = causal if masked is None else logical_or(masked, causal)
+    p = F.softmax(s, -1) if masked is None else _masked_softmax(s, masked)
+    p = dropout(p, dropout_p, True, seed=seed)
+    out = F.matmul(F.reshape(p, (b, hkv, group, lq, lk)), v5)
+    return F.reshape(out, (b, hq, lq, dv))
+
+
 # ---- user functions ---------------------------------------------------------------------------
 def scaled_dot_product_attention(
     query: Tensor,
@@ -288,11 +340,21 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    seed: Tensor | None = None,
 ) -> Tensor:
-    """Attention ``softmax(query key^T * scale + attn_mask) value`` as one fused kernel.
+    """Attention ``softmax(query key^T * scale + attn_mask) value`` as one fused kernel; with
+    ``dropout_p > 0``, dropout on the attention probabilities before ``@ value``.
 
     Follows torch.nn.functional.scaled_dot_product_attention (PyTorch 2.5+ docs), except that a
     query row whose scores are all -inf gives zeros (and zero gradients), not NaN.
+
+    With ``dropout_p > 0`` attention is computed from existing ops as PyTorch's math
+    reference does (matmul, scale, mask, softmax, ``dropout`` seeded by ``seed``, matmul), so
+    its gradients come from autodiff; that path stores the [B, Hq, Lq, Lk] scores and
+    probabilities (memory quadratic in the length) and runs about ten kernels forward where
+    the fused kernel runs one. The dropout mask is ``ops.dropout.keep_mask(seed, (B, Hq, Lq,
+    Lk), dropout_p)``. As in PyTorch there is no training flag: pass ``dropout_p=0`` in eval.
 
     Args:
         query: f32 [B, Hq, Lq, D] (or [Hq, Lq, D]).
@@ -301,24 +363,37 @@ def scaled_dot_product_attention(
         attn_mask: optional additive f32 mask broadcastable to [B, Hq, Lq, Lk]; -inf entries
             are masked out. It receives no gradient. Boolean masks: pass
             ``where(m, 0.0, -inf)`` computed on the host.
-        dropout_p: must be 0 (dropout is not supported).
+        dropout_p: probability of zeroing each attention probability, in [0, 1]; kept ones
+            are scaled by ``1 / (1 - dropout_p)`` (1 gives zeros).
         is_causal: mask out keys j > i for query i (top-left aligned, as PyTorch). May be
             combined with ``attn_mask`` (PyTorch rejects the combination).
         scale: score scale; default ``1 / sqrt(D)``.
         enable_gqa: allow Hq to be a multiple of Hkv (grouped-query attention); head h reads
             kv head ``h // (Hq // Hkv)``.
+        seed: u32[] tensor (usually a graph input fed a new value each step); required when
+            ``0 < dropout_p < 1``.
 
     Returns:
         f32 [B, Hq, Lq, Dv] (or [Hq, Lq, Dv] for 3-d inputs).
 
     Raises:
-        ValueError: for dropout_p != 0, or Hq != Hkv without enable_gqa.
+        ValueError: for dropout_p outside [0, 1], a missing or non-u32[] seed with
+            0 < dropout_p < 1, or Hq != Hkv without enable_gqa.
         GraphTypeError: for shapes or dtypes other than the above.
     """
+    from ..graph.builder import GraphTypeError
     from . import functional as F
 
-    if dropout_p != 0.0:
-        raise ValueError(f"scaled_dot_product_attention: dropout_p must be 0, got {dropout_p}")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{SDPA}: dropout_p must be in [0, 1], got {dropout_p}")
+    if 0.0 < dropout_p < 1.0 and (
+        not isinstance(seed, Tensor) or seed.type != TensorType((), DType.u32)
+    ):
+        raise ValueError(
+            f"{SDPA}: dropout_p={dropout_p} needs seed=, a u32[] tensor (a graph input fed a "
+            f"new value each step), got {seed!r}"
+        )
     squeeze = query.ndim == 3
     if squeeze:
         query, key, value = (F.reshape(t, (1, *t.shape)) for t in (query, key, value))
@@ -330,7 +405,18 @@ def scaled_dot_product_attention(
     d = query.shape[-1]
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d) if d else 1.0
     operands = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
-    out = query.builder.add(SDPA, operands, {"is_causal": bool(is_causal), "scale": scale})
+    if dropout_p > 0.0:
+        try:
+            mask_type = None if attn_mask is None else attn_mask.type
+            attention_dims(*(t.type for t in operands[:3]), mask_type)
+        except ShapeError as e:
+            ops = ", ".join(repr(t) for t in operands)
+            raise GraphTypeError(f"{SDPA}({ops}, dropout_p={dropout_p}): {e}") from None
+        out = _attention_with_dropout(
+            query, key, value, attn_mask, dropout_p, bool(is_causal), scale, seed
+        )
+    else:
+        out = query.builder.add(SDPA, operands, {"is_causal": bool(is_causal), "scale": scale})
     return F.reshape(out, out.shape[1:]) if squeeze else out
 
 

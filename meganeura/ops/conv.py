@@ -2,14 +2,16 @@
 
 ``conv2d(x [N, C, H, W], w [OC, C/groups, KH, KW][, bias [OC]])`` with symmetric zero padding,
 stride, dilation and groups; ``OH = (H + 2 ph - dh (KH - 1) - 1) // sh + 1`` (torch.nn.Conv2d
-docs). Its exact gradients are two dedicated ops with their own kernels, never differentiated
-again: ``conv2d_backward_input(g, w)`` (the transposed convolution; attr ``input_size`` because
-strided convolutions lose H and W) and ``conv2d_backward_weight(x, g)`` (attr ``kernel_size``);
-the bias gradient is ``sum(g, (0, 2, 3))``. ``conv1d`` is ``conv2d`` over ``H = 1`` through
-free reshape views; both check their arguments as given (``conv_type``, over one or two
-spatial dims) before any node exists, so a bad ``conv1d`` call reports its 3-D shapes, never
-the 4-D ``conv2d`` it lowers to. Attributes stored in nodes are canonical: 2-tuples of ints
-and an int.
+docs). Its exact gradients are two dedicated ops with their own kernels:
+``conv2d_backward_input(g, w)`` (the transposed convolution; attr ``input_size`` because
+strided convolutions lose H and W) and ``conv2d_backward_weight(x, g)`` (attr ``kernel_size``,
+never differentiated again); the bias gradient is ``sum(g, (0, 2, 3))``.
+``conv2d_backward_input`` is also the transposed convolution users call
+(``ops.conv_transpose``), so it has a gradient rule itself: conv2d and
+conv2d_backward_weight again. ``conv1d`` is ``conv2d`` over ``H = 1`` through free reshape
+views; both check their arguments as given (``conv_type``, over one or two spatial dims)
+before any node exists, so a bad ``conv1d`` call reports its 3-D shapes, never the 4-D
+``conv2d`` it lowers to. Attributes stored in nodes are canonical: 2-tuples of ints and an int.
 
 ``DEFS`` also carries the pooling ops of ``ops.pool``, so ``ops/__init__`` lists one family.
 """
@@ -236,13 +238,24 @@ def _conv_grad(node, i, o, g):
     return (dx, dw, F.sum(g, (0, 2, 3)))
 
 
+def _bwd_input_grad(node, i, o, g):
+    """``conv2d_backward_input`` is linear in both operands (it is the transposed
+    convolution): its adjoint in the gradient is conv2d, in the weight the weight gradient
+    of a conv2d of ``g`` producing the operand."""
+    gout, w = i
+    attrs = {k: v for k, v in node.attr_dict.items() if k != "input_size"}
+    dg = g.builder.add("conv2d", [g, w], attrs)
+    dw = g.builder.add("conv2d_backward_weight", [g, gout], {**attrs, "kernel_size": w.shape[2:]})
+    return (dg, dw)
+
+
 DEFS = [
     OpDef("conv2d", _conv_type, conv2d_np, _conv_grad),
     OpDef(
         "conv2d_backward_input",
         _bwd_input_type,
         conv2d_backward_input_np,
-        differentiable=False,
+        _bwd_input_grad,
         arity=2,
     ),
     OpDef(

@@ -1,6 +1,6 @@
 """Elementwise ops: unary math, binary arithmetic with NumPy broadcasting, comparisons,
-logical ops, ``pow``, ``clamp``, ``where`` and ``cast``; activations live in ``activation``,
-whose ``DEFS`` are appended here and whose functions are re-exported.
+logical ops, ``isneginf``, ``pow``, ``clamp``, ``where`` and ``cast``; activations live in
+``activation``, whose ``DEFS`` are appended here and whose functions are re-exported.
 
 Binary ops require equal dtypes (no implicit promotion) and broadcast shapes by NumPy's rule
 (https://numpy.org/doc/stable/user/basics.broadcasting.html). Gradients are written for the
@@ -203,6 +203,13 @@ def _clamp_type(types, attrs):
     return t
 
 
+def _float_test(types, attrs):
+    (t,) = types
+    if not t.dtype.is_floating:
+        raise ShapeError(f"expects a floating-point operand, got {t.dtype}")
+    return TensorType(t.shape, DType.bool)
+
+
 def _sign_np(x):
     return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)  # 0 for NaN, as torch.sign
 
@@ -279,6 +286,7 @@ MATH_DEFS = [
     _math("log1p", _float_unary, np.log1p, lambda n, i, o, g: (g / (i[0] + 1.0),)),
     _math("expm1", _float_unary, np.expm1, lambda n, i, o, g: (g * (o + 1.0),)),
     _math("logical_not", _logical, np.logical_not),
+    _math("isneginf", _float_test, np.isneginf),
     OpDef("pow", _float_binary, lambda x, a: _pow_np(x[0], x[1]), _pow_grad, arity=2),
     OpDef("clamp", _clamp_type, lambda x, a: _clamp_np(x[0], a), _clamp_grad, arity=1),
     *(
@@ -425,6 +433,18 @@ def logical_or(input, other) -> Tensor:  # noqa: A002
 def logical_xor(input, other) -> Tensor:  # noqa: A002
     """Elementwise ``(input != 0) != (other != 0)`` as bool (torch.logical_xor)."""
     return _logical_op("logical_xor", input, other)
+
+
+def isneginf(input: Tensor) -> Tensor:  # noqa: A002
+    """True where ``input`` is -inf (torch.isneginf), as bool; no gradient.
+
+    The kernel compares the bit pattern, never the value: shader compilers may assume floats
+    are finite and fold ``x < -FLT_MAX`` to false.
+
+    Raises:
+        GraphTypeError: for a non-floating operand.
+    """
+    return _unary("isneginf", input)
 
 
 def logical_not(input: Tensor) -> Tensor:  # noqa: A002

@@ -24,7 +24,8 @@ What stays f32 (the rules, in order):
   * values whose storage is fetched as a graph output;
   * values of ``WIDE_OPS``: reductions that sum (their result can exceed f16's range of
     65504 or need more than its 11 significant bits: sums, means, variances, log-sum-exp,
-    prefix sums), losses, and attention's log-sum-exp statistics;
+    prefix sums), losses, attention's log-sum-exp statistics, and ``arange`` (positions and
+    coordinates past 2048 are not integers in f16);
   * every non-floating value.
 Everything else floating (activations, activation gradients and, when allowed, parameters)
 becomes f16. A view (``reshape``, ``stop_gradient``) always takes its storage owner's dtype,
@@ -50,6 +51,7 @@ WIDE_OPS = frozenset(
         "cross_entropy",
         "binary_cross_entropy_with_logits",
         "scaled_dot_product_attention_stats",
+        "arange",
     }
 )
 NARROW_LEAVES = frozenset({"parameter"})

@@ -240,3 +240,19 @@ def test_broadcast_to_negative_dim_names_op_and_line():
         line = _line() + 1
         F.broadcast_to(x, (-1, 3))
     _assert_names(ei.value, "broadcast_to", ["%0: f32[3]"], line)
+
+
+def test_use_builder_sets_and_restores_the_current_builder():
+    from meganeura.graph.builder import current_builder, use_builder
+
+    outer, inner = GraphBuilder(), GraphBuilder()
+    assert current_builder() is None
+    with use_builder(outer):
+        assert current_builder() is outer
+        with use_builder(inner):
+            assert current_builder() is inner
+        assert current_builder() is outer
+    assert current_builder() is None
+    with pytest.raises(TypeError, match="expects a GraphBuilder"):
+        with use_builder("not a builder"):
+            pass

@@ -78,12 +78,14 @@ class OpInfo:
 FAMILIES = (
     "elementwise",
     "elementwise_extra",
+    "creation",
     "reduce",
     "reduce_extra",
     "shape",
     "linalg",
     "conv",
     "norm",
+    "distance",
     "attention",
     "loss",
 )

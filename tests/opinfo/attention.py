@@ -10,6 +10,11 @@ Fully masked rows are where we differ from PyTorch on purpose (zeros, not NaN): 
 runs torch's own SDPA with those rows' masks replaced by 0 and then zeroes the rows, so their
 outputs and gradients are exactly zero on both sides.
 
+sdpa_dropout (``dropout_p > 0``: the explicit path, differentiated by autodiff) samples: no
+mask; causal grouped-query cross attention (Lq 5 < Lk 9); a mask with a fully masked row and
+Dv 3; dropout_p = 1 (zeros). The reference is PyTorch's math formula with the keep mask of
+``meganeura.ops.dropout.keep_mask`` for the [B, Hq, Lq, Lk] probabilities.
+
 apply_rotary_emb samples: L 1, 3, 7, 129; D 2, 8, 64; theta 1e4 and 1e5 (SmolLM2); a far
 position offset (8000); a 3-d input; a run-time i32 offset. The reference is HF's
 ``rotate_half`` formula in float64.
@@ -17,11 +22,15 @@ position offset (8000); a 3-d input; a run-time i32 offset. The reference is HF'
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as TF
 
+from meganeura.dtypes import DType
 from meganeura.ops.attention import apply_rotary_emb, scaled_dot_product_attention
+from meganeura.ops.dropout import keep_mask
 
 from . import OpInfo, Sample
 
@@ -98,6 +107,59 @@ def _sdpa_samples(rng):
     ]
 
 
+# ---- attention dropout ------------------------------------------------------------------------
+DROPOUT_SEED = 97531
+
+
+def _sdpa_dropout(q, k, v, attn_mask=None, dropout_p=0.0, **kw):
+    seed = q.builder.constant(DROPOUT_SEED, DType.u32)
+    return scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, seed=seed, **kw)
+
+
+def _sdpa_dropout_ref(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=False):  # fmt: skip
+    return sdpa_dropout_math(q, k, v, attn_mask, dropout_p, is_causal, scale, DROPOUT_SEED)
+
+
+def sdpa_dropout_math(q, k, v, attn_mask, dropout_p, is_causal, scale, seed):
+    """PyTorch's math reference of SDPA, its dropout drawing the keep mask of
+    ``meganeura.ops.dropout.keep_mask`` for ``seed``; fully masked rows give zeros (our
+    rule). Operands are 4-d torch tensors."""
+    b, hq, lq, d = q.shape
+    lk, group = k.shape[2], hq // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(d) if scale is None else scale)
+    if attn_mask is not None:
+        s = s + attn_mask
+    if is_causal:
+        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool).triu(1), -math.inf)
+    full = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.where(full, 0.0, torch.softmax(torch.where(full, 0.0, s), -1))
+    keep = torch.from_numpy(keep_mask(seed, (b, hq, lq, lk), dropout_p))
+    return torch.where(keep, p / (1.0 - dropout_p), 0.0) @ v
+
+
+def _sdpa_dropout_samples(rng):
+    m = _mask(rng, (1, 1, 3, 6))
+    m[0, 0, 1, :] = -np.inf  # a fully masked row
+    return [
+        Sample(_qkv(rng, 1, 2, 2, 7, 7, 8), {"dropout_p": 0.3}, "p03_l7_d8", (0, 1, 2)),
+        Sample(
+            _qkv(rng, 2, 4, 2, 5, 9, 8),
+            {"dropout_p": 0.2, "is_causal": True, "enable_gqa": True},
+            "p02_causal_gqa_cross",
+            (0, 1, 2),
+        ),
+        Sample(
+            _qkv(rng, 1, 2, 2, 3, 6, 4, 3) + (m,),
+            {"dropout_p": 0.5},
+            "p05_mask_full_row_dv3",
+            (0, 1, 2),
+        ),  # fmt: skip
+        Sample(_qkv(rng, 1, 1, 1, 3, 5, 4), {"dropout_p": 1.0}, "p1_zeros", ()),
+    ]
+
+
 def _rope_ref(x, theta=10000.0, position_offset=0):
     if isinstance(position_offset, torch.Tensor):
         position_offset = int(position_offset)
@@ -131,6 +193,13 @@ ENTRIES = [
         _sdpa_ref,
         _sdpa_samples,
         SDPA_OPS,
+    ),
+    OpInfo(
+        "sdpa_dropout",
+        _sdpa_dropout,
+        _sdpa_dropout_ref,
+        _sdpa_dropout_samples,
+        ("matmul", "softmax", "amax", "isneginf", "arange", "dropout"),
     ),
     OpInfo("apply_rotary_emb", apply_rotary_emb, _rope_ref, _rope_samples, ("apply_rotary_emb",)),
 ]

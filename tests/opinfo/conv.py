@@ -4,9 +4,14 @@ Invariants of the samples: batch 1 and 3, channels 1, 3 and 7, spatial 1x1, 7x7 
 stride 2 over odd sizes, dilation 2, groups 2 and depthwise (groups = C), a 1x1 conv, ResNet's
 stem (7x7, stride 2, padding 3, 64 channels) on a 32x32 input, GEMM edges that are not tile
 multiples (M = 70, N = 200), a weight gradient long enough to be split along K, unbatched
-input, and max-pool windows full of ties (integer-valued inputs) whose gradient must go to the
-first maximum in scan order as PyTorch's CPU kernel sends it. Everything stays small: the
-family runs in seconds on lavapipe.
+input, conv_transpose2d (PyTorch's weight layout, stride 2 with output_padding, groups with
+dilation, output_padding >= stride allowed by the dilation, DCGAN's 1x1 -> 4x4, unbatched),
+and max-pool windows full of ties (integer-valued inputs) whose gradient must go to the
+first maximum in scan order as PyTorch's CPU kernel sends it. Interpolation: nearest by whole
+factors (a broadcast), by fractions and sizes (gathers; 4-d keeps ATen's same-size copy),
+1-d; bilinear to a size and by factors, align_corners both ways, down- and upsampling in
+one call, recompute_scale_factor, a 1x1 input; linear (3-d) and trilinear (5-d). Everything
+stays small: the family runs in seconds on lavapipe.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import numpy as np
 import torch.nn.functional as TF
 
 from meganeura.ops import conv as C
+from meganeura.ops import conv_transpose as CT
 from meganeura.ops import pool as P
 from meganeura.ops import resample as R
 
@@ -46,6 +52,38 @@ def _conv2d_samples(rng):
         c((2, 4, 20, 20), (5, 4, 3, 3), False, "split_k_weight_grad", padding=1),
         c((1, 3, 8, 8), (4, 3, 3, 3), False, "padding_same", padding="same"),
         c((3, 6, 6), (2, 3, 3, 3), True, "unbatched", stride=(2, 1)),
+    ]
+
+
+def _conv_transpose_samples(rng):
+    def c(x, w, bias, name, **kw):
+        args = (rng.normal(size=x), rng.normal(size=w) / np.sqrt(np.prod(w[1:])))
+        return Sample(args + ((rng.normal(size=w[1] * kw.get("groups", 1)),) if bias else ()),
+                      kw, name=name)  # fmt: skip
+
+    return [
+        c((2, 3, 5, 5), (3, 4, 3, 3), True, "k3_bias"),
+        c((1, 4, 4, 5), (4, 2, 3, 3), True, "s2_p1_outpad1", stride=2, padding=1, output_padding=1),
+        c(
+            (2, 4, 5, 4),
+            (4, 3, 3, 2),
+            False,
+            "groups2_dil2_s21",
+            groups=2,
+            dilation=2,
+            stride=(2, 1),
+        ),  # fmt: skip
+        c(
+            (1, 2, 4, 4),
+            (2, 3, 3, 3),
+            True,
+            "outpad_ge_stride",
+            dilation=2,
+            output_padding=1,
+            padding=1,
+        ),  # fmt: skip
+        c((1, 2, 1, 1), (2, 3, 4, 4), False, "dcgan_1x1_to_4x4", stride=2),
+        c((3, 4, 4), (3, 2, 2, 2), False, "unbatched_k2_s2", stride=2),
     ]
 
 
@@ -123,8 +161,47 @@ def _interpolate_samples(rng):
     ]
 
 
-def _interp_ref(x, size=None, scale_factor=None):
-    return TF.interpolate(x, size=size, scale_factor=scale_factor, mode="nearest")
+def _nearest_fraction_samples(rng):
+    return [
+        # 4-d: H 3 -> 3 is a copy (ATen's nearest_idx), W 5 -> 6 reads floor(dst / 1.3)
+        Sample((_x(rng, (2, 3, 3, 5)),), dict(scale_factor=1.3), name="sf1.3_same_height"),
+        Sample((_x(rng, (1, 2, 3, 5)),), dict(size=(7, 4)), name="size_7x4"),
+        Sample((_x(rng, (2, 3, 9, 8)),), dict(scale_factor=(0.5, 0.4)), name="downsample"),
+        Sample((_x(rng, (2, 3, 7)),), dict(scale_factor=2.2), name="1d_sf2.2"),
+    ]
+
+
+def _bilinear_samples(rng):
+    ac = dict(mode="bilinear", align_corners=True)
+    return [
+        Sample((_x(rng, (2, 3, 3, 5)),), dict(size=(5, 7), mode="bilinear"), name="size"),
+        Sample((_x(rng, (2, 3, 3, 5)),), dict(size=(5, 7), **ac), name="size_align"),
+        Sample((_x(rng, (1, 2, 4, 3)),), dict(scale_factor=2.5, mode="bilinear"), name="sf2.5"),
+        Sample(
+            (_x(rng, (2, 1, 7, 9)),), dict(scale_factor=(0.6, 1.7), **ac), name="sf0.6x1.7_align"
+        ),
+        Sample(
+            (_x(rng, (1, 3, 5, 4)),),
+            dict(scale_factor=1.3, mode="bilinear", recompute_scale_factor=True),
+            name="sf1.3_recompute",
+        ),
+        Sample((_x(rng, (2, 2, 1, 1)),), dict(size=(3, 2), mode="bilinear"), name="from_1x1"),
+    ]
+
+
+def _linear_samples(rng):
+    return [
+        Sample((_x(rng, (2, 3, 7)),), dict(scale_factor=1.6, mode="linear"), name="1d"),
+        Sample(
+            (_x(rng, (1, 2, 3, 4, 2)),),
+            dict(size=(5, 3, 4), mode="trilinear", align_corners=True),
+            name="3d_align",
+        ),
+    ]
+
+
+def _interp_ref(x, size=None, scale_factor=None, **kw):
+    return TF.interpolate(x, size=size, scale_factor=scale_factor, **kw)
 
 
 ENTRIES: list[OpInfo] = [
@@ -141,6 +218,13 @@ ENTRIES: list[OpInfo] = [
         TF.conv1d,
         _conv1d_samples,
         ("conv2d", "conv2d_backward_input", "conv2d_backward_weight", "reshape"),
+    ),
+    OpInfo(
+        "conv_transpose2d",
+        CT.conv_transpose2d,
+        TF.conv_transpose2d,
+        _conv_transpose_samples,
+        ("conv2d_backward_input", "conv2d", "conv2d_backward_weight", "pad"),
     ),
     OpInfo(
         "max_pool2d",
@@ -169,5 +253,26 @@ ENTRIES: list[OpInfo] = [
         _interp_ref,
         _interpolate_samples,
         ("broadcast_to", "sum"),
+    ),
+    OpInfo(
+        "interpolate_nearest_fraction",
+        R.interpolate,
+        _interp_ref,
+        _nearest_fraction_samples,
+        ("arange", "index_select", "index_select_backward"),
+    ),
+    OpInfo(
+        "interpolate_bilinear",
+        R.interpolate,
+        _interp_ref,
+        _bilinear_samples,
+        ("arange", "index_select", "index_select_backward", "clamp"),
+    ),
+    OpInfo(
+        "interpolate_linear_trilinear",
+        R.interpolate,
+        _interp_ref,
+        _linear_samples,
+        ("arange", "index_select", "index_select_backward"),
     ),
 ]

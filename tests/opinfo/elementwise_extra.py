@@ -1,6 +1,7 @@
 """Op-database entries for the elementwise ops added in issue 3: unary math (abs, sign,
 reciprocal, rsqrt, sin, cos, erf, log1p, expm1), activations (silu, gelu in both forms,
-softplus, leaky_relu), clamp, pow and the logical ops.
+softplus, leaky_relu), clamp, pow, the logical ops and isneginf (-inf, inf, NaN, -FLT_MAX and
+-0.0 among its samples).
 
 Invariants of the samples: every unary entry has sizes 1, 3, 7, 257, 1000 and a 3-d shape,
 plus an edge sample (zeros, ties at the kink, tails); binary entries broadcast [3, 1, 5] with
@@ -220,6 +221,19 @@ def _not_samples(rng):
     ]
 
 
+def _isneginf_samples(rng):
+    edges = np.array([-np.inf, np.inf, np.nan, -3.4028234663852886e38, 0.0, -0.0, -1.0, 2.5])
+    x = rng.standard_normal(1000)
+    x[rng.uniform(size=1000) < 0.3] = -np.inf
+    y = rng.standard_normal((3, 1, 5))
+    y[0, 0, 1] = y[2, 0, 4] = -np.inf
+    return [
+        Sample((edges,), name="edges"),
+        Sample((x,), name="1000"),
+        Sample((y,), name="3x1x5"),
+    ]
+
+
 OTHER = [
     OpInfo("clamp", E.clamp, torch.clamp, _clamp_samples, ("clamp",)),
     OpInfo("pow", E.pow, torch.pow, _pow_samples, ("pow",)),
@@ -233,6 +247,14 @@ OTHER = [
             differentiable=False,
         )
         for n in ("logical_and", "logical_or", "logical_xor")
+    ),
+    OpInfo(
+        "isneginf",
+        E.isneginf,
+        torch.isneginf,
+        _isneginf_samples,
+        ("isneginf",),
+        differentiable=False,
     ),
     OpInfo(
         "logical_not",

@@ -41,6 +41,7 @@ from .elementwise.loss import lower_bce_with_logits, lower_dropout
 from .elementwise.maps import (
     BINARY,
     UNARY,
+    lower_arange,
     lower_broadcast_to,
     lower_elementwise,
     lower_permute,
@@ -78,6 +79,7 @@ LOWERINGS: dict[str, Lowering] = {
     "cast": lower_elementwise,
     "broadcast_to": lower_broadcast_to,
     "permute": lower_permute,
+    "arange": lower_arange,
     "dropout": lower_dropout,
     "binary_cross_entropy_with_logits": lower_bce_with_logits,
     # rows: softmax and cross-entropy (rowwise/)

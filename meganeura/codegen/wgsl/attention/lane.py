@@ -32,11 +32,10 @@ from ....graph.ir import Graph
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.layout import broadcast_strides
-from ..core.literals import f32_literal, u
+from ..core.literals import NEG_INF_BITS, f32_literal, u
 from .plan import QUERY_ROW_MODES, Dims, Plan, accumulators, choose_plan, extents, shared_layout
 
 LOWEST = f32_literal(-3.4028234663852886e38)  # running-max sentinel: below every finite score
-NEG_INF_BITS = "0xff800000u"
 XYZW = "xyzw"
 # operand names after (q, k), per mode; an optional mask follows them
 OPERANDS = {

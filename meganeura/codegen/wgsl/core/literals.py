@@ -13,6 +13,9 @@ import numpy as np
 
 from ....dtypes import DType
 
+# The bit pattern of f32 -inf, for tests by bits (compilers may assume floats are finite).
+NEG_INF_BITS = "0xff800000u"
+
 
 def f32_literal(value: float) -> str:
     """Exact WGSL literal of ``float32(value)``, e.g. ``1.0``, ``1e-06``, ``(-0.5)``.

@@ -1,6 +1,6 @@
 """Elementwise lowerings: unary math and activations (and their one-kernel backward ops), binary
-arithmetic, ``pow``, comparisons, logical ops, ``where``, ``cast``, and the strided copies
-``broadcast_to`` and ``permute``.
+arithmetic, ``pow``, comparisons, logical ops, ``where``, ``cast``, the strided copies
+``broadcast_to`` and ``permute``, and the operand-free ``arange``.
 
 Vec4 loads and stores where every operand allows them (``vector``), else four scalar output
 elements per thread (``core.layout.element_slots``); workgroups of 256. Every operand is
@@ -34,7 +34,7 @@ from ..core.layout import (
     element_slots,
     strided_index,
 )
-from ..core.literals import f32_literal, literal, zero
+from ..core.literals import NEG_INF_BITS, f32_literal, literal, zero
 from ..core.mathlib import helper_source
 from .vector import emit_vec4, plan_vec4
 
@@ -110,6 +110,8 @@ UNARY: dict[str, Expr] = {
     ),
     "clamp": _clamp,
     "logical_not": lambda x, t, a: f"select(0u, 1u, {x[0]} == {zero(t)})",
+    # by bit pattern: a compiler assuming finite floats may fold a comparison with -inf
+    "isneginf": lambda x, t, a: f"select(0u, 1u, bitcast<u32>({x[0]}) == {NEG_INF_BITS})",
 }
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 _COMPARE = {
@@ -327,3 +329,20 @@ def lower_fill(graph: Graph, node_id: int, limits: Limits, value: float) -> list
     """Write ``value`` everywhere (matmul with K = 0, cross_entropy over no rows)."""
     kb = KernelBuilder(graph, graph[node_id], limits)
     return [emit_map(kb, node_id, [], f32_literal(value), suffix="fill")]
+
+
+def lower_arange(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
+    """``out[i] = start + i * step`` in the result dtype (``ops.creation``); reads nothing.
+    i32 products wrap, which still gives the right sum: the builder checked every value
+    fits."""
+    node = graph[node_id]
+    dtype, n = node.type.dtype, node.type.numel
+    kb = KernelBuilder(graph, node, limits)
+    out = kb.write(node_id, "out")
+    slots, groups, guard = element_slots(n)
+    start, step = (literal(node.attr(k), dtype) for k in ("start", "step"))
+    lines = [slots.rstrip()]
+    for e in range(PER_THREAD):
+        value = f"({start} + {dtype.wgsl}(i{e}) * {step})"
+        lines.append("  " + guard(e, kb.store(out, f"i{e}", value)))
+    return [kb.finish("", "\n".join(lines), WG, groups, flops=2 * n, nbytes=node.type.nbytes)]
