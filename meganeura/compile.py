@@ -17,7 +17,7 @@ from .autodiff import differentiate
 from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
 from .dtypes import DType
 from .graph.builder import GraphBuilder
-from .graph.ir import Graph
+from .graph.ir import Graph, resolve_view
 from .graph.verify import verify
 from .optim import Optimizer, apply_optimizer
 from .optim.accumulate import add_to_accumulators, mean_with_accumulators
@@ -143,7 +143,10 @@ def _training_graph(graph: Graph, options: CompileOptions) -> tuple[Graph, froze
     if options.output_grads:
         b = GraphBuilder(g)
         for p, gid in grads.items():
-            b.output(grad_output(g[p].name), b.tensor(gid))
+            t = b.tensor(gid)
+            if g[resolve_view(g, gid)].op == "constant":  # d(loss)/d(scalar) = 1: give it storage
+                t = b.add("broadcast_to", [t], {"shape": t.shape})
+            b.output(grad_output(g[p].name), t)
         g = b.build_unverified()
     if options.optimizer is not None:
         g = apply_optimizer(g, grads, options.optimizer, options.max_grad_norm)
