@@ -23,7 +23,6 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,6 +39,7 @@ from ..nn.module import Module, StateDictError
 from ..nn.parameter import Buffer, Parameter
 from ..optim import HYPER_INPUT, Optimizer
 from ..optim.accumulate import ACCUM_FIRST_INPUT, LOSS_ACCUMULATOR, grad_accumulator
+from .batches import bind_model, check_loss, fn_name, split_batch
 from .graph import GraphTrainer
 
 # Checkpoint keys of optimizer state: "optimizer/<parameter name>.<suffix>". No PyTorch name
@@ -126,7 +126,7 @@ class Trainer:
             shared_parameters=True,
             accumulation_steps=accumulation_steps,
         )
-        self._fn = _bind_model(loss_fn, model)
+        self._fn = bind_model(loss_fn, model)
         self.step_count = 0
         self._moments: dict[Parameter, dict[str, Buffer]] = {}
         self._accumulators: dict[Parameter, Buffer] = {}
@@ -163,7 +163,7 @@ class Trainer:
             Nothing is changed when any of these is raised.
         """
         k = self.accumulation_steps
-        micro = _split_batch(self._fn, batch, k) if k > 1 else [batch]
+        micro = split_batch(self._fn, batch, k) if k > 1 else [batch]
         rng_state = mn_random.get_rng_state()
         try:
             runs = []
@@ -237,11 +237,11 @@ class Trainer:
         if kind == "evaluate":
             self.model.eval()
         try:
-            traced = trace_call(self.model, self._fn, batch, {}, LOSS, _check_loss)
+            traced = trace_call(self.model, self._fn, batch, {}, LOSS, check_loss)
         except Exception as e:
             shown = ", ".join(f"{n}: {a.dtype}{list(a.shape)}" for n, a in arrays)
             e.add_note(
-                f"while tracing {_name(self.loss_fn)}(model, {shown}) for "
+                f"while tracing {fn_name(self.loss_fn)}(model, {shown}) for "
                 f"Trainer.{'evaluate' if kind == 'evaluate' else 'step'}"
             )
             raise
@@ -258,7 +258,7 @@ class Trainer:
             )
         elif not trainable:
             raise ValueError(
-                f"every parameter {_name(self.loss_fn)} reads has requires_grad=False: nothing "
+                f"every parameter {fn_name(self.loss_fn)} reads has requires_grad=False: nothing "
                 "to train (unfreeze some with requires_grad_())"
             )
         elif kind == "accumulate":
@@ -415,94 +415,5 @@ class Trainer:
     def __repr__(self) -> str:
         return (
             f"Trainer({type(self.model).__name__}, {self.optimizer!r}, "
-            f"loss_fn={_name(self.loss_fn)}, step={self.step_count})"
+            f"loss_fn={fn_name(self.loss_fn)}, step={self.step_count})"
         )
-
-
-def _name(fn) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-def _bind_model(loss_fn, model) -> Callable:
-    """``loss_fn`` with the model bound first, with the signature of the batch arguments (so
-    input names and binding errors are those of ``loss_fn``).
-
-    Raises:
-        TypeError: ``loss_fn`` is not callable or takes no positional argument for the model.
-    """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, *batch), got {loss_fn!r}")
-    try:
-        sig = inspect.signature(loss_fn)
-    except (TypeError, ValueError):
-        sig = None
-    params = list(sig.parameters.values()) if sig is not None else []
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if sig is not None and not (params and params[0].kind in positional):
-        if not (params and params[0].kind is inspect.Parameter.VAR_POSITIONAL):
-            raise TypeError(
-                f"loss_fn {_name(loss_fn)}{sig} must take the model as its first argument: "
-                "loss_fn(model, *batch)"
-            )
-
-    def fn(*args, **kwargs):
-        return loss_fn(model, *args, **kwargs)
-
-    fn.__qualname__ = _name(loss_fn)
-    if sig is not None and params[0].kind in positional:
-        fn.__signature__ = sig.replace(parameters=params[1:])
-    elif sig is not None:
-        fn.__signature__ = sig
-    return fn
-
-
-def _check_loss(result) -> None:
-    if not isinstance(result, Tensor):
-        what = "None" if result is None else f"a {type(result).__name__}"
-        raise TypeError(
-            f"loss_fn returned {what}; it must return the loss as a scalar Tensor built with "
-            "meganeura ops, e.g. F.cross_entropy(model(x), y)"
-        )
-    if result.shape != ():
-        raise ValueError(
-            f"loss_fn returned a Tensor of shape {list(result.shape)}; the loss must be a "
-            "scalar (shape []): reduce it, e.g. with .mean()"
-        )
-    if not result.dtype.is_floating:
-        raise TypeError(f"loss_fn returned a {result.dtype} Tensor; the loss must be floating")
-
-
-def _split_batch(fn, batch: tuple, k: int) -> list[tuple]:
-    """``batch`` as ``k`` micro-batches: every array split along dim 0 (``np.array_split``
-    sizes), static values repeated.
-
-    Raises:
-        ValueError: no array, a 0-d array, arrays of different lengths, fewer than ``k`` rows.
-    """
-    _, _, arrays = flatten_arguments(fn, batch, {})
-    where = f"accumulation_steps={k} splits every batch array along dim 0"
-    rows = {}
-    for name, a in arrays:
-        if a.ndim == 0:
-            raise ValueError(f"{where}, but {name} is a scalar")
-        rows[name] = a.shape[0]
-    if not rows:
-        raise ValueError(f"{where}, but the batch holds no array")
-    if len(set(rows.values())) > 1:
-        raise ValueError(f"{where}, so the arrays need the same length; got {rows}")
-    n = next(iter(rows.values()))
-    if n < k:
-        raise ValueError(f"{where}, so a batch needs at least {k} rows; got {n}")
-    q, r = divmod(n, k)
-    edges = np.cumsum([0] + [q + (i < r) for i in range(k)])
-    return [_take(batch, int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
-
-
-def _take(value, a: int, b: int):
-    if isinstance(value, np.ndarray) or hasattr(value, "__array_interface__"):
-        return np.asarray(value)[a:b]
-    if isinstance(value, (tuple, list)):
-        return type(value)(_take(v, a, b) for v in value)
-    if isinstance(value, dict):
-        return {key: _take(v, a, b) for key, v in value.items()}
-    return value
