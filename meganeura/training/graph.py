@@ -1,10 +1,11 @@
-"""Trainer: a compiled training step with its optimizer's host-side bookkeeping.
+"""GraphTrainer: a compiled training step of a Graph with its optimizer's host-side bookkeeping.
 
-The Trainer owns the step counter and the learning-rate schedule; each ``step`` computes the
-optimizer's hyper vector on the host (float64 math, fed as f32), feeds it with the batch, and
-runs the whole forward + backward + update as one GPU submission. A step that fails
-validation raises before anything is uploaded, leaving parameters, optimizer state and the
-step counter as they were.
+``mn.Trainer(graph, optimizer)`` returns one (``mn.Trainer(model, optimizer, loss_fn)`` trains
+a Module: ``training.trainer``). The trainer owns the step counter and the learning-rate
+schedule; each ``step`` computes the optimizer's hyper vector on the host (float64 math, fed
+as f32), feeds it with the batch, and runs the whole forward + backward + update as one GPU
+submission. A step that fails validation raises before anything is uploaded, leaving
+parameters, optimizer state and the step counter as they were.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .autodiff import missing_loss
-from .codegen.kernel import Limits
-from .compile import CompileOptions, compile
-from .graph.ir import Graph
-from .io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .optim import HYPER_INPUT, Optimizer
-from .schedule.program import Program
+from ..autodiff import missing_loss
+from ..codegen.kernel import Limits
+from ..compile import CompileOptions, compile
+from ..graph.ir import Graph
+from ..io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..optim import HYPER_INPUT, Optimizer
+from ..schedule.program import Program
 
 
 def device_limits(device) -> Limits:
@@ -43,15 +44,15 @@ def compile_for(graph: Graph, options: CompileOptions | None = None, device=None
     Returns:
         (Program, Session).
     """
-    from .runtime import Session, get_device
+    from ..runtime import Session, get_device
 
     device = device or get_device()
     program = compile(graph, options, device_limits(device))
     return program, Session(program, device)
 
 
-class Trainer:
-    """Compiles ``graph`` for training and runs steps.
+class GraphTrainer:
+    """Compiles ``graph`` for training and runs steps (``mn.Trainer(graph, optimizer, ...)``).
 
     Args:
         graph: forward graph with a scalar output named ``loss``.
