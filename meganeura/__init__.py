@@ -21,6 +21,7 @@ from .graph.interpret import interpret
 from .graph.ir import Graph, Node, TensorType
 from .graph.verify import GraphError, verify
 from .nn.compiled import compile
+from .nn.creation import full, ones, ones_like, rand, randn, tensor, zeros, zeros_like
 from .nn.functional import *  # noqa: F403 - the op namespace, listed in nn.functional
 from .nn.functional import __all__ as _ops_all
 from .random import manual_seed
@@ -51,6 +52,14 @@ __all__ = [
     "i32",
     "interpret",
     "manual_seed",
+    "full",
+    "ones",
+    "ones_like",
+    "rand",
+    "randn",
+    "tensor",
+    "zeros",
+    "zeros_like",
     "nn",
     "optim",
     "plan_memory",

@@ -30,11 +30,35 @@ def unbroadcast(g: Tensor, shape: tuple[int, ...]) -> Tensor:
     return F.reshape(g, shape)
 
 
-def _resolve(graph: Graph, ref: int | str) -> int:
+def _listed(names: Sequence[str], limit: int = 12) -> str:
+    """``'a', 'b', 'c'`` (the first ``limit``, then how many more), or ``none``."""
+    shown = ", ".join(repr(k) for k in names[:limit])
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return (shown + more) or "none"
+
+
+def missing_loss(graph: Graph, name: str) -> ValueError:
+    """The error for a loss name that no output of ``graph`` has: it lists the outputs."""
+    return ValueError(
+        f"loss {name!r}: no output named {name!r}; the graph's outputs are "
+        f"{_listed([k for k, _ in graph.outputs])} (name the loss with "
+        f"GraphBuilder.output({name!r}, ...), or pass loss=<one of them>)"
+    )
+
+
+def _resolve(graph: Graph, ref: int | str, what: str) -> int:
     if isinstance(ref, str):
         if ref in graph.output_dict:
             return graph.output_dict[ref]
-        return graph.find(ref).id
+        leaf = next((n for n in graph.nodes if n.name == ref), None)
+        if leaf is not None:
+            return leaf.id
+        if what == "loss":
+            raise missing_loss(graph, ref)
+        leaves = [n.name for n in graph.nodes if n.name is not None]
+        raise ValueError(f"{what} {ref!r}: no leaf named {ref!r}; the leaves are {_listed(leaves)}")
+    if not isinstance(ref, int) or not 0 <= ref < len(graph.nodes):
+        raise ValueError(f"{what} {ref!r}: not a node id of the graph (0..{len(graph) - 1})")
     return ref
 
 
@@ -55,14 +79,19 @@ def differentiate(
         (new graph, {wrt node id: gradient node id}).
 
     Raises:
-        ValueError: when ``loss`` is not a floating scalar, or a rule is missing for an op on
-            the path from ``wrt`` to ``loss``.
+        ValueError: when ``loss`` names no output or leaf (the message lists the outputs) or
+            is not a floating scalar, a ``wrt`` name is no leaf, or a rule is missing for an
+            op on the path from ``wrt`` to ``loss``.
     """
-    loss_id = _resolve(graph, loss)
-    wrt_ids = [_resolve(graph, w) for w in wrt]
+    loss_id = _resolve(graph, loss, "loss")
+    wrt_ids = [_resolve(graph, w, "wrt") for w in wrt]
     lt = graph.nodes[loss_id].type
     if lt.shape != () or not lt.dtype.is_floating:
-        raise ValueError(f"loss must be a floating scalar, got %{loss_id}: {lt}")
+        shown = f"{loss!r} (%{loss_id})" if isinstance(loss, str) else f"%{loss_id}"
+        raise ValueError(
+            f"loss must be a floating scalar, got {shown}: {lt}"
+            + (" (reduce it with .sum() or .mean())" if lt.dtype.is_floating else "")
+        )
 
     # Only nodes that depend on some wrt value and feed the loss need gradients.
     depends = [False] * len(graph.nodes)

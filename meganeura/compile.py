@@ -13,12 +13,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from .autodiff import differentiate
+from .autodiff import differentiate, missing_loss
 from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
 from .dtypes import DType
-from .graph.ir import Graph
+from .graph.builder import GraphBuilder
+from .graph.ir import Graph, resolve_view
 from .graph.verify import verify
 from .optim import Optimizer, apply_optimizer
+from .optim.accumulate import add_to_accumulators, mean_with_accumulators
 from .passes import cse, dce, fold_permutes
 from .passes.precision import narrow_storage
 from .schedule.planner import plan_memory
@@ -57,6 +59,16 @@ class CompileOptions:
         shared_parameters: keep parameters and state in their declared dtype in every
             program (fast mode otherwise stores an inference program's parameters as f16), so
             several programs of one model can bind the same buffers (``runtime.shared``).
+        output_grads: also output each trained parameter's gradient as ``<name>.grad``
+            (``grad_output``): before clipping, and with accumulation the mean over the
+            micro-batches. Outputs are pinned and cannot join an update group, so this costs
+            memory and kernels; compile it only when gradients are read.
+        accumulation_steps: micro-batches per update, ``k`` (``optim.accumulate``). With
+            ``k > 1`` the program is the last micro-batch's: the update uses
+            ``(<name>.grad_accum + g) / k`` and the ``loss`` output is the mean loss.
+        accumulate_grads: compile the other micro-batches' program instead: forward and
+            backward, gradients and loss added into the accumulators, no update (needs
+            ``optimizer=None``).
     """
 
     loss: str | None = None
@@ -66,10 +78,33 @@ class CompileOptions:
     fuse: bool = True
     precision: Literal["strict", "fast"] = "strict"
     shared_parameters: bool = False
+    output_grads: bool = False
+    accumulation_steps: int = 1
+    accumulate_grads: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in ("strict", "fast"):
             raise ValueError(f"precision must be 'strict' or 'fast', got {self.precision!r}")
+        k = self.accumulation_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"accumulation_steps must be an integer >= 1, got {k!r}")
+        if k > 1 and self.optimizer is None:
+            raise ValueError("accumulation_steps > 1 compiles the update step; it needs optimizer")
+        if self.accumulate_grads and (self.optimizer is not None or self.output_grads):
+            raise ValueError(
+                "accumulate_grads compiles a micro-batch without an update or gradient outputs; "
+                "leave optimizer None and output_grads False"
+            )
+
+    @property
+    def differentiates(self) -> bool:
+        """Whether the program runs a backward pass."""
+        return self.optimizer is not None or self.accumulate_grads or self.output_grads
+
+
+def grad_output(name: str) -> str:
+    """The output name of parameter ``name``'s gradient (``CompileOptions.output_grads``)."""
+    return f"{name}.grad"
 
 
 class PrecisionFallbackWarning(UserWarning):
@@ -82,10 +117,15 @@ def build_training_graph(graph: Graph, options: CompileOptions) -> Graph:
 
 
 def _training_graph(graph: Graph, options: CompileOptions) -> tuple[Graph, frozenset[int]]:
-    """(training graph, ids of the parameter gradients and of every node the optimizer
-    appended: what the fast mode keeps in f32)."""
-    if options.loss is None or options.optimizer is None:
-        raise ValueError("training needs both CompileOptions.loss and CompileOptions.optimizer")
+    """(training graph, ids of the parameter gradients and of every node appended after them:
+    accumulation, clipping, the optimizer; what the fast mode keeps in f32)."""
+    if options.loss is None or not options.differentiates:
+        raise ValueError(
+            "training needs CompileOptions.loss and an optimizer (or accumulate_grads or "
+            "output_grads)"
+        )
+    if options.loss not in graph.output_dict:
+        raise missing_loss(graph, options.loss)
     params = [
         n
         for n in graph.leaves("parameter")
@@ -97,9 +137,22 @@ def _training_graph(graph: Graph, options: CompileOptions) -> tuple[Graph, froze
             raise ValueError(f"trainable names not parameters of the graph: {sorted(missing)}")
     # Parameters that do not reach the loss get no update (PyTorch: .grad stays None).
     g, grads = differentiate(graph, options.loss, [p.id for p in params], unreachable="omit")
-    full = apply_optimizer(g, grads, options.optimizer, options.max_grad_norm)
-    master = set(grads.values()) | set(range(len(g.nodes), len(full.nodes)))
-    return full, frozenset(master)
+    backward_end, raw = len(g.nodes), set(grads.values())
+    if options.accumulate_grads:
+        g = add_to_accumulators(g, grads, options.loss)
+    elif options.accumulation_steps > 1:
+        g, grads = mean_with_accumulators(g, grads, options.loss, options.accumulation_steps)
+    if options.output_grads:
+        b = GraphBuilder(g)
+        for p, gid in grads.items():
+            t = b.tensor(gid)
+            if g[resolve_view(g, gid)].op == "constant":  # d(loss)/d(scalar) = 1: give it storage
+                t = b.add("broadcast_to", [t], {"shape": t.shape})
+            b.output(grad_output(g[p].name), t)
+        g = b.build_unverified()
+    if options.optimizer is not None:
+        g = apply_optimizer(g, grads, options.optimizer, options.max_grad_norm)
+    return g, frozenset(raw | set(range(backward_end, len(g.nodes))))
 
 
 def compile(
@@ -129,7 +182,8 @@ def compile(
     Raises:
         GraphError: when ``graph`` breaks an IR invariant (a cycle, a mis-typed node, an
             unknown op: ``graph.verify``); graphs reach ``compile`` without the builder too.
-        ValueError: for inconsistent options, or a tensor larger than one storage binding.
+        ValueError: for inconsistent options (a ``loss`` that names no output: the message
+            lists the outputs), or a tensor larger than one storage binding.
 
     Warns:
         PrecisionFallbackWarning: ``precision="fast"`` without ``limits.shader_f16``.
@@ -140,7 +194,7 @@ def compile(
     t0 = time.perf_counter()
     verify(graph, allow_unused_inputs=True)  # an unverified graph gave KeyErrors or wrong values
     master: frozenset[int] = frozenset()
-    if options.optimizer is not None:
+    if options.differentiates:
         graph, master = _training_graph(graph, options)
     times["autodiff"] = time.perf_counter() - t0
 
@@ -272,8 +326,8 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
 
     checks: dict[tuple, LabelCheck] = {}  # one per (input, bound, ignore_index)
     for node in graph.nodes:
-        # Class indices and gather/index_select indices fed by the host are range-checked
-        # before a step runs: out of range, the kernels would read zeros silently.
+        # Class indices, token ids and gather/index_select indices fed by the host are
+        # range-checked before a step runs: out of range, the kernels would read zeros.
         target = bound = ignore = None
         if node.op == "cross_entropy" and graph.nodes[node.inputs[1]].type.dtype.is_integer:
             target = graph.nodes[sched.root[node.inputs[1]]]
@@ -283,7 +337,10 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
             target = graph.nodes[sched.root[node.inputs[1]]]
             bound = graph.nodes[node.inputs[0]].type.shape[node.attr("dim")]
         if target is not None and target.op == "input":
-            check = LabelCheck(target.name, bound, ignore, f"{node.op} %{node.id}")
+            op = node.origin or node.op  # embedding, not the index_select it lowers to
+            at = f" at {node.loc}" if node.loc else ""
+            what = INDEX_MEANING.get(op, "index")
+            check = LabelCheck(target.name, bound, ignore, f"{op} %{node.id}{at}", what)
             checks.setdefault((target.name, bound, ignore), check)
 
     return Program(
@@ -297,6 +354,10 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
         memory=MemoryReport(plan.planned_bytes, plan.naive_bytes, pinned_bytes),
     )
 
+
+# What an index input's values are to the op reading them, for range-check errors
+# (LabelCheck.what); any other reader (gather, index_select) reads an "index".
+INDEX_MEANING = {"cross_entropy": "class index", "embedding": "token id"}
 
 # Buffer role of each optimizer-group arena (``schedule.update_groups``); states are "state".
 ARENA_BUFFER_ROLES = {"param": "parameter", "grad": "gradient"}

@@ -33,6 +33,9 @@ INTERNAL: dict[str, str] = {
     "in tests/codegen/test_optim.py and tests/optim",
     "adam_update": "optimizer effect op; tested against torch.optim.Adam/AdamW in "
     "tests/codegen/test_optim.py and tests/optim",
+    "accumulate": "gradient-accumulation effect op (writes its accumulator in place, returns a "
+    "token); tested against its reference in tests/codegen/test_optim.py and end to end "
+    "(micro-batches equal one full batch) in tests/training/test_module_trainer.py",
 }
 
 ALL_OPS = sorted(OPS)

@@ -66,6 +66,47 @@ def _user_location() -> str:
     return "<unknown>"
 
 
+def _describe(v) -> str:
+    """An operand as error messages show it: a Tensor as ``%3: f32[2,3]``, a list holding
+    one as ``[%0: f32[2,3], %1: f32[2,4]]``, an array by its shape and dtype, anything else
+    by its repr."""
+    if isinstance(v, Tensor):
+        return f"%{v.id}: {v.type}"
+    if isinstance(v, np.ndarray):
+        return f"ndarray(shape={v.shape}, dtype={v.dtype})"
+    if isinstance(v, (list, tuple)) and any(isinstance(t, (Tensor, np.ndarray)) for t in v):
+        return "[" + ", ".join(_describe(t) for t in v) + "]"
+    return repr(v)
+
+
+def format_call(op: str, operands: Sequence = (), attrs: dict | None = None) -> str:
+    """``op(%0: f32[2,3], %1: f32[2,4], dim=0) at file:line``: an op call as the user wrote
+    it, with the user's source line (the innermost frame outside meganeura)."""
+    args = [_describe(v) for v in operands]
+    args += [f"{k}={_describe(v)}" for k, v in (attrs or {}).items()]
+    return f"{op}({', '.join(args)}) at {_user_location()}"
+
+
+def op_error(
+    op: str,
+    operands: Sequence = (),
+    attrs: dict | None = None,
+    message: str = "",
+    error: type[Exception] = GraphTypeError,
+) -> Exception:
+    """The error for arguments a user-facing function rejects before any node is added,
+    worded as the builder words a type rule's failure: the function's name, the operands as
+    the user passed them (Tensors with their types), its arguments, the user's line, then
+    ``message``. A composite (``conv1d`` over ``conv2d``, ``embedding`` over
+    ``index_select``) checks its arguments with this, so its errors speak of what the user
+    wrote, not of the ops it lowers to.
+
+    ``error`` is the class: GraphTypeError for shapes and dtypes, ValueError where a
+    function documents one for a bad argument value (``padding="same"`` with a stride).
+    """
+    return error(f"{format_call(op, operands, attrs)}: {message}")
+
+
 class GraphBuilder:
     """Appends typed nodes; ``build()`` returns the frozen Graph.
 
@@ -149,9 +190,18 @@ class GraphBuilder:
 
     # ---- ops ----------------------------------------------------------------------------
     def add(
-        self, op: str, inputs: Sequence[Tensor], attrs: dict[str, AttrValue] | None = None
+        self,
+        op: str,
+        inputs: Sequence[Tensor],
+        attrs: dict[str, AttrValue] | None = None,
+        *,
+        origin: str = "",
     ) -> Tensor:
         """Append ``op(inputs, **attrs)`` after checking its type rule.
+
+        ``origin`` names the user-facing function adding the node when it is not ``op``
+        (``Node.origin``: ``embedding`` for its ``index_select``), so that later errors
+        about the node (a token id out of range) speak of what the user called.
 
         Raises:
             GraphTypeError: when the type rule rejects the operands.
@@ -174,14 +224,7 @@ class GraphBuilder:
         try:
             out = d.infer(types, attrs)
         except ShapeError as e:
-            loc = _user_location()
-            ops = ", ".join(f"%{t.id}: {ty}" for t, ty in zip(inputs, types))
-            shown = {k: v for k, v in attrs.items()}
-            raise GraphTypeError(
-                f"{op}({ops}{', ' if shown else ''}"
-                f"{', '.join(f'{k}={v!r}' for k, v in shown.items())}) "
-                f"at {loc}: {e}"
-            ) from None
+            raise op_error(op, inputs, attrs, str(e)) from None
         node = Node(
             len(self.nodes),
             op,
@@ -190,6 +233,7 @@ class GraphBuilder:
             out,
             None,
             _user_location(),
+            origin,
         )
         self.nodes.append(node)
         return Tensor(self, node.id)
@@ -233,11 +277,6 @@ class GraphBuilder:
         g = Graph(tuple(self.nodes), tuple(self.outputs.items()))
         verify(g)
         return g
-
-
-def _operand_like(o) -> bool:
-    """Whether ``o`` can be an operand of a Tensor's operator (what ``Tensor._lift`` takes)."""
-    return isinstance(o, (Tensor, int, float, bool, np.generic, np.ndarray)) or hasattr(o, "_shape")
 
 
 @dataclass(frozen=True, eq=False)
@@ -330,13 +369,13 @@ class Tensor:
     def dim(self) -> int:
         return self.ndim
 
-    def __eq__(self, o):  # noqa: D105 - elementwise, as torch
-        if not _operand_like(o):
-            return NotImplemented  # Python then compares identity: `Ellipsis in key` works
+    def __eq__(self, o):  # elementwise, as torch; other types compare by identity
+        if not isinstance(o, (Tensor, int, float, bool, np.generic, np.ndarray)):
+            return NotImplemented
         return self.builder.add("eq", [self, self._lift(o)])
 
     def __ne__(self, o):
-        if not _operand_like(o):
+        if not isinstance(o, (Tensor, int, float, bool, np.generic, np.ndarray)):
             return NotImplemented
         return self.builder.add("ne", [self, self._lift(o)])
 
@@ -430,9 +469,12 @@ class Tensor:
         return self.permute(tuple(perm))
 
     def reshape(self, *shape) -> Tensor:
+        """Same elements in a new shape; one entry may be -1 (``functional.reshape``)."""
+        from ..ops import functional as F
+
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        return self.builder.add("reshape", [self], {"shape": tuple(int(s) for s in shape)})
+        return F.reshape(self, shape)
 
     def sum(self, dim=None, keepdim: bool = False) -> Tensor:
         from ..ops import functional as F

@@ -71,6 +71,9 @@ class Node:
         type: the result type.
         name: user-visible name of leaves (``"fc1.weight"``), else None.
         loc: ``file:line`` of the user code that created the node (for error messages).
+        origin: the user-facing function that added the node when it is not the op itself
+            (``"embedding"`` for its ``index_select``), else ``""``; like ``loc`` it only
+            words error messages, so it takes no part in comparisons.
     """
 
     id: int
@@ -80,6 +83,7 @@ class Node:
     type: TensorType
     name: str | None = None
     loc: str = field(default="", compare=False)
+    origin: str = field(default="", compare=False)
 
     def attr(self, key: str, default: AttrValue = None) -> AttrValue:
         for k, v in self.attrs:

@@ -5,7 +5,7 @@ into the typed graph on call (``meganeura.nn.compiled``).
 """
 
 from . import functional, init
-from .compiled import CacheInfo, CompiledModule, SignatureError
+from .compiled import CacheInfo, CompiledModule, SignatureError, trace
 from .layers import *  # noqa: F403 - the layers, listed in nn.layers
 from .layers import __all__ as _layers_all
 from .module import IncompatibleKeys, Module, StateDictError
@@ -25,5 +25,6 @@ __all__ = [
     "UninitializedParameterError",
     "functional",
     "init",
+    "trace",
     *_layers_all,
 ]

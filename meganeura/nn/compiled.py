@@ -44,7 +44,7 @@ def _feed_array(x: np.ndarray, where: str) -> np.ndarray:
         return x.astype(np.int32)
     if x.dtype.kind not in "fiub" or x.dtype.itemsize > 4 and x.dtype.kind != "b":
         raise SignatureError(f"{where}: arrays of {x.dtype} cannot be fed (use float32 or int32)")
-    return np.ascontiguousarray(x)
+    return np.require(x, requirements="C")
 
 
 def _flatten(value, where: str, arrays: list, spec_of=None):
@@ -151,8 +151,14 @@ class Traced:
     seconds: float
 
 
-def trace_call(module, fn, args, kwargs, outputs_prefix: str = "output") -> Traced:
-    """Trace ``fn(*args, **kwargs)`` (``fn`` reads ``module``'s tensors) into a Graph."""
+def trace_call(
+    module, fn, args, kwargs, outputs_prefix: str = "output", check_result=None
+) -> Traced:
+    """Trace ``fn(*args, **kwargs)`` (``fn`` reads ``module``'s tensors) into a Graph.
+
+    ``check_result(result)``, when given, sees what ``fn`` returned before it becomes the
+    graph's outputs, and raises for results the caller cannot use.
+    """
     t0 = time.perf_counter()
     bound, spec, arrays = flatten_arguments(fn, args, kwargs)
     trace = Trace(module)
@@ -162,14 +168,38 @@ def trace_call(module, fn, args, kwargs, outputs_prefix: str = "output") -> Trac
         for name, s in spec:
             bound.arguments[name] = _rebuild(s, tensors)
         result = fn(*bound.args, **bound.kwargs)
+        if check_result is not None:
+            check_result(result)
     named: dict[str, Tensor] = {}
-    out_spec = _outputs(result, outputs_prefix, named)
+    if isinstance(result, dict):  # a dict's keys name the outputs themselves
+        out_spec = ("dict", tuple((k, _outputs(v, str(k), named)) for k, v in result.items()))
+    else:
+        out_spec = _outputs(result, outputs_prefix, named)
     if not named:
         raise SignatureError(f"{getattr(fn, '__qualname__', fn)} returned no Tensor")
     for name, t in named.items():
         b.output(name, t)
     graph = b.build_unverified()
     return Traced(graph, trace, [n for n, _ in arrays], out_spec, time.perf_counter() - t0)
+
+
+def trace(module, *args, fn=None, **kwargs) -> Graph:
+    """The Graph of ``module.forward(*args, **kwargs)`` (or of ``fn(*args, **kwargs)``, a
+    function reading ``module``'s tensors), as ``jax.make_jaxpr`` or ``torch.fx`` give theirs.
+
+    Arrays in the arguments become inputs named by ``forward``'s parameter names (``x``,
+    ``x[0]`` for a tuple's items); the result's Tensors become outputs named ``output`` (or
+    ``output.0``, ... for a tuple; a dict's keys name its outputs); parameters and buffers
+    become leaves with their dotted names. Example::
+
+        graph = mn.nn.trace(model, x)                             # outputs["output"]
+        graph = mn.nn.trace(model, x, y, fn=lambda x, y: {"loss": F.cross_entropy(model(x), y)})
+
+    Raises:
+        SignatureError: arguments that are neither arrays nor static Python values, or a
+            result without a Tensor.
+    """
+    return trace_call(module, fn or module.forward, args, kwargs).graph
 
 
 def _dtype(a: np.ndarray):
@@ -181,11 +211,19 @@ def _dtype(a: np.ndarray):
 class ProgramRunner:
     """One compiled program of a model and its Session, bound to the shared parameter copy.
 
-    Reopens its Session (carrying its private state: optimizer moments) when the shared store
-    moved a parameter it binds.
+    Reopens its Session (carrying its private state) when the shared store moved a tensor it
+    binds.
+
+    Args:
+        traced: the traced call.
+        options: how to compile it.
+        device: a runtime Device (default: the default device).
+        shared: slot name -> key, for persistent slots the trace did not make that other
+            programs must see too (a Trainer's optimizer moments and gradient accumulators,
+            each a Buffer); None keeps a slot private to this program.
     """
 
-    def __init__(self, traced: Traced, options: CompileOptions, device=None) -> None:
+    def __init__(self, traced: Traced, options: CompileOptions, device=None, shared=None) -> None:
         from ..runtime import get_device
         from ..runtime.shared import shared_store
         from ..training import device_limits
@@ -205,6 +243,10 @@ class ProgramRunner:
         self.store = shared_store(self.device)
         persistent = {**self.program.parameters, **self.program.state}
         self.keys = {n: objects[n] for n in persistent if n in objects}
+        for n in persistent:
+            key = None if n in self.keys or shared is None else shared(n)
+            if key is not None:
+                self.keys[n] = key
         self.private = [n for n in persistent if n not in self.keys]
         t0 = time.perf_counter()
         self.session = self._open({})
@@ -233,7 +275,7 @@ class ProgramRunner:
         return self.session.run(feeds, fetch)
 
     def read_private(self) -> dict[str, np.ndarray]:
-        """The program's own persistent tensors (optimizer state), NumPy copies."""
+        """The program's own persistent tensors (those not shared), NumPy copies."""
         return {n: self.session.read(n) for n in self.private if not n.startswith(CONSTANT_PREFIX)}
 
 
@@ -282,7 +324,7 @@ class CompiledModule:
         key = (spec, modes, self.options.precision, self.options.fuse)
         entry = self._cache.get(key)
         if entry is None:
-            self.misses += count
+            self.misses += 1
             traced = trace_call(self.module, self.module.forward, args, kwargs)
             runner = ProgramRunner(traced, self.options, self.device)
             entry = CacheEntry(

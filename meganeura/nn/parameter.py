@@ -59,7 +59,7 @@ class _Persistent:
                 arr = arr.astype(np.float32)
             self._dtype = dtype_of(arr, type(self).__name__)
             self._shape = arr.shape
-            self._host = np.ascontiguousarray(arr)
+            self._host = np.require(arr, requirements="C")
         self._store = None
 
     @property
@@ -116,7 +116,7 @@ class _Persistent:
                 f"cannot copy a value of shape {arr.shape} into a {type(self).__name__.lower()} "
                 f"of shape {self._shape}"
             )
-        arr = np.ascontiguousarray(convert(arr, self._dtype))
+        arr = np.require(convert(arr, self._dtype), requirements="C")
         if self._store is not None and self._store.resident(self):
             self._store.write(self, arr)
         else:

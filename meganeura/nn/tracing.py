@@ -68,9 +68,14 @@ class Trace:
             return t
         name = self.names.get(id(obj))
         if name is None:
+            what = (
+                f"{type(obj).__name__.lower()} {attr!r}"
+                if attr
+                else (f"a {type(obj).__name__} of shape {obj.shape}")
+            )
             raise TraceError(
-                f"forward reads {type(obj).__name__.lower()} {attr!r}, which is not registered "
-                "in the traced model (assign it as an attribute of a submodule in __init__)"
+                f"forward reads {what}, which is not registered in the traced model (assign "
+                "it as an attribute of the model or of a submodule in __init__)"
             )
         if isinstance(obj, Buffer) and obj.host_only:
             raise TraceError(f"buffer {name!r} lives on the host only; forward cannot read it")
@@ -149,5 +154,5 @@ def lift(value, builder: GraphBuilder) -> Tensor:
             "with a GraphBuilder, declare it with g.input, g.parameter or g.state"
         )
     if isinstance(value, _Persistent):
-        return trace.leaf(value, "<operand>")
+        return trace.leaf(value, "")
     return trace.constant(value)

@@ -9,7 +9,9 @@ never differentiated again); the bias gradient is ``sum(g, (0, 2, 3))``.
 ``conv2d_backward_input`` is also the transposed convolution users call
 (``ops.conv_transpose``), so it has a gradient rule itself: conv2d and
 conv2d_backward_weight again. ``conv1d`` is ``conv2d`` over ``H = 1`` through free reshape
-views. Attributes stored in nodes are canonical: 2-tuples of ints and an int.
+views; both check their arguments as given (``conv_type``, over one or two spatial dims)
+before any node exists, so a bad ``conv1d`` call reports its 3-D shapes, never the 4-D
+``conv2d`` it lowers to. Attributes stored in nodes are canonical: 2-tuples of ints and an int.
 
 ``DEFS`` also carries the pooling ops of ``ops.pool``, so ``ops/__init__`` lists one family.
 """
@@ -20,11 +22,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..graph.builder import Tensor
+from ..graph.builder import Tensor, op_error
 from ..graph.ir import TensorType
 from . import functional as F
 from .pool import DEFS as POOL_DEFS
-from .pool import pair, unbatched
+from .pool import unbatched
 from .registry import OpDef, ShapeError
 
 
@@ -59,27 +61,76 @@ def _floating4(t: TensorType, what: str) -> None:
         raise ShapeError(f"{what} must be a floating 4-d tensor, got {t}")
 
 
+# The layouts as the user writes them, by number of spatial dims (PyTorch's names).
+INPUT_LAYOUT = {1: "[N, C, L]", 2: "[N, C, H, W]"}
+UNBATCHED_LAYOUT = {1: "[C, L]", 2: "[C, H, W]"}
+WEIGHT_LAYOUT = {
+    1: "[out_channels, in_channels/groups, kernel_size]",
+    2: "[out_channels, in_channels/groups, kH, kW]",
+}
+
+
+def _sizes(v: Sequence[int]) -> str:
+    """Per-dim sizes as the user wrote them: ``5`` for one spatial dim, ``[5, 5]`` for two."""
+    return str(v[0]) if len(v) == 1 else str(list(v))
+
+
+def conv_type(
+    x: TensorType,
+    w: TensorType,
+    bias: TensorType | None,
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+    groups: int,
+) -> TensorType:
+    """Result type of a convolution over ``x.ndim - 2`` spatial dims (1: conv1d, 2: conv2d).
+
+    Raises:
+        ShapeError: worded in that many dims, with the shapes as given.
+    """
+    k = x.ndim - 2
+    if not x.dtype.is_floating:
+        raise ShapeError(f"input must be floating, got {x}")
+    if w.ndim != x.ndim:
+        raise ShapeError(f"weight must be {x.ndim}-d {WEIGHT_LAYOUT[k]}, got {w}")
+    if x.dtype is not w.dtype:
+        raise ShapeError(f"input and weight dtypes differ: {x.dtype} vs {w.dtype}")
+    for name, v, low in (("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1)):
+        if min(v) < low:
+            raise ShapeError(f"{name} must be >= {low}, got {_sizes(v)}")
+    if groups < 1:
+        raise ShapeError(f"groups must be >= 1, got {groups}")
+    c, (oc, cg), ks = x.shape[1], w.shape[:2], w.shape[2:]
+    if c != cg * groups:
+        per = f"{cg} * groups={groups} = {cg * groups}" if groups > 1 else f"{cg}"
+        raise ShapeError(f"weight {list(w.shape)} expects {per} input channels, the input has {c}")
+    if oc % groups:
+        raise ShapeError(f"groups={groups} does not divide the weight's {oc} output channels")
+    if min(w.shape) < 1:
+        raise ShapeError(f"weight {list(w.shape)} has an empty dim")
+    if bias is not None and (bias.shape != (oc,) or bias.dtype is not x.dtype):
+        raise ShapeError(f"bias must be {x.dtype}[{oc}], one per output channel, got {bias}")
+    size = x.shape[2:]
+    out = tuple(out_size(size[i], ks[i], stride[i], padding[i], dilation[i]) for i in range(k))
+    if min(out) < 1:
+        span = [dilation[i] * (ks[i] - 1) + 1 for i in range(k)]
+        what = "length" if k == 1 else "size"
+        raise ShapeError(
+            f"input {what} {_sizes(size)} padded by {_sizes(padding)} on each side is smaller "
+            f"than the dilated kernel {_sizes(span)}"
+        )
+    return TensorType(x.shape[:1] + (oc,) + out, x.dtype)
+
+
 def _conv_type(types, attrs):
     if len(types) not in (2, 3):
         raise ShapeError(f"takes (input, weight[, bias]), got {len(types)} operands")
     x, w = types[:2]
     _floating4(x, "input")
     _floating4(w, "weight")
-    _check_attrs(attrs)
-    g = attrs["groups"]
-    n, c, h, wd = x.shape
-    oc, cg, kh, kw = w.shape
-    if x.dtype is not w.dtype:
-        raise ShapeError(f"input and weight dtypes differ: {x.dtype} vs {w.dtype}")
-    if c != cg * g or oc % g or min(oc, cg, kh, kw) < 1:
-        raise ShapeError(
-            f"expected weight [OC, {c // g if c % g == 0 else '?'}, KH, KW] with OC divisible "
-            f"by groups={g} for input channels {c}, got weight {list(w.shape)}"
-        )
-    if len(types) == 3 and (types[2].shape != (oc,) or types[2].dtype is not x.dtype):
-        raise ShapeError(f"bias must be {x.dtype}[{oc}], got {types[2]}")
-    oh, ow = _out_hw((h, wd), (kh, kw), attrs)
-    return TensorType((n, oc, oh, ow), x.dtype)
+    s, p, d = _geometry(attrs)
+    return conv_type(x, w, types[2] if len(types) == 3 else None, s, p, d, attrs["groups"])
 
 
 def _bwd_input_type(types, attrs):
@@ -219,20 +270,73 @@ DEFS = [
 
 
 # ---- user-facing functions --------------------------------------------------------------------
-def _padding(padding, kernel: Sequence[int], dilation: tuple[int, int], stride) -> tuple[int, int]:
+def _ints(v, what: str, n: int) -> tuple[int, ...]:
+    """``v`` as ``n`` ints: an int is repeated, a tuple or list must have ``n`` entries."""
+    if isinstance(v, (tuple, list)):
+        if len(v) != n:
+            raise ValueError(f"{what} must be an int or a {n}-tuple, got {v!r}")
+        return tuple(int(e) for e in v)
+    return (int(v),) * n
+
+
+def _padding(padding, kernel: Sequence[int], dilation: Sequence[int], stride) -> tuple[int, ...]:
+    """Padding per spatial dim (one per entry of ``kernel``) from an int, a tuple,
+    ``"valid"`` or ``"same"``."""
+    n = len(kernel)
     if padding == "valid":
-        return (0, 0)
+        return (0,) * n
     if padding == "same":
         if max(stride) != 1:
             raise ValueError("padding='same' needs stride 1 (as in PyTorch)")
-        total = [dilation[i] * (kernel[i] - 1) for i in range(2)]
+        total = [dilation[i] * (kernel[i] - 1) for i in range(n)]
         if any(t % 2 for t in total):
             raise ValueError(
-                f"padding='same' with kernel {list(kernel)} and dilation {list(dilation)} "
-                "needs asymmetric padding, which is not supported; pad explicitly"
+                f"padding='same' with kernel_size {_sizes(kernel)} and dilation "
+                f"{_sizes(dilation)} needs asymmetric padding, which is not supported; pad "
+                "explicitly"
             )
-        return (total[0] // 2, total[1] // 2)
-    return pair(padding, "padding")
+        return tuple(t // 2 for t in total)
+    if isinstance(padding, str):
+        raise ValueError(f"padding must be an int, a tuple, 'valid' or 'same', got {padding!r}")
+    return _ints(padding, "padding", n)
+
+
+def _conv_attrs(
+    fn: str, input: Tensor, weight: Tensor, bias, stride, padding, dilation, groups, k: int
+) -> dict:
+    """The canonical attrs (``k``-tuples) of a ``k``-d convolution call, after checking the
+    operands as the user gave them (an unbatched input included).
+
+    Raises:
+        GraphTypeError: for shapes, dtypes, channel or group counts, or an input smaller than
+            the dilated kernel; ValueError: for a malformed stride/padding/dilation; both
+            naming ``fn``, its operands, its arguments and the user's line.
+    """
+    operands = [input, weight] if bias is None else [input, weight, bias]
+    args = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups}
+    for name, t in zip(("input", "weight", "bias"), operands):
+        if not isinstance(t, Tensor):
+            raise op_error(fn, operands, args, f"{name} must be a Tensor, got {t!r}")
+    x = input.type
+    if x.ndim == k + 1:  # unbatched, as PyTorch accepts: checked as a batch of one
+        x = TensorType((1,) + x.shape, x.dtype)
+    try:
+        if x.ndim != k + 2:
+            raise ShapeError(
+                f"input must be {INPUT_LAYOUT[k]} or unbatched {UNBATCHED_LAYOUT[k]}, got "
+                f"{input.type}"
+            )
+        if weight.ndim != k + 2:
+            raise ShapeError(f"weight must be {k + 2}-d {WEIGHT_LAYOUT[k]}, got {weight.type}")
+        s, d = _ints(stride, "stride", k), _ints(dilation, "dilation", k)
+        p = _padding(padding, weight.shape[2:], d, s)
+        g = int(groups)
+        conv_type(x, weight.type, None if bias is None else bias.type, s, p, d, g)
+    except ShapeError as e:
+        raise op_error(fn, operands, args, str(e)) from None
+    except ValueError as e:
+        raise op_error(fn, operands, args, str(e), ValueError) from None
+    return {"stride": s, "padding": p, "dilation": d, "groups": g}
 
 
 def conv2d(
@@ -262,24 +366,11 @@ def conv2d(
         GraphTypeError: for mismatched shapes, dtypes or channel/group counts, or an input
             smaller than the dilated kernel.
         ValueError: for a padding spec that cannot be expressed symmetrically.
+        Both name ``conv2d``, the operands as given and the caller's line.
     """
-    stride, dilation = pair(stride, "stride"), pair(dilation, "dilation")
-    attrs = {
-        "stride": stride,
-        "padding": _padding(padding, weight.shape[2:], dilation, stride),
-        "dilation": dilation,
-        "groups": int(groups),
-    }
+    attrs = _conv_attrs("conv2d", input, weight, bias, stride, padding, dilation, groups, 2)
     ops = [weight] if bias is None else [weight, bias]
     return unbatched(input, 4, lambda x: x.builder.add("conv2d", [x, *ops], attrs))
-
-
-def _one(v, what: str) -> int:
-    if isinstance(v, (tuple, list)):
-        if len(v) != 1:
-            raise ValueError(f"{what} must be an int or a 1-tuple, got {v!r}")
-        v = v[0]
-    return int(v)
 
 
 def conv1d(
@@ -302,25 +393,22 @@ def conv1d(
         [N, OC, OL], ``OL = (L + 2 p - d (K - 1) - 1) // s + 1``.
 
     Raises:
-        GraphTypeError / ValueError: as for ``conv2d``.
+        GraphTypeError / ValueError: as for ``conv2d``, worded in 1-D terms: they name
+            ``conv1d`` and the 3-D shapes given, never the 4-D ``conv2d`` it lowers to.
     """
-    if weight.ndim != 3:
-        raise ValueError(f"conv1d weight must be [OC, C/groups, K], got {weight!r}")
-    pad = padding if isinstance(padding, str) else (0, _one(padding, "padding"))
+    a = _conv_attrs("conv1d", input, weight, bias, stride, padding, dilation, groups, 1)
+    attrs = {
+        "stride": (1, *a["stride"]),
+        "padding": (0, *a["padding"]),
+        "dilation": (1, *a["dilation"]),
+        "groups": a["groups"],
+    }
     w4 = F.reshape(weight, (weight.shape[0], weight.shape[1], 1, weight.shape[2]))
+    ops = [w4] if bias is None else [w4, bias]
 
     def run(x: Tensor) -> Tensor:
-        if x.ndim != 3:
-            raise ValueError(f"conv1d input must be [N, C, L], got {x!r}")
-        y = conv2d(
-            F.reshape(x, (x.shape[0], x.shape[1], 1, x.shape[2])),
-            w4,
-            bias,
-            (1, _one(stride, "stride")),
-            pad,
-            (1, _one(dilation, "dilation")),
-            groups,
-        )
+        x4 = F.reshape(x, (x.shape[0], x.shape[1], 1, x.shape[2]))
+        y = x.builder.add("conv2d", [x4, *ops], attrs)
         return F.reshape(y, (y.shape[0], y.shape[1], y.shape[3]))
 
     return unbatched(input, 3, run)

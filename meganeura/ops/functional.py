@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 
 from ..dtypes import DType
-from ..graph.builder import Tensor
+from ..graph.builder import Tensor, op_error
 
 Scalar = int | float
 
@@ -152,14 +152,26 @@ def normalize_dim(d: int, ndim: int, what: str = "dim") -> int:
 
 
 def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
-    """Same elements in a new shape; one entry may be -1 (inferred)."""
+    """Same elements in a new shape; one entry may be -1 (inferred).
+
+    Raises:
+        GraphTypeError: for more than one -1, a -1 that no size fits, or a shape of another
+            number of elements (naming ``reshape``, ``x``'s type, the shape and the caller's
+            line).
+    """
     shape = [int(s) for s in shape]
     if shape.count(-1) > 1:
-        raise ValueError(f"reshape of {x!r}: at most one -1 in {shape}")
+        raise op_error("reshape", [x], {"shape": tuple(shape)}, "only one dim can be -1")
     if -1 in shape:
         known = math.prod(s for s in shape if s != -1)
         if known == 0 or x.type.numel % known:
-            raise ValueError(f"reshape of {x!r}: cannot infer -1 in {shape}")
+            why = (
+                "the other dims hold no elements"
+                if known == 0
+                else f"{x.type.numel} elements of {list(x.shape)} are not a multiple of "
+                f"{known}, the product of the other dims"
+            )
+            raise op_error("reshape", [x], {"shape": tuple(shape)}, f"cannot infer the -1: {why}")
         shape[shape.index(-1)] = x.type.numel // known
     if tuple(shape) == x.shape:
         return x
@@ -240,7 +252,33 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x @ weight^T + bias`` with PyTorch's layout: weight [out, in], bias [out]."""
+    """``x @ weight^T + bias`` with PyTorch's layout: weight [out, in], bias [out].
+
+    Raises:
+        GraphTypeError: for a weight that is not 2-D, an input whose last dim is not
+            ``in_features``, or a bias that is not [out_features]; the message names
+            ``linear``, the operands as given (the weight untransposed) and the caller's line.
+    """
+    operands = [x, weight] if bias is None else [x, weight, bias]
+    why = None
+    if not all(isinstance(t, Tensor) for t in operands):
+        why = "input, weight and bias must be Tensors"
+    elif weight.ndim != 2:
+        why = f"weight must be 2-D [out_features, in_features], got {weight.type}"
+    elif x.ndim < 2:
+        why = f"input must be [*, in_features] with at least 2 dims, got {x.type}"
+    elif x.shape[-1] != weight.shape[1]:
+        why = (
+            f"input has {x.shape[-1]} features (its last dim), but weight "
+            f"{list(weight.shape)} is [out_features, in_features] with in_features="
+            f"{weight.shape[1]}"
+        )
+    elif x.dtype is not weight.dtype:
+        why = f"input and weight dtypes differ: {x.dtype} vs {weight.dtype}"
+    elif bias is not None and (bias.shape != weight.shape[:1] or bias.dtype is not x.dtype):
+        why = f"bias must be {x.dtype}[{weight.shape[0]}] (out_features), got {bias.type}"
+    if why is not None:
+        raise op_error("linear", operands, None, why)
     y = matmul(x, transpose(weight, -2, -1))
     return y if bias is None else y + bias
 

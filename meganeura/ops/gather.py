@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph.builder import Tensor
+from ..graph.builder import Tensor, op_error
 from ..graph.ir import TensorType
 from . import functional as F
 from .registry import OpDef, ShapeError
@@ -171,7 +171,9 @@ DEFS = [
 # ---- user-facing functions ----------------------------------------------------------------------
 def _dim(dim: int, ndim: int, fn: str, x: Tensor) -> int:
     if not isinstance(dim, (int, np.integer)) or not -ndim <= dim < ndim:
-        raise ShapeError(f"{fn}({x!r}): dim {dim!r} out of range: expected {-ndim} <= dim < {ndim}")
+        raise op_error(
+            fn, [x], {"dim": dim}, f"dim {dim!r} out of range: expected {-ndim} <= dim < {ndim}"
+        )
     return int(dim) % ndim
 
 
@@ -187,8 +189,7 @@ def gather(input: Tensor, dim: int, index: Tensor) -> Tensor:  # noqa: A002
         ``input``'s dtype, ``index``'s shape.
 
     Raises:
-        ShapeError / GraphTypeError: for a dim out of range, a non-integer index or
-            mismatched shapes.
+        GraphTypeError: for a dim out of range, a non-integer index or mismatched shapes.
     """
     d = _dim(dim, input.ndim, "gather", input)
     return input.builder.add("gather", [input, index], {"dim": d})
@@ -202,8 +203,11 @@ def take_along_dim(input: Tensor, indices: Tensor, dim: int | None = None) -> Te
         return gather(flat, 0, F.reshape(indices, (indices.type.numel,)))
     d = _dim(dim, input.ndim, "take_along_dim", input)
     if indices.ndim != input.ndim:
-        raise ShapeError(
-            f"take_along_dim({input!r}): indices must have {input.ndim} dims, got {indices!r}"
+        raise op_error(
+            "take_along_dim",
+            [input, indices],
+            {"dim": dim},
+            f"indices must have as many dims as the input ({input.ndim})",
         )
     from .elementwise import broadcast_shapes
 
@@ -211,7 +215,7 @@ def take_along_dim(input: Tensor, indices: Tensor, dim: int | None = None) -> Te
         both = broadcast_shapes(input.shape[:d] + (1,) + input.shape[d + 1 :],
                                 indices.shape[:d] + (1,) + indices.shape[d + 1 :])  # fmt: skip
     except ShapeError as e:
-        raise ShapeError(f"take_along_dim({input!r}, {indices!r}): {e}") from None
+        raise op_error("take_along_dim", [input, indices], {"dim": dim}, str(e)) from None
     x = F.broadcast_to(input, both[:d] + (input.shape[d],) + both[d + 1 :])
     i = F.broadcast_to(indices, both[:d] + (indices.shape[d],) + both[d + 1 :])
     return gather(x, d, i)
@@ -239,10 +243,28 @@ def embedding(input: Tensor, weight: Tensor) -> Tensor:  # noqa: A002
     (torch.nn.functional.embedding without padding_idx / max_norm).
 
     An ``index_select`` along dim 0 of the flattened indices plus free reshapes; the weight
-    gradient sums the rows of repeated indices (``index_select_backward``).
+    gradient sums the rows of repeated indices (``index_select_backward``). The node keeps
+    ``origin="embedding"``, so a token id out of range fed to it is reported as one.
+
+    Raises:
+        GraphTypeError: for a weight that is not 2-D, non-integer token ids or an empty
+            vocabulary, naming ``embedding``, both operands as given and the caller's line.
     """
+    for name, t in (("input", input), ("weight", weight)):
+        if not isinstance(t, Tensor):
+            raise op_error("embedding", [input, weight], None, f"{name} must be a Tensor")
+    why = None
     if weight.ndim != 2:
-        raise ShapeError(f"embedding: weight must be 2-D [V, E], got {weight!r}")
+        why = f"weight must be 2-D [num_embeddings, embedding_dim], got {weight.type}"
+    elif not input.dtype.is_integer:
+        why = (
+            f"input must hold integer token ids (i32 or u32), got {input.type} (declare the "
+            "ids with dtype mn.i32)"
+        )
+    elif weight.shape[0] == 0 and input.type.numel:
+        why = f"weight {list(weight.shape)} has no rows to look up"
+    if why is not None:
+        raise op_error("embedding", [input, weight], None, why)
     flat = F.reshape(input, (input.type.numel,))
-    rows = weight.builder.add("index_select", [weight, flat], {"dim": 0})
+    rows = weight.builder.add("index_select", [weight, flat], {"dim": 0}, origin="embedding")
     return F.reshape(rows, input.shape + (weight.shape[1],))

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..graph.builder import Tensor
+from ..graph.builder import Tensor, op_error
 from ..graph.ir import TensorType
 from . import functional as F
 from . import gather
@@ -147,14 +147,19 @@ def cat_shape(types, dim: int) -> tuple[int, ...]:
     total = 0
     for k, t in enumerate(types):
         if t.dtype is not first.dtype:
-            raise ShapeError(f"operand {k} has dtype {t.dtype}, expected {first.dtype}")
-        if t.ndim != first.ndim or any(
-            a != b for d, (a, b) in enumerate(zip(t.shape, first.shape)) if d != dim
-        ):
-            want = [*first.shape[:dim], "*", *first.shape[dim + 1 :]]
             raise ShapeError(
-                f"operand {k} has shape {list(t.shape)}, expected {want} (every dim but {dim} "
-                f"equal to operand 0's)"
+                f"operand {k} has dtype {t.dtype}, operand 0 {first.dtype}; cat needs one dtype"
+            )
+        if t.ndim != first.ndim:
+            raise ShapeError(
+                f"operand {k} has {t.ndim} dims {list(t.shape)}, operand 0 has {first.ndim} "
+                f"{list(first.shape)}; cat needs the same number of dims"
+            )
+        if any(a != b for d, (a, b) in enumerate(zip(t.shape, first.shape)) if d != dim):
+            want = ", ".join("*" if d == dim else str(n) for d, n in enumerate(first.shape))
+            raise ShapeError(
+                f"operand {k} has shape {list(t.shape)} where [{want}] is expected: every dim "
+                f"but dim {dim} must equal operand 0's {list(first.shape)}"
             )
         total += t.shape[dim]
     return first.shape[:dim] + (total,) + first.shape[dim + 1 :]
@@ -191,11 +196,14 @@ DEFS = [
 
 
 # ---- user-facing functions ----------------------------------------------------------------------
-def _dim(dim: int, ndim: int, fn: str, x: Tensor, extra: int = 0) -> int:
-    """``dim`` normalized into ``[0, ndim + extra)``; ShapeError naming the call otherwise."""
+def _dim(dim: int, ndim: int, fn: str, x: Tensor | Sequence[Tensor], extra: int = 0) -> int:
+    """``dim`` normalized into ``[0, ndim + extra)``; otherwise a GraphTypeError naming
+    ``fn``, its operand ``x`` (a tensor or the list ``cat`` got) and the user's line."""
     n = ndim + extra
     if not isinstance(dim, (int, np.integer)) or not -n <= dim < max(n, 1) or n == 0:
-        raise ShapeError(f"{fn}({x!r}): dim {dim!r} out of range: expected {-n} <= dim < {n}")
+        raise op_error(
+            fn, [x], {"dim": dim}, f"dim {dim!r} out of range: expected {-n} <= dim < {n}"
+        )
     return int(dim) % n
 
 
@@ -224,7 +232,7 @@ def slice(x: Tensor, dim: int = 0, start=None, end=None, step: int = 1) -> Tenso
         Same dtype, ``ceil((end - start) / step)`` elements along ``dim``.
 
     Raises:
-        ShapeError: for a dim out of range; GraphTypeError for an empty result.
+        GraphTypeError: for a dim out of range or an empty result.
         ValueError: for a step < 1.
     """
     d = _dim(dim, x.ndim, "slice", x)
@@ -237,7 +245,7 @@ def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
     """``length`` elements of ``x`` from ``start`` along ``dim`` (torch.narrow).
 
     Raises:
-        ShapeError: for a dim out of range; IndexError when the range leaves the dim.
+        GraphTypeError: for a dim out of range; IndexError when the range leaves the dim.
     """
     d = _dim(dim, x.ndim, "narrow", x)
     n = x.shape[d]
@@ -322,26 +330,53 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     with no elements are dropped (their gradient is empty anyway).
 
     Raises:
-        ShapeError: for a dim out of range, mixed dtypes or mismatched shapes (naming the
-            operand, its shape and the expected one).
+        GraphTypeError: for no tensors, a dim out of range, mixed dtypes or mismatched shapes,
+            naming ``cat``, every operand's type, the dim and the caller's line, then the
+            operand at fault with its shape and the expected one.
     """
-    tensors = list(tensors)
-    if not tensors:
-        raise ShapeError("cat needs at least one tensor")
-    d = _dim(dim, tensors[0].ndim, "cat", tensors[0])
-    cat_shape([t.type for t in tensors], d)
+    tensors = _operands("cat", tensors, dim)
+    d = _dim(dim, tensors[0].ndim, "cat", tensors)
+    try:
+        cat_shape([t.type for t in tensors], d)
+    except ShapeError as e:
+        raise op_error("cat", [tensors], {"dim": dim}, str(e)) from None
     kept = [t for t in tensors if t.type.numel] or tensors[:1]
     if len(kept) == 1 and kept[0].shape[d] == sum(t.shape[d] for t in tensors):
         return kept[0]
     return kept[0].builder.add("cat", kept, {"dim": d})
 
 
-def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
-    """Join same-shape tensors along a new dim (torch.stack)."""
+def _operands(fn: str, tensors: Sequence[Tensor], dim) -> list[Tensor]:
+    """``tensors`` as a non-empty list of Tensors of one graph, else a GraphTypeError."""
     tensors = list(tensors)
     if not tensors:
-        raise ShapeError("stack needs at least one tensor")
-    d = _dim(dim, tensors[0].ndim, "stack", tensors[0], extra=1)
+        raise op_error(fn, [tensors], {"dim": dim}, "needs at least one tensor")
+    for k, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise op_error(fn, [tensors], {"dim": dim}, f"operand {k} is not a Tensor: {t!r}")
+        if t.builder is not tensors[0].builder:
+            raise op_error(fn, [tensors], {"dim": dim}, f"operand {k} belongs to another graph")
+    return tensors
+
+
+def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    """Join same-shape tensors along a new dim (torch.stack).
+
+    Raises:
+        GraphTypeError: for no tensors, a dim out of range, or tensors of different shapes or
+            dtypes (naming ``stack``, every operand's type, the dim and the caller's line).
+    """
+    tensors = _operands("stack", tensors, dim)
+    d = _dim(dim, tensors[0].ndim, "stack", tensors, extra=1)
+    first = tensors[0].type
+    for k, t in enumerate(tensors):
+        if t.type != first:
+            raise op_error(
+                "stack",
+                [tensors],
+                {"dim": dim},
+                f"operand {k} is {t.type}, operand 0 {first}; stack needs one shape and dtype",
+            )
     return cat([unsqueeze(t, d) for t in tensors], d)
 
 
@@ -353,19 +388,26 @@ def split(x: Tensor, split_size_or_sections: int | Sequence[int], dim: int = 0):
         A tuple of tensors (``slice`` nodes).
 
     Raises:
-        ShapeError: when the sections do not add up to the dim's size or one is empty.
+        GraphTypeError: for a dim out of range, a split size below 1, or sections that do
+            not add up to the dim's size or include an empty one.
     """
     d = _dim(dim, x.ndim, "split", x)
     n = x.shape[d]
+    args = {"split_size_or_sections": split_size_or_sections, "dim": dim}
     if isinstance(split_size_or_sections, (int, np.integer)):
         size = int(split_size_or_sections)
         if size < 1:
-            raise ShapeError(f"split({x!r}): split size must be positive, got {size}")
+            raise op_error("split", [x], args, f"split size must be positive, got {size}")
         sizes = [min(size, n - s) for s in range(0, n, size)]
     else:
         sizes = [int(s) for s in split_size_or_sections]
         if sum(sizes) != n or min(sizes, default=1) < 1:
-            raise ShapeError(f"split({x!r}): sections {sizes} must be positive and sum to {n}")
+            raise op_error(
+                "split",
+                [x],
+                args,
+                f"sections {sizes} must be positive and sum to {n}, the size of dim {d}",
+            )
     out, off = [], 0
     for s in sizes:
         out.append(_slice_dims(x, {d: (off, off + s, 1)}))
@@ -377,7 +419,7 @@ def chunk(x: Tensor, chunks: int, dim: int = 0):
     """At most ``chunks`` pieces of ``ceil(size / chunks)`` elements (torch.chunk)."""
     d = _dim(dim, x.ndim, "chunk", x)
     if chunks < 1:
-        raise ShapeError(f"chunk({x!r}): chunks must be positive, got {chunks}")
+        raise op_error("chunk", [x], {"chunks": chunks, "dim": dim}, "chunks must be positive")
     return split(x, max(1, -(-x.shape[d] // chunks)), d)
 
 
@@ -392,14 +434,16 @@ def pad(x: Tensor, pad: Sequence[int], mode: str = "constant", value: float | No
         value: the fill (default 0); must be finite.
 
     Raises:
-        ShapeError: for an odd or too long ``pad``, or a dim cropped below zero.
+        GraphTypeError: for an odd or too long ``pad``, or a dim cropped below zero.
         NotImplementedError: for other modes.
     """
     if mode != "constant":
         raise NotImplementedError(f"pad mode {mode!r}: only 'constant' is implemented")
     pad = [int(p) for p in pad]
     if len(pad) % 2 or len(pad) > 2 * x.ndim:
-        raise ShapeError(f"pad({x!r}): needs an even number of ints <= {2 * x.ndim}, got {pad}")
+        raise op_error(
+            "pad", [x], {"pad": pad}, f"needs an even number of ints, at most {2 * x.ndim}"
+        )
     pairs = [(0, 0)] * x.ndim
     for k in range(len(pad) // 2):
         pairs[x.ndim - 1 - k] = (pad[2 * k], pad[2 * k + 1])

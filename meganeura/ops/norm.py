@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import DType
-from ..graph.builder import Tensor
+from ..graph.builder import Tensor, op_error
 from ..graph.ir import TensorType
 from . import functional as F
 from .dropout import DEFS as DROPOUT_DEFS
@@ -198,22 +198,45 @@ DEFS: list[OpDef] = _defs() + DROPOUT_DEFS
 
 
 # ---- user functions ---------------------------------------------------------------------------
-def _param(p: Tensor | None, like: Tensor, default: float, shape, name: str) -> Tensor:
+class _Call:
+    """One call of a user-facing norm, for its error messages: the function's name, its input
+    and its other arguments as the user passed them (those left None are not shown)."""
+
+    def __init__(self, fn: str, input: Tensor, **args) -> None:  # noqa: A002
+        self.fn, self.input = fn, input
+        self.args = {k: v for k, v in args.items() if v is not None}
+
+    def error(self, message: str, error: type[Exception] = ValueError) -> Exception:
+        return op_error(self.fn, [self.input], self.args, message, error)
+
+
+def _param(p: Tensor | None, call: _Call, default: float, shape, name: str, of: str) -> Tensor:
+    """``p`` checked to be a Tensor of the input's graph shaped ``shape`` (``of`` says where
+    that shape comes from), or the scalar ``default`` when None."""
+    like = call.input
     if p is None:
         return like.builder.constant(default, like.dtype)
     if not isinstance(p, Tensor) or p.builder is not like.builder:
-        raise TypeError(f"{name} must be a Tensor of the input's graph or None, got {p!r}")
+        raise call.error(f"{name} must be a Tensor of the input's graph or None", TypeError)
     if p.shape != tuple(shape):
-        raise ValueError(f"{name} must have shape {list(shape)}, got {p!r}")
+        raise call.error(f"{name} must have shape {list(shape)} ({of}), got {p.type}")
     return p
 
 
-def _normalized(input: Tensor, normalized_shape) -> tuple[int, ...]:  # noqa: A002
+def _normalized(call: _Call, normalized_shape) -> tuple[int, ...]:
+    x = call.input
+    if not isinstance(x, Tensor):
+        raise call.error(f"input must be a Tensor, got {x!r}", TypeError)
     ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     ns = tuple(int(s) for s in ns)
-    if not ns or input.shape[input.ndim - len(ns) :] != ns or len(ns) > input.ndim:
-        raise ValueError(
-            f"normalized_shape {list(ns)} must be the trailing dims of the input {input!r}"
+    if not ns:
+        raise call.error("normalized_shape must name at least one dim")
+    if len(ns) > x.ndim:
+        raise call.error(f"normalized_shape {list(ns)} has more dims than the input {x.type}")
+    if x.shape[x.ndim - len(ns) :] != ns:
+        raise call.error(
+            f"normalized_shape {list(ns)} must be the input's trailing dims, which are "
+            f"{list(x.shape[x.ndim - len(ns) :])}"
         )
     return ns
 
@@ -243,9 +266,10 @@ def layer_norm(
         ValueError: when ``normalized_shape`` is not the input's trailing dims, or weight/bias
             have another shape.
     """
-    ns = _normalized(input, normalized_shape)
-    w = _param(weight, input, 1.0, ns, "weight")
-    b = _param(bias, input, 0.0, ns, "bias")
+    call = _Call("layer_norm", input, normalized_shape=normalized_shape, weight=weight, bias=bias)
+    ns = _normalized(call, normalized_shape)
+    w = _param(weight, call, 1.0, ns, "weight", "normalized_shape")
+    b = _param(bias, call, 0.0, ns, "bias", "normalized_shape")
     attrs = {"normalized_ndim": len(ns), "eps": float(eps)}
     return input.builder.add("layer_norm", [input, w, b], attrs)
 
@@ -270,8 +294,9 @@ def rms_norm(
     Raises:
         ValueError: as ``layer_norm``.
     """
-    ns = _normalized(input, normalized_shape)
-    w = _param(weight, input, 1.0, ns, "weight")
+    call = _Call("rms_norm", input, normalized_shape=normalized_shape, weight=weight)
+    ns = _normalized(call, normalized_shape)
+    w = _param(weight, call, 1.0, ns, "weight", "normalized_shape")
     eps = RMS_EPS_F32 if eps is None else float(eps)
     return input.builder.add("rms_norm", [input, w], {"normalized_ndim": len(ns), "eps": eps})
 
@@ -293,13 +318,18 @@ def group_norm(
         ValueError: when the input has fewer than 2 dims, ``num_groups`` does not divide C,
             or weight/bias are not [C].
     """
-    if input.ndim < 2 or not isinstance(num_groups, int) or num_groups < 1:
-        raise ValueError(f"group_norm needs an input [N, C, *] and num_groups >= 1: {input!r}")
+    call = _Call("group_norm", input, num_groups=num_groups, weight=weight, bias=bias)
+    if not isinstance(input, Tensor):
+        raise call.error(f"input must be a Tensor, got {input!r}", TypeError)
+    if input.ndim < 2:
+        raise call.error(f"input must be [N, C, *], got {input.type}")
+    if not isinstance(num_groups, int) or num_groups < 1:
+        raise call.error(f"num_groups must be an int >= 1, got {num_groups!r}")
     c = input.shape[1]
     if c % num_groups:
-        raise ValueError(f"num_groups {num_groups} does not divide the {c} channels")
-    w = _param(weight, input, 1.0, (c,), "weight")
-    b = _param(bias, input, 0.0, (c,), "bias")
+        raise call.error(f"num_groups {num_groups} does not divide the input's {c} channels")
+    w = _param(weight, call, 1.0, (c,), "weight", "one per channel")
+    b = _param(bias, call, 0.0, (c,), "bias", "one per channel")
     attrs = {"num_groups": num_groups, "eps": float(eps)}
     return input.builder.add("group_norm", [input, w, b], attrs)
 
@@ -336,31 +366,42 @@ def batch_norm(
             mode (PyTorch raises too).
         NotImplementedError: ``momentum=None``.
     """
+    call = _Call(
+        "batch_norm",
+        input,
+        running_mean=running_mean,
+        running_var=running_var,
+        weight=weight,
+        bias=bias,
+        training=training,
+    )
+    if not isinstance(input, Tensor):
+        raise call.error(f"input must be a Tensor, got {input!r}", TypeError)
     if input.ndim < 2:
-        raise ValueError(f"batch_norm needs an input [N, C, *], got {input!r}")
+        raise call.error(f"input must be [N, C, *], got {input.type}")
     c = input.shape[1]
-    w = _param(weight, input, 1.0, (c,), "weight")
-    b = _param(bias, input, 0.0, (c,), "bias")
+    w = _param(weight, call, 1.0, (c,), "weight", "one per channel")
+    b = _param(bias, call, 0.0, (c,), "bias", "one per channel")
     stats = [running_mean, running_var]
     for s, name in zip(stats, ("running_mean", "running_var")):
         if s is not None:
-            _param(s, input, 0.0, (c,), name)
+            _param(s, call, 0.0, (c,), name, "one per channel")
     attrs = {"training": bool(training), "eps": float(eps)}
     if not training:
         if running_mean is None or running_var is None:
-            raise ValueError("batch_norm in eval mode needs running_mean and running_var")
+            raise call.error("eval mode (training=False) needs running_mean and running_var")
         return input.builder.add("batch_norm", [input, running_mean, running_var, w, b], attrs)
     if input.type.numel // c <= 1:
-        raise ValueError(f"expected more than 1 value per channel when training, got {input!r}")
+        raise call.error(f"expected more than 1 value per channel when training, got {input.type}")
     if (running_mean is None) != (running_var is None):
-        raise ValueError("give both running_mean and running_var, or neither")
+        raise call.error("give both running_mean and running_var, or neither")
     out = input.builder.add("batch_norm", [input, w, b], attrs)
     if running_mean is not None:
         if momentum is None:
             raise NotImplementedError("momentum=None (cumulative moving average) is not supported")
         for s in stats:
             if s.node.op != "state":
-                raise ValueError(f"running statistics must be state leaves to be updated: {s!r}")
+                raise call.error(f"running statistics must be state leaves to be updated: {s!r}")
         input.builder.add(
             "batch_norm_update_stats",
             [input, running_mean, running_var],

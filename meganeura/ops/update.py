@@ -1,4 +1,5 @@
-"""Optimizer update ops: in-place writes to a parameter and its optimizer state.
+"""Optimizer update ops: in-place writes to a parameter and its optimizer state, and the
+gradient accumulator of micro-batch training.
 
 Inputs are ``(param, grad, hyper, clip, *state)``:
   * ``hyper`` is the per-step f32 vector the host computes (learning rate and bias
@@ -14,6 +15,12 @@ Formulas follow torch.optim (single-tensor implementations, PyTorch 2.x docs):
         v = b2*v + (1-b2)*g*g;  p -= step_size * m / (sqrt(v)/bc2_sqrt + eps)
         with step_size = lr/(1-b1^t), bc2_sqrt = sqrt(1-b2^t).
         hyper = [lr, step_size, bc2_sqrt]
+
+``accumulate(acc, value, first)`` is the effect op of gradient accumulation (``optim.accumulate``):
+``acc = value if first else acc + value``, with ``first`` an f32[] flag the host feeds (nonzero on
+a step's first micro-batch). Overwriting on the first micro-batch instead of zeroing after the
+update means an accumulator never needs clearing: a step that fails half way leaves nothing
+behind for the next one, and NaN or inf from an earlier step cannot leak in.
 """
 
 from __future__ import annotations
@@ -81,6 +88,23 @@ def _adam_np(xs, a):
     return p.astype(xs[0].dtype), m.astype(xs[0].dtype), v.astype(xs[0].dtype)
 
 
+def _accumulate_type(types, attrs):
+    acc, value, first = types
+    if not acc.dtype.is_floating:
+        raise ShapeError(f"accumulator must be floating, got {acc}")
+    if value != acc:
+        raise ShapeError(f"value {value} does not match the accumulator {acc}")
+    if first != TensorType((), DType.f32):
+        raise ShapeError(f"first must be f32[], got {first}")
+    return TOKEN
+
+
+def _accumulate_np(xs, a):
+    acc, value, first = (np.asarray(x) for x in xs)
+    out = value if first != 0 else acc + value
+    return (out.astype(xs[0].dtype),)
+
+
 DEFS = [
     OpDef("sgd_update", _update_type(0, 2), _sgd_np, differentiable=False, writes=(0,), arity=4),
     OpDef(
@@ -93,5 +117,8 @@ DEFS = [
     ),
     OpDef(
         "adam_update", _update_type(2, 3), _adam_np, differentiable=False, writes=(0, 4, 5), arity=6
+    ),
+    OpDef(
+        "accumulate", _accumulate_type, _accumulate_np, differentiable=False, writes=(0,), arity=3
     ),
 ]

@@ -213,8 +213,9 @@ class Session:
             ``{name: array}`` for each fetched output, in the slot's shape and dtype.
 
         Raises:
-            InputError: an unknown, missing or mistyped feed, an out-of-range class index, or an
-                unknown fetch name; raised before anything is uploaded.
+            InputError: an unknown, missing or mistyped feed, an out-of-range index (class
+                index, token id, gather index), or an unknown fetch name; raised before
+                anything is uploaded.
             KernelError: the recorded step fails validation (names the kernel when it can).
         """
         self._live()
@@ -225,8 +226,16 @@ class Session:
         self._queue.submit([self._record(fetch)])
         return self._read_staged(fetch)
 
-    def _feed(self, feeds: Mapping[str, np.ndarray]) -> None:
-        """Check every feed, then upload them (nothing is uploaded if one is rejected)."""
+    def check(self, feeds: Mapping[str, np.ndarray]) -> list[tuple[BoundSlot, np.ndarray]]:
+        """Check ``feeds`` as :meth:`run` does, uploading nothing (a caller running several
+        programs in a row checks them all first).
+
+        Returns:
+            (slot, array as uploaded) per feed.
+
+        Raises:
+            InputError: as :meth:`run`.
+        """
         inputs = self.program.inputs
         unknown = sorted(set(feeds) - set(inputs))
         missing = sorted(set(inputs) - set(feeds))
@@ -237,7 +246,11 @@ class Session:
             )
         ready = [(self._bound[n], checked(self._bound[n], v)) for n, v in feeds.items()]
         check_labels(self.program, feeds)
-        for b, data in ready:
+        return ready
+
+    def _feed(self, feeds: Mapping[str, np.ndarray]) -> None:
+        """Check every feed, then upload them (nothing is uploaded if one is rejected)."""
+        for b, data in self.check(feeds):
             self._upload(b, data)
 
     def profile(

@@ -182,7 +182,7 @@ class SharedStore:
                         old.block.buffer, old.offset, buf, s.offset, ceil_to(s.nbytes, 4)
                     )
             else:
-                value = np.ascontiguousarray(initial(key), s.dtype.numpy)
+                value = np.require(initial(key), s.dtype.numpy, "C")
                 if value.shape != s.shape:
                     raise ValueError(
                         f"initial value of {n!r} has shape {value.shape}, not {s.shape}"

@@ -2,8 +2,9 @@
 written to them.
 
 Invariants:
-  * every feed, write and state-dict entry is checked (exact shape and NumPy dtype, class-index
-    ranges) before anything is uploaded, so a rejected call changes nothing on the GPU;
+  * every feed, write and state-dict entry is checked (exact shape and NumPy dtype, ranges of
+    class indices, token ids and gather indices) before anything is uploaded, so a rejected
+    call changes nothing on the GPU;
   * copy bounds are 4-byte aligned (``start`` down, ``length`` up), as copies and writes need;
   * ``bool`` slots are ``u32`` (0/1) on the GPU and ``np.bool_`` on the host;
   * a slot whose ``host_dtype`` differs from its storage dtype (a parameter stored as f16 in
@@ -132,7 +133,9 @@ def checked(b: BoundSlot, value) -> np.ndarray:
 
 
 def check_labels(program: Program, feeds: Mapping[str, np.ndarray]) -> None:
-    """Raise InputError if a class-index input holds an out-of-range value."""
+    """Raise InputError if an index input (class indices, token ids, gather indices) holds
+    a value out of its reader's range; the message names the input, the first bad value as
+    its reader sees it (``LabelCheck.what``), its position, the bound and the reader."""
     for lc in program.label_checks:
         x = feeds[lc.name]
         bad = (x < 0) | (x >= lc.num_classes)
@@ -146,7 +149,7 @@ def check_labels(program: Program, feeds: Mapping[str, np.ndarray]) -> None:
                 allowed += f" or {lc.ignore_index} (ignore_index)"
             reader = f" ({lc.consumer} reads it)" if lc.consumer else ""
             raise InputError(
-                f"input {lc.name!r}: class index {x.reshape(-1)[flat]} at index "
+                f"input {lc.name!r}: {lc.what} {x.reshape(-1)[flat]} at position "
                 f"{tuple(int(i) for i in idx)} is outside {allowed}{reader}; "
                 f"{int(bad.sum())} value(s) out of range"
             )

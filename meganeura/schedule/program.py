@@ -126,14 +126,18 @@ class TensorSlot:
 
 @dataclass(frozen=True)
 class LabelCheck:
-    """A host-side check run before each step: input ``name`` holds class indices that must
-    lie in [0, num_classes) or equal ``ignore_index``. An input read by several index ops
-    gets one check per distinct bound; ``consumer`` names the op (``"index_select %4"``)."""
+    """A host-side check run before each step: input ``name`` holds indices that must lie in
+    [0, num_classes) or equal ``ignore_index``. An input read by several index ops gets one
+    check per distinct bound; ``consumer`` names the op as the user called it, with its node
+    and line (``"embedding %4 at model.py:12"``), and ``what`` the values as that op reads
+    them: ``"class index"`` (cross_entropy), ``"token id"`` (embedding) or ``"index"``
+    (gather, index_select)."""
 
     name: str
     num_classes: int
     ignore_index: int | None
     consumer: str = ""
+    what: str = "class index"
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,8 @@ class Program:
         outputs: readable after a step, by name (``"loss"``, ``"logits"`` ...).
         parameters: trainable tensors, by name; persistent.
         state: optimizer state (``"fc1.weight.exp_avg"`` ...), persistent, zero-initialized.
-        label_checks: host-side validations of integer class-index inputs.
+        label_checks: host-side range checks of integer index inputs (class indices, token
+            ids, gather indices).
         memory: planner report.
         meta: free-form JSON-serializable facts (optimizer config, compile timings ...).
     """

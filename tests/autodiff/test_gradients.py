@@ -549,8 +549,20 @@ def test_loss_must_be_a_floating_scalar():
     b = GraphBuilder()
     x = b.parameter("x", (3,))
     b.output("y", F.exp(x))
-    with pytest.raises(ValueError, match="loss must be a floating scalar"):
+    with pytest.raises(ValueError, match="loss must be a floating scalar, got 'y' "):
         differentiate(b.build(), "y", ["x"])
+
+
+def test_an_unknown_loss_name_lists_the_outputs():
+    b = GraphBuilder()
+    x = b.parameter("x", (3,))
+    b.output("total", F.sum(x))
+    with pytest.raises(ValueError) as ei:
+        differentiate(b.build(), "loss", ["x"])
+    msg = str(ei.value)
+    assert "no output named 'loss'; the graph's outputs are 'total'" in msg, msg
+    with pytest.raises(ValueError, match="wrt 'w': no leaf named 'w'; the leaves are 'x'"):
+        differentiate(b.build(), "total", ["w"])
 
 
 @pytest.mark.parametrize("keepdim", [False, True], ids=["drop", "keepdim"])

@@ -37,7 +37,7 @@ def test_index_tensor_must_be_integer():
         G.gather(x, 1, fidx)
     with pytest.raises(GraphTypeError, match="index must be an integer tensor"):
         G.index_select(x, 0, b.input("f1", (2,)))
-    with pytest.raises(GraphTypeError, match="index must be an integer tensor"):
+    with pytest.raises(GraphTypeError, match=r"^embedding\(.* integer token ids .*got f32\[2\]"):
         G.embedding(b.input("f2", (2,)), b.parameter("w", (10, 4)))
 
 
@@ -68,10 +68,10 @@ def test_cat_mismatch_names_expected_and_actual():
     b, x, _ = _b()
     y = b.input("y", (3, 2, 6))
     with pytest.raises(
-        TypeError, match=r"operand 1 has shape \[3, 2, 6\], expected \[3, '\*', 5\]"
+        TypeError, match=r"operand 1 has shape \[3, 2, 6\] where \[3, \*, 5\] is expected"
     ):
         I.cat([x, y], 1)
-    with pytest.raises(TypeError, match="operand 1 has dtype i32, expected f32"):
+    with pytest.raises(TypeError, match="operand 1 has dtype i32, operand 0 f32"):
         I.cat([x, b.input("z", (3, 7, 5), DType.i32)], 0)
     with pytest.raises(GraphTypeError, match=r"operand 1 has shape \[3, 2, 6\]"):
         b.add("cat", [x, y], {"dim": 1})

@@ -51,6 +51,7 @@ def every_op_graph():
                 maximize=False)  # fmt: skip
     b.add("adam_update", [w3, gw, hyper, clip, b.state("m3", (5, 70)), b.state("v3", (5, 70))],
           adam)  # fmt: skip
+    b.add("accumulate", [b.state("w.grad_accum", (5, 70)), gw, F.reshape(hyper2, (2,))[0]])
     b.output("neg", -F.sub(x, x))
     return b.build_unverified()
 

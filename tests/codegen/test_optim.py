@@ -1,4 +1,5 @@
-"""Optimizer update kernels against ops/update.py's references, over several steps."""
+"""Optimizer update and gradient-accumulation kernels against ops/update.py's references,
+over several steps."""
 
 from __future__ import annotations
 
@@ -86,3 +87,22 @@ def test_updates_match_reference_over_steps(op, attrs, n_state, clip_const):
     assert all(r.node != token for r in refs)  # the token is never bound
     written = {graph[r.node].name for r in refs if r.write}
     assert written == {"w", *(f"w.s{i}" for i in range(n_state))}
+
+
+@pytest.mark.parametrize("shape", [(37, 29), (4,), ()], ids=["37x29", "4", "scalar"])
+def test_accumulate_matches_reference(shape):
+    b = GraphBuilder()
+    acc = b.state("w.grad_accum", shape)
+    b.add("accumulate", [acc, b.input("value", shape), b.input("first", ())])
+    graph = b.build_unverified()
+    state = {"w.grad_accum": np.full(shape, np.nan, np.float32)}  # stale NaN: dropped by first
+    total = np.zeros(shape, np.float32)
+    for step, first in enumerate([1, 0, 0, 1, 0]):
+        value = rng.standard_normal(shape).astype(np.float32)
+        feeds = {"value": value, "first": np.float32(first)}
+        res = run(graph, feeds, {}, state)
+        _, _, ref = interpret(graph, feeds, {}, state)
+        total = value if first else total + value
+        np.testing.assert_array_equal(res.state["w.grad_accum"], ref["w.grad_accum"])
+        np.testing.assert_array_equal(res.state["w.grad_accum"], total, err_msg=f"step {step}")
+        state = res.state

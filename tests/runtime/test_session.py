@@ -200,7 +200,7 @@ def test_label_check_failure_leaves_parameters_untouched(session):
     np.testing.assert_array_equal(session.read("w"), w0)
     np.testing.assert_array_equal(session.read("w.count"), c0)
     feeds["y"] = np.array([[0, 1, 2], [-1, 4, IGNORE]], np.int32)
-    with pytest.raises(InputError, match="-1 at index \\(1, 0\\)"):
+    with pytest.raises(InputError, match="class index -1 at position \\(1, 0\\)"):
         session.run(feeds)
     np.testing.assert_array_equal(session.read("w"), w0)
 

@@ -227,7 +227,7 @@ def test_one_index_input_is_checked_against_every_op_reading_it(gpu_device):
     )
     tr.step({"ids": np.array([0, 1, 4, 2], np.int32)})
     before = tr.parameters()
-    with pytest.raises(InputError, match=r"'ids'.* 7 .*\[0, 5\) \(index_select %\d+ reads it\)"):
+    with pytest.raises(InputError, match=r"'ids': token id 7 .*\[0, 5\) \(embedding %\d+ at "):
         tr.step({"ids": np.array([0, 7, 4, 2], np.int32)})
     with pytest.raises(InputError, match=r"'ids'.* -1 .* out of range"):
         tr.step({"ids": np.array([0, 1, -1, 2], np.int32)})
@@ -248,3 +248,67 @@ def test_fuse_switch_reaches_the_compiled_step(gpu_device):
         tr.step({"x": x, "y": y})
     for k, v in fused.parameters().items():
         np.testing.assert_allclose(v, plain.parameters()[k], rtol=1e-6, atol=1e-7)
+
+
+def test_step_returns_the_loss_the_trainer_was_given(gpu_device):
+    # With loss="ce", step(feeds) fetched "loss" by default and failed with InputError
+    # "no output named 'loss'; known: ['ce']".
+    from meganeura.dtypes import i32
+    from meganeura.graph.builder import GraphBuilder
+    from meganeura.ops import functional as F
+
+    b = GraphBuilder()
+    x = b.input("x", (4, 8))
+    y = b.input("y", (4,), i32)
+    b.output("ce", F.cross_entropy(F.linear(x, b.parameter("w", (3, 8))), y))
+    tr = Trainer(b.build(), SGD(lr=0.1), loss="ce", device=gpu_device)
+    tr.load_parameters({"w": np.zeros((3, 8), np.float32)})
+    out = tr.step({"x": np.ones((4, 8), np.float32), "y": np.zeros(4, np.int32)})
+    assert list(out) == ["ce"]
+    np.testing.assert_allclose(out["ce"], np.log(3), rtol=1e-6)  # uniform over 3 classes
+
+
+@pytest.mark.parametrize(
+    "feed, says",
+    [
+        ("ids", "input 'ids': token id 5 at position (1, 2) is outside [0, 5) (embedding %"),
+        ("y", "input 'y': class index 10 at position (5,) is outside [0, 10) or -100 (ig"),
+        ("sel", "input 'sel': index 6 at position (1,) is outside [0, 6) (index_select %"),
+    ],
+    ids=["embedding", "cross_entropy", "index_select"],
+)
+def test_an_index_out_of_range_is_worded_by_the_op_reading_it(gpu_device, feed, says):
+    # An embedding's token id was reported as a "class index" read by "index_select".
+    import sys
+
+    import meganeura.nn.functional as F
+    from meganeura.dtypes import i32
+    from meganeura.graph.builder import GraphBuilder
+
+    b = GraphBuilder()
+    ids, y, sel = b.input("ids", (2, 3), i32), b.input("y", (6,), i32), b.input("sel", (2,), i32)
+    lines = {"ids": sys._getframe().f_lineno + 1}
+    h = F.embedding(ids, b.parameter("emb", (5, 4)))
+    logits = F.linear(F.reshape(h, (6, 4)), b.parameter("w", (10, 4)))
+    lines["sel"] = sys._getframe().f_lineno + 1
+    picked = F.index_select(logits, 0, sel)
+    lines["y"] = sys._getframe().f_lineno + 1
+    b.output("loss", F.cross_entropy(logits, y) + F.sum(picked))
+    tr = Trainer(b.build(), SGD(lr=0.1), device=gpu_device)
+    tr.load_parameters({"emb": np.ones((5, 4), np.float32), "w": np.zeros((10, 4), np.float32)})
+    good = {
+        "ids": np.array([[0, 1, 4], [2, 3, 4]], np.int32),
+        "y": np.arange(6, dtype=np.int32),
+        "sel": np.array([0, 5], np.int32),
+    }
+    bad = {
+        "ids": np.array([[0, 1, 4], [2, 3, 5]], np.int32),
+        "y": np.array([0, 1, 2, 3, 4, 10], np.int32),
+        "sel": np.array([0, 6], np.int32),
+    }
+    with pytest.raises(InputError) as ei:
+        tr.step({**good, feed: bad[feed]})
+    msg = str(ei.value)
+    assert msg.startswith(says), msg
+    assert f" at test_trainer_gpu.py:{lines[feed]} reads it); 1 value(s) out of range" in msg, msg
+    assert tr.step_count == 0

@@ -1,5 +1,6 @@
 """Optimizer update lowerings: ``sgd_update``, ``sgd_momentum_update``, ``adam_update``, one
-kernel per parameter (``lower_update``) or one per update group (``lower_update_group``).
+kernel per parameter (``lower_update``) or one per update group (``lower_update_group``); and
+``accumulate``, the in-place gradient accumulation of micro-batch training (``lower_accumulate``).
 
 Four parameter elements per thread (``core.layout.element_slots``). Operands are ``(param, grad,
 hyper, clip, *state)``; the param and state buffers are bound ``read_write`` and updated in
@@ -47,6 +48,31 @@ def lower_update(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
     lines += _elements(kb, node.attr_dict, node.op, p, load_g, st, guard, "i")
     nbytes = graph[p_id].type.nbytes * (2 + 2 * len(state))
     return [kb.finish("", "\n".join(lines), WG, groups, flops=10 * n, nbytes=nbytes)]
+
+
+def lower_accumulate(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
+    """``acc = first ? value : acc + value`` in place (``ops/update.py``), ``PER_THREAD``
+    elements per thread; ``select`` rather than ``first * acc``, so a NaN left in ``acc`` by an
+    earlier step is dropped on a first micro-batch."""
+    node = graph[node_id]
+    a_id, v_id, f_id = node.inputs
+    t = graph[a_id].type
+    if t.numel == 0:
+        return []
+    kb = KernelBuilder(graph, node, limits)
+    acc = kb.write(a_id, "acc")
+    value = kb.read(v_id, "value")
+    first = kb.read(f_id, "first")
+    slots, groups, guard = element_slots(t.numel)
+    lines = [slots.rstrip(), f"  let first = {first.at('0u')} != 0.0;"]
+    for e in range(PER_THREAD):
+        lines.append(f"  let a_{e} = {kb.load(acc, f'j{e}')};")
+        lines.append(f"  let v_{e} = {value.at(f'j{e}')};")
+    for e in range(PER_THREAD):
+        stmt = kb.store(acc, f"i{e}", f"select(a_{e} + v_{e}, v_{e}, first)")
+        lines.append("  " + guard(e, stmt))
+    nbytes = 3 * t.nbytes
+    return [kb.finish("", "\n".join(lines), WG, groups, flops=t.numel, nbytes=nbytes)]
 
 
 def lower_update_group(graph: Graph, group: UpdateGroup, limits: Limits) -> KernelSource:

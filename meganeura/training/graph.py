@@ -1,10 +1,11 @@
-"""Trainer: a compiled training step with its optimizer's host-side bookkeeping.
+"""GraphTrainer: a compiled training step of a Graph with its optimizer's host-side bookkeeping.
 
-The Trainer owns the step counter and the learning-rate schedule; each ``step`` computes the
-optimizer's hyper vector on the host (float64 math, fed as f32), feeds it with the batch, and
-runs the whole forward + backward + update as one GPU submission. A step that fails
-validation raises before anything is uploaded, leaving parameters, optimizer state and the
-step counter as they were.
+``mn.Trainer(graph, optimizer)`` returns one (``mn.Trainer(model, optimizer, loss_fn)`` trains
+a Module: ``training.trainer``). The trainer owns the step counter and the learning-rate
+schedule; each ``step`` computes the optimizer's hyper vector on the host (float64 math, fed
+as f32), feeds it with the batch, and runs the whole forward + backward + update as one GPU
+submission. A step that fails validation raises before anything is uploaded, leaving
+parameters, optimizer state and the step counter as they were.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .codegen.kernel import Limits
-from .compile import CompileOptions, compile
-from .graph.ir import Graph
-from .io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .optim import HYPER_INPUT, Optimizer
-from .schedule.program import Program
+from ..autodiff import missing_loss
+from ..codegen.kernel import Limits
+from ..compile import CompileOptions, compile
+from ..graph.ir import Graph
+from ..io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..optim import HYPER_INPUT, Optimizer
+from ..schedule.program import Program
 
 
 def device_limits(device) -> Limits:
@@ -42,26 +44,30 @@ def compile_for(graph: Graph, options: CompileOptions | None = None, device=None
     Returns:
         (Program, Session).
     """
-    from .runtime import Session, get_device
+    from ..runtime import Session, get_device
 
     device = device or get_device()
     program = compile(graph, options, device_limits(device))
     return program, Session(program, device)
 
 
-class Trainer:
-    """Compiles ``graph`` for training and runs steps.
+class GraphTrainer:
+    """Compiles ``graph`` for training and runs steps (``mn.Trainer(graph, optimizer, ...)``).
 
     Args:
         graph: forward graph with a scalar output named ``loss``.
         optimizer: SGD, Adam or AdamW.
-        loss: name of the output to minimize.
+        loss: name of the output to minimize (and the output ``step`` returns by default).
         schedule: step -> learning rate; default the optimizer's constant ``lr``.
         max_grad_norm: clip gradients by global L2 norm (None: no clipping).
         device: a runtime Device; default the cached default device.
         fuse: fuse elementwise chains and matmul epilogues (``CompileOptions.fuse``).
         precision: ``"strict"`` or ``"fast"`` (``CompileOptions.precision``: f16 storage of
             activations and their gradients, f32 master weights and optimizer state).
+
+    Raises:
+        ValueError: when no output is named ``loss`` (the message lists the outputs), before
+            any device is acquired.
     """
 
     def __init__(
@@ -75,7 +81,10 @@ class Trainer:
         fuse: bool = True,
         precision: str = "strict",
     ) -> None:
+        if loss not in graph.output_dict:
+            raise missing_loss(graph, loss)
         self.optimizer = optimizer
+        self.loss = loss
         self.schedule = schedule or (lambda step: optimizer.lr)
         options = CompileOptions(
             loss=loss,
@@ -97,8 +106,9 @@ class Trainer:
         """Learning rate of the next step."""
         return float(self.schedule(self.step_count))
 
-    def step(self, feeds: Mapping[str, np.ndarray], fetch: Sequence[str] = ("loss",)) -> dict:
-        """One optimizer step on one batch; returns the fetched outputs.
+    def step(self, feeds: Mapping[str, np.ndarray], fetch: Sequence[str] | None = None) -> dict:
+        """One optimizer step on one batch; returns the fetched outputs (default: the loss,
+        under its output name).
 
         Raises:
             InputError: bad feeds (nothing is changed).
@@ -107,7 +117,7 @@ class Trainer:
         if HYPER_INPUT in full:
             raise ValueError(f"{HYPER_INPUT!r} is computed by the Trainer; do not feed it")
         full[HYPER_INPUT] = self.optimizer.hyper(self.step_count, self.lr())
-        out = self.session.run(full, fetch)
+        out = self.session.run(full, (self.loss,) if fetch is None else fetch)
         self.step_count += 1
         return out
 

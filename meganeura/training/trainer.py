@@ -1,0 +1,419 @@
+"""Trainer: trains an ``nn.Module`` on the GPU, one submission per (micro-)batch.
+
+``Trainer(model, optimizer, loss_fn)`` traces ``loss_fn(model, *batch)`` (a scalar Tensor) once
+per batch signature -- each array's shape and dtype, every other argument's value, each module's
+train/eval mode and each parameter's ``requires_grad`` -- and compiles forward, backward and the
+optimizer update into one program, cached as ``nn.compiled`` caches forward calls (and with its
+helpers: ``flatten_arguments``, ``trace_call``, ``ProgramRunner``).
+
+Shared state: every program of the model binds one GPU copy of its parameters and buffers, and
+of the trainer's optimizer moments and gradient accumulators (``runtime.shared``: the trainer
+owns one Buffer per (parameter, suffix), zero at start). A batch of another size, the
+accumulation programs, the eval program and the model's own ``model(x)`` calls therefore all
+read the same values, and every training program continues the same moments.
+
+Invariants:
+  * a step that raises before it runs (a loss_fn error, a batch the program rejects) changes
+    nothing: parameters, moments, buffers, the step counter and the global RNG stay as they
+    were; with accumulation every micro-batch is checked before the first one runs;
+  * a step reads back only the loss, and the gradients when asked for;
+  * ``load`` checks the whole checkpoint before it applies any of it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from .. import random as mn_random
+from ..compile import CompileOptions, grad_output
+from ..graph.builder import Tensor
+from ..graph.ir import Graph
+from ..io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..nn.compiled import CacheEntry, CacheInfo, ProgramRunner, flatten_arguments, trace_call
+from ..nn.module import Module, StateDictError
+from ..nn.parameter import Buffer, Parameter
+from ..optim import HYPER_INPUT, Optimizer
+from ..optim.accumulate import ACCUM_FIRST_INPUT, LOSS_ACCUMULATOR, grad_accumulator
+from .batches import bind_model, check_loss, fn_name, split_batch
+from .graph import GraphTrainer
+
+# Checkpoint keys of optimizer state: "optimizer/<parameter name>.<suffix>". No PyTorch name
+# holds a "/", so these never collide with the model's state dict keys.
+OPTIMIZER_PREFIX = "optimizer/"
+COUNTER = "num_batches_tracked"
+LOSS = "loss"
+
+
+@dataclass
+class _Program:
+    """A cached program and what a run of it must do on the host."""
+
+    entry: CacheEntry
+    counters: tuple[Buffer, ...]  # num_batches_tracked of the train-mode modules that ran
+    grads: dict[str, str]  # gradient output -> parameter name (return_grads programs)
+
+
+class Trainer:
+    """Trains ``model`` with ``optimizer`` on ``loss_fn(model, *batch)``.
+
+    ``Trainer(graph, optimizer, loss="loss", ...)`` with a Graph returns a
+    :class:`~meganeura.training.graph.GraphTrainer` instead.
+
+    Args:
+        model: the ``nn.Module`` to train (in the train/eval mode it is in at each step).
+        optimizer: SGD, Adam or AdamW (``meganeura.optim``).
+        loss_fn: ``loss_fn(model, *batch) -> Tensor``: a scalar floating loss written with
+            meganeura ops; calling ``model(x)`` inside it runs ``forward`` while tracing.
+        schedule: step -> learning rate (``optim.schedules``); default the optimizer's ``lr``.
+        max_grad_norm: clip gradients by their global L2 norm (None: no clipping).
+        accumulation_steps: micro-batches per update, ``k`` (Hugging Face's
+            ``gradient_accumulation_steps``): each ``step`` splits every batch array along
+            dim 0 into ``k`` parts (``np.array_split`` sizes) and updates with the mean of
+            their gradients; the returned loss is the mean of their losses.
+        precision: ``"strict"`` or ``"fast"`` (``CompileOptions.precision``).
+        fuse: ``CompileOptions.fuse``.
+        device: a runtime Device (default: the default device).
+
+    Raises:
+        TypeError: a model that is not a Module, an unknown optimizer, a loss_fn that cannot
+            take the model as its first argument.
+        ValueError: a bad ``accumulation_steps``, ``max_grad_norm`` or ``precision``.
+    """
+
+    def __new__(cls, model, *args, **kwargs):
+        if isinstance(model, Graph):
+            return GraphTrainer(model, *args, **kwargs)  # not a Trainer: __init__ is skipped
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        model: Module,
+        optimizer: Optimizer,
+        loss_fn: Callable[..., Tensor],
+        *,
+        schedule: Callable[[int], float] | None = None,
+        max_grad_norm: float | None = None,
+        accumulation_steps: int = 1,
+        precision: str = "strict",
+        fuse: bool = True,
+        device=None,
+    ) -> None:
+        if not isinstance(model, Module):
+            raise TypeError(f"Trainer trains an nn.Module or a Graph, got {type(model).__name__}")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"optimizer must be SGD, Adam or AdamW (meganeura.optim), got {optimizer!r}"
+            )
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.schedule = schedule or (lambda step: optimizer.lr)
+        self.accumulation_steps = accumulation_steps
+        self.device = device
+        self._options = CompileOptions(
+            loss=LOSS,
+            optimizer=optimizer,
+            max_grad_norm=max_grad_norm,
+            fuse=fuse,
+            precision=precision,
+            shared_parameters=True,
+            accumulation_steps=accumulation_steps,
+        )
+        self._fn = bind_model(loss_fn, model)
+        self.step_count = 0
+        self._moments: dict[Parameter, dict[str, Buffer]] = {}
+        self._accumulators: dict[Parameter, Buffer] = {}
+        self._loss_accumulator = Buffer(np.zeros((), np.float32))
+        self._cache: dict[tuple, _Program] = {}
+        self.hits = self.misses = 0
+
+    # ------------------------------------------------------------------ steps
+    def lr(self) -> float:
+        """Learning rate of the next step."""
+        return float(self.schedule(self.step_count))
+
+    def step(self, *batch, return_grads: bool = False):
+        """One optimizer step on one batch: forward, backward and update on the GPU.
+
+        Args:
+            *batch: the arguments of ``loss_fn`` after the model: NumPy arrays (float64 fed
+                as float32, int64 as int32) or static Python values, nested in tuples, lists
+                and dicts as ``loss_fn`` takes them.
+            return_grads: also return each trained parameter's gradient (before clipping; with
+                accumulation the mean over the micro-batches). Compiles a program of its own
+                the first time, sharing parameters and moments with the others.
+
+        Returns:
+            The loss (a float), or ``(loss, {parameter name: gradient})`` with
+            ``return_grads``; parameters that are frozen or do not reach the loss have no
+            gradient (PyTorch leaves their ``.grad`` None).
+
+        Raises:
+            TypeError, ValueError: ``loss_fn`` failed while tracing (a note names the batch
+                signature) or did not return a scalar floating Tensor; an unsplittable batch
+                with accumulation; every parameter the loss reads is frozen.
+            InputError: a batch the compiled program rejects (an out-of-range class index).
+            Nothing is changed when any of these is raised.
+        """
+        k = self.accumulation_steps
+        micro = split_batch(self._fn, batch, k) if k > 1 else [batch]
+        rng_state = mn_random.get_rng_state()
+        try:
+            runs = []
+            for i, mb in enumerate(micro):
+                last = i == len(micro) - 1
+                kind = "step" if last else "accumulate"
+                prog, feeds = self._prepare(kind, mb, return_grads and last)
+                inputs = prog.entry.runner.program.inputs
+                if last and HYPER_INPUT in inputs:
+                    feeds[HYPER_INPUT] = self.optimizer.hyper(self.step_count, self.lr())
+                if not last and ACCUM_FIRST_INPUT in inputs:
+                    feeds[ACCUM_FIRST_INPUT] = np.asarray(float(i == 0), np.float32)
+                runs.append((prog, feeds))
+            if len(runs) > 1:
+                for prog, feeds in runs:
+                    prog.entry.runner.session.check(feeds)
+            for prog, feeds in runs[:-1]:
+                self._run(prog, feeds, ())
+            prog, feeds = runs[-1]
+            out = self._run(prog, feeds, (LOSS, *prog.grads))
+        except BaseException:
+            mn_random.set_rng_state(rng_state)
+            raise
+        self.step_count += 1
+        loss = float(out[LOSS])
+        if return_grads:
+            return loss, {name: out[g] for g, name in prog.grads.items()}
+        return loss
+
+    def evaluate(self, *batch) -> float:
+        """``loss_fn`` on the eval-mode program (traced with ``model.eval()``, the modes
+        restored after), reading the same parameters and buffers; returns the loss."""
+        prog, feeds = self._prepare("evaluate", batch)
+        return float(self._run(prog, feeds, (LOSS,))[LOSS])
+
+    def _run(self, prog: _Program, feeds: dict, fetch: tuple) -> dict:
+        out = prog.entry.runner.run(feeds, fetch)
+        prog.entry.calls += 1
+        for counter in prog.counters:  # once per forward in train mode, as torch counts
+            counter.copy_(counter.data + 1)
+        return out
+
+    def _prepare(self, kind: str, batch: tuple, return_grads: bool = False):
+        """(program for this batch's signature, its feeds with fresh dropout seeds)."""
+        _, spec, arrays = flatten_arguments(self._fn, batch, {})
+        key = (kind, spec, return_grads)
+        if kind != "evaluate":
+            key += (
+                tuple(m.training for m in self.model.modules()),
+                tuple(p.requires_grad for p in self.model.parameters()),
+            )
+        prog = self._cache.get(key)
+        if prog is None:
+            self.misses += 1
+            prog = self._cache[key] = self._compile(key, kind, batch, arrays, return_grads)
+        else:
+            self.hits += 1
+        runner = prog.entry.runner
+        inputs = runner.program.inputs
+        traced = runner.traced
+        feeds = {n: a for n, (_, a) in zip(traced.inputs, arrays, strict=True) if n in inputs}
+        rng = mn_random.default_generator()
+        for name in traced.trace.seeds:
+            seed = np.asarray(rng.integers(0, 2**32), np.uint32)
+            if name in inputs:
+                feeds[name] = seed
+        return prog, feeds
+
+    def _compile(self, key, kind: str, batch: tuple, arrays: list, return_grads: bool):
+        modes = [(m, m.training) for m in self.model.modules()]
+        if kind == "evaluate":
+            self.model.eval()
+        try:
+            traced = trace_call(self.model, self._fn, batch, {}, LOSS, check_loss)
+        except Exception as e:
+            shown = ", ".join(f"{n}: {a.dtype}{list(a.shape)}" for n, a in arrays)
+            e.add_note(
+                f"while tracing {fn_name(self.loss_fn)}(model, {shown}) for "
+                f"Trainer.{'evaluate' if kind == 'evaluate' else 'step'}"
+            )
+            raise
+        finally:
+            for m, mode in modes:
+                object.__setattr__(m, "training", mode)
+        objects = traced.trace.objects
+        trainable = tuple(
+            n for n, o in objects.items() if isinstance(o, Parameter) and o.requires_grad
+        )
+        if kind == "evaluate":
+            options = replace(
+                self._options, loss=None, optimizer=None, max_grad_norm=None, accumulation_steps=1
+            )
+        elif not trainable:
+            raise ValueError(
+                f"every parameter {fn_name(self.loss_fn)} reads has requires_grad=False: nothing "
+                "to train (unfreeze some with requires_grad_())"
+            )
+        elif kind == "accumulate":
+            options = replace(
+                self._options,
+                optimizer=None,
+                max_grad_norm=None,
+                accumulation_steps=1,
+                accumulate_grads=True,
+                trainable=trainable,
+            )
+        else:
+            options = replace(self._options, trainable=trainable, output_grads=return_grads)
+        shared = functools.partial(self._shared_key, objects)
+        runner = ProgramRunner(traced, options, self.device, shared=shared)
+        counters = () if kind == "evaluate" else self._counters(objects)
+        outputs = runner.program.outputs
+        grads = {grad_output(n): n for n in trainable if grad_output(n) in outputs}
+        entry = CacheEntry(
+            key, traced.seconds, runner.compile_seconds, runner.setup_seconds, 0, runner
+        )
+        return _Program(entry, counters, grads if return_grads else {})
+
+    def _counters(self, objects: Mapping) -> tuple[Buffer, ...]:
+        """The host-only ``num_batches_tracked`` of each train-mode module the trace read."""
+        out = []
+        for prefix, m in self.model.named_modules():
+            b = dict(m.named_buffers(recurse=False, _all=True)).get(COUNTER)
+            ran = not prefix or any(n.startswith(prefix + ".") for n in objects)
+            if b is not None and b.host_only and m.training and ran:
+                out.append(b)
+        return tuple(out)
+
+    def _shared_key(self, objects: Mapping, name: str) -> Buffer | None:
+        """The trainer's Buffer behind a program's optimizer-state or accumulator slot."""
+        if name == LOSS_ACCUMULATOR:
+            return self._loss_accumulator
+        owner, _, suffix = name.rpartition(".")
+        p = objects.get(owner)
+        if not isinstance(p, Parameter):
+            return None
+        if name == grad_accumulator(owner):
+            if p not in self._accumulators:
+                self._accumulators[p] = Buffer(np.zeros(p.shape, p.dtype.numpy))
+            return self._accumulators[p]
+        if suffix in self.optimizer.state_suffixes:
+            return self._moment(p, suffix)
+        return None
+
+    def _moment(self, p: Parameter, suffix: str) -> Buffer:
+        slots = self._moments.setdefault(p, {})
+        if suffix not in slots:
+            slots[suffix] = Buffer(np.zeros(p.shape, p.dtype.numpy))
+        return slots[suffix]
+
+    # ------------------------------------------------------------------ cache
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses and the compiled programs (train, accumulate, eval) with their
+        trace/compile/setup seconds."""
+        entries = tuple(p.entry for p in self._cache.values())
+        return CacheInfo(self.hits, self.misses, len(self._cache), entries)
+
+    def cache_clear(self) -> None:
+        """Close every compiled program (parameters and optimizer state are kept)."""
+        for p in self._cache.values():
+            p.entry.runner.session.close()
+        self._cache.clear()
+        self.hits = self.misses = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The model's state dict (PyTorch names) and, under ``optimizer/<param>.<suffix>``
+        (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), the optimizer state of every
+        parameter the trainer has updated; NumPy copies."""
+        sd = dict(self.model.state_dict())
+        for name, p in self.model.named_parameters():
+            for suffix, buf in self._moments.get(p, {}).items():
+                sd[f"{OPTIMIZER_PREFIX}{name}.{suffix}"] = buf.data
+        return sd
+
+    def save(self, path: str | Path, metadata: Mapping | None = None) -> None:
+        """Write the model, the optimizer state, the step counter, the global RNG state
+        (``meganeura.random``) and ``metadata`` atomically (``io.checkpoint``)."""
+        meta = {
+            "step": self.step_count,
+            "optimizer": self.optimizer.config(),
+            "rng": mn_random.get_rng_state(),
+            "accumulation_steps": self.accumulation_steps,
+            **(metadata or {}),
+        }
+        save_checkpoint(path, self.state_dict(), meta)
+
+    def load(self, path: str | Path) -> dict:
+        """Restore a checkpoint written by :meth:`save`; returns its metadata.
+
+        The training that follows continues bit-identically to the one that saved. Everything
+        is checked before anything is applied: on any error the model, the optimizer state,
+        the step counter and the RNG are as they were.
+
+        Raises:
+            CheckpointError: missing or corrupt file; an optimizer of another type; a bad
+                ``step`` or RNG state; optimizer state for unknown parameters or of the wrong
+                shape or dtype; model keys missing, unexpected or mis-shaped.
+        """
+        tensors, meta = load_checkpoint(path)
+        step = meta.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(
+                f"{path}: metadata 'step' is {step!r}; expected the number of steps taken, "
+                "an integer >= 0"
+            )
+        kind = (meta.get("optimizer") or {}).get("type")
+        ours = type(self.optimizer).__name__
+        if kind != ours:
+            raise CheckpointError(f"{path}: written by a {kind} trainer; this one uses {ours}")
+        rng = meta.get("rng")
+        try:
+            type(mn_random.default_generator().bit_generator)().state = rng
+        except (TypeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{path}: metadata 'rng' is not a generator state: {e}") from e
+        params = dict(self.model.named_parameters())
+        model_sd, moments, problems = {}, {}, []
+        for key, value in tensors.items():
+            if not key.startswith(OPTIMIZER_PREFIX):
+                model_sd[key] = value
+                continue
+            owner, _, suffix = key.removeprefix(OPTIMIZER_PREFIX).rpartition(".")
+            p = params.get(owner)
+            if p is None or suffix not in self.optimizer.state_suffixes:
+                problems.append(f"unknown optimizer state {key!r}")
+            elif value.shape != p.shape or value.dtype != p.dtype.numpy:
+                problems.append(
+                    f"{key!r}: expected {p.dtype.numpy}{list(p.shape)}, "
+                    f"got {value.dtype}{list(value.shape)}"
+                )
+            else:
+                moments[(p, suffix)] = value
+        if problems:
+            raise CheckpointError(f"{path}: " + "; ".join(problems))
+        try:  # checks every key and shape before it writes any
+            self.model.load_state_dict(model_sd, strict=True)
+        except StateDictError as e:
+            raise CheckpointError(f"{path}: {e}") from e
+        for p, slots in self._moments.items():
+            for suffix, buf in slots.items():
+                if (p, suffix) not in moments:  # never updated in the saved run: zero
+                    buf.copy_(np.zeros(p.shape, p.dtype.numpy))
+        for (p, suffix), value in moments.items():
+            self._moment(p, suffix).copy_(value)
+        self.step_count = step
+        mn_random.set_rng_state(rng)
+        return meta
+
+    def __repr__(self) -> str:
+        return (
+            f"Trainer({type(self.model).__name__}, {self.optimizer!r}, "
+            f"loss_fn={fn_name(self.loss_fn)}, step={self.step_count})"
+        )
