@@ -41,8 +41,11 @@ def define(nn, F, T):
             widths, cin = [64, 128, 256, 512], 64
             for i, w in enumerate(widths):
                 stride = 1 if i == 0 else 2
-                setattr(self, f"layer{i + 1}", nn.Sequential(BasicBlock(cin, w, stride),
-                                                             BasicBlock(w, w)))
+                setattr(
+                    self,
+                    f"layer{i + 1}",
+                    nn.Sequential(BasicBlock(cin, w, stride), BasicBlock(w, w)),
+                )
                 cin = w
             self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
             self.fc = nn.Linear(512, num_classes)
@@ -58,8 +61,9 @@ def define(nn, F, T):
             self.ln1 = nn.LayerNorm(d)
             self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
             self.ln2 = nn.LayerNorm(d)
-            self.mlp = nn.Sequential(nn.Linear(d, ff), nn.GELU(approximate="tanh"),
-                                     nn.Linear(ff, d))
+            self.mlp = nn.Sequential(
+                nn.Linear(d, ff), nn.GELU(approximate="tanh"), nn.Linear(ff, d)
+            )
 
         def forward(self, x):
             h = self.ln1(x)
@@ -111,8 +115,9 @@ def define(nn, F, T):
             self.dec2 = ResBlock(4 * base, 2 * base, groups)
             self.up1 = nn.ConvTranspose2d(2 * base, base, 2, stride=2)
             self.dec1 = ResBlock(2 * base, base, groups)
-            self.out = nn.Sequential(nn.GroupNorm(groups, base), nn.SiLU(),
-                                     nn.Conv2d(base, cin, 3, padding=1))
+            self.out = nn.Sequential(
+                nn.GroupNorm(groups, base), nn.SiLU(), nn.Conv2d(base, cin, 3, padding=1)
+            )
 
         def forward(self, x):
             s1 = self.down1(self.conv_in(x))

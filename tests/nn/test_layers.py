@@ -318,3 +318,22 @@ def test_conv_transpose_refuses_what_torch_refuses():
     m = mnn.ConvTranspose2d(2, 2, 3, stride=2)
     with pytest.raises(ValueError, match="valid sizes range"):
         trace_call(m, m.forward, [np.zeros((1, 2, 4, 4), np.float32)], {"output_size": [20, 20]})
+
+
+def test_embedding_of_ids_written_in_forward():
+    """Position ids made with NumPy inside forward (as BERT's embeddings do) are constants."""
+    import meganeura.nn as mnn
+
+    class Positions(mnn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = mnn.Embedding(6, 3)
+
+        def forward(self, x):
+            return x + self.pos(np.arange(x.shape[1])[None])
+
+    m = Positions()
+    x = _input((2, 4, 3), 1.0)
+    got, _ = interpret_forward(m, [x])
+    want = x.astype(np.float64) + m.pos.weight.data[:4].astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-12)

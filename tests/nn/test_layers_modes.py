@@ -14,6 +14,7 @@ import torch
 
 import meganeura as mn
 import meganeura.nn as mnn
+import meganeura.nn.functional as F
 from meganeura.nn.compiled import trace_call
 
 from .harness import GPU_RTOL, assert_close, build, f32, interpret_forward, rel_err, torch_forward
@@ -138,3 +139,18 @@ def test_dropout_eval_graph_has_no_seed():
 def test_dropout_rejects_p(p):
     with pytest.raises(ValueError, match="between 0 and 1"):
         mnn.Dropout(p)
+
+
+def test_batchnorm_under_the_trainer_counts_each_step_once(gpu_device):
+    """The Trainer counts num_batches_tracked itself; BatchNorm's on_run effect is for
+    compiled calls, so a training step must not count twice."""
+    from meganeura.optim import SGD
+    from meganeura.training import Trainer
+
+    theirs, ours = build("BatchNorm1d", (3,))
+    trainer = Trainer(ours, SGD(lr=0.0), lambda m, x: F.sum(m(x)), device=gpu_device)
+    for _ in range(2):
+        x = f32(rng.standard_normal((4, 3)) + 2)
+        trainer.step(x)
+        _torch_train_call(theirs, x)
+    _check_stats(ours, theirs, GPU_RTOL)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...graph.builder import Tensor
 from .. import functional as F
 from .. import init
+from ..creation import tensor
 from ..module import Module
 from ..parameter import Parameter
 
@@ -13,7 +15,8 @@ from ..parameter import Parameter
 class Embedding(Module):
     """A lookup table: ``out[..., :] = weight[input[...], :]`` (``torch.nn.Embedding``).
 
-    Shapes: input i32/u32 of any shape (int64 arrays are fed as int32) -> float [*input, E];
+    Shapes: input i32/u32 of any shape (int64 arrays are fed as int32; a NumPy array given
+    inside a traced forward, such as positions, is a constant) -> float [*input, E];
     weight [num_embeddings, embedding_dim]. Initialization as PyTorch's ``reset_parameters``:
     weight from N(0, 1), then the ``padding_idx`` row set to zero.
 
@@ -120,6 +123,8 @@ class Embedding(Module):
             self.weight.copy_(w)
 
     def forward(self, input):  # noqa: A002 - PyTorch's name
+        if not isinstance(input, Tensor):  # ids written in forward (positions): a constant
+            input = tensor(input)
         out = F.embedding(input, self.weight)
         if self.padding_idx is None:
             return out
