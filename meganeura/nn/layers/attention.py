@@ -173,7 +173,7 @@ class MultiheadAttention(Module):
             RuntimeError: ``is_causal`` without ``attn_mask``.
         """
         batched = query.ndim == 3
-        self._check_shapes(query, key, value, key_padding_mask, attn_mask, batched)
+        self._check_shapes(query, key, value, key_padding_mask, attn_mask)
         if not batched:
             query, key, value = _same(query, key, value, lambda t: F.unsqueeze(t, 0))
             key_padding_mask = _unsqueeze0(key_padding_mask)
@@ -199,7 +199,7 @@ class MultiheadAttention(Module):
             out = F.transpose(out, 0, 1)
         return out, weights
 
-    def _check_shapes(self, query, key, value, kpm, attn_mask, batched: bool) -> None:
+    def _check_shapes(self, query, key, value, kpm, attn_mask) -> None:
         n = query.ndim
         if n not in (2, 3):
             raise ValueError(f"query should be unbatched 2D or batched 3D, got {query.ndim}-D")
