@@ -90,6 +90,24 @@ def _rebuild(spec, tensors: list):
     return spec[2]
 
 
+_SIGNATURES: dict = {}
+
+
+def _signature(fn) -> inspect.Signature:
+    """``inspect.signature(fn)``, cached per function (bound methods: without ``self``)."""
+    func = getattr(fn, "__func__", None)
+    key = func if func is not None else fn
+    try:
+        sig = _SIGNATURES.get(key)
+    except TypeError:  # an unhashable callable
+        return inspect.signature(fn)
+    if sig is None:
+        sig = inspect.signature(fn)
+        if len(_SIGNATURES) < 4096:
+            _SIGNATURES[key] = sig
+    return sig
+
+
 def bind_arguments(fn, args, kwargs) -> inspect.BoundArguments:
     """The call ``fn(*args, **kwargs)`` bound to ``fn``'s signature (defaults applied).
 
@@ -97,7 +115,7 @@ def bind_arguments(fn, args, kwargs) -> inspect.BoundArguments:
         SignatureError: the arguments do not fit the signature.
     """
     try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound = _signature(fn).bind(*args, **kwargs)
     except TypeError as e:
         raise SignatureError(f"{getattr(fn, '__qualname__', fn)}: {e}") from None
     bound.apply_defaults()
@@ -320,7 +338,7 @@ class CompiledModule:
 
     def _lookup(self, args, kwargs, count: bool = True) -> tuple[CacheEntry, list]:
         _, spec, arrays = flatten_arguments(self.module.forward, args, kwargs)
-        modes = tuple(m.training for m in self.module.modules())
+        modes = self.module.signature_key()[0]
         key = (spec, modes, self.options.precision, self.options.fuse)
         entry = self._cache.get(key)
         if entry is None:

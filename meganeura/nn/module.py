@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .parameter import Buffer, Parameter, _as_array, convert
+from .parameter import VERSION, Buffer, Parameter, _as_array, bump_version, convert
 from .tracing import current_trace
 
 # Keys PyTorch and Hugging Face checkpoints carry that are not parameters of the model:
@@ -69,6 +69,7 @@ class Module:
             raise AttributeError(
                 f"cannot assign {name!r} before Module.__init__() (call super().__init__() first)"
             )
+        bump_version()
         params, buffers, modules = self._parameters, self._buffers, self._modules
         if isinstance(value, Parameter):
             self._drop(name)
@@ -101,6 +102,7 @@ class Module:
             object.__setattr__(self, name, value)
 
     def _drop(self, name: str) -> None:
+        bump_version()
         for d in (self._parameters, self._buffers, self._modules):
             d.pop(name, None)
         self.__dict__.pop(name, None)
@@ -120,6 +122,7 @@ class Module:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __delattr__(self, name: str) -> None:
+        bump_version()
         for table in (self._parameters, self._buffers, self._modules):
             if name in table:
                 del table[name]
@@ -241,6 +244,7 @@ class Module:
             raise ValueError(f"training mode must be a bool, got {mode!r}")
         for m in self.modules():
             object.__setattr__(m, "training", mode)
+        bump_version()
         return self
 
     def eval(self) -> Module:
@@ -252,6 +256,19 @@ class Module:
         for p in self.parameters():
             p.requires_grad = bool(requires_grad)
         return self
+
+    def signature_key(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+        """(train mode of every module, requires_grad of every parameter), cached until the
+        tree, a mode or a flag changes: part of every compiled signature."""
+        cached = self.__dict__.get("_signature_key")
+        if cached is not None and cached[0] == VERSION[0]:
+            return cached[1]
+        key = (
+            tuple(m.training for m in self.modules()),
+            tuple(p.requires_grad for p in self.parameters()),
+        )
+        object.__setattr__(self, "_signature_key", (VERSION[0], key))
+        return key
 
     # ------------------------------------------------------------------ state dicts
     def _state_items(self, prefix: str = "") -> Iterator[tuple[str, Parameter | Buffer]]:

@@ -12,6 +12,14 @@ import numpy as np
 
 from ..dtypes import DType
 
+# Bumped by every change that can change a traced signature (a module's train/eval mode, a
+# parameter's requires_grad, the module tree), so per-call signature keys are cached safely.
+VERSION = [0]
+
+
+def bump_version() -> None:
+    VERSION[0] += 1
+
 
 class UninitializedParameterError(RuntimeError):
     """A parameter or buffer was used before it was initialized or loaded."""
@@ -180,14 +188,23 @@ class Parameter(_Persistent):
         shape, dtype: for ``data=None``.
     """
 
-    __slots__ = ("requires_grad",)
+    __slots__ = ("_requires_grad",)
 
     def __init__(self, data=None, requires_grad: bool = True, *, shape=None, dtype=None) -> None:
         super().__init__(data, shape, dtype)
-        self.requires_grad = bool(requires_grad)
+        self._requires_grad = bool(requires_grad)
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self._requires_grad = bool(value)
+        bump_version()
 
     def requires_grad_(self, requires_grad: bool = True) -> Parameter:
-        self.requires_grad = bool(requires_grad)
+        self.requires_grad = requires_grad
         return self
 
     def __repr__(self) -> str:

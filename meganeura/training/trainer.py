@@ -211,10 +211,7 @@ class Trainer:
         _, spec, arrays = flatten_arguments(self._fn, batch, {})
         key = (kind, spec, return_grads)
         if kind != "evaluate":
-            key += (
-                tuple(m.training for m in self.model.modules()),
-                tuple(p.requires_grad for p in self.model.parameters()),
-            )
+            key += self.model.signature_key()
         prog = self._cache.get(key)
         if prog is None:
             self.misses += 1
