@@ -49,6 +49,9 @@ def _feed_array(x: np.ndarray, where: str) -> np.ndarray:
 
 def _flatten(value, where: str, arrays: list, spec_of=None):
     """A hashable spec of ``value`` with each array replaced by its slot; arrays appended."""
+    if hasattr(value, "detach") and hasattr(value, "cpu") and hasattr(value, "numpy"):
+        value = value.detach().cpu()  # a torch.Tensor: read on the host, as NumPy
+        value = (value.float() if str(value.dtype) == "torch.bfloat16" else value).numpy()
     if isinstance(value, np.ndarray) or hasattr(value, "__array_interface__"):
         arr = _feed_array(np.asarray(value), where)
         arrays.append((where, arr))
@@ -338,8 +341,8 @@ class CompiledModule:
 
     def _lookup(self, args, kwargs, count: bool = True) -> tuple[CacheEntry, list]:
         _, spec, arrays = flatten_arguments(self.module.forward, args, kwargs)
-        modes = self.module.signature_key()[0]
-        key = (spec, modes, self.options.precision, self.options.fuse)
+        modes, _, structure = self.module.signature_key()  # requires_grad: training only
+        key = (spec, modes, structure, self.options.precision, self.options.fuse)
         entry = self._cache.get(key)
         if entry is None:
             self.misses += 1

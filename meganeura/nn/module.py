@@ -20,7 +20,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .parameter import VERSION, Buffer, Parameter, _as_array, bump_version, convert
+from .parameter import (
+    VERSION,
+    Buffer,
+    Parameter,
+    UninitializedParameterError,
+    _as_array,
+    bump_version,
+    convert,
+)
 from .tracing import current_trace
 
 # Keys PyTorch and Hugging Face checkpoints carry that are not parameters of the model:
@@ -115,7 +123,7 @@ class Module:
                     obj = table[name]
                     trace = current_trace()
                     if trace is not None and obj is not None:
-                        return trace.leaf(obj, name)
+                        return trace.leaf(obj, name, owner=self)
                     return obj
             if name in d["_modules"]:
                 return d["_modules"][name]
@@ -257,15 +265,35 @@ class Module:
             p.requires_grad = bool(requires_grad)
         return self
 
-    def signature_key(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-        """(train mode of every module, requires_grad of every parameter), cached until the
-        tree, a mode or a flag changes: part of every compiled signature."""
+    def signature_key(self) -> tuple[tuple[bool, ...], tuple[bool, ...], int]:
+        """(train mode of every module, requires_grad of every parameter, structure token):
+        part of every compiled signature. The structure token changes when the module tree,
+        the identity of any parameter or buffer, or any public plain attribute a forward may
+        read (numbers, strings, tuples; other objects by identity) changes, so a program traced
+        before such a change is never run after it. Cached until something is assigned to a
+        module, a mode or a flag changes."""
         cached = self.__dict__.get("_signature_key")
         if cached is not None and cached[0] == VERSION[0]:
             return cached[1]
+        structure = tuple(
+            (
+                name,
+                type(m),
+                tuple((k, id(p)) for k, p in m._parameters.items()),
+                tuple((k, id(b)) for k, b in m._buffers.items()),
+                tuple(
+                    (k, _static(v))
+                    for k, v in m.__dict__.items()
+                    if not k.startswith("_") and k != "training"
+                ),
+            )
+            for name, m in self.named_modules()
+        )
+        token = _STRUCTURES.setdefault(structure, len(_STRUCTURES))
         key = (
             tuple(m.training for m in self.modules()),
             tuple(p.requires_grad for p in self.parameters()),
+            token,
         )
         object.__setattr__(self, "_signature_key", (VERSION[0], key))
         return key
@@ -290,7 +318,16 @@ class Module:
         Raises:
             UninitializedParameterError: a tensor was never initialized or loaded.
         """
-        return OrderedDict((name, t.data) for name, t in self._state_items(prefix))
+        out = OrderedDict()
+        for name, t in self._state_items(prefix):
+            if not t.is_initialized:
+                raise UninitializedParameterError(
+                    f"{type(t).__name__.lower()} {name!r} was never initialized or loaded"
+                )
+            arr = t.data
+            arr.setflags(write=True)
+            out[name] = arr
+        return out
 
     def load_state_dict(
         self, state_dict: Mapping | str | Path, strict: bool = True
@@ -300,7 +337,8 @@ class Module:
         Args:
             state_dict: name -> array (NumPy, or anything with ``__array__``: a torch state dict
                 converted with ``.numpy()``, or torch tensors themselves), or the path of a
-                ``.safetensors`` file. float16, bfloat16 and float64 values are converted to
+                ``.safetensors`` file (a Trainer checkpoint's ``optimizer/*`` entries are
+                skipped). float16, bfloat16 and float64 values are converted to
                 each parameter's dtype. Keys PyTorch and Hugging Face checkpoints carry beside
                 parameters (``num_batches_tracked``, ``position_ids``, rotary ``inv_freq``) are
                 loaded where the model has them and skipped where it has not.
@@ -318,7 +356,10 @@ class Module:
         if isinstance(state_dict, (str, Path)):
             from ..io.safetensors_io import load_file
 
-            state_dict = load_file(state_dict)
+            # a Trainer checkpoint holds optimizer state beside the model's tensors
+            state_dict = {
+                k: v for k, v in load_file(state_dict).items() if not k.startswith("optimizer/")
+            }
         targets = OrderedDict(self._state_items())
         skip = [k for k in state_dict if k not in targets and _known_extra(k)]
         missing = [k for k in targets if k not in state_dict]
@@ -393,6 +434,19 @@ class Module:
         return sorted(
             set(super().__dir__()) | set(self._parameters) | set(self._buffers) | set(self._modules)
         )
+
+
+_STRUCTURES: dict[tuple, int] = {}
+
+
+def _static(v):
+    """A hashable stand-in for an attribute's value: the value itself for plain data, the
+    identity of anything else (arrays and objects are read by the trace as they are then)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, tuple):
+        return tuple(_static(x) for x in v)
+    return ("object", id(v))
 
 
 def _known_extra(key: str) -> bool:

@@ -94,19 +94,25 @@ class _Persistent:
 
     @property
     def data(self) -> np.ndarray:
-        """The current value (a host copy; read back from the GPU once resident).
+        """The current value: a read-only host copy (read back from the GPU once resident).
+        It is read-only so that an in-place edit (``p.data[...] = 0``), which in PyTorch would
+        change the parameter, raises instead of silently changing a copy: assign instead
+        (``p.data = value`` or ``p.copy_(value)``). ``numpy()`` gives a writable copy.
 
         Raises:
             UninitializedParameterError: never initialized or loaded.
         """
         if self._store is not None and self._store.resident(self):
-            return self._store.read(self)
-        if self._host is None:
+            arr = self._store.read(self)
+        elif self._host is None:
             raise UninitializedParameterError(
                 f"this {type(self).__name__.lower()} of shape {self._shape} was never "
                 "initialized or loaded"
             )
-        return self._host.copy()
+        else:
+            arr = self._host.copy()
+        arr.setflags(write=False)
+        return arr
 
     @data.setter
     def data(self, value) -> None:
@@ -131,8 +137,9 @@ class _Persistent:
             self._host = arr
 
     def numpy(self) -> np.ndarray:
-        """A host copy of the value (``.data``)."""
-        return self.data
+        """A writable host copy of the value (changing it does not change the tensor)."""
+        arr = self.data.copy()
+        return arr
 
     def __array__(self, dtype=None, copy=None):
         arr = self.data

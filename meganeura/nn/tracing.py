@@ -61,7 +61,7 @@ class Trace:
         self.host_effects: list[Callable[[], None]] = []
         self._leaves: dict[int, Tensor] = {}
 
-    def leaf(self, obj: _Persistent, attr: str) -> Tensor:
+    def leaf(self, obj: _Persistent, attr: str, owner=None) -> Tensor:
         """The graph leaf of a Parameter or Buffer (made on first use)."""
         t = self._leaves.get(id(obj))
         if t is not None:
@@ -73,9 +73,13 @@ class Trace:
                 if attr
                 else (f"a {type(obj).__name__} of shape {obj.shape}")
             )
+            if owner is not None:
+                what += f" of a {type(owner).__name__}"
             raise TraceError(
                 f"forward reads {what}, which is not registered in the traced model (assign "
-                "it as an attribute of the model or of a submodule in __init__)"
+                "it as an attribute of the model or of a submodule in __init__; modules kept "
+                "in a plain list or dict are not registered: use nn.ModuleList or "
+                "nn.ModuleDict)"
             )
         if isinstance(obj, Buffer) and obj.host_only:
             raise TraceError(f"buffer {name!r} lives on the host only; forward cannot read it")

@@ -154,3 +154,65 @@ def test_unregistered_parameter_raises(gpu_device):
 
     with pytest.raises(mn.nn.TraceError, match=r"a Parameter of shape \(3,\).*not registered"):
         Stray()(np.ones(3, np.float32))
+
+
+def test_changes_after_the_first_call_are_traced_again(gpu_device):
+    class M(Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = mn.nn.Linear(4, 4)
+            self.act = mn.nn.ReLU()
+            self.out = mn.nn.Linear(4, 2)
+            self.scale = 1.0
+
+        def forward(self, x):
+            return self.out(self.act(self.fc(x))) * self.scale
+
+    m = M()
+    x = np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)
+    a = m(x)
+    m.scale = 3.0  # a plain attribute read by forward
+    np.testing.assert_allclose(m(x), 3 * a, rtol=1e-6)
+    m.act = mn.nn.Tanh()  # a replaced submodule
+    sd = m.state_dict()
+    h = np.tanh(x @ sd["fc.weight"].T + sd["fc.bias"])
+    np.testing.assert_allclose(m(x), 3 * (h @ sd["out.weight"].T + sd["out.bias"]), rtol=1e-5)
+    m.out.weight = mn.nn.Parameter(np.ones((2, 4), np.float32))  # a replaced parameter
+    np.testing.assert_allclose(m(x), 3 * (h.sum(1, keepdims=True) + sd["out.bias"]), rtol=1e-5)
+    m.out = mn.nn.Linear(4, 5)
+    assert m(x).shape == (3, 5)
+    misses = m._compiled.cache_info().misses
+    m(x)
+    assert m._compiled.cache_info().misses == misses  # nothing changed: a hit
+
+
+def test_torch_tensors_are_accepted_as_inputs(gpu_device):
+    import torch
+
+    m = MLP()
+    x = torch.randn(2, 6)
+    np.testing.assert_allclose(m(x), _ref(m.state_dict(), x.numpy()), rtol=1e-5, atol=1e-6)
+
+
+def test_in_place_edit_of_data_raises_instead_of_editing_a_copy():
+    lin = mn.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="read-only"):
+        lin.weight.data[...] = 0
+    lin.weight.data = np.zeros((2, 2))
+    assert not lin.weight.data.any()
+    w = lin.weight.numpy()
+    w[...] = 1  # a writable copy
+    assert not lin.weight.data.any()
+
+
+def test_plain_list_of_layers_names_the_fix(gpu_device):
+    class Listy(Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = [mn.nn.Linear(3, 3)]
+
+        def forward(self, x):
+            return self.blocks[0](x)
+
+    with pytest.raises(mn.nn.TraceError, match="parameter 'weight' of a Linear.*ModuleList"):
+        Listy()(np.ones((1, 3), np.float32))

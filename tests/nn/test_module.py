@@ -201,3 +201,23 @@ def test_buffer_host_only_keeps_int64():
     assert m.state_dict()["num_batches_tracked"].dtype == np.int64
     m.load_state_dict({"num_batches_tracked": np.array(7)})
     assert int(m.state_dict()["num_batches_tracked"]) == 7
+
+
+def test_sequential_setitem_and_delitem_renumber_as_torch():
+    ours = mn.nn.Sequential(mn.nn.Linear(2, 2), mn.nn.ReLU(), mn.nn.Linear(2, 3))
+    ref = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 3))
+    ours[2] = mn.nn.Linear(2, 5)
+    ref[2] = torch.nn.Linear(2, 5)
+    del ours[1]
+    del ref[1]
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {
+        k: tuple(v.shape) for k, v in ref.state_dict().items()
+    }
+
+
+def test_state_dict_of_an_uninitialized_model_names_the_tensor():
+    with mn.nn.init.empty_weights():
+        m = Net()
+    with pytest.raises(UninitializedParameterError, match="'embed.weight'"):
+        m.state_dict()

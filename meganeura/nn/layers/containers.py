@@ -28,6 +28,28 @@ class Sequential(Module):
             return Sequential(OrderedDict(mods[idx]))
         return mods[_index(idx, len(mods))][1]
 
+    def __setitem__(self, idx: int, module: Module) -> None:
+        key = list(self._modules)[_index(idx, len(self))]
+        self._modules[key] = module
+        self._drop_cache()
+
+    def __delitem__(self, idx) -> None:
+        keys = list(self._modules)
+        doomed = keys[idx] if isinstance(idx, slice) else [keys[_index(idx, len(keys))]]
+        for k in doomed:
+            del self._modules[k]
+        # torch renumbers the remaining children 0..n-1
+        kept = list(self._modules.values())
+        self._modules.clear()
+        for i, m in enumerate(kept):
+            self._modules[str(i)] = m
+        self._drop_cache()
+
+    def _drop_cache(self) -> None:
+        from ..parameter import bump_version
+
+        bump_version()
+
     def __len__(self) -> int:
         return len(self._modules)
 

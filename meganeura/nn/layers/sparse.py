@@ -118,7 +118,7 @@ class Embedding(Module):
 
     def _fill_padding_idx_with_zero(self) -> None:
         if self.padding_idx is not None and self.weight.is_initialized:
-            w = self.weight.data
+            w = self.weight.numpy()
             w[self.padding_idx] = 0
             self.weight.copy_(w)
 
