@@ -298,11 +298,23 @@ def _unet_loss(mse):
     return lambda model, x, target: mse(model(x), target)
 
 
-def test_unet_matches_torch(gpu_device):
+def _unet_pair(source: str):
+    if source == "port_sources":
+        return TORCH["UNet"](), OURS["UNet"]()
+    from meganeura.models.unet import UNet, UNetConfig
+
+    cfg = UNetConfig(3, 3, base_channels=8, channel_mult=(1, 2), num_groups=4)
+    args = (cfg.in_channels, cfg.out_channels, cfg.base_channels, cfg.channel_mult)
+    return TORCH["W5UNet"](*args, cfg.num_groups, cfg.eps), UNet(cfg)
+
+
+@pytest.mark.parametrize("source", ["port_sources", "models.unet"])
+def test_unet_matches_torch(gpu_device, source):
+    """port_sources' U-Net has ConvTranspose2d, Upsample, GroupNorm and MaxPool2d;
+    models.unet (workload W5) is checked against its twin in port_sources."""
     torch.manual_seed(2)
-    theirs = TORCH["UNet"]()
+    theirs, ours = _unet_pair(source)
     perturb_norms(theirs)
-    ours = OURS["UNet"]()
     port(theirs, ours)
     x = f32(rng.standard_normal((2, 3, 16, 16)))
     target = f32(rng.standard_normal((2, 3, 16, 16)))
@@ -313,7 +325,7 @@ def test_unet_matches_torch(gpu_device):
     tr = mn.Trainer(ours, opt, _unet_loss(F.mse_loss), device=gpu_device)
     t_loss = _unet_loss(torch.nn.functional.mse_loss)
     step = check_step(tr, ours, theirs, t_opt, (x, target), t_loss)
-    print(summary("U-Net", fwd, step, check_eval(ours, theirs, [x], plain_forward)))
+    print(summary(f"U-Net ({source})", fwd, step, check_eval(ours, theirs, [x], plain_forward)))
 
 
 # ---------------------------------------------------------------------------- BERT
