@@ -243,6 +243,7 @@ def _resnet_loss(ce):
     return lambda model, x, y: ce(model(x), y)
 
 
+@pytest.mark.xdist_group("ports-resnet18")  # one worker compiles the kernels both use
 @pytest.mark.parametrize("source", ["port_sources", "models.resnet"])
 def test_resnet18_matches_torch(gpu_device, source):
     torch.manual_seed(0)
