@@ -1,21 +1,22 @@
 """Whole torch.nn models ported to meganeura: the porting claim of issue 10, checked end to end.
 
 ResNet-18, a pre-LN transformer and a U-Net are written once in ``port_sources`` and built
-from torch.nn and from meganeura.nn; ``meganeura.models.resnet`` and ``meganeura.models.bert``
-(against transformers' ``BertModel``) are ported by their state-dict names. For each model:
+from torch.nn and from meganeura.nn; the library's ``meganeura.models.resnet``,
+``meganeura.models.bert`` (against transformers' ``BertModel``) and ``meganeura.models.unet``
+(against its twin in ``port_sources``) load the torch model's state dict. For each model:
 
 (a) its state-dict keys (in order) and shapes are torch's, and torch's state dict, converted
     with ``.numpy()``, loads strictly and reads back unchanged;
-(b) the forward output equals torch's in float64 (train-mode BatchNorm for the ResNet);
-(c) one ``Trainer`` step gives torch's loss, every parameter's gradient (torch.autograd,
-    float64) and the parameters after one torch.optim step (AdamW, or SGD with momentum for
-    the ResNet), and BatchNorm's running statistics and ``num_batches_tracked``;
-(d) the eval-mode output after the step, whose program reads the parameters the step updated.
+(b) the forward output equals torch's (train-mode BatchNorm for the ResNet);
+(c) one ``Trainer`` step gives torch's loss and every parameter's gradient (torch.autograd),
+    its parameters are torch.optim's step (AdamW, or SGD with momentum for the ResNet) from
+    those gradients, and BatchNorm's running statistics and ``num_batches_tracked`` are
+    torch's;
+(d) the eval-mode output after the step, whose program reads the parameters the step wrote.
 
 Random weights (torch's initialization, then norms' affine parameters and running statistics
 drawn away from their defaults), inputs rounded to float32 before either side sees them, torch
-in float64. Errors are relative L2 norms; an update is compared relative to its own size, up to
-float32 rounding of the parameter it is added to (``assert_step_close``).
+in float64. Errors are relative L2 norms. ``pytest -s`` prints each model's measured errors.
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ OURS = define(mnn, F, mn)
 
 FWD_RTOL = 1e-5  # f32 kernels against float64 torch
 GRAD_RTOL = 1e-5
-STEP_RTOL = 1e-5  # of the update, relative to the update's size
-F32_EPS = 2.0**-24  # unit roundoff: the stored parameter is rounded once, the update once more
+F32_EPS = 2.0**-24  # float32's unit roundoff
 
 rng = np.random.default_rng(23)
 
@@ -93,9 +93,11 @@ def perturb_norms(theirs: torch.nn.Module) -> None:
 
 
 def rounding(before, update) -> float:
-    """Float32 rounding of ``before + update``: a unit roundoff of each operand and of the
-    sum (an update that nearly cancels the parameter leaves the operands' rounding behind)."""
-    return float(2 * F32_EPS * np.linalg.norm(np.abs(before) + np.abs(update)))
+    """A bound on float32 rounding of ``before + update`` (L2 over the elements): a unit
+    roundoff of the parameter and of the sum, which an update that nearly cancels the
+    parameter leaves at the parameter's scale, and 8 of the update, which AdamW computes
+    with a square root and a division (WGSL allows 2 and 2.5 ULP) and a few products."""
+    return float(F32_EPS * np.linalg.norm(2 * np.abs(before) + 8 * np.abs(update)))
 
 
 def torch_step(make_opt, before: dict, grads: dict) -> dict:
