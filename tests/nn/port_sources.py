@@ -127,4 +127,58 @@ def define(nn, F, T):
             h = self.dec1(T.cat([self.up1(h), s1], 1))
             return self.out(h)
 
-    return {"ResNet18": ResNet18, "PreLNTransformer": PreLNTransformer, "UNet": UNet}
+    class W5ResBlock(nn.Module):
+        def __init__(self, cin, cout, groups, eps):
+            super().__init__()
+            self.norm1 = nn.GroupNorm(groups, cin, eps=eps)
+            self.conv1 = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+            self.norm2 = nn.GroupNorm(groups, cout, eps=eps)
+            self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+            self.skip = nn.Conv2d(cin, cout, 1, bias=False) if cin != cout else nn.Identity()
+
+        def forward(self, x):
+            h = self.conv1(F.silu(self.norm1(x)))
+            return self.conv2(F.silu(self.norm2(h))) + self.skip(x)
+
+    class W5UNet(nn.Module):
+        """meganeura.models.unet.UNet (workload W5) rewritten from its docstring: a twin that
+        loads its state dict, so the library model can be checked against torch."""
+
+        def __init__(self, cin, cout, base, mult, groups, eps=1e-5):
+            super().__init__()
+            chans = [base * m for m in mult]
+            self.conv_in = nn.Conv2d(cin, chans[0], 3, padding=1, bias=False)
+            self.down, self.downsample = nn.ModuleList(), nn.ModuleList()
+            c_prev = chans[0]
+            for i, c in enumerate(chans):
+                self.down.append(W5ResBlock(c_prev, c, groups, eps))
+                if i < len(chans) - 1:
+                    self.downsample.append(nn.Conv2d(c, c, 3, stride=2, padding=1, bias=False))
+                c_prev = c
+            self.mid = W5ResBlock(c_prev, c_prev, groups, eps)
+            self.up = nn.ModuleList()
+            for c in reversed(chans):
+                self.up.append(W5ResBlock(c_prev + c, c, groups, eps))
+                c_prev = c
+            self.upsample = nn.Upsample(scale_factor=2, mode="nearest")
+            self.norm_out = nn.GroupNorm(groups, c_prev, eps=eps)
+            self.conv_out = nn.Conv2d(c_prev, cout, 3, padding=1, bias=False)
+
+        def forward(self, x):
+            h, skips = self.conv_in(x), []
+            for i, block in enumerate(self.down):
+                h = block(h)
+                skips.append(h)
+                if i < len(self.downsample):
+                    h = self.downsample[i](h)
+            h = self.mid(h)
+            for i, block in enumerate(self.up):
+                h = block(T.cat([h if i == 0 else self.upsample(h), skips.pop()], 1))
+            return self.conv_out(F.silu(self.norm_out(h)))
+
+    return {
+        "ResNet18": ResNet18,
+        "PreLNTransformer": PreLNTransformer,
+        "UNet": UNet,
+        "W5UNet": W5UNet,
+    }
