@@ -116,6 +116,7 @@ def cmd_profile(args) -> int:
     from .compile import compile
     from .models.mlp import build_mlp
     from .optim import HYPER_INPUT, AdamW
+    from .random import manual_seed
     from .runtime import Session
     from .runtime.profiler import ProfilerError
     from .training import Trainer, device_limits
@@ -123,6 +124,7 @@ def cmd_profile(args) -> int:
     dev = _device(args)
     print(f"device: {dev.name}")
     train = args.mode == "train"
+    manual_seed(args.seed)
     t = time.perf_counter()
     net = build_mlp(args.batch_size, (784, args.hidden, 10), labels=train)
     graph_s = time.perf_counter() - t
@@ -132,14 +134,14 @@ def cmd_profile(args) -> int:
         trainer = Trainer(net.graph, AdamW(lr=1e-3, weight_decay=0.01), device=dev)
         program, session = trainer.program, trainer.session
         program.meta["compile_seconds"] = {"graph": graph_s, **program.meta["compile_seconds"]}
-        trainer.load_parameters(net.model.init_parameters(rng))
+        trainer.load_parameters(net.state_dict())
         y = rng.integers(0, 10, args.batch_size, dtype=np.int32)
         hyper = trainer.optimizer.hyper(trainer.step_count, trainer.lr())
         feeds = {"x": x, "y": y, HYPER_INPUT: hyper}
     else:
         program = compile(net.graph, limits=device_limits(dev), graph_seconds=graph_s)
         session = Session(program, dev)
-        session.load_state_dict(net.model.init_parameters(rng))
+        session.load_state_dict(net.state_dict())
         feeds = {"x": x}
     cs, ss = program.meta["compile_seconds"], session.setup_seconds
     print(f"compile: {sum(cs.values()):.3f} s graph -> Program ({_seconds(cs)})")

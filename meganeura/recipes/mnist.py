@@ -20,6 +20,7 @@ from ..io.checkpoint import load_checkpoint
 from ..models.mlp import build_mlp
 from ..optim import AdamW
 from ..optim.schedules import get_schedule
+from ..random import manual_seed
 from ..training import Trainer, compile_for
 
 
@@ -100,6 +101,7 @@ def train(
     steps_per_epoch = num_batches(len(x_train), cfg.batch_size)
     total = steps_per_epoch * cfg.epochs
 
+    manual_seed(cfg.seed)
     net = build_mlp(cfg.batch_size, sizes)
     trainer = Trainer(
         net.graph,
@@ -116,7 +118,7 @@ def train(
         data_rng.bit_generator.state = meta["data_rng"]
         epoch0, losses = int(meta["epoch"]), list(meta.get("losses", []))
     else:
-        trainer.load_parameters(net.model.init_parameters(np.random.default_rng(cfg.seed)))
+        trainer.load_parameters(net.state_dict())
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
