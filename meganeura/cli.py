@@ -65,20 +65,20 @@ def cmd_train(args) -> int:
     s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
     compiled, hits = cache.compiled - before[0], cache.hits - before[1]
     pipeline_s = cache.shader_seconds + cache.pipeline_seconds - before[2]
-    mem = s["memory"]
+    mem, cs = s["memory"], s["compile_seconds"]
+    final = "-" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
     print(
-        f"steps: {s['steps']}  final loss: {s['final_loss']:.4f}  "
+        f"steps: {s['steps']}  final loss: {final}  "
         f"throughput: {s['samples_per_second']:,.0f} samples/s"
     )
+    if mem is not None:  # None when a resumed run had no step left to take
+        print(
+            f"step memory: {mem['planned_bytes']:,} B planned intermediates "
+            f"(naive {mem['naive_bytes']:,} B), {mem['pinned_bytes']:,} B pinned"
+        )
     print(
-        f"step memory: {mem['planned_bytes']:,} B planned intermediates "
-        f"(naive {mem['naive_bytes']:,} B), {mem['pinned_bytes']:,} B pinned"
-    )
-    graph_s = sum(s["compile_seconds"].values()) if "compile_seconds" in s else None
-    print(
-        "compile: "
-        + (f"{graph_s:.3f} s graph -> Program, " if graph_s is not None else "")
-        + f"{pipeline_s:.3f} s creating {compiled} pipelines ({hits} reused) for the training "
+        f"compile: {cs['trace']:.3f} s tracing, {cs['compile']:.3f} s graph -> Program, "
+        f"{pipeline_s:.3f} s creating {compiled} pipelines ({hits} reused) for the training "
         "and evaluation programs"
     )
     print(f"checkpoint: {s['checkpoint']}")
