@@ -366,6 +366,19 @@ def test_resume_is_bit_identical(gpu_device, tmp_path):
         np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
 
 
+def test_a_model_loads_its_weights_from_a_trainer_checkpoint(gpu_device, tmp_path):
+    model, (x, y) = _model(), _batch()
+    tr = Trainer(model, AdamW(lr=1e-2), loss_fn, device=gpu_device)
+    tr.step(x, y)
+    tr.save(tmp_path / "ck.safetensors")
+    restored = _model(seed=7)
+    keys = restored.load_state_dict(tmp_path / "ck.safetensors")  # strict: optimizer/ skipped
+    assert keys.missing_keys == [] and keys.unexpected_keys == []
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(restored.state_dict()[k], v, err_msg=k)
+    np.testing.assert_array_equal(restored(x), model(x))
+
+
 def test_load_checks_everything_before_applying(gpu_device, tmp_path):
     from meganeura.io.checkpoint import load_checkpoint, save_checkpoint
 
