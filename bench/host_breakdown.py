@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meganeura import manual_seed  # noqa: E402
 from meganeura.models.mlp import build_mlp  # noqa: E402
-from meganeura.optim import AdamW  # noqa: E402
+from meganeura.optim import HYPER_INPUT, AdamW  # noqa: E402
 from meganeura.runtime import fastpath, get_device  # noqa: E402
 from meganeura.runtime.slots import check_labels, checked  # noqa: E402
-from meganeura.training import HYPER_INPUT, Trainer, compile_for  # noqa: E402
+from meganeura.training import Trainer, compile_for  # noqa: E402
 
 PHASES = ("check", "upload", "record", "finish", "submit", "wait", "read")
 
