@@ -24,6 +24,7 @@ from ..nn import functional as F
 from ..nn.compiled import CompiledModule
 from ..nn.compiled import compile as compile_module
 from ..nn.init import empty_weights
+from ..nn.module import StateDictError
 from ..optim import AdamW
 from ..optim.schedules import get_schedule
 from ..random import manual_seed
@@ -277,13 +278,16 @@ def load_model(checkpoint: str) -> tuple[MLP, dict]:
     graph trainer: the parameter names are the same), and the checkpoint's metadata.
 
     Raises:
-        CheckpointError: a corrupt file, or one without the model's parameters.
+        CheckpointError: a corrupt file, or one without the model's parameters (or with
+            mis-shaped ones).
     """
     tensors, meta = load_checkpoint(checkpoint)
     with empty_weights():  # every weight comes from the checkpoint
         model = MLP(meta["sizes"])
-    # strict=False: the optimizer state beside the parameters is not the model's
-    missing, _ = model.load_state_dict(tensors, strict=False)
+    try:  # strict=False: the graph trainer kept optimizer state as "<param>.exp_avg" keys
+        missing, _ = model.load_state_dict(tensors, strict=False)
+    except StateDictError as e:
+        raise CheckpointError(f"{checkpoint}: {e}") from e
     if missing:
         raise CheckpointError(f"{checkpoint}: has no {missing}")
     return model, meta
