@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from meganeura import manual_seed  # noqa: E402
 from meganeura.compile import CompileOptions  # noqa: E402
 from meganeura.graph.builder import GraphBuilder  # noqa: E402
 from meganeura.models.mlp import build_mlp  # noqa: E402
@@ -72,6 +73,7 @@ def bench_train(dev, precision, args, graph, params, feeds):
 
 def cases(args):
     rng = np.random.default_rng(1)
+    manual_seed(2)
     mlp = build_mlp(1024, (784, 4096, 4096, 10))
     mlp_feeds = {
         "x": rng.standard_normal((1024, 784)).astype(np.float32),
@@ -85,6 +87,7 @@ def cases(args):
         num_kv_heads=4,
         intermediate_size=2048,
     )
+    manual_seed(3)
     tf = build_transformer(4, 512, cfg)
     tf_feeds = {
         "input_ids": rng.integers(0, 4096, (4, 512)).astype(np.int32),
@@ -93,10 +96,10 @@ def cases(args):
     return {
         "matmul": lambda dev, p: bench_matmul(dev, p, args),
         "mlp_step": lambda dev, p: bench_train(
-            dev, p, args, mlp.graph, mlp.model.init_parameters(np.random.default_rng(2)), mlp_feeds
+            dev, p, args, mlp.graph, mlp.state_dict(), mlp_feeds
         ),
         "transformer": lambda dev, p: bench_train(
-            dev, p, args, tf.graph, tf.model.init_parameters(np.random.default_rng(3)), tf_feeds
+            dev, p, args, tf.graph, tf.state_dict(), tf_feeds
         ),
     }
 

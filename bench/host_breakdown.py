@@ -28,11 +28,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from meganeura import manual_seed  # noqa: E402
 from meganeura.models.mlp import build_mlp  # noqa: E402
-from meganeura.optim import AdamW  # noqa: E402
+from meganeura.optim import HYPER_INPUT, AdamW  # noqa: E402
 from meganeura.runtime import fastpath, get_device  # noqa: E402
 from meganeura.runtime.slots import check_labels, checked  # noqa: E402
-from meganeura.training import HYPER_INPUT, Trainer, compile_for  # noqa: E402
+from meganeura.training import Trainer, compile_for  # noqa: E402
 
 PHASES = ("check", "upload", "record", "finish", "submit", "wait", "read")
 
@@ -89,7 +90,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 784)).astype(np.float32)
     y = rng.integers(0, 10, 64).astype(np.int32)
-    params = build_mlp(64).model.init_parameters(np.random.default_rng(0))
+    manual_seed(0)
+    params = build_mlp(64).state_dict()
     infer = build_mlp(64, labels=False)
     _, fwd = compile_for(infer.graph, device=device)
     fwd.load_state_dict(params)

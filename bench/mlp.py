@@ -20,6 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import timeit, torch_setup, write  # noqa: E402
+from meganeura import manual_seed  # noqa: E402
 from meganeura.models.mlp import build_mlp  # noqa: E402
 from meganeura.optim import AdamW  # noqa: E402
 from meganeura.runtime import get_device  # noqa: E402
@@ -83,8 +84,9 @@ def main() -> None:
     for batch in (64, 1024):
         x = rng.standard_normal((batch, 784)).astype(np.float32)
         y = rng.integers(0, 10, batch).astype(np.int32)
+        manual_seed(0)
         net = build_mlp(batch)
-        params = net.model.init_parameters(np.random.default_rng(0))
+        params = net.state_dict()
         trainer = Trainer(net.graph, AdamW(lr=1e-3, weight_decay=0.01), device=device)
         trainer.load_parameters(params)
         infer = build_mlp(batch, labels=False)

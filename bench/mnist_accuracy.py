@@ -19,13 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import write  # noqa: E402
 from meganeura.data.mnist import iterate_batches, load_mnist, standardize  # noqa: E402
-from meganeura.models.mlp import build_mlp  # noqa: E402
-from meganeura.recipes.mnist import MnistConfig, train  # noqa: E402
+from meganeura.recipes.mnist import MnistConfig, init_model, train  # noqa: E402
 from meganeura.runtime import get_device  # noqa: E402
 
 
 def torch_accuracy(cfg: MnistConfig) -> float:
-    """The recipe in PyTorch: same init (our initializers), same batch order."""
+    """The recipe in PyTorch: same initial weights (the recipe's init_model), same batch order."""
     import torch
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,7 +32,7 @@ def torch_accuracy(cfg: MnistConfig) -> float:
     data = load_mnist(cfg.data, seed=cfg.seed)
     x_train, mean, std = standardize(data.x_train)
     x_test, _, _ = standardize(data.x_test, mean, std)
-    init = build_mlp(cfg.batch_size).model.init_parameters(np.random.default_rng(cfg.seed))
+    init = init_model(cfg).state_dict()
     model = torch.nn.Sequential(
         torch.nn.Linear(784, cfg.hidden), torch.nn.ReLU(), torch.nn.Linear(cfg.hidden, 10)
     ).to(dev)

@@ -1,12 +1,26 @@
 """meganeura: portable GPU training and inference through WebGPU (Vulkan, Metal, DX12).
 
-Build a typed static graph, compile it (autodiff, optimizer, memory plan, WGSL), run it::
+Write a model as a PyTorch-style module; it is traced into a typed static graph and compiled
+(autodiff, optimizer, memory plan, WGSL) per input signature::
 
     import meganeura as mn
-    g = mn.GraphBuilder()
-    x = g.input("x", (64, 784))
-    ...
-    program = mn.compile(g.build(), mn.CompileOptions(loss="loss", optimizer=mn.optim.AdamW()))
+    import meganeura.nn.functional as F
+
+    class MLP(mn.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = mn.nn.Linear(784, 128), mn.nn.Linear(128, 10)
+
+        def forward(self, x):
+            return self.fc2(F.relu(self.fc1(x)))
+
+    model = MLP()
+    trainer = mn.Trainer(model, mn.optim.AdamW(), lambda m, x, y: F.cross_entropy(m(x), y))
+    loss = trainer.step(x, y)          # NumPy batches; one GPU submission per step
+    logits = model.eval()(x)           # NumPy out
+
+The layer below, ``mn.GraphBuilder``, writes the same graphs op by op; ``mn.compile(graph,
+options)`` turns one into a Program.
 
 The GPU runtime (``meganeura.runtime``, wgpu) is imported lazily, so graph building,
 autodiff and code generation work without a GPU.

@@ -65,20 +65,20 @@ def cmd_train(args) -> int:
     s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
     compiled, hits = cache.compiled - before[0], cache.hits - before[1]
     pipeline_s = cache.shader_seconds + cache.pipeline_seconds - before[2]
-    mem = s["memory"]
+    mem, cs = s["memory"], s["compile_seconds"]
+    final = "-" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
     print(
-        f"steps: {s['steps']}  final loss: {s['final_loss']:.4f}  "
+        f"steps: {s['steps']}  final loss: {final}  "
         f"throughput: {s['samples_per_second']:,.0f} samples/s"
     )
+    if mem is not None:  # None when a resumed run had no step left to take
+        print(
+            f"step memory: {mem['planned_bytes']:,} B planned intermediates "
+            f"(naive {mem['naive_bytes']:,} B), {mem['pinned_bytes']:,} B pinned"
+        )
     print(
-        f"step memory: {mem['planned_bytes']:,} B planned intermediates "
-        f"(naive {mem['naive_bytes']:,} B), {mem['pinned_bytes']:,} B pinned"
-    )
-    graph_s = sum(s["compile_seconds"].values()) if "compile_seconds" in s else None
-    print(
-        "compile: "
-        + (f"{graph_s:.3f} s graph -> Program, " if graph_s is not None else "")
-        + f"{pipeline_s:.3f} s creating {compiled} pipelines ({hits} reused) for the training "
+        f"compile: {cs['trace']:.3f} s tracing, {cs['compile']:.3f} s graph -> Program, "
+        f"{pipeline_s:.3f} s creating {compiled} pipelines ({hits} reused) for the training "
         "and evaluation programs"
     )
     print(f"checkpoint: {s['checkpoint']}")
@@ -116,6 +116,7 @@ def cmd_profile(args) -> int:
     from .compile import compile
     from .models.mlp import build_mlp
     from .optim import HYPER_INPUT, AdamW
+    from .random import manual_seed
     from .runtime import Session
     from .runtime.profiler import ProfilerError
     from .training import Trainer, device_limits
@@ -123,6 +124,7 @@ def cmd_profile(args) -> int:
     dev = _device(args)
     print(f"device: {dev.name}")
     train = args.mode == "train"
+    manual_seed(args.seed)
     t = time.perf_counter()
     net = build_mlp(args.batch_size, (784, args.hidden, 10), labels=train)
     graph_s = time.perf_counter() - t
@@ -132,14 +134,14 @@ def cmd_profile(args) -> int:
         trainer = Trainer(net.graph, AdamW(lr=1e-3, weight_decay=0.01), device=dev)
         program, session = trainer.program, trainer.session
         program.meta["compile_seconds"] = {"graph": graph_s, **program.meta["compile_seconds"]}
-        trainer.load_parameters(net.model.init_parameters(rng))
+        trainer.load_parameters(net.state_dict())
         y = rng.integers(0, 10, args.batch_size, dtype=np.int32)
         hyper = trainer.optimizer.hyper(trainer.step_count, trainer.lr())
         feeds = {"x": x, "y": y, HYPER_INPUT: hyper}
     else:
         program = compile(net.graph, limits=device_limits(dev), graph_seconds=graph_s)
         session = Session(program, dev)
-        session.load_state_dict(net.model.init_parameters(rng))
+        session.load_state_dict(net.state_dict())
         feeds = {"x": x}
     cs, ss = program.meta["compile_seconds"], session.setup_seconds
     print(f"compile: {sum(cs.values()):.3f} s graph -> Program ({_seconds(cs)})")

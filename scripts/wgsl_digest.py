@@ -2,16 +2,21 @@
 
 Compiles, without a GPU, every sample of the op database (its forward graph, and its forward +
 backward graph where it has one) and a few whole training programs (the MNIST MLP and conv net,
-a small transformer; SGD with momentum, AdamW, gradient clipping), each for several adapter
-limit sets (WebGPU's minimums, lavapipe-like, H200-like) and, where the limits allow f16, in
-both precisions. Every dispatch's name, grid, bindings and WGSL text go into one SHA-256 per
-case; the script prints one line per case and a final total.
+a small transformer: the ``meganeura.models`` modules as ``build_*`` traces them; SGD with
+momentum, AdamW, gradient clipping), each for several adapter limit sets (WebGPU's minimums,
+lavapipe-like, H200-like) and, where the limits allow f16, in both precisions. Every
+dispatch's name, grid, bindings and WGSL text go into one SHA-256 per case; the script prints
+one line per case and a final total.
 
 Usage (from the repository root)::
 
     python scripts/wgsl_digest.py --forced > before.txt
     ... refactor ...
     python scripts/wgsl_digest.py > after.txt && diff before.txt after.txt
+
+A program's digest covers its node ids (dispatch names, fused kernels' local names), so a
+change in the order a model's forward creates nodes changes it even when every kernel is the
+same up to those names.
 
 ``--forced`` adds every matmul plan and attention block plan forced onto the database's
 samples of those ops. A case that fails to compile is recorded with its error's type and

@@ -31,13 +31,16 @@ from .parameter import (
 )
 from .tracing import current_trace
 
-# Keys PyTorch and Hugging Face checkpoints carry that are not parameters of the model:
-# loaded when the model has them, skipped (not "unexpected") when it has not.
+# Keys PyTorch and Hugging Face checkpoints carry that are not parameters of the model, and the
+# optimizer state of meganeura's Trainer checkpoints (``optimizer/<param>.<suffix>``,
+# ``training.trainer.OPTIMIZER_PREFIX``; no module path holds a "/"): loaded when the model
+# has them, skipped (not "unexpected") when it has not.
 KNOWN_EXTRA_KEYS = (
     re.compile(r"(^|\.)num_batches_tracked$"),
     re.compile(r"(^|\.)position_ids$"),
     re.compile(r"(^|\.)attn\.(masked_)?bias$"),
     re.compile(r"(^|\.)rotary_emb\.inv_freq$"),
+    re.compile(r"^optimizer/"),
 )
 
 
@@ -341,7 +344,9 @@ class Module:
                 skipped). float16, bfloat16 and float64 values are converted to
                 each parameter's dtype. Keys PyTorch and Hugging Face checkpoints carry beside
                 parameters (``num_batches_tracked``, ``position_ids``, rotary ``inv_freq``) are
-                loaded where the model has them and skipped where it has not.
+                loaded where the model has them and skipped where it has not. The optimizer
+                state of a ``Trainer.save`` checkpoint (``optimizer/...``) is skipped too: a
+                model loads its weights from such a file directly.
             strict: require the keys to match exactly (else missing keys keep their values and
                 unexpected keys are ignored). Mis-shaped values are refused either way.
 

@@ -1,8 +1,11 @@
-"""The main job: train the 784-128-10 MLP on MNIST with AdamW, evaluate, checkpoint, plot.
+"""The main job: train the 784-128-10 MLP module on MNIST with AdamW (``mn.Trainer``),
+evaluate, checkpoint, plot.
 
-Everything a run needs to resume bit-identically lives in its checkpoint: parameters,
-optimizer state, step counter, the data-order RNG state, the epoch reached and the
-standardization statistics (so ``predict`` preprocesses exactly as training did).
+Everything a run needs to resume bit-identically lives in its checkpoint: parameters, optimizer
+state, step counter and global RNG (``Trainer.save``), and the recipe's own metadata: the
+data-order RNG state, the epoch reached, the losses so far and the standardization statistics
+(so ``predict`` preprocesses exactly as training did). A resume checks that metadata before the
+trainer loads anything.
 """
 
 from __future__ import annotations
@@ -14,13 +17,18 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..compile import CompileOptions
 from ..data.mnist import iterate_batches, load_mnist, num_batches, standardize
-from ..io.checkpoint import load_checkpoint
-from ..models.mlp import build_mlp
+from ..io.checkpoint import CheckpointError, load_checkpoint
+from ..models.mlp import MLP
+from ..nn import functional as F
+from ..nn.compiled import CompiledModule
+from ..nn.compiled import compile as compile_module
+from ..nn.init import empty_weights
+from ..nn.module import StateDictError
 from ..optim import AdamW
 from ..optim.schedules import get_schedule
-from ..training import Trainer, compile_for
+from ..random import manual_seed
+from ..training import Trainer
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,10 @@ class MnistConfig:
     log_every: int = 10
     precision: str = "strict"  # CompileOptions.precision of the training and eval programs
 
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return (784, self.hidden, 10)
+
 
 def _schedule(cfg: MnistConfig, total_steps: int):
     if cfg.schedule == "constant":
@@ -50,31 +62,76 @@ def _schedule(cfg: MnistConfig, total_steps: int):
     return get_schedule("cosine", lr=cfg.lr, total_steps=total_steps, warmup_steps=cfg.warmup_steps)
 
 
-def predict_logits(
-    params: dict[str, np.ndarray],
-    x: np.ndarray,
-    sizes,
-    batch: int = 500,
-    device=None,
-    precision: str = "strict",
-) -> np.ndarray:
-    """Logits for standardized images ``x`` f32[N, 784] with an inference program.
+def init_model(cfg: MnistConfig) -> MLP:
+    """The recipe's MLP with its initial weights drawn from ``cfg.seed`` (``mn.manual_seed``,
+    then construction, as ``torch.manual_seed`` before ``nn.Linear``)."""
+    manual_seed(cfg.seed)
+    return MLP(cfg.sizes)
 
-    The last chunk is zero-padded to the program's static batch and the padding dropped.
+
+def loss_fn(model: MLP, x, y):
+    """Mean cross-entropy of the model's logits for images ``x`` f32[N, 784] against digits
+    ``y`` int[N] (the Trainer's ``loss_fn``)."""
+    return F.cross_entropy(model(x), y)
+
+
+def inference(model: MLP, device=None, precision: str = "strict") -> CompiledModule:
+    """``model`` in eval mode, compiled on call for ``device`` and ``precision``."""
+    model.eval()
+    return compile_module(model, precision=precision, device=device)
+
+
+def predict_logits(run: CompiledModule, x: np.ndarray, batch: int = 500) -> np.ndarray:
+    """Logits f32[N, 10] for standardized images ``x`` f32[N, 784], ``batch`` rows per call
+    of ``run`` (:func:`inference`; a shorter last chunk compiles once more)."""
+    return np.concatenate([run(x[i : i + batch]) for i in range(0, len(x), batch)])
+
+
+def _resume_meta(path: str, cfg: MnistConfig) -> dict:
+    """The recipe's metadata of a checkpoint, checked before the trainer loads it.
+
+    Raises:
+        CheckpointError: not written by this recipe for ``cfg``'s model, or an epoch, data RNG
+            state or loss history that is missing or malformed.
     """
-    net = build_mlp(batch, sizes, labels=False)
-    _, session = compile_for(net.graph, CompileOptions(precision=precision), device)
-    session.load_state_dict({k: params[k] for k in session.program.parameters})
-    out = []
-    for start in range(0, len(x), batch):
-        chunk = x[start : start + batch]
-        pad = batch - len(chunk)
-        if pad:
-            chunk = np.concatenate([chunk, np.zeros((pad, x.shape[1]), np.float32)])
-        logits = session.run({"x": chunk}, ["logits"])["logits"]
-        out.append(logits[: batch - pad])
-    session.close()
-    return np.concatenate(out)
+    _, meta = load_checkpoint(path)
+    sizes = meta.get("sizes")
+    if meta.get("model") != "mlp" or sizes != list(cfg.sizes):
+        raise CheckpointError(
+            f"{path}: holds a {meta.get('model')} of sizes {sizes}; this run trains the MLP "
+            f"{list(cfg.sizes)} (pass the --hidden it was trained with)"
+        )
+    epoch = meta.get("epoch")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise CheckpointError(
+            f"{path}: metadata 'epoch' is {epoch!r}; expected the epochs done, an integer >= 0"
+        )
+    try:
+        np.random.default_rng().bit_generator.state = meta.get("data_rng")
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: metadata 'data_rng' is not a generator state: {e}") from e
+    losses = meta.get("losses", [])
+    if not isinstance(losses, list) or not all(isinstance(p, list) and len(p) == 2 for p in losses):
+        raise CheckpointError(f"{path}: metadata 'losses' is not a list of [step, loss] pairs")
+    return meta
+
+
+def _step_memory(trainer: Trainer) -> dict | None:
+    """The planned memory of the training step's program (None when no step ran)."""
+    for entry in trainer.cache_info().entries:
+        if entry.signature[0] == "step":
+            return asdict(entry.runner.program.memory)
+    return None
+
+
+def _compile_seconds(*caches) -> dict[str, float]:
+    """Trace, compile (graph -> Program) and setup (Session) seconds over compiled programs."""
+    entries = [e for c in caches for e in c.entries]
+    return {
+        "trace": sum(e.trace_seconds for e in entries),
+        "compile": sum(e.compile_seconds for e in entries),
+        "setup": sum(e.setup_seconds for e in entries),
+    }
 
 
 def train(
@@ -88,22 +145,25 @@ def train(
 
     Args:
         cfg: settings.
-        resume: checkpoint to continue from (its config must match ``cfg``'s model).
+        resume: checkpoint to continue from (written by this recipe for ``cfg``'s model).
         device: runtime Device (default device when None).
         progress: show the tqdm bar.
         max_steps: stop after this many optimizer steps in total (tests use it).
+
+    Raises:
+        CheckpointError: a ``resume`` checkpoint that does not fit (nothing is loaded).
     """
     data = load_mnist(cfg.data, seed=cfg.seed)
     x_train, mean, std = standardize(data.x_train)
     x_test, _, _ = standardize(data.x_test, mean, std)
-    sizes = (784, cfg.hidden, 10)
     steps_per_epoch = num_batches(len(x_train), cfg.batch_size)
     total = steps_per_epoch * cfg.epochs
 
-    net = build_mlp(cfg.batch_size, sizes)
+    model = init_model(cfg)
     trainer = Trainer(
-        net.graph,
+        model,
         AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay),
+        loss_fn,
         schedule=_schedule(cfg, total),
         max_grad_norm=cfg.max_grad_norm,
         device=device,
@@ -112,11 +172,10 @@ def train(
     data_rng = np.random.default_rng(cfg.seed + 1)
     epoch0, losses = 0, []
     if resume:
-        meta = trainer.load(resume)
+        meta = _resume_meta(resume, cfg)
+        trainer.load(resume)  # parameters, optimizer state, step counter, global RNG
         data_rng.bit_generator.state = meta["data_rng"]
-        epoch0, losses = int(meta["epoch"]), list(meta.get("losses", []))
-    else:
-        trainer.load_parameters(net.model.init_parameters(np.random.default_rng(cfg.seed)))
+        epoch0, losses = meta["epoch"], list(meta.get("losses", []))
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -139,12 +198,9 @@ def train(
             # resumed run samples the same steps.
             step = trainer.step_count
             log = step % cfg.log_every == 0
-            result = trainer.step(
-                {"x": x_train[idx], "y": data.y_train[idx]}, fetch=("loss",) if log else ()
-            )
+            loss = trainer.step(x_train[idx], data.y_train[idx], return_loss=log)
             seen += len(idx)
             if log:
-                loss = float(result["loss"])
                 losses.append([step, loss])
                 rate = (k + 1) * cfg.batch_size / (time.perf_counter() - epoch_t)
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
@@ -154,13 +210,11 @@ def train(
         bar.close()
         if stopped:
             break
-        meta = _meta(cfg, epoch + 1, data_rng, losses, mean, std)
-        trainer.save(ckpt, meta)
+        trainer.save(ckpt, _meta(cfg, epoch + 1, data_rng, losses, mean, std))
     train_s = time.perf_counter() - t_start
 
-    params = trainer.parameters()
-    logits = predict_logits(params, x_test, sizes, device=device, precision=cfg.precision)
-    acc = float((logits.argmax(1) == data.y_test).mean())
+    run = inference(model, device, cfg.precision)
+    acc = float((predict_logits(run, x_test).argmax(1) == data.y_test).mean())
     summary = {
         "test_accuracy": acc,
         "steps": trainer.step_count,
@@ -168,7 +222,8 @@ def train(
         "samples_per_second": seen / train_s if train_s else 0.0,
         "checkpoint": str(ckpt),
         "final_loss": losses[-1][1] if losses else None,
-        "memory": asdict(trainer.program.memory),
+        "memory": _step_memory(trainer),
+        "compile_seconds": _compile_seconds(trainer.cache_info(), run.cache_info()),
         "losses": losses,
     }
     png = out / "loss.png"
@@ -186,7 +241,7 @@ def _meta(cfg, epoch, rng, losses, mean, std) -> dict:
         "mean": float(mean),
         "std": float(std),
         "model": "mlp",
-        "sizes": [784, cfg.hidden, 10],
+        "sizes": list(cfg.sizes),
     }
 
 
@@ -218,6 +273,26 @@ def _plot(losses, samples_per_epoch: int, path: Path) -> bool:
     return True
 
 
+def load_model(checkpoint: str) -> tuple[MLP, dict]:
+    """The MLP of a checkpoint written by :func:`train` (or, before the module Trainer, by the
+    graph trainer: the parameter names are the same), and the checkpoint's metadata.
+
+    Raises:
+        CheckpointError: a corrupt file, or one without the model's parameters (or with
+            mis-shaped ones).
+    """
+    tensors, meta = load_checkpoint(checkpoint)
+    with empty_weights():  # every weight comes from the checkpoint
+        model = MLP(meta["sizes"])
+    try:  # strict=False: the graph trainer kept optimizer state as "<param>.exp_avg" keys
+        missing, _ = model.load_state_dict(tensors, strict=False)
+    except StateDictError as e:
+        raise CheckpointError(f"{checkpoint}: {e}") from e
+    if missing:
+        raise CheckpointError(f"{checkpoint}: has no {missing}")
+    return model, meta
+
+
 def predict(
     checkpoint: str,
     data: str | None = None,
@@ -226,13 +301,12 @@ def predict(
     precision: str = "strict",
 ) -> dict:
     """Reload a checkpoint and classify the test split; returns accuracy and predictions."""
-    tensors, meta = load_checkpoint(checkpoint)
-    sizes = tuple(meta["sizes"])
-    seed = meta["config"]["seed"]
-    ds = load_mnist(data if data is not None else meta["config"]["data"], seed=seed)
+    model, meta = load_model(checkpoint)
+    ds = load_mnist(
+        data if data is not None else meta["config"]["data"], seed=meta["config"]["seed"]
+    )
     x, _, _ = standardize(ds.x_test, meta["mean"], meta["std"])
-    logits = predict_logits(tensors, x, sizes, device=device, precision=precision)
-    pred = logits.argmax(1)
+    pred = predict_logits(inference(model, device, precision), x).argmax(1)
     return {
         "test_accuracy": float((pred == ds.y_test).mean()),
         "n": len(pred),

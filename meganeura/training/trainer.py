@@ -16,7 +16,11 @@ Invariants:
   * a step that raises before it runs (a loss_fn error, a batch the program rejects) changes
     nothing: parameters, moments, buffers, the step counter and the global RNG stay as they
     were; with accumulation every micro-batch is checked before the first one runs;
-  * a step reads back only the loss, and the gradients when asked for;
+  * a step reads back only the loss (unless ``return_loss=False``), and the gradients when
+    asked for;
+  * what a traced forward does to host state (BatchNorm's ``num_batches_tracked += 1``,
+    registered with ``Trace.on_run``) happens once per executed forward: after every run of a
+    program, ``k`` times per step with accumulation;
   * ``load`` checks the whole checkpoint before it applies any of it.
 """
 
@@ -45,16 +49,14 @@ from .graph import GraphTrainer
 # Checkpoint keys of optimizer state: "optimizer/<parameter name>.<suffix>". No PyTorch name
 # holds a "/", so these never collide with the model's state dict keys.
 OPTIMIZER_PREFIX = "optimizer/"
-COUNTER = "num_batches_tracked"
 LOSS = "loss"
 
 
 @dataclass
 class _Program:
-    """A cached program and what a run of it must do on the host."""
+    """A cached program and the gradient outputs it returns."""
 
     entry: CacheEntry
-    counters: tuple[Buffer, ...]  # num_batches_tracked of the train-mode modules that ran
     grads: dict[str, str]  # gradient output -> parameter name (return_grads programs)
 
 
@@ -139,7 +141,7 @@ class Trainer:
         """Learning rate of the next step."""
         return float(self.schedule(self.step_count))
 
-    def step(self, *batch, return_grads: bool = False):
+    def step(self, *batch, return_grads: bool = False, return_loss: bool = True):
         """One optimizer step on one batch: forward, backward and update on the GPU.
 
         Args:
@@ -149,6 +151,9 @@ class Trainer:
             return_grads: also return each trained parameter's gradient (before clipping; with
                 accumulation the mean over the micro-batches). Compiles a program of its own
                 the first time, sharing parameters and moments with the others.
+            return_loss: read the loss back. Reading it waits for the GPU to finish the step
+                (a host round trip); a loop that logs every n-th step passes False on the
+                others and the step returns None in the loss's place.
 
         Returns:
             The loss (a float), or ``(loss, {parameter name: gradient})`` with
@@ -183,12 +188,12 @@ class Trainer:
             for prog, feeds in runs[:-1]:
                 self._run(prog, feeds, ())
             prog, feeds = runs[-1]
-            out = self._run(prog, feeds, (LOSS, *prog.grads))
+            out = self._run(prog, feeds, ((LOSS,) if return_loss else ()) + tuple(prog.grads))
         except BaseException:
             mn_random.set_rng_state(rng_state)
             raise
         self.step_count += 1
-        loss = float(out[LOSS])
+        loss = float(out[LOSS]) if return_loss else None
         if return_grads:
             return loss, {name: out[g] for g, name in prog.grads.items()}
         return loss
@@ -200,10 +205,11 @@ class Trainer:
         return float(self._run(prog, feeds, (LOSS,))[LOSS])
 
     def _run(self, prog: _Program, feeds: dict, fetch: tuple) -> dict:
-        out = prog.entry.runner.run(feeds, fetch)
+        runner = prog.entry.runner
+        out = runner.run(feeds, fetch)
         prog.entry.calls += 1
-        for counter in prog.counters:  # once per forward in train mode, as torch counts
-            counter.copy_(counter.data + 1)
+        for effect in runner.traced.trace.host_effects:  # once per forward that ran
+            effect()
         return out
 
     def _prepare(self, kind: str, batch: tuple, return_grads: bool = False):
@@ -271,23 +277,12 @@ class Trainer:
             options = replace(self._options, trainable=trainable, output_grads=return_grads)
         shared = functools.partial(self._shared_key, objects)
         runner = ProgramRunner(traced, options, self.device, shared=shared)
-        counters = () if kind == "evaluate" else self._counters(objects)
         outputs = runner.program.outputs
         grads = {grad_output(n): n for n in trainable if grad_output(n) in outputs}
         entry = CacheEntry(
             key, traced.seconds, runner.compile_seconds, runner.setup_seconds, 0, runner
         )
-        return _Program(entry, counters, grads if return_grads else {})
-
-    def _counters(self, objects: Mapping) -> tuple[Buffer, ...]:
-        """The host-only ``num_batches_tracked`` of each train-mode module the trace read."""
-        out = []
-        for prefix, m in self.model.named_modules():
-            b = dict(m.named_buffers(recurse=False, _all=True)).get(COUNTER)
-            ran = not prefix or any(n.startswith(prefix + ".") for n in objects)
-            if b is not None and b.host_only and m.training and ran:
-                out.append(b)
-        return tuple(out)
+        return _Program(entry, grads if return_grads else {})
 
     def _shared_key(self, objects: Mapping, name: str) -> Buffer | None:
         """The trainer's Buffer behind a program's optimizer-state or accumulator slot."""

@@ -91,6 +91,7 @@ REPRS = [
     ("Upsample", (), {"scale_factor": 2, "mode": "nearest"}),
     ("UpsamplingBilinear2d", ((4, 6),), {}),
     ("Dropout", (0.1,), {}),
+    ("Linear", (4, 3), {"bias": False}),
 ]
 
 

@@ -142,8 +142,8 @@ def test_dropout_rejects_p(p):
 
 
 def test_batchnorm_under_the_trainer_counts_each_step_once(gpu_device):
-    """The Trainer counts num_batches_tracked itself; BatchNorm's on_run effect is for
-    compiled calls, so a training step must not count twice."""
+    """The Trainer replays BatchNorm's on_run effect once per executed forward, so a training
+    step counts once, as torch's train-mode call does."""
     from meganeura.optim import SGD
     from meganeura.training import Trainer
 

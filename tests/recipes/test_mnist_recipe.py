@@ -5,9 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from meganeura import manual_seed
 from meganeura.cli import main
-from meganeura.io.checkpoint import load_checkpoint
-from meganeura.recipes.mnist import MnistConfig, predict, train
+from meganeura.data.mnist import load_mnist, standardize
+from meganeura.io.checkpoint import CheckpointError, load_checkpoint
+from meganeura.models.mlp import build_mlp
+from meganeura.optim import AdamW
+from meganeura.recipes.mnist import MnistConfig, _meta, init_model, loss_fn, predict, train
+from meganeura.training import Trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -52,3 +57,46 @@ def test_cli_train_and_predict(gpu_device, tmp_path, capsys):
     out = capsys.readouterr().out
     acc = float(out.split("test accuracy:")[1].split("%")[0])
     assert acc >= 80.0
+
+
+BAD_META = {
+    "epoch_string": {"epoch": "1"},
+    "epoch_negative": {"epoch": -1},
+    "epoch_missing": {"epoch": None},
+    "data_rng_garbage": {"data_rng": {"bit_generator": "PCG64", "state": 3}},
+    "other_hidden": {"sizes": [784, 64, 10]},
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_META))
+def test_resume_checks_the_recipe_metadata_before_loading(tmp_path, case):
+    cfg = MnistConfig(epochs=2, out=str(tmp_path))
+    trainer = Trainer(init_model(cfg), AdamW(lr=cfg.lr), loss_fn)
+    meta = _meta(cfg, 1, np.random.default_rng(1), [], 0.1, 0.3)
+    ckpt = tmp_path / "bad.safetensors"
+    trainer.save(ckpt, {**meta, **BAD_META[case]})
+    with pytest.raises(CheckpointError, match="sizes|epoch|data_rng"):
+        train(cfg, resume=str(ckpt), progress=False)
+
+
+def test_predict_reads_a_graph_trainer_checkpoint(gpu_device, tmp_path):
+    """A checkpoint of the graph trainer (written before the recipe used modules: the same
+    parameter names, optimizer state under other keys) still classifies."""
+    cfg = MnistConfig(hidden=16, out=str(tmp_path))
+    data = load_mnist(seed=cfg.seed)
+    x, mean, std = standardize(data.x_train)
+    manual_seed(0)
+    net = build_mlp(64, cfg.sizes)
+    tr = Trainer(net.graph, AdamW(lr=1e-2), device=gpu_device)
+    tr.load_parameters(net.state_dict())
+    for i in range(0, 640, 64):
+        tr.step({"x": x[i : i + 64], "y": data.y_train[i : i + 64]})
+    ckpt = tmp_path / "graph.safetensors"
+    tr.save(ckpt, _meta(cfg, 1, np.random.default_rng(1), [], mean, std))
+    r = predict(str(ckpt), device=gpu_device)
+    p = {k: v.astype(np.float64) for k, v in tr.parameters().items()}
+    x_test, _, _ = standardize(data.x_test, mean, std)
+    h = np.maximum(x_test @ p["fc1.weight"].T + p["fc1.bias"], 0)
+    ref = (h @ p["fc2.weight"].T + p["fc2.bias"]).argmax(1)
+    assert r["test_accuracy"] == pytest.approx(float((ref == data.y_test).mean()), abs=2e-3)
+    assert r["test_accuracy"] > 0.5  # ten steps of AdamW at lr 1e-2 learn something

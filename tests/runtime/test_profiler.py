@@ -233,13 +233,15 @@ def test_profile_refuses_a_closed_session(ts_device):
 
 
 def test_profile_mnist_training_step(ts_device, tmp_path):
+    from meganeura import manual_seed
     from meganeura.models.mlp import build_mlp
     from meganeura.optim import HYPER_INPUT, AdamW
     from meganeura.training import Trainer
 
+    manual_seed(0)
     net = build_mlp(16, (784, 32, 10))
     tr = Trainer(net.graph, AdamW(lr=1e-3), device=ts_device)
-    tr.load_parameters(net.model.init_parameters(np.random.default_rng(0)))
+    tr.load_parameters(net.state_dict())
     rng = np.random.default_rng(1)
     feeds = {
         "x": rng.standard_normal((16, 784), dtype=np.float32),

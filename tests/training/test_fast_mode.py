@@ -17,6 +17,7 @@ import warnings
 import numpy as np
 import pytest
 
+from meganeura import manual_seed
 from meganeura.codegen.kernel import Limits
 from meganeura.compile import CompileOptions, PrecisionFallbackWarning, compile
 from meganeura.models.convnet import build_convnet
@@ -85,7 +86,8 @@ def _compare(build, params, fwd_feeds, train_feeds, device) -> None:
 def test_mlp_fast_matches_strict(gpu_device):
     _need_f16(gpu_device)
     rng = np.random.default_rng(0)
-    params = build_mlp(64).model.init_parameters(rng)
+    manual_seed(0)
+    params = build_mlp(64).state_dict()
     x = rng.standard_normal((64, 784)).astype(np.float32)
     y = rng.integers(0, 10, 64).astype(np.int32)
     _compare(
@@ -102,7 +104,8 @@ def test_transformer_fast_matches_strict(gpu_device):
     _need_f16(gpu_device)
     cfg = TransformerConfig()
     rng = np.random.default_rng(1)
-    params = build_transformer(2, 32, cfg).model.init_parameters(rng)
+    manual_seed(1)
+    params = build_transformer(2, 32, cfg).state_dict()
     ids = rng.integers(0, cfg.vocab_size, (2, 32)).astype(np.int32)
     labels = rng.integers(0, cfg.vocab_size, (2, 32)).astype(np.int32)
     _compare(
@@ -118,7 +121,8 @@ def test_transformer_fast_matches_strict(gpu_device):
 def test_convnet_fast_matches_strict(gpu_device):
     _need_f16(gpu_device)
     rng = np.random.default_rng(2)
-    params = build_convnet(16).model.init_parameters(rng)
+    manual_seed(2)
+    params = build_convnet(16).state_dict()
     x = rng.standard_normal((16, 1, 28, 28)).astype(np.float32)
     y = rng.integers(0, 10, 16).astype(np.int32)
     # training-mode BatchNorm in both programs: batch statistics, as the gradients use
@@ -161,8 +165,9 @@ def test_fast_program_binds_f16_and_keeps_master_weights():
 @pytest.mark.gpu
 def test_fast_state_dict_round_trip(gpu_device):
     _need_f16(gpu_device)
+    manual_seed(3)
     net = build_mlp(4, (16, 8, 4), labels=False)
-    params = net.model.init_parameters(np.random.default_rng(3))
+    params = net.state_dict()
     params["fc1.bias"][:3] = [0.1, 1e-4, 3.0]  # 0.1 and 1e-4 are not f16 numbers
     program, session = compile_for(net.graph, CompileOptions(precision="fast"), gpu_device)
     with session:
@@ -186,13 +191,14 @@ def test_fast_state_dict_round_trip(gpu_device):
 def test_fast_training_lowers_the_loss(gpu_device):
     _need_f16(gpu_device)
     rng = np.random.default_rng(4)
+    manual_seed(4)
     net = build_mlp(64, (32, 64, 4))
     w = rng.standard_normal((32, 4))
     x = rng.standard_normal((64, 32)).astype(np.float32)
     y = (x @ w).argmax(1).astype(np.int32)  # a learnable labelling
     tr = Trainer(net.graph, AdamW(lr=1e-2), device=gpu_device, precision="fast")
     assert tr.program.meta["precision"] == "fast"
-    tr.load_parameters(net.model.init_parameters(rng))
+    tr.load_parameters(net.state_dict())
     losses = [float(tr.step({"x": x, "y": y})["loss"]) for _ in range(30)]
     assert np.isfinite(losses).all()
     assert losses[-1] < 0.5 * losses[0], losses

@@ -14,7 +14,8 @@ import meganeura as mn
 import meganeura.nn.functional as F
 from meganeura.graph.builder import GraphTypeError
 from meganeura.io.checkpoint import CheckpointError
-from meganeura.nn import Buffer, Linear, Module, Parameter
+from meganeura.nn import BatchNorm1d, Buffer, Linear, Module, Parameter
+from meganeura.nn.tracing import current_trace
 from meganeura.optim import SGD, AdamW
 from meganeura.optim.schedules import CosineLR
 from meganeura.runtime import InputError
@@ -246,7 +247,7 @@ def test_evaluate_runs_the_eval_program_on_the_same_parameters(gpu_device):
 
 class TinyBatchNorm(Module):
     """BatchNorm1d as a layer would write it: running statistics on the GPU, the counter on
-    the host."""
+    the host, incremented by an effect the trace replays after each run of the program."""
 
     def __init__(self, c: int) -> None:
         super().__init__()
@@ -258,6 +259,9 @@ class TinyBatchNorm(Module):
 
     def forward(self, x):
         w, b, rm, rv = self.weight, self.bias, self.running_mean, self.running_var
+        if self.training:
+            counter = self._buffers["num_batches_tracked"]
+            current_trace().on_run(lambda: counter.copy_(counter.data + 1))
         return F.batch_norm(x, rm, rv, w, b, self.training, 0.1, 1e-5)
 
 
@@ -300,6 +304,47 @@ def test_batch_norm_counters_count_train_mode_steps(gpu_device):
     _assert_params(model, net)
 
 
+class TwiceNormed(Module):
+    """One BatchNorm1d called twice per forward: torch counts both calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = Linear(SIZES[0], SIZES[-1])
+        self.bn = BatchNorm1d(SIZES[-1])
+
+    def forward(self, x):
+        return self.bn(self.bn(self.fc(x)))
+
+
+def test_batch_norm_counts_every_forward_with_accumulation(gpu_device):
+    mn.manual_seed(0)
+    model = TwiceNormed()
+    tr = Trainer(model, SGD(lr=0.1), loss_fn, accumulation_steps=2, device=gpu_device)
+    for _ in range(3):
+        tr.step(*_batch())
+    # 3 steps x 2 micro-batches x 2 calls, as torch.nn.BatchNorm1d counts them
+    assert int(model.bn.num_batches_tracked.data) == 12
+    tr.evaluate(*_batch())  # eval mode: no count
+    model.eval()
+    tr.step(*_batch())
+    assert int(model.bn.num_batches_tracked.data) == 12
+
+
+def test_return_loss_false_reads_nothing_back(gpu_device):
+    model, (x, y) = _model(), _batch()
+    twin = _model()
+    a = Trainer(model, SGD(lr=0.1), loss_fn, device=gpu_device)
+    b = Trainer(twin, SGD(lr=0.1), loss_fn, device=gpu_device)
+    assert a.step(x, y, return_loss=False) is None
+    b.step(x, y)
+    assert a.step_count == 1
+    loss, grads = a.step(x, y, return_grads=True, return_loss=False)
+    assert loss is None and set(grads) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    b.step(x, y)
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(v, twin.state_dict()[k], err_msg=k)
+
+
 def test_resume_is_bit_identical(gpu_device, tmp_path):
     batches = [_batch() for _ in range(4)]
     model = _model(p_drop=0.3)  # dropout draws from the global RNG: it must resume too
@@ -319,6 +364,19 @@ def test_resume_is_bit_identical(gpu_device, tmp_path):
     assert sa.keys() == sb.keys() and len(sa) == 4 + 8
     for k in sa:
         np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
+
+
+def test_a_model_loads_its_weights_from_a_trainer_checkpoint(gpu_device, tmp_path):
+    model, (x, y) = _model(), _batch()
+    tr = Trainer(model, AdamW(lr=1e-2), loss_fn, device=gpu_device)
+    tr.step(x, y)
+    tr.save(tmp_path / "ck.safetensors")
+    restored = _model(seed=7)
+    keys = restored.load_state_dict(tmp_path / "ck.safetensors")  # strict: optimizer/ skipped
+    assert keys.missing_keys == [] and keys.unexpected_keys == []
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(restored.state_dict()[k], v, err_msg=k)
+    np.testing.assert_array_equal(restored(x), model(x))
 
 
 def test_load_checks_everything_before_applying(gpu_device, tmp_path):

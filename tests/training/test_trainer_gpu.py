@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from meganeura import manual_seed
 from meganeura.io.checkpoint import CheckpointError, save_checkpoint
 from meganeura.models.mlp import build_mlp
 from meganeura.optim import SGD, Adam, AdamW
@@ -27,8 +28,9 @@ def _data(seed=0):
 
 
 def _trainer(gpu_device, opt, max_grad_norm=None):
+    manual_seed(1)
     net = build_mlp(BATCH, SIZES)
-    params = net.model.init_parameters(np.random.default_rng(1))
+    params = net.state_dict()
     tr = Trainer(net.graph, opt, max_grad_norm=max_grad_norm, device=gpu_device)
     tr.load_parameters(params)
     return tr, params
@@ -237,11 +239,12 @@ def test_one_index_input_is_checked_against_every_op_reading_it(gpu_device):
 
 
 def test_fuse_switch_reaches_the_compiled_step(gpu_device):
+    manual_seed(1)
     net = build_mlp(BATCH, SIZES)
     fused = Trainer(net.graph, SGD(lr=0.1), device=gpu_device)
     plain = Trainer(net.graph, SGD(lr=0.1), device=gpu_device, fuse=False)
     assert len(fused.program.dispatches) < len(plain.program.dispatches)
-    params = net.model.init_parameters(np.random.default_rng(1))
+    params = net.state_dict()
     x, y = _data()
     for tr in (fused, plain):
         tr.load_parameters(params)
