@@ -340,8 +340,7 @@ class Module:
         Args:
             state_dict: name -> array (NumPy, or anything with ``__array__``: a torch state dict
                 converted with ``.numpy()``, or torch tensors themselves), or the path of a
-                ``.safetensors`` file (a Trainer checkpoint's ``optimizer/*`` entries are
-                skipped). float16, bfloat16 and float64 values are converted to
+                ``.safetensors`` file. float16, bfloat16 and float64 values are converted to
                 each parameter's dtype. Keys PyTorch and Hugging Face checkpoints carry beside
                 parameters (``num_batches_tracked``, ``position_ids``, rotary ``inv_freq``) are
                 loaded where the model has them and skipped where it has not. The optimizer
@@ -361,10 +360,7 @@ class Module:
         if isinstance(state_dict, (str, Path)):
             from ..io.safetensors_io import load_file
 
-            # a Trainer checkpoint holds optimizer state beside the model's tensors
-            state_dict = {
-                k: v for k, v in load_file(state_dict).items() if not k.startswith("optimizer/")
-            }
+            state_dict = load_file(state_dict)
         targets = OrderedDict(self._state_items())
         skip = [k for k in state_dict if k not in targets and _known_extra(k)]
         missing = [k for k in targets if k not in state_dict]
