@@ -82,7 +82,7 @@ def models(rng, quick=False):
             vocab_size=30522,
         )
         tm = transformers.BertModel(
-            transformers.BertConfig(**kw), add_pooling_layer=False, attn_implementation="eager"
+            transformers.BertConfig(**kw, attn_implementation="eager"), add_pooling_layer=False
         ).eval()
         ours = BertModel(BertConfig(**kw), add_pooling_layer=False).eval()
         ours.load_state_dict({k: v.numpy() for k, v in tm.state_dict().items()})
