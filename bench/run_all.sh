@@ -9,8 +9,8 @@
 #
 # Usage: bash bench/run_all.sh [--quick] [SUFFIX] [SCRIPT ...]
 #   SUFFIX defaults to h200 (full) or lavapipe (--quick); SCRIPTs default to all of them
-#   (matmul bandwidth attention conv dispatch mlp). Each script gets at most $BENCH_TIMEOUT
-#   seconds (default 300); scripts rewrite their result file after every row, so one cut
+#   (matmul bandwidth attention conv dispatch mlp compile_cache). Each script gets at most
+#   $BENCH_TIMEOUT seconds (default 300); scripts rewrite their result file after every row, so one cut
 #   short keeps what it measured ("complete": false). A failing script does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ SCRIPTS=()
 for a in "$@"; do
   case "$a" in
     --quick) QUICK="--quick" ;;
-    matmul|bandwidth|attention|conv|dispatch|mlp) SCRIPTS+=("$a") ;;
+    matmul|bandwidth|attention|conv|dispatch|mlp|compile_cache) SCRIPTS+=("$a") ;;
     *) SUFFIX="$a" ;;
   esac
 done
@@ -29,7 +29,7 @@ if [ -z "$SUFFIX" ]; then
   if [ -n "$QUICK" ]; then SUFFIX=lavapipe; else SUFFIX=h200; fi
 fi
 if [ ${#SCRIPTS[@]} -eq 0 ]; then
-  SCRIPTS=(matmul bandwidth attention conv dispatch mlp)
+  SCRIPTS=(matmul bandwidth attention conv dispatch mlp compile_cache)
 fi
 TIMEOUT=${BENCH_TIMEOUT:-300}
 failed=()
