@@ -161,13 +161,12 @@ class GraphBuilder:
         return self._leaf("state", name, shape, dtype)
 
     def constant(self, value: float | int | bool, dtype: DType = f32) -> Tensor:
-        """A scalar baked into the program. Equal constants are shared."""
+        """A scalar baked into the program (a float may be inf or NaN). Equal constants are
+        shared."""
         if isinstance(value, (np.generic,)):
             value = value.item()
         if dtype.is_floating:
-            value = float(value)
-            if not np.isfinite(value):
-                raise ValueError(f"constant {value} is not finite; WGSL has no inf/NaN literals")
+            value = float(value)  # inf and NaN too: kernels build them from their bits
         elif dtype is DType.bool:
             value = bool(value)
         else:

@@ -193,7 +193,7 @@ def pow_expr(
         e = float(expo.attr("value"))
         if e in special:
             return special[e], ()
-    if base.op == "constant" and float(base.attr("value")) > 0.0:
+    if base.op == "constant" and math.isfinite(c := float(base.attr("value"))) and c > 0.0:
         log2c = math.log2(float(np.float32(base.attr("value"))))
         return f"exp2_f32({y} * {f32_literal(log2c)})", ("exp2_f32",)
     return f"pow_f32({x}, {y})", ("pow_f32",)
