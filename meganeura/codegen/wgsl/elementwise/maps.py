@@ -94,6 +94,7 @@ UNARY: dict[str, Expr] = {
     "tanh": lambda x, t, a: f"tanh_stable({x[0]})",
     "sigmoid": lambda x, t, a: f"sigmoid_stable({x[0]})",
     "abs": lambda x, t, a: f"abs({x[0]})",
+    "floor": lambda x, t, a: f"floor({x[0]})",
     "sign": _sign,
     "reciprocal": lambda x, t, a: f"(1.0 / {x[0]})",
     "rsqrt": lambda x, t, a: f"(1.0 / sqrt({x[0]}))",  # inf at 0, as torch.rsqrt
