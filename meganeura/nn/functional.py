@@ -60,7 +60,6 @@ from ..ops.functional import (
     maximum,
     mean,
     minimum,
-    mse_loss,
     mul,
     ne,
     neg,
@@ -79,7 +78,7 @@ from ..ops.functional import (
     true_divide,
     where,
 )
-from ..ops.gather import embedding, gather, index_select, take_along_dim
+from ..ops.gather import embedding, gather, index_select, one_hot, take_along_dim
 from ..ops.indexing import (
     cat,
     chunk,
@@ -93,7 +92,17 @@ from ..ops.indexing import (
     stack,
     unsqueeze,
 )
-from ..ops.loss import binary_cross_entropy_with_logits, cross_entropy, l1_loss
+from ..ops.loss import (
+    binary_cross_entropy,
+    binary_cross_entropy_with_logits,
+    cross_entropy,
+    huber_loss,
+    kl_div,
+    l1_loss,
+    mse_loss,
+    nll_loss,
+    smooth_l1_loss,
+)
 from ..ops.norm import batch_norm, group_norm, layer_norm, rms_norm
 from ..ops.pool import adaptive_avg_pool2d, avg_pool2d, max_pool2d
 from ..ops.reduce import amin, argmax, argmin, cumsum, logsumexp, max, min, std, var  # noqa: A004
@@ -111,6 +120,7 @@ __all__ = [
     "argmin",
     "avg_pool2d",
     "batch_norm",
+    "binary_cross_entropy",
     "binary_cross_entropy_with_logits",
     "broadcast_to",
     "cast",
@@ -142,10 +152,12 @@ __all__ = [
     "greater_equal",
     "group_norm",
     "gt",
+    "huber_loss",
     "index",
     "index_select",
     "interpolate",
     "isneginf",
+    "kl_div",
     "l1_loss",
     "layer_norm",
     "le",
@@ -174,7 +186,9 @@ __all__ = [
     "narrow",
     "ne",
     "neg",
+    "nll_loss",
     "normalize",
+    "one_hot",
     "pad",
     "permute",
     "pow",
@@ -191,6 +205,7 @@ __all__ = [
     "silu",
     "sin",
     "slice",
+    "smooth_l1_loss",
     "softmax",
     "softplus",
     "split",

@@ -259,6 +259,9 @@ def sqrt(x: Tensor) -> Tensor:
 
 
 def relu(x: Tensor) -> Tensor:
+    """``max(x, 0)`` (torch.relu); integer tensors through ``maximum``."""
+    if not x.dtype.is_floating:
+        return maximum(x, 0)
     return _unary("relu", x)
 
 
@@ -476,12 +479,7 @@ def cross_entropy(
 
 
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:  # noqa: A002
-    """Mean (or sum) of squared differences, like torch.nn.functional.mse_loss."""
-    if input.shape != target.shape:
-        raise ValueError(f"mse_loss: input {input!r} and target {target!r} shapes differ")
-    d = input - target
-    if reduction == "mean":
-        return mean(d * d)
-    if reduction == "sum":
-        return sum(d * d)
-    raise ValueError(f"mse_loss: reduction must be 'mean' or 'sum', got {reduction!r}")
+    """``loss.mse_loss`` (torch.nn.functional.mse_loss), kept here for graph-building code."""
+    from .loss import mse_loss as _mse_loss
+
+    return _mse_loss(input, target, reduction=reduction)
