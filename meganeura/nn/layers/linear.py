@@ -33,7 +33,10 @@ class Linear(Module):
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.weight = Parameter(shape=(out_features, in_features), dtype=dtype)
-        self.bias = Parameter(shape=(out_features,), dtype=dtype) if bias else None
+        if bias:
+            self.bias = Parameter(shape=(out_features,), dtype=dtype)
+        else:
+            self.register_parameter("bias", None)  # declared absent, as torch (repr, loading)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
