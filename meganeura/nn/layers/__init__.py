@@ -52,6 +52,13 @@ from .pooling import (
     MaxPool2d,
 )
 from .sparse import Embedding
+from .transformer import (
+    Transformer,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
 from .upsampling import Upsample, UpsamplingBilinear2d, UpsamplingNearest2d
 
 __all__ = [
@@ -112,6 +119,11 @@ __all__ = [
     "Softsign",
     "Tanh",
     "Tanhshrink",
+    "Transformer",
+    "TransformerDecoder",
+    "TransformerDecoderLayer",
+    "TransformerEncoder",
+    "TransformerEncoderLayer",
     "Upsample",
     "UpsamplingBilinear2d",
     "UpsamplingNearest2d",
