@@ -2,7 +2,8 @@
 logical ops, ``isneginf``, ``pow``, ``clamp``, ``where`` and ``cast``; activations live in
 ``activation``, whose ``DEFS`` are appended here and whose functions are re-exported.
 
-Binary ops require equal dtypes (no implicit promotion) and broadcast shapes by NumPy's rule
+Binary IR ops require equal dtypes (the user functions promote first, inserting casts:
+``functional.promote_operands``) and broadcast shapes by NumPy's rule
 (https://numpy.org/doc/stable/user/basics.broadcasting.html). Gradients are written for the
 broadcast shape; autodiff sums them back to each operand's shape in one central place.
 Semantics are PyTorch's where it differs from NumPy (``sign`` of NaN is 0, ``clamp`` with
