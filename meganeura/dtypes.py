@@ -7,6 +7,7 @@ Every value in a graph carries one DType. WGSL has no 8-bit or 64-bit storage in
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -66,6 +67,23 @@ class DType(enum.Enum):
         )
 
 
+def as_dtype(dtype) -> DType:
+    """A DType from a DType, a NumPy dtype or its name (``"float32"``); float64 and int64 map
+    to f32 and i32, as arrays of them are fed.
+
+    Raises:
+        TypeError: for anything else.
+    """
+    if isinstance(dtype, DType):
+        return dtype
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{dtype!r} is not a dtype") from None
+    wide = {np.dtype(np.float64): DType.f32, np.dtype(np.int64): DType.i32}
+    return wide.get(d) or DType.from_numpy(d)
+
+
 f32 = DType.f32
 f16 = DType.f16
 i32 = DType.i32
@@ -73,9 +91,62 @@ u32 = DType.u32
 bool_ = DType.bool
 
 
-def promote(a: DType, b: DType) -> DType:
-    """Result dtype of a binary arithmetic op. meganeura does not promote implicitly: both
-    operands must agree, as in a typed IR; mixing is an error raised by the caller."""
-    if a is not b:
-        raise TypeError(f"dtype mismatch: {a} vs {b} (cast one operand explicitly)")
-    return a
+def _category(t: DType) -> int:
+    return 0 if t is DType.bool else 2 if t.is_floating else 1
+
+
+def promote_types(a: DType, b: DType) -> DType:
+    """``torch.promote_types`` on meganeura's dtypes: the higher of the categories bool <
+    integer < floating wins (``i32`` with ``f16`` is ``f16``); within floating, ``f32``.
+
+    Raises:
+        TypeError: for ``i32`` with ``u32`` (torch gives int64, which meganeura does not
+            store).
+    """
+    if a is b:
+        return a
+    ca, cb = _category(a), _category(b)
+    if ca != cb:
+        return a if ca > cb else b
+    if ca == 2:
+        return DType.f32
+    raise TypeError(
+        f"{a} and {b} have no common dtype here (torch promotes them to int64, which meganeura "
+        "does not store); cast one operand explicitly"
+    )
+
+
+def result_type(
+    dims: Sequence[DType] = (), zero_dims: Sequence[DType] = (), scalars: Sequence[DType] = ()
+) -> DType:
+    """The dtype of an elementwise op on operands of these dtypes, by PyTorch's type
+    promotion (https://pytorch.org/docs/stable/tensor_attributes.html#type-promotion-doc):
+    tensors with dims, 0-d tensors and Python scalars (``bool_``, ``i32`` for an int, ``f32``
+    for a float) are each promoted among themselves; a lower group changes the result only
+    when it is of a higher category (``i32`` tensor * 0.5 is ``f32``, ``f16`` tensor * 0.5
+    stays ``f16``, a bool tensor + 1 is ``i32``; torch's int64 for Python ints is ``i32``).
+    This is ``combine_categories`` of torch's ``ResultTypeState``.
+
+    Raises:
+        ValueError: no operand. TypeError: operands without a common dtype (``promote_types``).
+    """
+
+    def fold(ts: Sequence[DType]) -> DType | None:
+        out = None
+        for t in ts:
+            out = t if out is None else promote_types(out, t)
+        return out
+
+    def combine(higher: DType | None, lower: DType | None) -> DType | None:
+        if higher is None or lower is None:
+            return lower if higher is None else higher
+        if higher.is_floating:
+            return higher
+        if higher is DType.bool or lower.is_floating:
+            return promote_types(higher, lower)
+        return higher
+
+    out = combine(fold(dims), combine(fold(zero_dims), fold(scalars)))
+    if out is None:
+        raise ValueError("result_type of no operand")
+    return out

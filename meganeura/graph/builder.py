@@ -23,6 +23,7 @@ import numpy as np
 
 from ..dtypes import DType, f32
 from .ir import AttrValue, Graph, Node, TensorType, make_attrs
+from .tensor_methods import TensorMethods
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -161,13 +162,12 @@ class GraphBuilder:
         return self._leaf("state", name, shape, dtype)
 
     def constant(self, value: float | int | bool, dtype: DType = f32) -> Tensor:
-        """A scalar baked into the program. Equal constants are shared."""
+        """A scalar baked into the program (a float may be inf or NaN). Equal constants are
+        shared."""
         if isinstance(value, (np.generic,)):
             value = value.item()
         if dtype.is_floating:
-            value = float(value)
-            if not np.isfinite(value):
-                raise ValueError(f"constant {value} is not finite; WGSL has no inf/NaN literals")
+            value = float(value)  # inf and NaN too: kernels build them from their bits
         elif dtype is DType.bool:
             value = bool(value)
         else:
@@ -280,8 +280,9 @@ class GraphBuilder:
 
 
 @dataclass(frozen=True, eq=False)
-class Tensor:
-    """A handle to one value of a graph under construction."""
+class Tensor(TensorMethods):
+    """A handle to one value of a graph under construction; its torch.Tensor methods and
+    operators come from ``tensor_methods.TensorMethods``."""
 
     builder: GraphBuilder
     id: int
@@ -309,15 +310,6 @@ class Tensor:
     def __repr__(self) -> str:
         return f"Tensor(%{self.id}: {self.type})"
 
-    def _lift(self, other) -> Tensor:
-        if isinstance(other, Tensor):
-            return other
-        if isinstance(other, (int, float, bool, np.generic)):
-            return self.builder.constant(other, self.dtype)
-        if isinstance(other, np.ndarray) or hasattr(other, "_shape"):
-            return self.builder._operand("operand", other)
-        raise TypeError(f"cannot combine {self!r} with {type(other).__name__}")
-
     def __bool__(self) -> bool:
         raise TypeError(
             f"the truth value of {self!r} is unknown while the graph is built: a traced tensor "
@@ -344,7 +336,8 @@ class Tensor:
 
     def __iter__(self):
         raise TypeError(
-            f"iterating over {self!r}: unbind it explicitly (x[i] for i in range(n)) or use split"
+            f"iterating over {self!r}: unbind it explicitly (x.unbind(0), x[i] for i in "
+            "range(n)) or use split"
         )
 
     def numpy(self):
@@ -361,132 +354,3 @@ class Tensor:
             f"np.asarray({self!r}): a traced tensor has no value until the program runs; "
             "NumPy functions cannot act on it (use meganeura's ops)"
         )
-
-    def size(self, dim: int | None = None):
-        """``torch.Tensor.size``: the shape, or one dim of it."""
-        return self.shape if dim is None else self.shape[dim]
-
-    def dim(self) -> int:
-        return self.ndim
-
-    def __eq__(self, o):  # elementwise, as torch; other types compare by identity
-        if not isinstance(o, (Tensor, int, float, bool, np.generic, np.ndarray)):
-            return NotImplemented
-        return self.builder.add("eq", [self, self._lift(o)])
-
-    def __ne__(self, o):
-        if not isinstance(o, (Tensor, int, float, bool, np.generic, np.ndarray)):
-            return NotImplemented
-        return self.builder.add("ne", [self, self._lift(o)])
-
-    def __ge__(self, o):
-        return self.builder.add("greater_equal", [self, self._lift(o)])
-
-    def __le__(self, o):
-        return self.builder.add("less_equal", [self, self._lift(o)])
-
-    def __add__(self, o):
-        return self.builder.add("add", [self, self._lift(o)])
-
-    def __radd__(self, o):
-        return self.builder.add("add", [self._lift(o), self])
-
-    def __sub__(self, o):
-        return self.builder.add("sub", [self, self._lift(o)])
-
-    def __rsub__(self, o):
-        return self.builder.add("sub", [self._lift(o), self])
-
-    def __mul__(self, o):
-        return self.builder.add("mul", [self, self._lift(o)])
-
-    def __rmul__(self, o):
-        return self.builder.add("mul", [self._lift(o), self])
-
-    def __truediv__(self, o):
-        return self.builder.add("div", [self, self._lift(o)])
-
-    def __rtruediv__(self, o):
-        return self.builder.add("div", [self._lift(o), self])
-
-    def __neg__(self):
-        return self.builder.add("neg", [self])
-
-    def __matmul__(self, o):
-        return self.builder.add("matmul", [self, o])
-
-    def __gt__(self, o):
-        return self.builder.add("greater", [self, self._lift(o)])
-
-    def __lt__(self, o):
-        return self.builder.add("less", [self, self._lift(o)])
-
-    def __getitem__(self, key) -> Tensor:
-        """NumPy/PyTorch basic indexing: ints, slices with positive steps, ``...``, ``None``
-        and one integer Tensor key (``meganeura.ops.indexing.index``)."""
-        from ..ops.indexing import index
-
-        return index(self, key)
-
-    def __pow__(self, exponent):
-        from ..ops.elementwise import pow as _pow
-
-        return _pow(self, exponent)
-
-    def __rpow__(self, base):
-        from ..ops.elementwise import pow as _pow
-
-        return _pow(base, self)
-
-    def __abs__(self):
-        from ..ops.elementwise import abs as _abs
-
-        return _abs(self)
-
-    __hash__ = object.__hash__
-
-    # shape sugar
-    @property
-    def T(self) -> Tensor:  # noqa: N802 - PyTorch spelling
-        """Reverse all dims (for 2-D: the transpose), like ``torch.Tensor.T``."""
-        return self.permute(tuple(reversed(range(self.ndim))))
-
-    @property
-    def mT(self) -> Tensor:  # noqa: N802 - PyTorch spelling
-        """Transpose of the last two dims."""
-        return self.transpose(-2, -1)
-
-    def permute(self, *dims) -> Tensor:
-        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-            dims = tuple(dims[0])
-        return self.builder.add("permute", [self], {"dims": tuple(int(d) for d in dims)})
-
-    def transpose(self, dim0: int, dim1: int) -> Tensor:
-        n = self.ndim
-        perm = list(range(n))
-        a, b = dim0 % n if n else 0, dim1 % n if n else 0
-        perm[a], perm[b] = perm[b], perm[a]
-        return self.permute(tuple(perm))
-
-    def reshape(self, *shape) -> Tensor:
-        """Same elements in a new shape; one entry may be -1 (``functional.reshape``)."""
-        from ..ops import functional as F
-
-        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-            shape = tuple(shape[0])
-        return F.reshape(self, shape)
-
-    def sum(self, dim=None, keepdim: bool = False) -> Tensor:
-        from ..ops import functional as F
-
-        return F.sum(self, dim, keepdim)
-
-    def mean(self, dim=None, keepdim: bool = False) -> Tensor:
-        from ..ops import functional as F
-
-        return F.mean(self, dim, keepdim)
-
-    def max(self, dim=None, keepdim: bool = False) -> Tensor:
-        from ..ops import functional as F
-
-        return F.amax(self, dim, keepdim)

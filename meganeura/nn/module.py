@@ -12,6 +12,7 @@ parameter's graph Tensor (``meganeura.nn.tracing``).
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -416,6 +417,18 @@ class Module:
         from .compiled import default_compiled
 
         return default_compiled(self)(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        """A copy of the tree with copies of its tensors (values read back from the GPU once
+        resident) and no compiled programs, as ``copy.deepcopy`` of a torch module (what
+        ``nn.TransformerEncoder`` does to its layer)."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            skip = k in ("_compiled", "_signature_key")
+            object.__setattr__(new, k, None if skip else copy.deepcopy(v, memo))
+        bump_version()
+        return new
 
     # ------------------------------------------------------------------ printing
     def extra_repr(self) -> str:

@@ -136,6 +136,19 @@ class _Persistent:
         else:
             self._host = arr
 
+    def __deepcopy__(self, memo):
+        """A new tensor of the same class and flags holding a host copy of the value (read
+        back from the GPU once resident; none for an uninitialized one)."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for cls in type(self).__mro__:
+            for slot in getattr(cls, "__slots__", ()):
+                if slot != "__weakref__" and hasattr(self, slot):
+                    object.__setattr__(new, slot, getattr(self, slot))
+        new._store = None
+        new._host = self.data if self.is_initialized else None
+        return new
+
     def numpy(self) -> np.ndarray:
         """A writable host copy of the value (changing it does not change the tensor)."""
         arr = self.data.copy()

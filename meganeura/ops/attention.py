@@ -360,9 +360,11 @@ def scaled_dot_product_attention(
         query: f32 [B, Hq, Lq, D] (or [Hq, Lq, D]).
         key: f32 [B, Hkv, Lk, D] (same rank as query).
         value: f32 [B, Hkv, Lk, Dv].
-        attn_mask: optional additive f32 mask broadcastable to [B, Hq, Lq, Lk]; -inf entries
-            are masked out. It receives no gradient. Boolean masks: pass
-            ``where(m, 0.0, -inf)`` computed on the host.
+        attn_mask: optional mask broadcastable to [B, Hq, Lq, Lk]: additive f32 (-inf
+            entries are masked out; it receives no gradient) or bool, True where a query may
+            attend (PyTorch's convention), which becomes ``where(mask, 0, -inf)`` in the
+            graph. A query row with no True entry gives zeros (as PyTorch 2.13's CPU
+            kernels do; its math path gives NaN).
         dropout_p: probability of zeroing each attention probability, in [0, 1]; kept ones
             are scaled by ``1 / (1 - dropout_p)`` (1 gives zeros).
         is_causal: mask out keys j > i for query i (top-left aligned, as PyTorch). May be
@@ -393,6 +395,13 @@ def scaled_dot_product_attention(
         raise ValueError(
             f"{SDPA}: dropout_p={dropout_p} needs seed=, a u32[] tensor (a graph input fed a "
             f"new value each step), got {seed!r}"
+        )
+    if attn_mask is not None and not isinstance(attn_mask, Tensor):
+        attn_mask = query.builder._operand(SDPA, attn_mask)  # a NumPy mask while tracing
+    if attn_mask is not None and attn_mask.dtype is DType.bool:
+        b = query.builder
+        attn_mask = F.where(
+            attn_mask, b.constant(0.0, query.dtype), b.constant(-math.inf, query.dtype)
         )
     squeeze = query.ndim == 3
     if squeeze:

@@ -2,7 +2,8 @@
 logical ops, ``isneginf``, ``pow``, ``clamp``, ``where`` and ``cast``; activations live in
 ``activation``, whose ``DEFS`` are appended here and whose functions are re-exported.
 
-Binary ops require equal dtypes (no implicit promotion) and broadcast shapes by NumPy's rule
+Binary IR ops require equal dtypes (the user functions promote first, inserting casts:
+``functional.promote_operands``) and broadcast shapes by NumPy's rule
 (https://numpy.org/doc/stable/user/basics.broadcasting.html). Gradients are written for the
 broadcast shape; autodiff sums them back to each operand's shape in one central place.
 Semantics are PyTorch's where it differs from NumPy (``sign`` of NaN is 0, ``clamp`` with
@@ -17,7 +18,7 @@ import math
 import numpy as np
 
 from ..dtypes import DType
-from ..graph.builder import Tensor
+from ..graph.builder import Tensor, op_error
 from ..graph.ir import TensorType
 from . import activation
 from . import functional as F
@@ -285,6 +286,7 @@ MATH_DEFS = [
           lambda n, i, o, g: (g * (F.exp(i[0] * (-i[0])) * _TWO_OVER_SQRT_PI),)),
     _math("log1p", _float_unary, np.log1p, lambda n, i, o, g: (g / (i[0] + 1.0),)),
     _math("expm1", _float_unary, np.expm1, lambda n, i, o, g: (g * (o + 1.0),)),
+    _math("floor", _float_unary, np.floor),  # no gradient flows (torch's is zero)
     _math("logical_not", _logical, np.logical_not),
     _math("isneginf", _float_test, np.isneginf),
     OpDef("pow", _float_binary, lambda x, a: _pow_np(x[0], x[1]), _pow_grad, arity=2),
@@ -360,68 +362,85 @@ def expm1(input: Tensor) -> Tensor:  # noqa: A002
 
 
 def pow(input, exponent) -> Tensor:  # noqa: A001, A002
-    """``input ** exponent`` elementwise with broadcasting (torch.pow); either operand may be a
-    Python number (lifted to the other's dtype), f32 only.
+    """``input ** exponent`` elementwise with broadcasting and type promotion (torch.pow);
+    either operand may be a Python number.
 
-    torch semantics: a negative base with an integer exponent keeps the sign of odd powers, with
-    a non-integer exponent gives NaN; ``x ** 0`` is 1; ``0 ** b`` is 0 (b > 0) or inf (b < 0).
-    Gradients (torch's pow_backward): ``b * a^(b-1)`` for the base (0 where b == 0), and
-    ``out * log(a)`` for the exponent (0 where a == 0 and b >= 0).
+    Floating results (f32): a negative base with an integer exponent keeps the sign of odd
+    powers, with a non-integer exponent gives NaN; ``x ** 0`` is 1; ``0 ** b`` is 0 (b > 0) or
+    inf (b < 0). Gradients (torch's pow_backward): ``b * a^(b-1)`` for the base (0 where
+    b == 0), and ``out * log(a)`` for the exponent (0 where a == 0 and b >= 0). Integer
+    results (an i32 tensor to a Python int power) are exact products, wrapping on overflow as
+    torch's.
 
     Raises:
         TypeError: when neither operand is a Tensor.
-        GraphTypeError: for non-floating operands or shapes that do not broadcast.
+        GraphTypeError: shapes that do not broadcast; an integer result with a tensor
+            exponent (not implemented: cast to f32) or a negative exponent (torch raises too).
     """
-    like = input if isinstance(input, Tensor) else exponent
-    if not isinstance(like, Tensor):
-        raise TypeError("pow: at least one operand must be a meganeura Tensor")
-    ops = [x if isinstance(x, Tensor) else like.builder.constant(x, like.dtype)
-           for x in (input, exponent)]  # fmt: skip
-    return like.builder.add("pow", ops)
+    dtype, (a, b) = F.promote_operands("pow", input, exponent)
+    if dtype.is_floating:
+        return a.builder.add("pow", [a, b])
+    if F.scalar_dtype(input) is not None or F.scalar_dtype(exponent) not in (DType.i32, DType.bool):
+        raise op_error("pow", [input, exponent], None, f"an integer power with a tensor "
+                       f"exponent is not implemented for {dtype}; cast to f32 first")  # fmt: skip
+    e = int(exponent)
+    if e < 0:
+        raise op_error("pow", [input, exponent], None,
+                       "integers to negative integer powers are not allowed")  # fmt: skip
+    out = None
+    while e:  # square and multiply: exact in the integer dtype
+        if e & 1:
+            out = a if out is None else a.builder.add("mul", [out, a])
+        e >>= 1
+        if e:
+            a = a.builder.add("mul", [a, a])
+    return F.broadcast_to(a.builder.constant(1, dtype), a.shape) if out is None else out
 
 
-def clamp(input: Tensor, min: float | None = None, max: float | None = None) -> Tensor:  # noqa: A002
-    """``min(max(x, min), max)`` with scalar bounds (torch.clamp): NaN stays NaN, ``min > max``
-    gives ``max`` everywhere; the gradient passes where ``min <= x <= max`` (bounds included).
-    f32, i32 or u32 (integer tensors need integral bounds). An infinite bound that clips
-    nothing is dropped.
+def clamp(input: Tensor, min=None, max=None) -> Tensor:  # noqa: A001, A002
+    """``min(max(x, min), max)`` (torch.clamp): NaN stays NaN, ``min > max`` gives ``max``
+    everywhere; the gradient passes where ``min <= x <= max`` (bounds included). Scalar
+    bounds are attributes of one ``clamp`` node; an integer tensor with a float bound is
+    clamped in f32 (torch's promotion); an infinite bound that clips nothing is dropped.
+    Tensor bounds (broadcast, promoted with ``x``) are ``where(x < min, min, x)`` then
+    ``where(y > max, max, y)``; a bound gets the gradient where it is the result.
 
     Raises:
-        ValueError: when both bounds are None, or a bound is NaN or would clip to inf.
-        TypeError: for tensor bounds or a non-integral bound of an integer tensor.
+        ValueError: when both bounds are None, or a scalar bound is NaN or would clip to inf.
     """
     if min is None and max is None:
         raise ValueError("clamp: at least one of min and max must not be None")
+    if isinstance(min, Tensor) or isinstance(max, Tensor):
+        bounds = [v for v in (min, max) if v is not None]
+        _, (x, *ops) = F.promote_operands("clamp", input, *bounds)
+        if min is not None:
+            lo = ops.pop(0)
+            x = F.where(F.less(x, lo), lo, x)
+        if max is not None:
+            x = F.where(F.greater(x, ops[0]), ops[0], x)
+        return x
+    if not input.dtype.is_floating and any(F.scalar_dtype(v) is DType.f32 for v in (min, max)):
+        input = F.cast(input, DType.f32)  # torch.clamp(int_tensor, min=0.5) is float
     attrs = {}
     for key, v, drop in (("min", min, -math.inf), ("max", max, math.inf)):
         if v is None:
             continue
-        if isinstance(v, Tensor):
-            raise TypeError("clamp: tensor bounds are not supported; use maximum/minimum")
         if math.isnan(v) or (math.isinf(v) and v != drop):
             raise ValueError(f"clamp: {key}={v!r} is not representable in a kernel")
         if v == drop:
             continue
-        if input.dtype.is_floating:
-            attrs[key] = float(v)
-        elif float(v).is_integer():
-            attrs[key] = int(v)
-        else:
-            raise TypeError(f"clamp: {key}={v!r} is not integral for a {input.dtype} tensor")
+        attrs[key] = float(v) if input.dtype.is_floating else int(v)
     return _unary("clamp", input, attrs) if attrs else input
 
 
 def _logical_op(op: str, a, b) -> Tensor:
-    like = a if isinstance(a, Tensor) else b
-    if not isinstance(like, Tensor):
-        raise TypeError(f"{op}: at least one operand must be a meganeura Tensor")
-    ops = [x if isinstance(x, Tensor) else like.builder.constant(x, like.dtype) for x in (a, b)]
-    return like.builder.add(op, ops)
+    _, ops = F.promote_operands(op, a, b)
+    return ops[0].builder.add(op, ops)
 
 
 def logical_and(input, other) -> Tensor:  # noqa: A002
-    """Elementwise ``input != 0 and other != 0`` as bool, broadcasting (torch.logical_and).
-    Operands share one dtype (Python values are lifted to it)."""
+    """Elementwise ``input != 0 and other != 0`` as bool, broadcasting (torch.logical_and);
+    operands of different dtypes are compared in their promoted dtype."""
     return _logical_op("logical_and", input, other)
 
 
@@ -450,3 +469,21 @@ def isneginf(input: Tensor) -> Tensor:  # noqa: A002
 def logical_not(input: Tensor) -> Tensor:  # noqa: A002
     """Elementwise ``input == 0`` as bool (torch.logical_not), any dtype."""
     return _unary("logical_not", input)
+
+
+def floor(input: Tensor) -> Tensor:  # noqa: A002
+    """The largest integer <= x (torch.floor), f32; integer tensors are returned as they are.
+    No gradient flows through it (torch's is zero)."""
+    return input if not input.dtype.is_floating else _unary("floor", input)
+
+
+def ceil(input: Tensor) -> Tensor:  # noqa: A002
+    """The smallest integer >= x (torch.ceil): ``-floor(-x)``, exact (-0.0 for (-1, 0))."""
+    return input if not input.dtype.is_floating else -floor(-input)
+
+
+def trunc(input: Tensor) -> Tensor:  # noqa: A002
+    """x rounded toward zero (torch.trunc): ``ceil`` below 0, ``floor`` above; exact."""
+    if not input.dtype.is_floating:
+        return input
+    return F.where(F.less(input, 0.0), ceil(input), floor(input))

@@ -1,8 +1,11 @@
 """The functional API, spelled as ``torch`` / ``torch.nn.functional`` spell it.
 
 Each function appends one or a few typed nodes to the graph its tensor operands belong to.
-Python scalars are lifted to constants of the other operand's dtype. Shapes and dtypes are
-checked when the node is added; errors name the op, the operands and the caller's line.
+Binary elementwise functions promote their operands as PyTorch does (``dtypes.result_type``:
+an i32 tensor times 0.5 is f32, true division of integers is f32) by inserting ``cast``
+nodes, so every IR op still sees one dtype; Python numbers become constants of the result
+dtype. Shapes and dtypes are checked when the node is added; errors name the op, the operands
+and the caller's line.
 """
 
 from __future__ import annotations
@@ -11,10 +14,13 @@ import builtins
 import math
 from collections.abc import Sequence
 
-from ..dtypes import DType
+import numpy as np
+
+from ..dtypes import DType, as_dtype, result_type
 from ..graph.builder import Tensor, op_error
 
 Scalar = int | float
+Operand = Tensor | int | float | bool | np.ndarray | np.generic
 
 
 def _b(*xs):
@@ -24,14 +30,79 @@ def _b(*xs):
     raise TypeError("at least one operand must be a meganeura Tensor")
 
 
-def _lift(x, like: Tensor) -> Tensor:
-    return x if isinstance(x, Tensor) else like.builder.constant(x, like.dtype)
+def scalar_dtype(v) -> DType | None:
+    """The dtype a Python (or NumPy) scalar takes part in promotion with: ``bool_``, ``i32``
+    for an int, ``f32`` for a float; None for anything else."""
+    if isinstance(v, (bool, np.bool_)):
+        return DType.bool
+    if isinstance(v, (int, np.integer)):
+        return DType.i32
+    if isinstance(v, (float, np.floating)):
+        return DType.f32
+    return None
+
+
+def promote_operands(
+    what: str, *xs, floating: bool = False, builder=None
+) -> tuple[DType, list[Tensor]]:
+    """``(dtype, operands)``: ``xs`` as Tensors of one dtype by PyTorch's type promotion
+    (``dtypes.result_type``), ``cast`` nodes inserted where a tensor's dtype differs and
+    scalars made constants of it. NumPy arrays (inside a traced forward) are tensors.
+
+    Args:
+        what: the user-facing function, for errors.
+        floating: promote integer and bool results to f32 (true division, as torch's
+            default dtype).
+        builder: the graph, when ``xs`` may hold no Tensor (``where(c, 0.0, -inf)``).
+
+    Raises:
+        TypeError: no Tensor among ``xs``; GraphTypeError: an operand that is neither a
+            Tensor, an array nor a number, or dtypes without a common one (i32 with u32).
+    """
+    for x in xs:
+        if isinstance(x, Tensor):
+            builder = x.builder
+            break
+    if builder is None:
+        raise TypeError(f"{what}: at least one operand must be a meganeura Tensor")
+    ops = [builder._operand(what, x) if isinstance(x, np.ndarray) or hasattr(x, "_shape") else x
+           for x in xs]  # fmt: skip
+    dims, zero_dims, scalars = [], [], []
+    for x in ops:
+        if isinstance(x, Tensor):
+            (dims if x.ndim else zero_dims).append(x.dtype)
+        elif (t := scalar_dtype(x)) is not None:
+            scalars.append(t)
+        else:
+            raise op_error(what, xs, None, f"cannot combine a Tensor with {type(x).__name__}")
+    try:
+        dtype = result_type(dims, zero_dims, scalars)
+    except TypeError as e:
+        raise op_error(what, xs, None, str(e)) from None
+    if floating and not dtype.is_floating:
+        dtype = DType.f32
+    return dtype, [cast(x, dtype) if isinstance(x, Tensor) else builder.constant(x, dtype)
+                   for x in ops]  # fmt: skip
+
+
+# bool results of these ops are torch's logical ops (True + True is True); others reject bool
+_BOOL_ARITH = {"add": "logical_or", "mul": "logical_and", "maximum": "logical_or",
+               "minimum": "logical_and"}  # fmt: skip
 
 
 def _binary(op: str, a, b) -> Tensor:
-    like = a if isinstance(a, Tensor) else b
-    _b(a, b)
-    return like.builder.add(op, [_lift(a, like), _lift(b, like)])
+    dtype, (x, y) = promote_operands(op, a, b)
+    if dtype is DType.bool and op in _BOOL_ARITH:
+        return x.builder.add(_BOOL_ARITH[op], [x, y])
+    if dtype is DType.bool:
+        raise op_error(op, [a, b], None, "not supported for two bool operands (torch neither); "
+                       "use logical_xor, or cast to a numeric dtype")  # fmt: skip
+    return x.builder.add(op, [x, y])
+
+
+def _compare_op(op: str, a, b) -> Tensor:
+    _, (x, y) = promote_operands(op, a, b)
+    return x.builder.add(op, [x, y])
 
 
 def _unary(op: str, x: Tensor, **attrs) -> Tensor:
@@ -44,52 +115,131 @@ def zero(like: Tensor) -> Tensor:
 
 
 # ---- elementwise ----------------------------------------------------------------------------
-def add(a, b) -> Tensor:
-    return _binary("add", a, b)
+def add(input, other, *, alpha: Scalar = 1) -> Tensor:  # noqa: A002 - torch's names
+    """``input + alpha * other`` elementwise with broadcasting and type promotion
+    (torch.add); two bool tensors give their logical or, as in torch."""
+    return _binary("add", input, other if alpha == 1 else mul(other, alpha))
 
 
-def sub(a, b) -> Tensor:
-    return _binary("sub", a, b)
+def sub(input, other, *, alpha: Scalar = 1) -> Tensor:  # noqa: A002
+    """``input - alpha * other`` (torch.sub); two bool operands raise, as in torch."""
+    return _binary("sub", input, other if alpha == 1 else mul(other, alpha))
 
 
-def mul(a, b) -> Tensor:
-    return _binary("mul", a, b)
+def mul(input, other) -> Tensor:  # noqa: A002
+    """``input * other`` (torch.mul); two bool tensors give their logical and."""
+    return _binary("mul", input, other)
 
 
-def div(a, b) -> Tensor:
-    return _binary("div", a, b)
+def div(input, other, *, rounding_mode: str | None = None) -> Tensor:  # noqa: A002
+    """``input / other`` (torch.div): true division, in f32 for integer and bool operands;
+    ``rounding_mode="floor"`` is :func:`floor_divide`, ``"trunc"`` rounds toward zero (for
+    integers in the result dtype, exactly).
+
+    Raises:
+        ValueError: another rounding_mode.
+    """
+    if rounding_mode is None:
+        _, (x, y) = promote_operands("div", input, other, floating=True)
+        return x.builder.add("div", [x, y])
+    if rounding_mode == "floor":
+        return floor_divide(input, other)
+    if rounding_mode != "trunc":
+        raise ValueError(
+            f"div: rounding_mode must be None, 'trunc' or 'floor', got {rounding_mode!r}"
+        )
+    dtype, (x, y) = promote_operands("div", input, other)
+    if dtype is DType.bool:
+        raise op_error("div", [input, other], None, "trunc division of two bool operands")
+    if not dtype.is_floating:
+        return x.builder.add("div", [x, y])  # WGSL's integer division truncates
+    from .elementwise import trunc
+
+    return trunc(x.builder.add("div", [x, y]))
 
 
-def maximum(a, b) -> Tensor:
-    return _binary("maximum", a, b)
+true_divide = div
 
 
-def minimum(a, b) -> Tensor:
-    return _binary("minimum", a, b)
+def floor_divide(input, other) -> Tensor:  # noqa: A002
+    """``floor(input / other)`` elementwise (torch.floor_divide, Python's ``//``), in the
+    promoted dtype. Integers: exact, composed from the truncating division (the quotient is
+    one less where the remainder is nonzero and its sign differs from the divisor's); a zero
+    divisor gives an unspecified value where torch raises. Floats: ``floor(a / b)``, torch's
+    documented formula; torch computes it through ``fmod`` and can differ where ``a / b``
+    rounds to an integer (``1 // 0.1``: torch 9, here 10).
+
+    Raises:
+        GraphTypeError: two bool operands.
+    """
+    dtype, (x, y) = promote_operands("floor_divide", input, other)
+    if dtype is DType.bool:
+        raise op_error("floor_divide", [input, other], None, "two bool operands")
+    q = x.builder.add("div", [x, y])
+    if dtype.is_floating:
+        from .elementwise import floor
+
+        return floor(q)
+    if dtype is DType.u32:
+        return q
+    from .elementwise import logical_and
+
+    r = x.builder.add("sub", [x, x.builder.add("mul", [q, y])])
+    zero_ = zero(r)
+    off = logical_and(ne(r, zero_), ne(less(r, zero_), less(y, zero_)))
+    return q - cast(off, dtype)
+
+
+def remainder(input, other) -> Tensor:  # noqa: A002
+    """``input - floor_divide(input, other) * other`` (torch.remainder, Python's ``%``): the
+    result has the divisor's sign. Exact for integers; for floats the same formula in f32
+    (torch's fmod-based kernel can differ by rounding where ``a / b`` is near an integer).
+
+    Raises:
+        GraphTypeError: two bool operands.
+    """
+    dtype, (x, y) = promote_operands("remainder", input, other)
+    if dtype is DType.bool:
+        raise op_error("remainder", [input, other], None, "two bool operands")
+    q = floor_divide(x, y)
+    return x.builder.add("sub", [x, x.builder.add("mul", [q, y])])
+
+
+def maximum(input, other) -> Tensor:  # noqa: A002
+    """Elementwise maximum with promotion (torch.maximum); ties split the gradient."""
+    return _binary("maximum", input, other)
+
+
+def minimum(input, other) -> Tensor:  # noqa: A002
+    """Elementwise minimum with promotion (torch.minimum)."""
+    return _binary("minimum", input, other)
 
 
 def greater(a, b) -> Tensor:
-    return _binary("greater", a, b)
+    return _compare_op("greater", a, b)
 
 
 def greater_equal(a, b) -> Tensor:
-    return _binary("greater_equal", a, b)
+    return _compare_op("greater_equal", a, b)
 
 
 def less(a, b) -> Tensor:
-    return _binary("less", a, b)
+    return _compare_op("less", a, b)
 
 
 def less_equal(a, b) -> Tensor:
-    return _binary("less_equal", a, b)
+    return _compare_op("less_equal", a, b)
 
 
 def eq(a, b) -> Tensor:
-    return _binary("eq", a, b)
+    return _compare_op("eq", a, b)
 
 
 def ne(a, b) -> Tensor:
-    return _binary("ne", a, b)
+    return _compare_op("ne", a, b)
+
+
+gt, ge, lt, le = greater, greater_equal, less, less_equal
 
 
 def neg(x: Tensor) -> Tensor:
@@ -109,6 +259,9 @@ def sqrt(x: Tensor) -> Tensor:
 
 
 def relu(x: Tensor) -> Tensor:
+    """``max(x, 0)`` (torch.relu); integer tensors through ``maximum``."""
+    if not x.dtype.is_floating:
+        return maximum(x, 0)
     return _unary("relu", x)
 
 
@@ -120,14 +273,22 @@ def sigmoid(x: Tensor) -> Tensor:
     return _unary("sigmoid", x)
 
 
-def where(condition: Tensor, x, y) -> Tensor:
-    """``condition ? x : y`` elementwise, broadcasting all three (torch.where)."""
-    like = x if isinstance(x, Tensor) else y
-    return condition.builder.add("where", [condition, _lift(x, like), _lift(y, like)])
+def where(condition: Tensor, input, other) -> Tensor:  # noqa: A002
+    """``condition ? input : other`` elementwise, broadcasting all three (torch.where);
+    ``input`` and ``other`` are promoted to one dtype (two Python floats give f32).
+
+    Raises:
+        GraphTypeError: a condition that is not bool.
+    """
+    if not isinstance(condition, Tensor):
+        raise TypeError(f"where: condition must be a bool Tensor, got {condition!r}")
+    _, (x, y) = promote_operands("where", input, other, builder=condition.builder)
+    return condition.builder.add("where", [condition, x, y])
 
 
 def cast(x: Tensor, dtype: DType) -> Tensor:
     """Convert elements to ``dtype`` (``Tensor.to(dtype)`` in PyTorch)."""
+    dtype = as_dtype(dtype)
     if x.dtype is dtype:
         return x
     return _unary("cast", x, dtype=dtype.value)
@@ -228,13 +389,23 @@ def _reduce(op: str, x: Tensor, dim, keepdim: bool) -> Tensor:
     return x.builder.add(op, [x], {"dims": dims, "keepdim": bool(keepdim)})
 
 
-def sum(x: Tensor, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:  # noqa: A001
-    """Sum over ``dim`` (all dims when None), like torch.sum."""
+def sum(  # noqa: A001
+    x: Tensor, dim: int | Sequence[int] | None = None, keepdim: bool = False, *, dtype=None
+) -> Tensor:
+    """Sum over ``dim`` (all dims when None), like torch.sum; bool counts as i32 (torch:
+    int64), ``dtype`` casts first."""
+    if dtype is not None:
+        x = cast(x, as_dtype(dtype))
+    elif x.dtype is DType.bool:
+        x = cast(x, DType.i32)
     return _reduce("sum", x, dim, keepdim)
 
 
-def mean(x: Tensor, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-    return _reduce("mean", x, dim, keepdim)
+def mean(
+    x: Tensor, dim: int | Sequence[int] | None = None, keepdim: bool = False, *, dtype=None
+) -> Tensor:
+    """Mean over ``dim`` (all dims when None), like torch.mean; ``dtype`` casts first."""
+    return _reduce("mean", x if dtype is None else cast(x, as_dtype(dtype)), dim, keepdim)
 
 
 def amax(x: Tensor, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
@@ -308,12 +479,7 @@ def cross_entropy(
 
 
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:  # noqa: A002
-    """Mean (or sum) of squared differences, like torch.nn.functional.mse_loss."""
-    if input.shape != target.shape:
-        raise ValueError(f"mse_loss: input {input!r} and target {target!r} shapes differ")
-    d = input - target
-    if reduction == "mean":
-        return mean(d * d)
-    if reduction == "sum":
-        return sum(d * d)
-    raise ValueError(f"mse_loss: reduction must be 'mean' or 'sum', got {reduction!r}")
+    """``loss.mse_loss`` (torch.nn.functional.mse_loss), kept here for graph-building code."""
+    from .loss import mse_loss as _mse_loss
+
+    return _mse_loss(input, target, reduction=reduction)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..dtypes import DType
 from ..graph.builder import Tensor, op_error
 from ..graph.ir import TensorType
 from . import functional as F
@@ -268,3 +269,32 @@ def embedding(input: Tensor, weight: Tensor) -> Tensor:  # noqa: A002
     flat = F.reshape(input, (input.type.numel,))
     rows = weight.builder.add("index_select", [weight, flat], {"dim": 0}, origin="embedding")
     return F.reshape(rows, input.shape + (weight.shape[1],))
+
+
+def one_hot(tensor: Tensor, num_classes: int = -1) -> Tensor:
+    """``out[..., c] = tensor[...] == c`` as i32 (torch.nn.functional.one_hot; torch: int64).
+
+    Args:
+        tensor: i32/u32 class indices of any shape.
+        num_classes: C; torch's default -1 (the largest value + 1) needs the values, which a
+            traced tensor does not have, so it must be given.
+
+    Returns:
+        i32 ``tensor.shape + (num_classes,)``; a value outside [0, C) gives a zero row.
+
+    Raises:
+        ValueError: ``num_classes`` below 1. GraphTypeError: a non-integer tensor.
+    """
+    from .creation import arange
+
+    if num_classes is None or int(num_classes) < 1:
+        raise ValueError(
+            f"one_hot: num_classes={num_classes}: give the class count (inferring it from the "
+            "largest value needs the values, which exist only when the program runs)"
+        )
+    if not tensor.dtype.is_integer:
+        raise op_error("one_hot", [tensor], {"num_classes": num_classes},
+                       "expects integer class indices")  # fmt: skip
+    classes = arange(int(num_classes), builder=tensor.builder)
+    hit = F.eq(F.reshape(F.cast(tensor, DType.i32), tensor.shape + (1,)), classes)
+    return F.cast(hit, DType.i32)

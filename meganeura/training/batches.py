@@ -67,14 +67,14 @@ def check_loss(result) -> None:
         raise TypeError(f"loss_fn returned a {result.dtype} Tensor; the loss must be floating")
 
 
-def split_batch(fn, batch: tuple, k: int) -> list[tuple]:
-    """``batch`` as ``k`` micro-batches: every array split along dim 0 (``np.array_split``
-    sizes), static values repeated.
+def split_batch(fn, batch: tuple, kwargs: dict, k: int) -> list[tuple[tuple, dict]]:
+    """``(batch, kwargs)`` as ``k`` micro-batches: every array split along dim 0
+    (``np.array_split`` sizes), static values repeated.
 
     Raises:
         ValueError: no array, a 0-d array, arrays of different lengths, fewer than ``k`` rows.
     """
-    _, _, arrays = flatten_arguments(fn, batch, {})
+    _, _, arrays = flatten_arguments(fn, batch, kwargs)
     where = f"accumulation_steps={k} splits every batch array along dim 0"
     rows = {}
     for name, a in arrays:
@@ -90,7 +90,8 @@ def split_batch(fn, batch: tuple, k: int) -> list[tuple]:
         raise ValueError(f"{where}, so a batch needs at least {k} rows; got {n}")
     q, r = divmod(n, k)
     edges = np.cumsum([0] + [q + (i < r) for i in range(k)])
-    return [_take(batch, int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    return [(_take(batch, int(a), int(b)), _take(kwargs, int(a), int(b)))
+            for a, b in zip(edges[:-1], edges[1:], strict=True)]  # fmt: skip
 
 
 def _take(value, a: int, b: int):

@@ -141,13 +141,16 @@ class Trainer:
         """Learning rate of the next step."""
         return float(self.schedule(self.step_count))
 
-    def step(self, *batch, return_grads: bool = False, return_loss: bool = True):
+    def step(self, *batch, return_grads: bool = False, return_loss: bool = True, **kwargs):
         """One optimizer step on one batch: forward, backward and update on the GPU.
 
         Args:
-            *batch: the arguments of ``loss_fn`` after the model: NumPy arrays (float64 fed
-                as float32, int64 as int32) or static Python values, nested in tuples, lists
-                and dicts as ``loss_fn`` takes them.
+            *batch, **kwargs: the arguments of ``loss_fn`` after the model, positional or by
+                name (``trainer.step(x=xs, y=ys)``; both spellings of a call share one
+                compiled program): NumPy arrays (float64 fed as float32, int64 as int32) or
+                static Python values, nested in tuples, lists and dicts as ``loss_fn`` takes
+                them. A ``loss_fn`` argument named ``return_grads`` or ``return_loss`` cannot
+                be passed by name.
             return_grads: also return each trained parameter's gradient (before clipping; with
                 accumulation the mean over the micro-batches). Compiles a program of its own
                 the first time, sharing parameters and moments with the others.
@@ -168,14 +171,14 @@ class Trainer:
             Nothing is changed when any of these is raised.
         """
         k = self.accumulation_steps
-        micro = split_batch(self._fn, batch, k) if k > 1 else [batch]
+        micro = split_batch(self._fn, batch, kwargs, k) if k > 1 else [(batch, kwargs)]
         rng_state = mn_random.get_rng_state()
         try:
             runs = []
-            for i, mb in enumerate(micro):
+            for i, (mb, mkw) in enumerate(micro):
                 last = i == len(micro) - 1
                 kind = "step" if last else "accumulate"
-                prog, feeds = self._prepare(kind, mb, return_grads and last)
+                prog, feeds = self._prepare(kind, mb, mkw, return_grads and last)
                 inputs = prog.entry.runner.program.inputs
                 if last and HYPER_INPUT in inputs:
                     feeds[HYPER_INPUT] = self.optimizer.hyper(self.step_count, self.lr())
@@ -198,10 +201,11 @@ class Trainer:
             return loss, {name: out[g] for g, name in prog.grads.items()}
         return loss
 
-    def evaluate(self, *batch) -> float:
+    def evaluate(self, *batch, **kwargs) -> float:
         """``loss_fn`` on the eval-mode program (traced with ``model.eval()``, the modes
-        restored after), reading the same parameters and buffers; returns the loss."""
-        prog, feeds = self._prepare("evaluate", batch)
+        restored after), reading the same parameters and buffers; returns the loss. The
+        batch is given as to :meth:`step`."""
+        prog, feeds = self._prepare("evaluate", batch, kwargs)
         return float(self._run(prog, feeds, (LOSS,))[LOSS])
 
     def _run(self, prog: _Program, feeds: dict, fetch: tuple) -> dict:
@@ -212,16 +216,16 @@ class Trainer:
             effect()
         return out
 
-    def _prepare(self, kind: str, batch: tuple, return_grads: bool = False):
+    def _prepare(self, kind: str, batch: tuple, kwargs: dict, return_grads: bool = False):
         """(program for this batch's signature, its feeds with fresh dropout seeds)."""
-        _, spec, arrays = flatten_arguments(self._fn, batch, {})
+        _, spec, arrays = flatten_arguments(self._fn, batch, kwargs)
         key = (kind, spec, return_grads)
         if kind != "evaluate":
             key += self.model.signature_key()
         prog = self._cache.get(key)
         if prog is None:
             self.misses += 1
-            prog = self._cache[key] = self._compile(key, kind, batch, arrays, return_grads)
+            prog = self._cache[key] = self._compile(key, kind, batch, kwargs, arrays, return_grads)
         else:
             self.hits += 1
         runner = prog.entry.runner
@@ -235,12 +239,12 @@ class Trainer:
                 feeds[name] = seed
         return prog, feeds
 
-    def _compile(self, key, kind: str, batch: tuple, arrays: list, return_grads: bool):
+    def _compile(self, key, kind, batch: tuple, kwargs: dict, arrays: list, return_grads: bool):
         modes = [(m, m.training) for m in self.model.modules()]
         if kind == "evaluate":
             self.model.eval()
         try:
-            traced = trace_call(self.model, self._fn, batch, {}, LOSS, check_loss)
+            traced = trace_call(self.model, self._fn, batch, kwargs, LOSS, check_loss)
         except Exception as e:
             shown = ", ".join(f"{n}: {a.dtype}{list(a.shape)}" for n, a in arrays)
             e.add_note(

@@ -253,8 +253,8 @@ for _dim in [None, 0, 1, -1, (0, 2), (2, 0, 1)]:
 REDUCE.append(
     C(
         "tensor_methods",
-        lambda t: t["x"].sum(1) + t["x"].mean(1) + t["x"].max(1),
-        lambda t: t["x"].sum(1) + t["x"].mean(1) + t["x"].amax(1),
+        lambda t: t["x"].sum(1) + t["x"].mean(1) + t["x"].max(1).values + t["x"].amin(1),
+        lambda t: t["x"].sum(1) + t["x"].mean(1) + t["x"].max(1).values + t["x"].amin(1),
         {"x": X345},
     )
 )

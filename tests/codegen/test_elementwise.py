@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import numpy as np
 import pytest
 
@@ -38,6 +41,27 @@ def test_unary_ops_and_scalar_constants():
     ps = rng.uniform(0.1, 10, (5, 7)).astype(np.float32)
     res = check(b.build(), {"x": xs, "pos": ps})
     assert not any("constant" in str(r) for k in res.kernels for r in k.bindings)
+
+
+def test_non_finite_constants_are_built_from_bits_at_run_time():
+    # WGSL has no inf/NaN literal and rejects const-expressions giving one: the kernel calls
+    # f32_bits(bits), whose argument is a run-time value (masked_fill(mask, -inf) needs it).
+    b = GraphBuilder()
+    x = b.input("x", (8,))
+    keep = F.greater(x, 0.0)
+    b.output("fill", F.where(keep, x, b.constant(-math.inf)))
+    b.output("softmax", F.softmax(F.where(keep, x, b.constant(-math.inf)), -1))
+    b.output("nan", x + b.constant(math.nan))
+    b.output("inf", x * b.constant(math.inf))
+    g = b.build()
+    xs = np.array([1, -1, 2, -3, 0.5, -0.1, 4, -2], np.float32)
+    res = check(g, {"x": xs})
+    out = {k: res.values[v] for k, v in g.outputs}
+    assert (out["fill"][xs <= 0] == -np.inf).all() and (out["softmax"][xs <= 0] == 0.0).all()
+    assert np.isnan(out["nan"]).all() and (out["inf"] == np.where(xs > 0, np.inf, -np.inf)).all()
+    code = "".join(k.wgsl for k in res.kernels)
+    assert "f32_bits(0xff800000u)" in code and "fn f32_bits(b: u32)" in code
+    assert not re.search(r"\b(inf|nan|infinity)\b", re.sub(r"//[^\n]*", "", code), re.I)
 
 
 def test_tanh_sigmoid_are_stable_at_large_magnitude():

@@ -68,14 +68,17 @@ def test_broadcast_failure_through_functional_api():
 
 
 def test_dtype_mismatch():
+    # IR ops take one dtype; the operators promote first (tests/graph/test_promotion.py)
     b = GraphBuilder()
     x = b.input("x", (3,))
     k = b.input("k", (3,), i32)
     with pytest.raises(GraphTypeError) as ei:
         line = _line() + 1
-        _ = x * k
+        b.add("mul", [x, k])
     msg = _assert_names(ei.value, "mul", ["%0: f32[3]", "%1: i32[3]"], line)
     assert "dtype mismatch" in msg
+    y = x * k
+    assert y.dtype is f32 and y.node.op == "mul" and b.nodes[y.node.inputs[1]].op == "cast"
 
 
 def test_bool_arithmetic_rejected():

@@ -56,6 +56,16 @@ UNARY = [
     _unary("abs", E.abs, torch.abs, -3, 3, _ZEROS, ints=True),
     _unary("sign", E.sign, torch.sign, -3, 3, _ZEROS, ints=True, differentiable=False),
     _unary(
+        "floor",
+        E.floor,
+        torch.floor,
+        -40,
+        40,
+        [-2.5, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 1.5, 8388607.5, -8388609.0, 3e38],
+        inf_nan=[-np.inf, np.nan, np.inf, -1e-30],
+        differentiable=False,
+    ),
+    _unary(
         "reciprocal",
         E.reciprocal,
         torch.reciprocal,

@@ -231,6 +231,27 @@ def test_uneven_micro_batches_average_their_gradients(gpu_device):
     _assert_params(model, net)
 
 
+def test_keyword_batches_step_as_positional_ones_and_share_their_program(gpu_device):
+    pos, kw = _model(), _model()
+    a = Trainer(pos, SGD(lr=0.1, momentum=0.9), loss_fn, device=gpu_device)
+    b = Trainer(kw, SGD(lr=0.1, momentum=0.9), loss_fn, accumulation_steps=2, device=gpu_device)
+    c = Trainer(_model(), SGD(lr=0.1, momentum=0.9), loss_fn, device=gpu_device)
+    for i in range(2):
+        x, y = _batch()
+        want = a.step(x, y)
+        assert b.step(y=y, x=x) == pytest.approx(want, rel=1e-6)  # split by name too
+        assert (c.step(x, y=y) if i else c.step(x=x, y=y)) == pytest.approx(want, rel=1e-6)
+    assert c.cache_info().misses == 1 and c.cache_info().hits == 1  # one signature
+    for k, v in pos.state_dict().items():
+        np.testing.assert_allclose(kw.state_dict()[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+    x, y = _batch()
+    assert a.evaluate(x=x, y=y) == pytest.approx(a.evaluate(x, y), rel=1e-7)
+    loss, grads = c.step(x=x, y=y, return_grads=True)
+    assert set(grads) == set(pos.state_dict())
+    with pytest.raises(TypeError, match="missing a required argument"):  # binds as loss_fn
+        c.step(x=x, z=y)
+
+
 def test_evaluate_runs_the_eval_program_on_the_same_parameters(gpu_device):
     model = _model(p_drop=0.5)
     tr = Trainer(model, AdamW(lr=1e-2), loss_fn, device=gpu_device)

@@ -31,6 +31,17 @@ from .containers import ModuleDict, ModuleList, Sequential
 from .conv import Conv1d, Conv2d, ConvTranspose2d
 from .dropout import Dropout
 from .linear import Flatten, Identity, Linear
+from .loss import (
+    BCELoss,
+    BCEWithLogitsLoss,
+    CrossEntropyLoss,
+    HuberLoss,
+    KLDivLoss,
+    L1Loss,
+    MSELoss,
+    NLLLoss,
+    SmoothL1Loss,
+)
 from .normalization import GroupNorm, LayerNorm, RMSNorm
 from .pooling import (
     AdaptiveAvgPool1d,
@@ -41,6 +52,13 @@ from .pooling import (
     MaxPool2d,
 )
 from .sparse import Embedding
+from .transformer import (
+    Transformer,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
 from .upsampling import Upsample, UpsamplingBilinear2d, UpsamplingNearest2d
 
 __all__ = [
@@ -48,6 +66,8 @@ __all__ = [
     "AdaptiveAvgPool2d",
     "AvgPool1d",
     "AvgPool2d",
+    "BCELoss",
+    "BCEWithLogitsLoss",
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
@@ -55,6 +75,7 @@ __all__ = [
     "Conv1d",
     "Conv2d",
     "ConvTranspose2d",
+    "CrossEntropyLoss",
     "Dropout",
     "ELU",
     "Embedding",
@@ -65,18 +86,23 @@ __all__ = [
     "Hardsigmoid",
     "Hardswish",
     "Hardtanh",
+    "HuberLoss",
     "Identity",
+    "KLDivLoss",
+    "L1Loss",
     "LayerNorm",
     "LeakyReLU",
     "Linear",
     "LogSigmoid",
     "LogSoftmax",
+    "MSELoss",
     "MaxPool1d",
     "MaxPool2d",
     "Mish",
     "ModuleDict",
     "ModuleList",
     "MultiheadAttention",
+    "NLLLoss",
     "NonDynamicallyQuantizableLinear",
     "PReLU",
     "RMSNorm",
@@ -86,12 +112,18 @@ __all__ = [
     "Sequential",
     "SiLU",
     "Sigmoid",
+    "SmoothL1Loss",
     "Softmax",
     "Softmin",
     "Softplus",
     "Softsign",
     "Tanh",
     "Tanhshrink",
+    "Transformer",
+    "TransformerDecoder",
+    "TransformerDecoderLayer",
+    "TransformerEncoder",
+    "TransformerEncoderLayer",
     "Upsample",
     "UpsamplingBilinear2d",
     "UpsamplingNearest2d",

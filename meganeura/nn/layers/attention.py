@@ -40,9 +40,8 @@ def _float_mask(mask, like: Tensor):
         return current_trace().constant(np.asarray(arr, np.float32))
     if mask.dtype.is_floating:
         return mask
-    # WGSL has no inf literal, so -inf comes in as a one-element constant tensor.
-    neg_inf = current_trace().constant(np.full((1,), -np.inf, np.float32))
-    return F.where(mask, neg_inf, like.builder.constant(0.0, like.dtype))
+    b = like.builder
+    return F.where(mask, b.constant(-math.inf, like.dtype), b.constant(0.0, like.dtype))
 
 
 class MultiheadAttention(Module):

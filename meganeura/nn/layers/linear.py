@@ -36,7 +36,7 @@ class Linear(Module):
         if bias:
             self.bias = Parameter(shape=(out_features,), dtype=dtype)
         else:
-            self.register_parameter("bias", None)  # declared absent, as torch: repr reads it
+            self.register_parameter("bias", None)  # declared absent, as torch (repr, loading)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

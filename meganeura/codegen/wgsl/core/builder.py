@@ -26,7 +26,7 @@ from ....dtypes import DType
 from ....graph.ir import Graph, Node, TensorType, resolve_view
 from ...kernel import MAX_ELEMENTS, ArenaRef, KernelSource, Limits, ScratchRef, ValueRef
 from .layout import fold_grid, linear_workgroup
-from .literals import literal
+from .literals import F32_BITS, F32_BITS_HELPER, literal
 
 ENTRY_ARGS = (
     "@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, "
@@ -262,6 +262,8 @@ class KernelBuilder:
             r"\bf16\b", body + helpers
         ):
             src = "enable f16;\n\n" + src
+        if re.search(rf"\b{F32_BITS}\(", body + helpers):  # a non-finite constant
+            helpers = F32_BITS_HELPER + "\n" + helpers
         if helpers:
             src += helpers.strip("\n") + "\n\n"
         src += f"@compute @workgroup_size({workgroup_size})\nfn main({ENTRY_ARGS}{extra_args}) {{\n"

@@ -1,8 +1,12 @@
 """WGSL literals: exact f32 decimals, wrapped integers, u32 index constants.
 
-Literals never spell inf or NaN (WGSL rejects them): f32 constants are printed as the exact
-decimal of their float32 value, integers with an ``i``/``u`` suffix, so a constant inlined in a
-kernel is bit-identical to the value the graph holds.
+Literals never spell inf or NaN (WGSL rejects them, and rejects const-expressions that evaluate
+to them): f32 constants are printed as the exact decimal of their float32 value, integers with
+an ``i``/``u`` suffix, so a constant inlined in a kernel is bit-identical to the value the graph
+holds. A non-finite constant node (``masked_fill(mask, -inf)``) is spelled as a call of the
+``f32_bits`` helper with its bit pattern: a function argument is a runtime value, so the
+bitcast happens when the kernel runs, and ``KernelBuilder.finish`` adds the helper to every
+kernel that calls it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from ....dtypes import DType
 
 # The bit pattern of f32 -inf, for tests by bits (compilers may assume floats are finite).
 NEG_INF_BITS = "0xff800000u"
+
+F32_BITS = "f32_bits"
+F32_BITS_HELPER = f"fn {F32_BITS}(b: u32) -> f32 {{\n  return bitcast<f32>(b);\n}}"
 
 
 def f32_literal(value: float) -> str:
@@ -47,9 +54,19 @@ def int_literal(value: int, dtype: DType) -> str:
     return f"(-{-v}i)" if v < 0 else f"{v}i"
 
 
+def nonfinite_f32(value: float) -> str:
+    """``f32_bits(0x...u)``: a run-time f32 of ``value``'s bit pattern (inf, -inf or NaN)."""
+    bits = int(np.array(value, np.float32).view(np.uint32))
+    return f"{F32_BITS}(0x{bits:08x}u)"
+
+
 def literal(value: float | int | bool, dtype: DType) -> str:
-    """Literal of a constant node's value in its dtype."""
+    """The WGSL spelling of a constant node's value in its dtype (non-finite floats through
+    ``nonfinite_f32``)."""
     if dtype.is_floating:
+        with np.errstate(over="ignore"):
+            if not math.isfinite(float(np.float32(value))):
+                return nonfinite_f32(float(value))
         return f32_literal(float(value))
     return int_literal(int(value), dtype)
 

@@ -94,6 +94,7 @@ UNARY: dict[str, Expr] = {
     "tanh": lambda x, t, a: f"tanh_stable({x[0]})",
     "sigmoid": lambda x, t, a: f"sigmoid_stable({x[0]})",
     "abs": lambda x, t, a: f"abs({x[0]})",
+    "floor": lambda x, t, a: f"floor({x[0]})",
     "sign": _sign,
     "reciprocal": lambda x, t, a: f"(1.0 / {x[0]})",
     "rsqrt": lambda x, t, a: f"(1.0 / sqrt({x[0]}))",  # inf at 0, as torch.rsqrt
@@ -193,7 +194,7 @@ def pow_expr(
         e = float(expo.attr("value"))
         if e in special:
             return special[e], ()
-    if base.op == "constant" and float(base.attr("value")) > 0.0:
+    if base.op == "constant" and math.isfinite(c := float(base.attr("value"))) and c > 0.0:
         log2c = math.log2(float(np.float32(base.attr("value"))))
         return f"exp2_f32({y} * {f32_literal(log2c)})", ("exp2_f32",)
     return f"pow_f32({x}, {y})", ("pow_f32",)
