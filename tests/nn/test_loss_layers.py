@@ -109,8 +109,8 @@ def test_loss_modules_export_and_a_model_trains_through_one():
     net = Net()
     assert list(net.state_dict()) == ["fc.weight", "fc.bias", "loss.weight"]
     tnet = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    tnet[0].load_state_dict({"weight": torch.from_numpy(net.fc.weight.data),
-                             "bias": torch.from_numpy(net.fc.bias.data)})  # fmt: skip
+    tnet[0].load_state_dict({"weight": torch.from_numpy(net.fc.weight.numpy()),
+                             "bias": torch.from_numpy(net.fc.bias.numpy())})  # fmt: skip
     loss = torch.nn.CrossEntropyLoss(weight=torch.from_numpy(W4).double())
     want = loss(tnet.double()(to_torch(LOGITS)), to_torch(LABELS)).item()
     got, _ = interpret_forward(net, (LOGITS, LABELS))
