@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import functional as F
-from .. import init
 from ..module import Module
-from ..parameter import Buffer, Parameter
+from ..parameter import Buffer
 from ..tracing import current_trace
+from .normalization import register_affine, reset_affine
 
 
 class _BatchNorm(Module):
@@ -54,15 +54,7 @@ class _BatchNorm(Module):
         self.num_features, self.eps, self.momentum = int(num_features), eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
         c = (self.num_features,)
-        if affine:
-            self.weight = Parameter(shape=c, dtype=dtype)
-            if bias:
-                self.bias = Parameter(shape=c, dtype=dtype)
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        register_affine(self, c, affine, bias, dtype)
         if track_running_stats:
             self.register_buffer("running_mean", Buffer(np.zeros(c, np.float32)))
             self.register_buffer("running_var", Buffer(np.ones(c, np.float32)))
@@ -83,10 +75,7 @@ class _BatchNorm(Module):
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
-        if self.affine:
-            init.ones_(self.weight)
-            if self.bias is not None:
-                init.zeros_(self.bias)
+        reset_affine(self)
 
     def _check_input_dim(self, input) -> None:  # noqa: A002
         if input.ndim not in self._ndims:

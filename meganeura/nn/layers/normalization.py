@@ -15,6 +15,21 @@ def _shape(normalized_shape) -> tuple[int, ...]:
     return tuple(int(s) for s in normalized_shape)
 
 
+def register_affine(module: Module, shape: tuple[int, ...], affine: bool, bias: bool, dtype):
+    """Register a norm's ``weight`` and ``bias`` of ``shape`` (None when absent, as torch)."""
+    module.register_parameter("weight", Parameter(shape=shape, dtype=dtype) if affine else None)
+    has_bias = affine and bias
+    module.register_parameter("bias", Parameter(shape=shape, dtype=dtype) if has_bias else None)
+
+
+def reset_affine(module: Module) -> None:
+    """weight = 1 and bias = 0 where present (torch's norms' ``reset_parameters``)."""
+    if module.weight is not None:
+        init.ones_(module.weight)
+    if module.bias is not None:
+        init.zeros_(module.bias)
+
+
 class LayerNorm(Module):
     """``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the trailing
     ``normalized_shape`` dims, biased variance (``torch.nn.LayerNorm``; Ba et al. 2016).
@@ -35,22 +50,11 @@ class LayerNorm(Module):
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
         self.eps, self.elementwise_affine = eps, elementwise_affine
-        if elementwise_affine:
-            self.weight = Parameter(shape=self.normalized_shape, dtype=dtype)
-            if bias:
-                self.bias = Parameter(shape=self.normalized_shape, dtype=dtype)
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        register_affine(self, self.normalized_shape, elementwise_affine, bias, dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.elementwise_affine:
-            init.ones_(self.weight)
-            if self.bias is not None:
-                init.zeros_(self.bias)
+        reset_affine(self)
 
     def forward(self, input):  # noqa: A002 - PyTorch's name
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -128,22 +132,11 @@ class GroupNorm(Module):
             raise ValueError("num_channels must be divisible by num_groups")
         self.num_groups, self.num_channels = int(num_groups), int(num_channels)
         self.eps, self.affine = eps, affine
-        if affine:
-            self.weight = Parameter(shape=(num_channels,), dtype=dtype)
-            if bias:
-                self.bias = Parameter(shape=(num_channels,), dtype=dtype)
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        register_affine(self, (self.num_channels,), affine, bias, dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.affine:
-            init.ones_(self.weight)
-            if self.bias is not None:
-                init.zeros_(self.bias)
+        reset_affine(self)
 
     def forward(self, input):  # noqa: A002
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
