@@ -26,7 +26,7 @@ from ..compile import CompileOptions
 from ..compile import compile as compile_graph
 from ..graph.builder import Tensor
 from ..graph.ir import Graph
-from .parameter import UninitializedParameterError
+from .parameter import UninitializedParameterError, dtype_of, narrow_to_stored
 from .tracing import CONSTANT_PREFIX, Trace, tracing
 
 
@@ -36,18 +36,16 @@ class SignatureError(TypeError):
 
 # ---------------------------------------------------------------------------- arguments
 def _feed_array(x: np.ndarray, where: str) -> np.ndarray:
-    if x.dtype == np.float64:
-        return x.astype(np.float32)
-    if x.dtype == np.int64:
-        if x.size and (x.min() < -(2**31) or x.max() >= 2**31):
-            raise SignatureError(f"{where}: int64 values outside the int32 range")
-        return x.astype(np.int32)
+    try:
+        x = narrow_to_stored(x, where)
+    except ValueError as e:
+        raise SignatureError(str(e)) from None
     if x.dtype.kind not in "fiub" or x.dtype.itemsize > 4 and x.dtype.kind != "b":
         raise SignatureError(f"{where}: arrays of {x.dtype} cannot be fed (use float32 or int32)")
     return np.require(x, requirements="C")
 
 
-def _flatten(value, where: str, arrays: list, spec_of=None):
+def _flatten(value, where: str, arrays: list):
     """A hashable spec of ``value`` with each array replaced by its slot; arrays appended."""
     if hasattr(value, "detach") and hasattr(value, "cpu") and hasattr(value, "numpy"):
         value = value.detach().cpu()  # a torch.Tensor: read on the host, as NumPy
@@ -224,8 +222,6 @@ def trace(module, *args, fn=None, **kwargs) -> Graph:
 
 
 def _dtype(a: np.ndarray):
-    from .parameter import dtype_of
-
     return dtype_of(a, "input")
 
 

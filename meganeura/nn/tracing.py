@@ -21,7 +21,7 @@ import numpy as np
 
 from ..dtypes import DType
 from ..graph.builder import GraphBuilder, Tensor, use_builder
-from .parameter import Buffer, Parameter, _Persistent, dtype_of
+from .parameter import Buffer, Parameter, _Persistent, dtype_of, narrow_to_stored
 
 _CURRENT: contextvars.ContextVar[Trace | None] = contextvars.ContextVar(
     "meganeura_trace", default=None
@@ -101,12 +101,10 @@ class Trace:
             elif arr.dtype.kind in "iu":
                 dt = DType.i32
             return self.builder.constant(arr.item(), dt)
-        if arr.dtype == np.float64:
-            arr = arr.astype(np.float32)
-        elif arr.dtype == np.int64:
-            if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
-                raise TraceError(f"int64 constant of shape {arr.shape} exceeds the int32 range")
-            arr = arr.astype(np.int32)
+        try:
+            arr = narrow_to_stored(arr, f"constant of shape {arr.shape}")
+        except ValueError as e:
+            raise TraceError(str(e)) from None
         dt = dtype_of(arr, "constant")
         name = f"{CONSTANT_PREFIX}{len(self.constants)}"
         self.constants[name] = np.ascontiguousarray(arr)
