@@ -199,9 +199,7 @@ def compile(
     times["autodiff"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    for rewrite in (fold_permutes, dce, cse, dce):
-        graph, id_map = rewrite(graph)
-        master = frozenset(id_map[i] for i in master if i in id_map)
+    graph, master = simplify_program(graph, master)
     precision = options.precision
     if precision == "fast" and not limits.shader_f16:
         warnings.warn(
@@ -210,11 +208,7 @@ def compile(
             stacklevel=2,
         )
         precision = "strict"
-    narrowed: frozenset[int] = frozenset()
-    if precision == "fast":
-        graph, narrowed = narrow_storage(
-            graph, master, parameters=options.optimizer is None and not options.shared_parameters
-        )
+    graph, narrowed = storage_plan(graph, master, options, precision)
     times["passes"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -237,6 +231,28 @@ def compile(
         meta["optimizer"] = options.optimizer.config()
         meta["max_grad_norm"] = options.max_grad_norm
     return program.replace(meta=meta)
+
+
+def simplify_program(graph: Graph, master: frozenset[int]) -> tuple[Graph, frozenset[int]]:
+    """The type-checked rewrites every program gets (fold_permutes, dce, cse, dce).
+
+    Returns:
+        (the rewritten graph, ``master`` mapped to its node ids).
+    """
+    for rewrite in (fold_permutes, dce, cse, dce):
+        graph, id_map = rewrite(graph)
+        master = frozenset(id_map[i] for i in master if i in id_map)
+    return graph, master
+
+
+def storage_plan(
+    graph: Graph, master: frozenset[int], options: CompileOptions, precision: str
+) -> tuple[Graph, frozenset[int]]:
+    """(storage plan, ids stored as f16): ``narrow_storage`` in the fast mode, else as is."""
+    if precision != "fast":
+        return graph, frozenset()
+    parameters = options.optimizer is None and not options.shared_parameters
+    return narrow_storage(graph, master, parameters=parameters)
 
 
 def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -> Program:
