@@ -52,10 +52,12 @@ class CompileOptions:
             stores activations and activation gradients as f16, and in programs without an
             optimizer the parameters too, while every kernel still computes and accumulates
             in f32 (``passes.precision`` lists what stays f32: inputs, fetched outputs, f32
-            master weights, their gradients and optimizer state, sums and losses). It needs
-            the adapter's ``shader-f16`` feature; without it the program is compiled strict
-            and a ``PrecisionFallbackWarning`` is issued. ``Program.meta["precision"]`` says
-            which precision the program got.
+            master weights, their gradients and optimizer state, sums and losses, and values
+            that may leave f16's range, ``passes.ranges``). It needs the adapter's
+            ``shader-f16`` feature; without it the program is compiled strict and a
+            ``PrecisionFallbackWarning`` is issued. ``Program.meta["precision"]`` says which
+            precision the program got. ``meganeura.debug.find_nonfinite`` names the first
+            value of a program that holds an inf or a NaN.
         shared_parameters: keep parameters and state in their declared dtype in every
             program (fast mode otherwise stores an inference program's parameters as f16), so
             several programs of one model can bind the same buffers (``runtime.shared``).

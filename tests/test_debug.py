@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import meganeura as mn
 from meganeura.compile import CompileOptions
 from meganeura.debug import find_nonfinite
 from meganeura.graph.builder import GraphBuilder
@@ -98,3 +99,19 @@ def test_a_non_finite_feed_is_reported_as_the_input(gpu_device):
     x[0, 1] = np.inf
     found = find_nonfinite(g, {"x": x}, CompileOptions(precision="fast"), EYE, device=gpu_device)
     assert found.op == "input" and found.node == 0 and found.posinf == 1
+
+
+def test_a_module_graph_with_its_state_dict(gpu_device):
+    """Through a module (``nn.trace``, the options ``mn.compile(model, precision="fast")``
+    uses): a Linear whose output passes 65504 although its input and weights fit."""
+    if "shader-f16" not in gpu_device.features:
+        pytest.skip("the adapter lacks shader-f16: fast mode compiles strict here")
+    model = mn.nn.Sequential(mn.nn.Linear(8, 8), mn.nn.Tanh())
+    weights = {"0.weight": np.eye(8, dtype=np.float32) * 200, "0.bias": np.zeros(8, np.float32)}
+    model.load_state_dict(weights)
+    x = np.full((2, 8), 500.0, np.float32)
+    graph = mn.nn.trace(model, x)
+    opts = CompileOptions(precision="fast", shared_parameters=True)
+    found = find_nonfinite(graph, {graph.leaves("input")[0].name: x}, opts, model.state_dict())
+    assert found is not None and found.dtype == "f16" and found.overflow
+    assert found.f32_max_abs == 100000.0 and found.posinf == 16

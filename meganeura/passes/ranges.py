@@ -34,9 +34,9 @@ A value of degree ``d`` may be as large as an activation to the power ``d``; f16
 the same rules applied to the backward graph (the loss's seed is the constant 1).
 
 For ``exp``, a sign analysis knows which values are <= 0: ``-relu``, ``-abs``, ``-x*x``,
-``log_softmax``, ``clamp(max<=0)``, products and sums by the rule of signs, and ``x`` minus
-an upper bound of ``x`` (``amax``, ``max`` or ``logsumexp`` of ``x``, possibly reshaped or
-broadcast), the max-subtraction of a stable softmax.
+``x * -x``, ``log_softmax``, ``clamp(max<=0)``, products and sums by the rule of signs, and
+``x`` minus an upper bound of ``x`` (``amax``, ``max`` or ``logsumexp`` of ``x``, possibly
+reshaped or broadcast), the max-subtraction of a stable softmax.
 """
 
 from __future__ import annotations
@@ -95,6 +95,11 @@ def _through_views(graph: Graph, vid: int) -> int:
     return vid
 
 
+def _negation_of(graph: Graph, a: int, b: int) -> bool:
+    na, nb = graph[a], graph[b]
+    return (na.op == "neg" and na.inputs[0] == b) or (nb.op == "neg" and nb.inputs[0] == a)
+
+
 def _sign(graph: Graph, node: Node, sign: dict[int, Sign]) -> Sign:
     op, ins = node.op, [sign.get(i, _UNKNOWN) for i in node.inputs]
     if op == "constant":
@@ -115,8 +120,11 @@ def _sign(graph: Graph, node: Node, sign: dict[int, Sign]) -> Sign:
             ins[0][1] or (hi is not None and hi <= 0),
         )
     if op in ("mul", "div"):
-        if node.inputs[0] == node.inputs[1]:
+        a, b = node.inputs
+        if a == b:
             return (True, False)
+        if op == "mul" and _negation_of(graph, a, b):
+            return (False, True)  # x * -x <= 0 (erf's gradient: exp(-x * x))
         (ap, an), (bp, bn) = ins[0], ins[1]
         return ((ap and bp) or (an and bn), (ap and bn) or (an and bp))
     if op in ("add", "maximum", "minimum", "cat"):
