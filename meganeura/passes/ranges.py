@@ -6,7 +6,8 @@ may not: the square of an activation of 800 is 640000, ``exp(12)`` is 162755. ``
 gives every value a **degree**: how many factors of "an activation" its magnitude may hold,
 counted the way a polynomial's degree is:
 
-  * program inputs, and integers cast to floats, have degree 1 (an activation);
+  * program inputs, integers cast to floats, and rows looked up in a table (``gather``,
+    ``index_select``: an embedding's output) have degree 1 (an activation);
     parameters, optimizer state and integers have degree 0 (weights are O(1));
   * a constant factor ``c`` has degree 0 when ``|c| <= 2**8`` (or ``c`` is inf or NaN),
     otherwise ``log2|c| / 8`` (an activation counts as 2**8): scaling by 0.5, 2 or
@@ -65,6 +66,7 @@ BOUNDED_OPS = frozenset(
         "batch_norm",
     }
 )
+LOOKUP_OPS = frozenset({"index_select", "gather"})
 PRODUCT_OPS = frozenset({"mul", "matmul", "conv2d", "conv2d_backward_input"})
 SUMMING_OPS = frozenset({"sum", "cumsum"})
 # Ops through which "is an upper bound of x" follows (views and broadcasts of the bound).
@@ -157,6 +159,8 @@ def _degree(graph: Graph, node: Node, deg: dict[int, float], sign: dict[int, Sig
         return _constant_degree(node.attr("value"))
     if op == "arange":
         return 1.0
+    if op in LOOKUP_OPS:  # rows of an embedding table are the network's input: activations
+        return max(top, 1.0)
     if op == "cast":
         return deg[node.inputs[0]] if graph[node.inputs[0]].type.dtype.is_floating else 1.0
     if op in BOUNDED_OPS:

@@ -120,3 +120,20 @@ def test_common_training_steps_narrow_what_they_narrowed(name):
     assert {"matmul"} <= ops or {"conv2d"} <= ops  # the activations themselves
     floats = [n for n in g.nodes if n.type.dtype.is_floating and n.op not in ("reshape",)]
     assert len(half) >= len(floats) // 4, (len(half), len(floats))
+
+
+def test_embedding_rows_are_activations():
+    """A hand-written RMSNorm of token embeddings (Llama ports write it): the square of an
+    embedding row stays f32, the normalized row is f16 again."""
+    from meganeura.ops.gather import embedding
+
+    b = GraphBuilder()
+    ids = b.input("ids", (2, 4), DType.i32)
+    e = embedding(ids, b.parameter("emb", (16, 8)))
+    sq = e * e
+    normed = e * E.rsqrt(F.mean(sq, -1, keepdim=True) + 1e-6)
+    b.output("y", F.tanh(normed) * 1.0)
+    plan, _ = narrow_storage(b.build())
+    assert plan[sq.node.id].type.dtype is DType.f32
+    assert plan[e.node.id].type.dtype is DType.f16
+    assert plan[normed.node.id].type.dtype is DType.f16
