@@ -26,7 +26,7 @@ The GPU runtime (``meganeura.runtime``, wgpu) is imported lazily, so graph build
 autodiff and code generation work without a GPU.
 """
 
-from . import nn, optim
+from . import debug, nn, optim
 from .autodiff import differentiate
 from .compile import CompileOptions
 from .dtypes import DType, bool_, f16, f32, i32, u32
@@ -74,6 +74,7 @@ __all__ = [
     "tensor",
     "zeros",
     "zeros_like",
+    "debug",
     "nn",
     "optim",
     "plan_memory",

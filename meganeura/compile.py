@@ -52,10 +52,12 @@ class CompileOptions:
             stores activations and activation gradients as f16, and in programs without an
             optimizer the parameters too, while every kernel still computes and accumulates
             in f32 (``passes.precision`` lists what stays f32: inputs, fetched outputs, f32
-            master weights, their gradients and optimizer state, sums and losses). It needs
-            the adapter's ``shader-f16`` feature; without it the program is compiled strict
-            and a ``PrecisionFallbackWarning`` is issued. ``Program.meta["precision"]`` says
-            which precision the program got.
+            master weights, their gradients and optimizer state, sums and losses, and values
+            that may leave f16's range, ``passes.ranges``). It needs the adapter's
+            ``shader-f16`` feature; without it the program is compiled strict and a
+            ``PrecisionFallbackWarning`` is issued. ``Program.meta["precision"]`` says which
+            precision the program got. ``meganeura.debug.find_nonfinite`` names the first
+            value of a program that holds an inf or a NaN.
         shared_parameters: keep parameters and state in their declared dtype in every
             program (fast mode otherwise stores an inference program's parameters as f16), so
             several programs of one model can bind the same buffers (``runtime.shared``).
@@ -199,9 +201,7 @@ def compile(
     times["autodiff"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    for rewrite in (fold_permutes, dce, cse, dce):
-        graph, id_map = rewrite(graph)
-        master = frozenset(id_map[i] for i in master if i in id_map)
+    graph, master = simplify_program(graph, master)
     precision = options.precision
     if precision == "fast" and not limits.shader_f16:
         warnings.warn(
@@ -210,11 +210,7 @@ def compile(
             stacklevel=2,
         )
         precision = "strict"
-    narrowed: frozenset[int] = frozenset()
-    if precision == "fast":
-        graph, narrowed = narrow_storage(
-            graph, master, parameters=options.optimizer is None and not options.shared_parameters
-        )
+    graph, narrowed = storage_plan(graph, master, options, precision)
     times["passes"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -237,6 +233,28 @@ def compile(
         meta["optimizer"] = options.optimizer.config()
         meta["max_grad_norm"] = options.max_grad_norm
     return program.replace(meta=meta)
+
+
+def simplify_program(graph: Graph, master: frozenset[int]) -> tuple[Graph, frozenset[int]]:
+    """The type-checked rewrites every program gets (fold_permutes, dce, cse, dce).
+
+    Returns:
+        (the rewritten graph, ``master`` mapped to its node ids).
+    """
+    for rewrite in (fold_permutes, dce, cse, dce):
+        graph, id_map = rewrite(graph)
+        master = frozenset(id_map[i] for i in master if i in id_map)
+    return graph, master
+
+
+def storage_plan(
+    graph: Graph, master: frozenset[int], options: CompileOptions, precision: str
+) -> tuple[Graph, frozenset[int]]:
+    """(storage plan, ids stored as f16): ``narrow_storage`` in the fast mode, else as is."""
+    if precision != "fast":
+        return graph, frozenset()
+    parameters = options.optimizer is None and not options.shared_parameters
+    return narrow_storage(graph, master, parameters=parameters)
 
 
 def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -> Program:

@@ -22,6 +22,11 @@ What stays f32 (the rules, in order):
   * the values named in ``keep`` (the compiler passes each parameter's gradient and every
     node of the optimizer tail: gradient clipping's sums of squares and norm);
   * values whose storage is fetched as a graph output;
+  * values that may leave f16's range (magnitude above 65504 or below its normal range):
+    those whose degree, counted by ``passes.ranges`` (squares, products of activations,
+    ``pow``, ``exp`` of a value not known to be <= 0, sums of more than 256 terms, and their
+    consumers until a bounded op such as ``tanh``, ``softmax``, ``log`` or a normalization),
+    exceeds one activation;
   * values of ``WIDE_OPS``: reductions that sum (their result can exceed f16's range of
     65504 or need more than its 11 significant bits: sums, means, variances, log-sum-exp,
     prefix sums), losses, attention's log-sum-exp statistics, and ``arange`` (positions and
@@ -40,6 +45,7 @@ from collections.abc import Collection
 from ..dtypes import DType
 from ..graph.ir import VIEW_OPS, Graph, TensorType, resolve_view
 from ..ops import OPS
+from .ranges import degrees, fits_f16
 
 WIDE_OPS = frozenset(
     {
@@ -58,7 +64,7 @@ NARROW_LEAVES = frozenset({"parameter"})
 
 
 def half_candidates(
-    graph: Graph, keep: Collection[int] = (), parameters: bool = False
+    graph: Graph, keep: Collection[int] = (), parameters: bool = False, ranges: bool = True
 ) -> frozenset[int]:
     """The storage owners (non-view values) that ``narrow_storage`` stores as f16.
 
@@ -66,10 +72,13 @@ def half_candidates(
         graph: a verified graph (the last one before scheduling).
         keep: node ids that must stay f32 (a view keeps its storage owner f32).
         parameters: allow parameters too (forward-only programs).
+        ranges: keep values that may leave f16's range in f32 (``passes.ranges``); False
+            only to measure what the range rule costs.
 
     Returns:
         Ids of f32 values, none of them a view, leaf other than a parameter, or output.
     """
+    deg = degrees(graph) if ranges else {}
     wide = {resolve_view(graph, v) for v in keep}
     wide |= {resolve_view(graph, v) for _, v in graph.outputs}
     for node in graph.nodes:
@@ -80,7 +89,7 @@ def half_candidates(
     for node in graph.nodes:
         if node.type.dtype is not DType.f32 or node.id in wide or node.op in VIEW_OPS:
             continue
-        if node.op in WIDE_OPS or node.op == "constant":
+        if node.op in WIDE_OPS or node.op == "constant" or not fits_f16(deg.get(node.id, 0.0)):
             continue
         if node.op in ("input", "state"):
             continue
@@ -91,7 +100,7 @@ def half_candidates(
 
 
 def narrow_storage(
-    graph: Graph, keep: Collection[int] = (), parameters: bool = False
+    graph: Graph, keep: Collection[int] = (), parameters: bool = False, ranges: bool = True
 ) -> tuple[Graph, frozenset[int]]:
     """Store the floating values chosen by the rules above as f16.
 
@@ -99,12 +108,13 @@ def narrow_storage(
         graph: a verified graph, after every type-checked pass.
         keep: node ids that must stay f32 (views resolve to their storage owner).
         parameters: store parameters as f16 too; only for programs without an optimizer.
+        ranges: apply the range rule (``half_candidates``).
 
     Returns:
         (the storage plan: the same nodes with f16 types where chosen, the ids of the values
         now stored as f16, views included). The plan keeps node ids, inputs and outputs.
     """
-    half = set(half_candidates(graph, keep, parameters))
+    half = set(half_candidates(graph, keep, parameters, ranges))
     nodes = []
     for node in graph.nodes:
         is_view = node.op in VIEW_OPS
