@@ -5,13 +5,19 @@ from __future__ import annotations
 from ..graph.builder import GraphBuilder
 from ..graph.ir import Graph
 from ..ops import functional as F
+from .guard import append_guard
 from .optimizers import Optimizer
 
 HYPER_INPUT = "optim.hyper"
 
 
 def apply_optimizer(
-    graph: Graph, grads: dict[int, int], optimizer: Optimizer, max_grad_norm: float | None = None
+    graph: Graph,
+    grads: dict[int, int],
+    optimizer: Optimizer,
+    max_grad_norm: float | None = None,
+    loss: str | None = None,
+    guard: str | None = None,
 ) -> Graph:
     """Return ``graph`` plus the optimizer's update of every parameter in ``grads``.
 
@@ -22,24 +28,33 @@ def apply_optimizer(
         max_grad_norm: clip gradients by their global L2 norm, as
             torch.nn.utils.clip_grad_norm_: coefficient ``min(1, max / (norm + 1e-6))``.
             The norm before clipping is exposed as the output ``grad_norm``.
+        loss: the name of the loss output (the guard checks it).
+        guard: ``"raise"`` or ``"skip"``: append the non-finite guard (``optim.guard``) over
+            the loss and the gradients' sum of squares (clipping's, when clipping); None: no
+            guard.
 
-    Adds the input ``optim.hyper`` (f32[optimizer.hyper_size]), fed each step by the host.
+    Adds the input ``optim.hyper`` (f32[optimizer.hyper_size]), fed each step by the host,
+    and with a guard its input, state and output (``optim.guard``).
     """
     b = GraphBuilder(graph)
     hyper = b.input(HYPER_INPUT, (optimizer.hyper_size,))
     pairs = [(b.tensor(p), b.tensor(g)) for p, g in grads.items()]
-    if max_grad_norm is not None:
-        if max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
-        total = None
+    total = None
+    if max_grad_norm is not None or guard is not None:
         for _, g in pairs:
             sq = F.sum(g * g)
             total = sq if total is None else total + sq
+    if max_grad_norm is not None:
+        if max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
         norm = F.sqrt(total)
         b.output("grad_norm", norm)
         clip = F.minimum(float(max_grad_norm) / (norm + 1e-6), 1.0)
     else:
         clip = b.constant(1.0)
+    if guard is not None:
+        checked = [] if loss is None else [b.tensor(graph.output_dict[loss])]
+        clip = append_guard(b, clip, checked + ([total] if total is not None else []), guard)
     for p, g in pairs:
         optimizer.append_update(b, p, g, hyper, clip)
     return b.build_unverified()
