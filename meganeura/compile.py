@@ -123,12 +123,16 @@ class PrecisionFallbackWarning(UserWarning):
     """``precision="fast"`` was asked for an adapter without ``shader-f16``; compiled strict."""
 
 
-def build_training_graph(graph: Graph, options: CompileOptions) -> Graph:
+def build_training_graph(
+    graph: Graph, options: CompileOptions, limits: Limits | None = None
+) -> Graph:
     """Forward graph -> forward + backward + optimizer update (unsimplified)."""
-    return _training_graph(graph, options)[0]
+    return _training_graph(graph, options, limits)[0]
 
 
-def _training_graph(graph: Graph, options: CompileOptions) -> tuple[Graph, frozenset[int]]:
+def _training_graph(
+    graph: Graph, options: CompileOptions, limits: Limits | None = None
+) -> tuple[Graph, frozenset[int]]:
     """(training graph, ids of the parameter gradients and of every node appended after them:
     accumulation, clipping, the optimizer; what the fast mode keeps in f32)."""
     if options.loss is None or not options.differentiates:
@@ -170,6 +174,7 @@ def _training_graph(graph: Graph, options: CompileOptions) -> tuple[Graph, froze
             options.max_grad_norm,
             loss=options.loss,
             guard=options.nonfinite_guard,
+            max_bindings=(limits or Limits()).max_storage_buffers_per_shader_stage,
         )
     return g, frozenset(raw | set(range(backward_end, len(g.nodes))))
 
@@ -214,7 +219,7 @@ def compile(
     verify(graph, allow_unused_inputs=True)  # an unverified graph gave KeyErrors or wrong values
     master: frozenset[int] = frozenset()
     if options.differentiates:
-        graph, master = _training_graph(graph, options)
+        graph, master = _training_graph(graph, options, limits)
     times["autodiff"] = time.perf_counter() - t0
 
     t = time.perf_counter()

@@ -29,6 +29,8 @@ The non-finite guard (``optim.guard``; PyTorch's GradScaler ``found_inf``):
     some ``checked`` scalar (the loss, the gradients' sum of squares) is non-finite, or, with
     ``sticky``, when ``skipped`` (steps skipped since the host's last read) is nonzero and
     ``reset`` is 0: once tripped, later steps are skipped too until the host reads;
+  * ``found_inf(*xs)`` is f32[]: inf when an element of some ``xs`` (the gradients) is inf or
+    NaN, else 0 (one pass over every element, as GradScaler's ``found_inf``; two kernels);
   * ``guard_count(skipped, clip, reset)`` is the effect op counting skipped steps:
     ``skipped = (0 if reset else skipped) + (1 if clip is non-finite else 0)``.
 Non-finite means exponent bits all ones (``bits & 0x7f800000 == 0x7f800000``): WGSL compilers
@@ -150,6 +152,16 @@ def _guard_clip_np(xs, a):
     return np.array(np.nan if trip else clip, np.float32)
 
 
+def _found_inf_type(types, attrs):
+    if not types or not all(t.dtype.is_floating for t in types):
+        raise ShapeError(f"expects floating operands, got {list(types)}")
+    return TensorType((), DType.f32)
+
+
+def _found_inf_np(xs, a):
+    return np.array(np.inf if any(nonfinite(x) for x in xs) else 0.0, np.float32)
+
+
 def _guard_count_type(types, attrs):
     for t, what in zip(types, ("skipped", "clip", "reset"), strict=True):
         _scalar_f32(t, what)
@@ -178,6 +190,7 @@ DEFS = [
     OpDef(
         "accumulate", _accumulate_type, _accumulate_np, differentiable=False, writes=(0,), arity=3
     ),
+    OpDef("found_inf", _found_inf_type, _found_inf_np, differentiable=False),
     OpDef("guard_clip", _guard_clip_type, _guard_clip_np, differentiable=False),
     OpDef(
         "guard_count",

@@ -257,3 +257,35 @@ def test_guard_ops_reference():
     assert run(1.0, 2, 1) == [0.5, 0.5]  # the host read the count: the step runs
     raise_, skip = run(1.0, 2, 0)  # unread skipped steps: sticky skips, skip mode runs
     assert np.isnan(raise_) and skip == 0.5
+
+
+@pytest.mark.parametrize(
+    "where", ["finite", "nan_last", "inf_first", "neg_inf_middle"], ids=lambda w: w
+)
+def test_found_inf_kernel_checks_every_element(gpu_device, where):
+    """found_inf over operands larger than its 1024 x 256 threads (each thread strides), one
+    of them tiny: inf when any element is non-finite, 0 for the largest finite floats."""
+    from meganeura.compile import compile
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    sizes = (300_001, 3, 70_000)
+    b = GraphBuilder()
+    xs = [b.input(f"x{k}", (n,)) for k, n in enumerate(sizes)]
+    b.output("found", b.add("found_inf", xs))
+    prog = compile(b.build(), limits=device_limits(gpu_device))
+    r = np.random.default_rng(2)
+    feeds = {f"x{k}": r.standard_normal(n).astype(np.float32) for k, n in enumerate(sizes)}
+    feeds["x1"][1] = np.finfo(np.float32).max
+    feeds["x0"][7] = -np.finfo(np.float32).max
+    bad = {"nan_last": ("x0", -1, np.nan), "inf_first": ("x1", 0, np.inf)}
+    bad["neg_inf_middle"] = ("x2", 35_001, -np.inf)
+    if where in bad:
+        name, i, v = bad[where]
+        feeds[name][i] = v
+    with Session(prog, gpu_device) as sess:
+        for _ in range(3):  # repeated runs: nothing left over from the last one
+            got = sess.run(feeds, ["found"])["found"]
+            assert got == (0.0 if where == "finite" else np.inf)
+    vals, _, _ = interpret(prog_graph := b.build(), feeds)
+    assert vals[prog_graph.output_dict["found"]] == got

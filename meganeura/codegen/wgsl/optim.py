@@ -1,7 +1,8 @@
 """Optimizer update lowerings: ``sgd_update``, ``sgd_momentum_update``, ``adam_update``, one
 kernel per parameter (``lower_update``) or one per update group (``lower_update_group``); and
 ``accumulate``, the in-place gradient accumulation of micro-batch training (``lower_accumulate``);
-and the non-finite guard's two one-thread kernels (``lower_guard_clip``, ``lower_guard_count``).
+and the non-finite guard's kernels (``lower_found_inf``, ``lower_guard_clip``,
+``lower_guard_count``).
 
 Four parameter elements per thread (``core.layout.element_slots``). Operands are ``(param, grad,
 hyper, clip, *state)``; the param and state buffers are bound ``read_write`` and updated in
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ...dtypes import DType
 from ...graph.ir import Graph
 from ..kernel import KernelSource, Limits, UpdateGroup
 from .core.builder import KernelBuilder, Src
@@ -34,6 +36,61 @@ EXP_MASK = "0x7f800000u"
 def is_nonfinite(expr: str) -> str:
     """WGSL bool: whether f32 ``expr`` is inf or NaN, by its bit pattern."""
     return f"((bitcast<u32>({expr}) & {EXP_MASK}) == {EXP_MASK})"
+
+
+# found_inf's first pass: at most this many workgroups, each thread striding over the elements.
+FOUND_INF_GROUPS = 1024
+# Workgroup memory is not zeroed for us (pipelines may be created without wgpu's zero
+# initialization): one thread clears the workgroup's maximum before anyone uses it.
+ZERO_WORST = ["  if (lid == 0u) { atomicStore(&worst, 0u); }", "  workgroupBarrier();"]
+
+
+def lower_found_inf(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
+    """``found_inf(*xs)`` (``ops/update.py``) in two kernels: workgroups stride over every
+    element of every operand and keep the largest exponent field (``bits & 0x7f800000``, a
+    workgroup ``atomicMax``) in scratch; one workgroup reduces those and writes inf when it is
+    all ones, else 0. Integer max is exact and order-free, so the result is deterministic."""
+    node = graph[node_id]
+    total = sum(graph[x].type.numel for x in node.inputs)
+    groups = max(1, min(FOUND_INF_GROUPS, -(-total // (PER_THREAD * WG))))
+    stride = groups * WG
+    shared = "var<workgroup> worst: atomic<u32>;\n"
+    kb = KernelBuilder(graph, node, limits)
+    srcs = [(kb.read(x, f"x{k}"), graph[x].type.numel) for k, x in enumerate(node.inputs)]
+    part = kb.scratch("part", groups, DType.u32, "part")
+    lines = [*ZERO_WORST, "  var e = 0u;", f"  let gid = wg * {u(WG)} + lid;"]
+    for src, n in srcs:
+        if n == 0:
+            continue
+        value = "f32(0.0)" if src.literal is not None else src.at("i")  # constants are finite
+        lines.append(
+            f"  for (var i = gid; i < {u(n)}; i = i + {u(stride)}) "
+            f"{{ e = max(e, bitcast<u32>({value}) & {EXP_MASK}); }}"
+        )
+    lines += [
+        "  atomicMax(&worst, e);",
+        "  workgroupBarrier();",
+        f"  if (lid == 0u) {{ {part}[wg] = atomicLoad(&worst); }}",
+    ]
+    first = kb.finish(
+        "partial", "\n".join(lines), WG, groups, shared, flops=total, nbytes=4 * total
+    )
+    kb = KernelBuilder(graph, node, limits)
+    part = kb.scratch("part", groups, DType.u32, "part")
+    out = kb.write(node_id, "out")
+    inf = nonfinite_f32(float("inf"))
+    lines = [
+        *ZERO_WORST,
+        "  var e = 0u;",
+        f"  for (var i = lid; i < {u(groups)}; i = i + {u(WG)}) {{ e = max(e, {part}[i]); }}",
+        "  atomicMax(&worst, e);",
+        "  workgroupBarrier();",
+        "  if (lid == 0u) { "
+        + kb.store(out, "0u", f"select(0.0, {inf}, atomicLoad(&worst) == {EXP_MASK})")
+        + " }",
+    ]
+    second = kb.finish("combine", "\n".join(lines), WG, 1, shared, flops=groups, nbytes=4 * groups)
+    return [first, second]
 
 
 def lower_guard_clip(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
