@@ -159,7 +159,7 @@ class GraphTrainer:
         full[GUARD_RESET_INPUT] = self._guard.reset_feed()
         fetch = (self.loss,) if fetch is None else tuple(fetch)
         out = self.session.run(full, fetch + ((GUARD_OUTPUT,) if fetch else ()))
-        self._guard.ran(self.step_count, None, ((self.program, full),))
+        self._guard.ran(self.step_count, None, ((self.program, full, self.session),))
         self.step_count += 1
         if GUARD_OUTPUT in out:
             loss = float(out[self.loss]) if self.loss in out else None

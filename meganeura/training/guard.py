@@ -47,9 +47,12 @@ class NonFiniteError(FloatingPointError):
         cause: ``"loss"``, ``"gradients"`` (the loss was finite), or None when unknown.
         gradients: names of the parameters whose gradient has an inf or NaN, when the step
             returned its gradients (``return_grads=True``), else None.
-        runs: the first skipped step's ``(Program, feeds)`` pairs, one per program run (the
-            micro-batches with accumulation), or None when no longer kept: what a locator
-            needs to replay the step and find the first node whose output is non-finite.
+        runs: the first skipped step's ``(Program, feeds, Session)`` triples, one per program
+            run in order (the micro-batches with accumulation; feeds include the optimizer's
+            hyper vector and the guard's flag), or None when no longer kept (older than the
+            last ``KEEP_RUNS`` unread steps): what a locator needs to replay the step and name
+            the first node whose output is non-finite. In ``"raise"`` mode the sessions'
+            parameters and optimizer state are still those the step read.
     """
 
     def __init__(

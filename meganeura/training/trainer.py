@@ -261,7 +261,8 @@ class Trainer:
             mn_random.set_rng_state(rng_state)
             raise
         if guarded:
-            located = tuple((p.entry.runner.program, f) for p, f in runs)  # for a locator
+            r = [p.entry.runner for p, _ in runs]  # what a locator replays (NonFiniteError.runs)
+            located = tuple((x.program, f, x.session) for x, (_, f) in zip(r, runs, strict=True))
             self._guard.ran(self.step_count, rng_state, located)
         self.step_count += 1
         loss = float(out[LOSS]) if return_loss else None
