@@ -9,7 +9,7 @@ dispatch counts and the kernels the guard adds. With ``--time`` it also times on
 (``Session.run`` fetching the loss, and the guard's count with the guarded program: what
 ``Trainer.step`` reads) on the default device.
 
-Usage: python bench/guard_cost.py [--time] [--repeats 20]
+Usage: python bench/guard_cost.py [--time] [--repeats 20] [--case mnist]
 """
 
 from __future__ import annotations
@@ -66,11 +66,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--time", action="store_true", help="also time a step of each program")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--case", default="", help="only cases whose name contains this")
     args = ap.parse_args()
     device = get_device()
     limits = device_limits(device)  # fusion and update groups depend on the adapter's limits
     print(f"device: {device.name}")
     for name, model, feeds in _cases():
+        if args.case not in name:
+            continue
         params = model.state_dict()
         for clip in (None, 1.0):
             progs = {}

@@ -172,7 +172,7 @@ class StepGuard:
                 f"{self.owner}: {what} had a non-finite loss or gradient; its update was "
                 f"skipped (on_nonfinite='skip'; {self.skipped_steps} skipped in all)",
                 NonFiniteWarning,
-                stacklevel=3,
+                stacklevel=4,  # the user's step() call
             )
             return n
         skipped = records[len(records) - n :]  # sticky: the tail from the first bad step
@@ -204,9 +204,10 @@ class StepGuard:
         raise NonFiniteError(
             f"{self.owner} step {first.step}: {what}. The update was skipped on the GPU"
             f"{later}: parameters, optimizer state, the step counter ({first.step}) and the "
-            "RNG are as before that step (BatchNorm running statistics were updated by its "
-            "forward). Find the bad values with check_finite=True (inputs) or lower the "
-            "learning rate; on_nonfinite='skip' skips such steps with a warning instead",
+            "RNG are as before that step (running statistics its forward updates, as "
+            "BatchNorm's, are not restored). Find the bad values with check_finite=True "
+            "(inputs) or lower the learning rate; on_nonfinite='skip' skips such steps with a "
+            "warning instead",
             step=first.step,
             steps=tuple(r.step for r in skipped),
             loss=loss,

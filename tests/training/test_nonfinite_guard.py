@@ -152,6 +152,19 @@ def test_unread_steps_stop_at_the_first_bad_one(gpu_device):
     assert tr.step(*good[2]) == ref.step(*good[2])  # training goes on from step 1
 
 
+def test_save_after_an_unread_bad_step_raises_and_writes_nothing(gpu_device, tmp_path):
+    good = _batches(2)
+    tr = _trainer(gpu_device, SGD(lr=0.1, momentum=0.9))
+    tr.step(*good[0], return_loss=False)
+    tr.step(*_poison(good[1], "t_inf"), return_loss=False)
+    with pytest.raises(
+        NonFiniteError, match="Trainer step 1: its loss or gradients hold inf or NaN"
+    ):
+        tr.save(tmp_path / "ck.safetensors")
+    assert not (tmp_path / "ck.safetensors").exists() and tr.step_count == 1
+    tr.save(tmp_path / "ck.safetensors")  # read: the error is not raised twice
+
+
 def test_skip_mode_counts_warns_and_matches_a_run_without_the_bad_batch(gpu_device, tmp_path):
     good = _batches(4)
     tr = _trainer(gpu_device, Adam(lr=1e-2), on_nonfinite="skip")
