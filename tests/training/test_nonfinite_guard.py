@@ -188,6 +188,19 @@ def test_skip_mode_counts_warns_and_matches_a_run_without_the_bad_batch(gpu_devi
     _assert_same_bits(_bits(tr), _bits(ref))
 
 
+def test_skip_mode_learns_of_an_unread_skip_at_the_next_read(gpu_device):
+    good = _batches(3)
+    tr = _trainer(gpu_device, SGD(lr=0.1, momentum=0.9), on_nonfinite="skip")
+    tr.step(*good[0], return_loss=False)
+    tr.step(*_poison(good[1], "x_inf"), return_loss=False)
+    tr.step(*good[2], return_loss=False)
+    assert tr.step_count == 3 and tr.skipped_steps == 0  # not read yet
+    with pytest.warns(NonFiniteWarning, match=r"1 of the steps 0-3 had a non-finite"):
+        assert np.isfinite(tr.step(*good[0]))
+    assert tr.skipped_steps == 1 and tr.step_count == 3  # 4 run, 3 applied
+    assert all(np.isfinite(v).all() for v in tr.state_dict().values())
+
+
 def test_check_finite_names_the_input_before_running(gpu_device):
     tr = _trainer(gpu_device, SGD(lr=0.1, momentum=0.9), check_finite=True)
     tr.step(*_batches(1)[0])
