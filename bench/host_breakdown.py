@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from meganeura import manual_seed  # noqa: E402
 from meganeura.models.mlp import build_mlp  # noqa: E402
 from meganeura.optim import HYPER_INPUT, AdamW  # noqa: E402
+from meganeura.optim.guard import GUARD_RESET_INPUT  # noqa: E402
 from meganeura.runtime import fastpath, get_device  # noqa: E402
 from meganeura.runtime.slots import check_labels, checked  # noqa: E402
 from meganeura.training import Trainer, compile_for  # noqa: E402
@@ -98,17 +99,18 @@ def main() -> None:
     trainer = Trainer(build_mlp(64).graph, AdamW(lr=1e-3, weight_decay=0.01), device=device)
     trainer.load_parameters(params)
     hyper = trainer.optimizer.hyper(0, trainer.lr())
+    train_feeds = {"x": x, "y": y, HYPER_INPUT: hyper, GUARD_RESET_INPUT: np.float32(1)}
     out_name = next(iter(fwd.program.outputs))
     loss_name = next(iter(trainer.program.outputs))
     report = {"native_calls": fastpath.AVAILABLE, "device": device.name}
     for case, sess, feeds, fetch in (
         ("forward_b64_fetch", fwd, {"x": x}, (out_name,)),
         ("forward_b64", fwd, {"x": x}, ()),
-        ("train_step_b64", trainer.session, {"x": x, "y": y, HYPER_INPUT: hyper}, ()),
+        ("train_step_b64", trainer.session, train_feeds, ()),
         (
             "train_step_b64_fetch_loss",
             trainer.session,
-            {"x": x, "y": y, HYPER_INPUT: hyper},
+            train_feeds,
             (loss_name,),
         ),
     ):

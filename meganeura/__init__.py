@@ -41,7 +41,7 @@ from .nn.functional import __all__ as _ops_all
 from .random import manual_seed
 from .schedule.planner import plan_memory
 from .schedule.program import Program
-from .training import Trainer, compile_for
+from .training import NonFiniteError, NonFiniteWarning, Trainer, compile_for
 
 __version__ = "0.1.0"
 
@@ -53,6 +53,8 @@ __all__ = [
     "GraphError",
     "GraphTypeError",
     "Node",
+    "NonFiniteError",
+    "NonFiniteWarning",
     "Program",
     "Tensor",
     "TensorType",

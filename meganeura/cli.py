@@ -116,6 +116,7 @@ def cmd_profile(args) -> int:
     from .compile import compile
     from .models.mlp import build_mlp
     from .optim import HYPER_INPUT, AdamW
+    from .optim.guard import GUARD_RESET_INPUT
     from .random import manual_seed
     from .runtime import Session
     from .runtime.profiler import ProfilerError
@@ -137,7 +138,7 @@ def cmd_profile(args) -> int:
         trainer.load_parameters(net.state_dict())
         y = rng.integers(0, 10, args.batch_size, dtype=np.int32)
         hyper = trainer.optimizer.hyper(trainer.step_count, trainer.lr())
-        feeds = {"x": x, "y": y, HYPER_INPUT: hyper}
+        feeds = {"x": x, "y": y, HYPER_INPUT: hyper, GUARD_RESET_INPUT: np.float32(1)}
     else:
         program = compile(net.graph, limits=device_limits(dev), graph_seconds=graph_s)
         session = Session(program, dev)

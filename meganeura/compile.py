@@ -21,6 +21,7 @@ from .graph.ir import Graph, resolve_view
 from .graph.verify import verify
 from .optim import Optimizer, apply_optimizer
 from .optim.accumulate import add_to_accumulators, mean_with_accumulators
+from .optim.guard import GUARD_MODES
 from .passes import cse, dce, fold_permutes
 from .passes.precision import narrow_storage
 from .schedule.planner import plan_memory
@@ -71,6 +72,11 @@ class CompileOptions:
         accumulate_grads: compile the other micro-batches' program instead: forward and
             backward, gradients and loss added into the accumulators, no update (needs
             ``optimizer=None``).
+        nonfinite_guard: ``"raise"`` or ``"skip"``: check the loss and the gradients' global
+            sum of squares on the GPU and skip the update when either is inf or NaN
+            (``optim.guard``; the Trainers set it); None: no guard. A program without an
+            optimizer (inference, ``accumulate_grads``) has no update to guard and ignores it:
+            the last micro-batch's program checks the mean of all micro-batches.
     """
 
     loss: str | None = None
@@ -83,6 +89,7 @@ class CompileOptions:
     output_grads: bool = False
     accumulation_steps: int = 1
     accumulate_grads: bool = False
+    nonfinite_guard: str | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in ("strict", "fast"):
@@ -96,6 +103,11 @@ class CompileOptions:
             raise ValueError(
                 "accumulate_grads compiles a micro-batch without an update or gradient outputs; "
                 "leave optimizer None and output_grads False"
+            )
+        if self.nonfinite_guard is not None and self.nonfinite_guard not in GUARD_MODES:
+            raise ValueError(
+                f"nonfinite_guard must be None or one of {GUARD_MODES}, got "
+                f"{self.nonfinite_guard!r}"
             )
 
     @property
@@ -113,12 +125,16 @@ class PrecisionFallbackWarning(UserWarning):
     """``precision="fast"`` was asked for an adapter without ``shader-f16``; compiled strict."""
 
 
-def build_training_graph(graph: Graph, options: CompileOptions) -> Graph:
+def build_training_graph(
+    graph: Graph, options: CompileOptions, limits: Limits | None = None
+) -> Graph:
     """Forward graph -> forward + backward + optimizer update (unsimplified)."""
-    return _training_graph(graph, options)[0]
+    return _training_graph(graph, options, limits)[0]
 
 
-def _training_graph(graph: Graph, options: CompileOptions) -> tuple[Graph, frozenset[int]]:
+def _training_graph(
+    graph: Graph, options: CompileOptions, limits: Limits | None = None
+) -> tuple[Graph, frozenset[int]]:
     """(training graph, ids of the parameter gradients and of every node appended after them:
     accumulation, clipping, the optimizer; what the fast mode keeps in f32)."""
     if options.loss is None or not options.differentiates:
@@ -153,7 +169,15 @@ def _training_graph(graph: Graph, options: CompileOptions) -> tuple[Graph, froze
             b.output(grad_output(g[p].name), t)
         g = b.build_unverified()
     if options.optimizer is not None:
-        g = apply_optimizer(g, grads, options.optimizer, options.max_grad_norm)
+        g = apply_optimizer(
+            g,
+            grads,
+            options.optimizer,
+            options.max_grad_norm,
+            loss=options.loss,
+            guard=options.nonfinite_guard,
+            max_bindings=(limits or Limits()).max_storage_buffers_per_shader_stage,
+        )
     return g, frozenset(raw | set(range(backward_end, len(g.nodes))))
 
 
@@ -197,7 +221,7 @@ def compile(
     verify(graph, allow_unused_inputs=True)  # an unverified graph gave KeyErrors or wrong values
     master: frozenset[int] = frozenset()
     if options.differentiates:
-        graph, master = _training_graph(graph, options)
+        graph, master = _training_graph(graph, options, limits)
     times["autodiff"] = time.perf_counter() - t0
 
     t = time.perf_counter()
@@ -232,6 +256,7 @@ def compile(
     if options.optimizer is not None:
         meta["optimizer"] = options.optimizer.config()
         meta["max_grad_norm"] = options.max_grad_norm
+        meta["nonfinite_guard"] = options.nonfinite_guard
     return program.replace(meta=meta)
 
 

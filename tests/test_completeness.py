@@ -36,6 +36,12 @@ INTERNAL: dict[str, str] = {
     "accumulate": "gradient-accumulation effect op (writes its accumulator in place, returns a "
     "token); tested against its reference in tests/codegen/test_optim.py and end to end "
     "(micro-batches equal one full batch) in tests/training/test_module_trainer.py",
+    "found_inf": "the non-finite guard's check of every gradient element; tested against its "
+    "reference and end to end in tests/training/test_nonfinite_guard.py",
+    "guard_clip": "the non-finite guard's clip coefficient (NaN when a step must be skipped); "
+    "tested against its reference and end to end in tests/training/test_nonfinite_guard.py",
+    "guard_count": "the non-finite guard's effect op (counts skipped steps in place); tested "
+    "in tests/training/test_nonfinite_guard.py",
 }
 
 ALL_OPS = sorted(OPS)

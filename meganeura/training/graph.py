@@ -5,7 +5,8 @@ a Module: ``training.trainer``). The trainer owns the step counter and the learn
 schedule; each ``step`` computes the optimizer's hyper vector on the host (float64 math, fed
 as f32), feeds it with the batch, and runs the whole forward + backward + update as one GPU
 submission. A step that fails validation raises before anything is uploaded, leaving
-parameters, optimizer state and the step counter as they were.
+parameters, optimizer state and the step counter as they were. A step whose loss or
+gradients hold inf or NaN writes nothing on the GPU (``training.guard``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from ..compile import CompileOptions, compile
 from ..graph.ir import Graph
 from ..io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..optim import HYPER_INPUT, Optimizer
+from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE
 from ..schedule.program import Program
+from .guard import StepGuard, check_finite_feeds, check_mode
 
 
 def device_limits(device) -> Limits:
@@ -64,10 +67,12 @@ class GraphTrainer:
         fuse: fuse elementwise chains and matmul epilogues (``CompileOptions.fuse``).
         precision: ``"strict"`` or ``"fast"`` (``CompileOptions.precision``: f16 storage of
             activations and their gradients, f32 master weights and optimizer state).
+        on_nonfinite: ``"raise"`` or ``"skip"``, as ``Trainer``'s (``training.guard``).
+        check_finite: check floating feeds for inf and NaN on the host before each step.
 
     Raises:
-        ValueError: when no output is named ``loss`` (the message lists the outputs), before
-            any device is acquired.
+        ValueError: when no output is named ``loss`` (the message lists the outputs), or an
+            unknown ``on_nonfinite``, before any device is acquired.
     """
 
     def __init__(
@@ -80,9 +85,13 @@ class GraphTrainer:
         device=None,
         fuse: bool = True,
         precision: str = "strict",
+        on_nonfinite: str = "raise",
+        check_finite: bool = False,
     ) -> None:
         if loss not in graph.output_dict:
             raise missing_loss(graph, loss)
+        self._guard = StepGuard(check_mode(on_nonfinite), "GraphTrainer")
+        self.check_finite = bool(check_finite)
         self.optimizer = optimizer
         self.loss = loss
         self.schedule = schedule or (lambda step: optimizer.lr)
@@ -92,6 +101,7 @@ class GraphTrainer:
             max_grad_norm=max_grad_norm,
             fuse=fuse,
             precision=precision,
+            nonfinite_guard=on_nonfinite,
         )
         self.program: Program
         self.program, self.session = compile_for(graph, options, device)
@@ -99,8 +109,30 @@ class GraphTrainer:
 
     @property
     def inputs(self) -> list[str]:
-        """Names the caller feeds each step (the optimizer's hyper vector excluded)."""
-        return [n for n in self.program.inputs if n != HYPER_INPUT]
+        """Names the caller feeds each step (the optimizer's hyper vector and the guard's
+        reset flag excluded)."""
+        return [n for n in self.program.inputs if n not in (HYPER_INPUT, GUARD_RESET_INPUT)]
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite loss or gradient (``on_nonfinite="skip"``)."""
+        return self._guard.skipped_steps
+
+    def check_nonfinite(self) -> None:
+        """Read the GPU's count of skipped steps if steps ran since the last read and act on
+        it (``Trainer.check_nonfinite``); ``parameters``, ``state_dict`` and ``save`` call it.
+
+        Raises:
+            NonFiniteError: ``on_nonfinite="raise"`` and an unread step was skipped.
+        """
+        if self._guard.pending:
+            self._settle({GUARD_OUTPUT: self.session.read(GUARD_OUTPUT)})
+
+    def _settle(self, out, loss=None) -> None:
+        def rewind(step: int, rng) -> None:
+            self.step_count = step
+
+        self.step_count -= self._guard.settle(out, loss, None, rewind)
 
     def lr(self) -> float:
         """Learning rate of the next step."""
@@ -108,17 +140,30 @@ class GraphTrainer:
 
     def step(self, feeds: Mapping[str, np.ndarray], fetch: Sequence[str] | None = None) -> dict:
         """One optimizer step on one batch; returns the fetched outputs (default: the loss,
-        under its output name).
+        under its output name). A step that fetches something reads the guard's count in the
+        same read; with ``fetch=()`` it is read at the next read.
 
         Raises:
             InputError: bad feeds (nothing is changed).
+            NonFiniteError: the loss or gradients of this step (or of an unread earlier
+                one) hold inf or NaN; the update was skipped on the GPU (``on_nonfinite``);
+                or, with ``check_finite``, a feed holds inf or NaN (nothing is run).
         """
         full = dict(feeds)
-        if HYPER_INPUT in full:
-            raise ValueError(f"{HYPER_INPUT!r} is computed by the Trainer; do not feed it")
+        for name in (HYPER_INPUT, GUARD_RESET_INPUT):
+            if name in full:
+                raise ValueError(f"{name!r} is computed by the Trainer; do not feed it")
+        if self.check_finite:
+            check_finite_feeds(full, self.step_count, "GraphTrainer")
         full[HYPER_INPUT] = self.optimizer.hyper(self.step_count, self.lr())
-        out = self.session.run(full, (self.loss,) if fetch is None else fetch)
+        full[GUARD_RESET_INPUT] = self._guard.reset_feed()
+        fetch = (self.loss,) if fetch is None else tuple(fetch)
+        out = self.session.run(full, fetch + ((GUARD_OUTPUT,) if fetch else ()))
+        self._guard.ran(self.step_count, None, ((self.program, full, self.session),))
         self.step_count += 1
+        if GUARD_OUTPUT in out:
+            loss = float(out[self.loss]) if self.loss in out else None
+            self._settle({GUARD_OUTPUT: out.pop(GUARD_OUTPUT)}, loss)
         return out
 
     def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
@@ -128,17 +173,29 @@ class GraphTrainer:
         )
 
     def parameters(self) -> dict[str, np.ndarray]:
-        """Current parameter values, read back from the device."""
+        """Current parameter values, read back from the device (``check_nonfinite`` first)."""
+        self.check_nonfinite()
         return {k: self.session.read(k) for k in self.program.parameters}
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Parameters and optimizer state."""
-        return self.session.state_dict()
+        """Parameters and optimizer state (``check_nonfinite`` first; the guard's count is
+        not part of it)."""
+        self.check_nonfinite()
+        sd = self.session.state_dict()
+        sd.pop(GUARD_STATE, None)
+        return sd
 
     def save(self, path: str | Path, metadata: Mapping | None = None) -> None:
-        """Write parameters, optimizer state, step counter and ``metadata`` atomically."""
-        meta = {"step": self.step_count, "optimizer": self.optimizer.config(), **(metadata or {})}
-        save_checkpoint(path, self.state_dict(), meta)
+        """Write parameters, optimizer state, step counter, the count of skipped steps and
+        ``metadata`` atomically (``check_nonfinite`` first)."""
+        sd = self.state_dict()  # first: reading the guard may change the counters
+        meta = {
+            "step": self.step_count,
+            "skipped_steps": self.skipped_steps,
+            "optimizer": self.optimizer.config(),
+            **(metadata or {}),
+        }
+        save_checkpoint(path, sd, meta)
 
     def load(self, path: str | Path) -> dict:
         """Restore a checkpoint written by ``save``; returns its metadata.
@@ -153,6 +210,7 @@ class GraphTrainer:
         expected = {
             k: (s.shape, s.host.numpy)
             for k, s in {**self.program.parameters, **self.program.state}.items()
+            if k != GUARD_STATE
         }
         tensors, meta = load_checkpoint(path, expected)
         step = meta.get("step", 0)
@@ -161,6 +219,15 @@ class GraphTrainer:
                 f"{path}: metadata 'step' is {step!r}; expected the number of steps taken, "
                 "an integer >= 0"
             )
+        skipped = meta.get("skipped_steps", 0)
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise CheckpointError(
+                f"{path}: metadata 'skipped_steps' is {skipped!r}; expected an integer >= 0"
+            )
+        if GUARD_STATE in self.program.state:  # the count restarts with the next step
+            tensors = {**tensors, GUARD_STATE: np.zeros((), np.float32)}
         self.session.load_state_dict(tensors)
         self.step_count = step
+        self._guard.skipped_steps = skipped
+        self._guard.forget()
         return meta

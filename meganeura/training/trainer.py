@@ -21,7 +21,10 @@ Invariants:
   * what a traced forward does to host state (BatchNorm's ``num_batches_tracked += 1``,
     registered with ``Trace.on_run``) happens once per executed forward: after every run of a
     program, ``k`` times per step with accumulation;
-  * ``load`` checks the whole checkpoint before it applies any of it.
+  * ``load`` checks the whole checkpoint before it applies any of it;
+  * every step's update is guarded against inf and NaN on the GPU (``training.guard``): a
+    step whose loss or gradients are non-finite writes no parameter or optimizer state, and
+    the next read raises ``NonFiniteError`` (or warns, ``on_nonfinite="skip"``).
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ from ..nn.module import Module, StateDictError
 from ..nn.parameter import Buffer, Parameter
 from ..optim import HYPER_INPUT, Optimizer
 from ..optim.accumulate import ACCUM_FIRST_INPUT, LOSS_ACCUMULATOR, grad_accumulator
+from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE
 from .batches import bind_model, check_loss, fn_name, split_batch
 from .graph import GraphTrainer
+from .guard import StepGuard, check_finite_feeds, check_mode
 
 # Checkpoint keys of optimizer state: "optimizer/<parameter name>.<suffix>". No PyTorch name
 # holds a "/", so these never collide with the model's state dict keys.
@@ -80,11 +85,22 @@ class Trainer:
         precision: ``"strict"`` or ``"fast"`` (``CompileOptions.precision``).
         fuse: ``CompileOptions.fuse``.
         device: a runtime Device (default: the default device).
+        on_nonfinite: what a step whose loss or gradients hold inf or NaN does; its update is
+            skipped on the GPU either way (``training.guard``). ``"raise"``: the read that
+            sees it (the step's loss, or with ``return_loss=False`` the next read) raises
+            ``NonFiniteError``, with the model, optimizer state, step counter and RNG as
+            before that step. ``"skip"``: warn (``NonFiniteWarning``), count the step in
+            ``skipped_steps`` and continue; a skipped step does not advance ``step_count``
+            (the schedule's and Adam's step), as Hugging Face's Trainer with GradScaler.
+        check_finite: also check every floating batch array on the host before a step runs
+            and raise ``NonFiniteError`` naming the input (one NumPy pass over the batch;
+            off by default).
 
     Raises:
         TypeError: a model that is not a Module, an unknown optimizer, a loss_fn that cannot
             take the model as its first argument.
-        ValueError: a bad ``accumulation_steps``, ``max_grad_norm`` or ``precision``.
+        ValueError: a bad ``accumulation_steps``, ``max_grad_norm``, ``precision`` or
+            ``on_nonfinite``.
     """
 
     def __new__(cls, model, *args, **kwargs):
@@ -104,6 +120,8 @@ class Trainer:
         precision: str = "strict",
         fuse: bool = True,
         device=None,
+        on_nonfinite: str = "raise",
+        check_finite: bool = False,
     ) -> None:
         if not isinstance(model, Module):
             raise TypeError(f"Trainer trains an nn.Module or a Graph, got {type(model).__name__}")
@@ -113,6 +131,8 @@ class Trainer:
             )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
+        self._guard = StepGuard(check_mode(on_nonfinite), "Trainer")
+        self.check_finite = bool(check_finite)
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -127,16 +147,48 @@ class Trainer:
             precision=precision,
             shared_parameters=True,
             accumulation_steps=accumulation_steps,
+            nonfinite_guard=on_nonfinite,
         )
         self._fn = bind_model(loss_fn, model)
         self.step_count = 0
         self._moments: dict[Parameter, dict[str, Buffer]] = {}
         self._accumulators: dict[Parameter, Buffer] = {}
         self._loss_accumulator = Buffer(np.zeros((), np.float32))
+        self._guard_state = Buffer(np.zeros((), np.float32))  # GPU count of skipped steps
         self._cache: dict[tuple, _Program] = {}
         self.hits = self.misses = 0
 
     # ------------------------------------------------------------------ steps
+    @property
+    def on_nonfinite(self) -> str:
+        """``"raise"`` or ``"skip"`` (see the class docstring)."""
+        return self._guard.mode
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite loss or gradient (``on_nonfinite="skip"``), as far
+        as the host has read the GPU's count."""
+        return self._guard.skipped_steps
+
+    def check_nonfinite(self) -> None:
+        """Read the GPU's count of skipped steps if steps ran since the last read (one host
+        round trip), and act on it as a loss read would. ``evaluate``, ``save`` and
+        ``state_dict`` call it; call it before reading parameters through the model after
+        steps with ``return_loss=False``.
+
+        Raises:
+            NonFiniteError: ``on_nonfinite="raise"`` and an unread step was skipped.
+        """
+        if self._guard.pending:
+            self._settle({GUARD_OUTPUT: self._guard_state.data})
+
+    def _settle(self, out: Mapping, loss=None, grads=None) -> None:
+        def rewind(step: int, rng) -> None:
+            self.step_count = step
+            mn_random.set_rng_state(rng)
+
+        self.step_count -= self._guard.settle(out, loss, grads, rewind)
+
     def lr(self) -> float:
         """Learning rate of the next step."""
         return float(self.schedule(self.step_count))
@@ -168,7 +220,12 @@ class Trainer:
                 signature) or did not return a scalar floating Tensor; an unsplittable batch
                 with accumulation; every parameter the loss reads is frozen.
             InputError: a batch the compiled program rejects (an out-of-range class index).
+            NonFiniteError: with ``check_finite=True``, a batch array holding inf or NaN.
             Nothing is changed when any of these is raised.
+            NonFiniteError: the loss or the gradients of this step (or, read now, of an
+                earlier step run with ``return_loss=False``) hold inf or NaN; the update was
+                skipped on the GPU and the trainer is as before that step (its BatchNorm
+                running statistics aside). ``on_nonfinite="skip"`` warns instead.
         """
         k = self.accumulation_steps
         micro = split_batch(self._fn, batch, kwargs, k) if k > 1 else [(batch, kwargs)]
@@ -184,6 +241,10 @@ class Trainer:
                     feeds[HYPER_INPUT] = self.optimizer.hyper(self.step_count, self.lr())
                 if not last and ACCUM_FIRST_INPUT in inputs:
                     feeds[ACCUM_FIRST_INPUT] = np.asarray(float(i == 0), np.float32)
+                if last and GUARD_RESET_INPUT in inputs:
+                    feeds[GUARD_RESET_INPUT] = self._guard.reset_feed()
+                if self.check_finite:
+                    check_finite_feeds(feeds, self.step_count, "Trainer")
                 runs.append((prog, feeds))
             if len(runs) > 1:
                 for prog, feeds in runs:
@@ -191,20 +252,37 @@ class Trainer:
             for prog, feeds in runs[:-1]:
                 self._run(prog, feeds, ())
             prog, feeds = runs[-1]
-            out = self._run(prog, feeds, ((LOSS,) if return_loss else ()) + tuple(prog.grads))
+            fetch = ((LOSS,) if return_loss else ()) + tuple(prog.grads)
+            guarded = GUARD_OUTPUT in prog.entry.runner.program.outputs
+            if fetch and guarded:  # the flag comes in the same read
+                fetch += (GUARD_OUTPUT,)
+            out = self._run(prog, feeds, fetch)
         except BaseException:
             mn_random.set_rng_state(rng_state)
             raise
+        if guarded:
+            r = [p.entry.runner for p, _ in runs]  # what a locator replays (NonFiniteError.runs)
+            located = tuple((x.program, f, x.session) for x, (_, f) in zip(r, runs, strict=True))
+            self._guard.ran(self.step_count, rng_state, located)
         self.step_count += 1
         loss = float(out[LOSS]) if return_loss else None
+        grads = {name: out[g] for g, name in prog.grads.items()}
+        if GUARD_OUTPUT in out:
+            self._settle(out, loss, grads if return_grads else None)
         if return_grads:
-            return loss, {name: out[g] for g, name in prog.grads.items()}
+            return loss, grads
         return loss
 
     def evaluate(self, *batch, **kwargs) -> float:
         """``loss_fn`` on the eval-mode program (traced with ``model.eval()``, the modes
         restored after), reading the same parameters and buffers; returns the loss. The
-        batch is given as to :meth:`step`."""
+        batch is given as to :meth:`step`.
+
+        Raises:
+            NonFiniteError: an earlier step run with ``return_loss=False`` was skipped
+                (``check_nonfinite``).
+        """
+        self.check_nonfinite()
         prog, feeds = self._prepare("evaluate", batch, kwargs)
         return float(self._run(prog, feeds, (LOSS,))[LOSS])
 
@@ -292,6 +370,8 @@ class Trainer:
         """The trainer's Buffer behind a program's optimizer-state or accumulator slot."""
         if name == LOSS_ACCUMULATOR:
             return self._loss_accumulator
+        if name == GUARD_STATE:
+            return self._guard_state
         owner, _, suffix = name.rpartition(".")
         p = objects.get(owner)
         if not isinstance(p, Parameter):
@@ -328,7 +408,12 @@ class Trainer:
     def state_dict(self) -> dict[str, np.ndarray]:
         """The model's state dict (PyTorch names) and, under ``optimizer/<param>.<suffix>``
         (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), the optimizer state of every
-        parameter the trainer has updated; NumPy copies."""
+        parameter the trainer has updated; NumPy copies.
+
+        Raises:
+            NonFiniteError: an unread step was skipped (``check_nonfinite``).
+        """
+        self.check_nonfinite()
         sd = dict(self.model.state_dict())
         for name, p in self.model.named_parameters():
             for suffix, buf in self._moments.get(p, {}).items():
@@ -337,9 +422,17 @@ class Trainer:
 
     def save(self, path: str | Path, metadata: Mapping | None = None) -> None:
         """Write the model, the optimizer state, the step counter, the global RNG state
-        (``meganeura.random``) and ``metadata`` atomically (``io.checkpoint``)."""
+        (``meganeura.random``), the count of skipped steps and ``metadata`` atomically
+        (``io.checkpoint``).
+
+        Raises:
+            NonFiniteError: an unread step was skipped (``check_nonfinite``); nothing is
+                written.
+        """
+        self.check_nonfinite()
         meta = {
             "step": self.step_count,
+            "skipped_steps": self.skipped_steps,
             "optimizer": self.optimizer.config(),
             "rng": mn_random.get_rng_state(),
             "accumulation_steps": self.accumulation_steps,
@@ -365,6 +458,11 @@ class Trainer:
             raise CheckpointError(
                 f"{path}: metadata 'step' is {step!r}; expected the number of steps taken, "
                 "an integer >= 0"
+            )
+        skipped = meta.get("skipped_steps", 0)
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise CheckpointError(
+                f"{path}: metadata 'skipped_steps' is {skipped!r}; expected an integer >= 0"
             )
         kind = (meta.get("optimizer") or {}).get("type")
         ours = type(self.optimizer).__name__
@@ -405,6 +503,8 @@ class Trainer:
         for (p, suffix), value in moments.items():
             self._moment(p, suffix).copy_(value)
         self.step_count = step
+        self._guard.skipped_steps = skipped
+        self._guard.forget()  # steps run before the load no longer matter
         mn_random.set_rng_state(rng)
         return meta
 

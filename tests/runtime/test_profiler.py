@@ -236,6 +236,7 @@ def test_profile_mnist_training_step(ts_device, tmp_path):
     from meganeura import manual_seed
     from meganeura.models.mlp import build_mlp
     from meganeura.optim import HYPER_INPUT, AdamW
+    from meganeura.optim.guard import GUARD_RESET_INPUT
     from meganeura.training import Trainer
 
     manual_seed(0)
@@ -247,6 +248,7 @@ def test_profile_mnist_training_step(ts_device, tmp_path):
         "x": rng.standard_normal((16, 784), dtype=np.float32),
         "y": rng.integers(0, 10, 16, dtype=np.int32),
         HYPER_INPUT: tr.optimizer.hyper(0, 1e-3),
+        GUARD_RESET_INPUT: np.float32(1),  # the non-finite guard's flag (training.guard)
     }
     p = tr.session.profile(feeds, repeats=2)
     executed = [d for d in tr.program.dispatches if 0 not in d.grid]

@@ -61,7 +61,13 @@ from .norm.lowering import (
     lower_norm_weight_backward,
     lower_update_stats,
 )
-from .optim import lower_accumulate, lower_update
+from .optim import (
+    lower_accumulate,
+    lower_found_inf,
+    lower_guard_clip,
+    lower_guard_count,
+    lower_update,
+)
 from .reduce.reductions import lower_reduce
 from .reduce.scan import lower_cumsum
 from .rowwise.softmax import lower_cross_entropy, lower_cross_entropy_backward, lower_softmax
@@ -128,6 +134,9 @@ LOWERINGS: dict[str, Lowering] = {
     "sgd_momentum_update": lower_update,
     "adam_update": lower_update,
     "accumulate": lower_accumulate,
+    "found_inf": lower_found_inf,
+    "guard_clip": lower_guard_clip,
+    "guard_count": lower_guard_count,
 }
 
 # Ops that write some operands in place (optimizer updates, gradient accumulation, running-stat

@@ -1,12 +1,16 @@
 """Optimizer update lowerings: ``sgd_update``, ``sgd_momentum_update``, ``adam_update``, one
 kernel per parameter (``lower_update``) or one per update group (``lower_update_group``); and
-``accumulate``, the in-place gradient accumulation of micro-batch training (``lower_accumulate``).
+``accumulate``, the in-place gradient accumulation of micro-batch training (``lower_accumulate``);
+and the non-finite guard's kernels (``lower_found_inf``, ``lower_guard_clip``,
+``lower_guard_count``).
 
 Four parameter elements per thread (``core.layout.element_slots``). Operands are ``(param, grad,
 hyper, clip, *state)``; the param and state buffers are bound ``read_write`` and updated in
 place, and the op's token value is never bound. ``hyper`` (learning rate, bias corrections) is
 read from its buffer so schedules change without recompiling; ``clip`` is read, or inlined when
-it is a constant.
+it is a constant. A ``clip`` that is not a constant is tested first: non-finite (the guard
+tripped, ``ops/update.py``), the kernel returns before any load or store, so the parameter and
+its state keep their bits.
 
 The statements mirror ``meganeura/ops/update.py`` (``_sgd_np``, ``_adam_np``) operation by
 operation, with Python-float attributes rounded to f32 as NumPy does when it combines them with
@@ -17,11 +21,111 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ...dtypes import DType
 from ...graph.ir import Graph
 from ..kernel import KernelSource, Limits, UpdateGroup
 from .core.builder import KernelBuilder, Src
 from .core.layout import PER_THREAD, WG, element_slots
-from .core.literals import f32_literal, u
+from .core.literals import f32_literal, nonfinite_f32, u
+
+# A non-finite f32 has every exponent bit set. Tested on the bits: WGSL compilers may assume
+# floats are finite and fold ``x != x`` to false.
+EXP_MASK = "0x7f800000u"
+
+
+def is_nonfinite(expr: str) -> str:
+    """WGSL bool: whether f32 ``expr`` is inf or NaN, by its bit pattern."""
+    return f"((bitcast<u32>({expr}) & {EXP_MASK}) == {EXP_MASK})"
+
+
+# found_inf's first pass: at most this many workgroups, each thread striding over the elements.
+FOUND_INF_GROUPS = 1024
+# Workgroup memory is not zeroed for us (pipelines may be created without wgpu's zero
+# initialization): one thread clears the workgroup's maximum before anyone uses it.
+ZERO_WORST = ["  if (lid == 0u) { atomicStore(&worst, 0u); }", "  workgroupBarrier();"]
+
+
+def lower_found_inf(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
+    """``found_inf(*xs)`` (``ops/update.py``) in two kernels: workgroups stride over every
+    element of every operand and keep the largest exponent field (``bits & 0x7f800000``, a
+    workgroup ``atomicMax``) in scratch; one workgroup reduces those and writes inf when it is
+    all ones, else 0. Integer max is exact and order-free, so the result is deterministic."""
+    node = graph[node_id]
+    total = sum(graph[x].type.numel for x in node.inputs)
+    groups = max(1, min(FOUND_INF_GROUPS, -(-total // (PER_THREAD * WG))))
+    stride = groups * WG
+    shared = "var<workgroup> worst: atomic<u32>;\n"
+    kb = KernelBuilder(graph, node, limits)
+    srcs = [(kb.read(x, f"x{k}"), graph[x].type.numel) for k, x in enumerate(node.inputs)]
+    part = kb.scratch("part", groups, DType.u32, "part")
+    lines = [*ZERO_WORST, "  var e = 0u;", f"  let gid = wg * {u(WG)} + lid;"]
+    for src, n in srcs:
+        if n == 0:
+            continue
+        value = "f32(0.0)" if src.literal is not None else src.at("i")  # constants are finite
+        lines.append(
+            f"  for (var i = gid; i < {u(n)}; i = i + {u(stride)}) "
+            f"{{ e = max(e, bitcast<u32>({value}) & {EXP_MASK}); }}"
+        )
+    lines += [
+        "  atomicMax(&worst, e);",
+        "  workgroupBarrier();",
+        f"  if (lid == 0u) {{ {part}[wg] = atomicLoad(&worst); }}",
+    ]
+    first = kb.finish(
+        "partial", "\n".join(lines), WG, groups, shared, flops=total, nbytes=4 * total
+    )
+    kb = KernelBuilder(graph, node, limits)
+    part = kb.scratch("part", groups, DType.u32, "part")
+    out = kb.write(node_id, "out")
+    inf = nonfinite_f32(float("inf"))
+    lines = [
+        *ZERO_WORST,
+        "  var e = 0u;",
+        f"  for (var i = lid; i < {u(groups)}; i = i + {u(WG)}) {{ e = max(e, {part}[i]); }}",
+        "  atomicMax(&worst, e);",
+        "  workgroupBarrier();",
+        "  if (lid == 0u) { "
+        + kb.store(out, "0u", f"select(0.0, {inf}, atomicLoad(&worst) == {EXP_MASK})")
+        + " }",
+    ]
+    second = kb.finish("combine", "\n".join(lines), WG, 1, shared, flops=groups, nbytes=4 * groups)
+    return [first, second]
+
+
+def lower_guard_clip(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
+    """``guard_clip(clip, skipped, reset, *checked)`` (``ops/update.py``): one thread writes
+    ``clip``, or NaN when a checked scalar is non-finite (or, ``sticky``, when steps were
+    skipped since the host's last read)."""
+    node = graph[node_id]
+    c_id, s_id, r_id, *checked = node.inputs
+    kb = KernelBuilder(graph, node, limits)
+    out = kb.write(node_id, "out")
+    clip = kb.read(c_id, "clip")
+    srcs = [kb.read(v, f"checked{k}") for k, v in enumerate(checked)]
+    trips = [is_nonfinite(src.at("0u")) for src in srcs]
+    if node.attr("sticky"):
+        skipped, reset = kb.read(s_id, "skipped"), kb.read(r_id, "reset")
+        trips.append(f"({reset.at('0u')} == 0.0 && {skipped.at('0u')} != 0.0)")
+    lines = [
+        f"  let trip = {' || '.join(trips)};",
+        "  " + kb.store(out, "0u", f"select({clip.at('0u')}, {nonfinite_f32(float('nan'))}, trip)"),
+    ]
+    return [kb.finish("", "\n".join(lines), 1, 1, flops=len(trips), nbytes=4 * (len(trips) + 2))]
+
+
+def lower_guard_count(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
+    """``guard_count(skipped, clip, reset)``: ``skipped = (0 if reset else skipped) + (1 if
+    clip is non-finite else 0)`` in place, one thread."""
+    node = graph[node_id]
+    s_id, c_id, r_id = node.inputs
+    kb = KernelBuilder(graph, node, limits)
+    skipped = kb.write(s_id, "skipped")
+    clip, reset = kb.read(c_id, "clip"), kb.read(r_id, "reset")
+    base = f"select({kb.load(skipped, '0u')}, 0.0, {reset.at('0u')} != 0.0)"
+    bad = f"select(0.0, 1.0, {is_nonfinite(clip.at('0u'))})"
+    lines = ["  " + kb.store(skipped, "0u", f"{base} + {bad}")]
+    return [kb.finish("", "\n".join(lines), 1, 1, flops=2, nbytes=12)]
 
 
 def lower_update(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
@@ -138,6 +242,8 @@ def lower_update_group(graph: Graph, group: UpdateGroup, limits: Limits) -> Kern
 
 def _preamble(op: str, hyper: Src, clip: Src, has_state: bool) -> list[str]:
     lines = [f"  let lr = {hyper.at('0u')};", f"  let clip = {clip.at('0u')};"]
+    if clip.literal is None:  # the guard's NaN: skip the step (a uniform branch)
+        lines.append(f"  if {is_nonfinite('clip')} {{ return; }}")
     if op == "adam_update":
         lines += [f"  let step_size = {hyper.at('1u')};", f"  let bc2_sqrt = {hyper.at('2u')};"]
     elif has_state:

@@ -1,0 +1,222 @@
+"""The host side of the non-finite guard (``optim.guard`` builds the GPU side).
+
+Every training step checks its loss and its gradients' global sum of squares on the GPU and,
+when either is inf or NaN, skips the update there (PyTorch's GradScaler ``found_inf``). The
+GPU counts skipped steps; the trainers read the count in the same read as the loss, or, with
+``return_loss=False``, at the next read of anything (a loss, ``evaluate``, ``save``,
+``state_dict``, ``parameters``), and then:
+
+  * ``on_nonfinite="raise"`` (the default): raise :class:`NonFiniteError`. The guard is
+    sticky on the GPU: once a step trips, the later unread steps are skipped too, so
+    parameters, optimizer state, the step counter and the global RNG are as they were before
+    the first bad step;
+  * ``on_nonfinite="skip"``: warn (:class:`NonFiniteWarning`), add the steps to
+    ``skipped_steps`` and continue. Skipped steps do not advance ``step_count``, which drives
+    the learning-rate schedule and Adam's bias correction (Hugging Face's Trainer steps neither
+    its scheduler nor the optimizer on a step GradScaler skipped).
+
+:class:`StepGuard` holds the steps run since the last read (their step numbers, RNG states and
+the (Program, feeds) of their runs, for the locator of issue 11 item 5).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..optim.guard import GUARD_MODES, GUARD_OUTPUT, GUARD_RESET_INPUT
+
+# Steps whose (program, feeds) an unread record keeps; older unread records keep their
+# step number only, so a long return_loss=False loop does not hold every batch alive.
+KEEP_RUNS = 16
+
+
+class NonFiniteError(FloatingPointError):
+    """A training step met an inf or NaN loss or gradient; its update was skipped on the GPU.
+
+    Attributes:
+        step: the first skipped step's number (``step_count`` when it ran, 0-based).
+        steps: every skipped step's number (the later ones were skipped because the guard is
+            sticky until the host reads it).
+        loss: the loss read with the flag (a float; the last step's), or None.
+        cause: ``"loss"``, ``"gradients"`` (the loss was finite), or None when unknown.
+        gradients: names of the parameters whose gradient has an inf or NaN, when the step
+            returned its gradients (``return_grads=True``), else None.
+        runs: the first skipped step's ``(Program, feeds, Session)`` triples, one per program
+            run in order (the micro-batches with accumulation; feeds include the optimizer's
+            hyper vector and the guard's flag), or None when no longer kept (older than the
+            last ``KEEP_RUNS`` unread steps): what a locator needs to replay the step and name
+            the first node whose output is non-finite. In ``"raise"`` mode the sessions'
+            parameters and optimizer state are still those the step read.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int,
+        steps: tuple[int, ...],
+        loss: float | None = None,
+        cause: str | None = None,
+        gradients: tuple[str, ...] | None = None,
+        runs: tuple | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step, self.steps, self.loss, self.cause = step, steps, loss, cause
+        self.gradients, self.runs = gradients, runs
+
+
+class NonFiniteWarning(UserWarning):
+    """``on_nonfinite="skip"``: a step's update was skipped for an inf or NaN."""
+
+
+def check_mode(on_nonfinite: str) -> str:
+    if on_nonfinite not in GUARD_MODES:
+        raise ValueError(f"on_nonfinite must be one of {GUARD_MODES}, got {on_nonfinite!r}")
+    return on_nonfinite
+
+
+def check_finite_feeds(feeds: Mapping[str, Any], step: int, owner: str) -> None:
+    """Raise NonFiniteError naming the first floating feed holding inf or NaN (the
+    ``check_finite`` option: one pass over the batch on the host, before anything runs)."""
+    for name, a in feeds.items():
+        a = np.asarray(a)
+        if a.dtype.kind != "f" or name == GUARD_RESET_INPUT:
+            continue
+        bad = ~np.isfinite(a)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise NonFiniteError(
+                f"{owner} step {step}: input {name!r} ({a.dtype}{list(a.shape)}) holds "
+                f"{int(bad.sum())} non-finite value(s), the first {a[where]} at index "
+                f"{list(where)} (check_finite=True); nothing was run or changed",
+                step=step,
+                steps=(step,),
+                cause="input",
+            )
+
+
+@dataclass
+class _Record:
+    step: int
+    rng: Any  # global RNG state before the step (None: not tracked)
+    runs: tuple | None
+
+
+class StepGuard:
+    """Steps run since the last read of the GPU's skipped-step count, and what to do with it.
+
+    Args:
+        mode: ``"raise"`` or ``"skip"``.
+        owner: how messages name the trainer (``"Trainer"``, ``"GraphTrainer"``).
+    """
+
+    def __init__(self, mode: str, owner: str) -> None:
+        self.mode = check_mode(mode)
+        self.owner = owner
+        self.skipped_steps = 0
+        self._pending: list[_Record] = []
+
+    @property
+    def pending(self) -> bool:
+        """Whether steps ran since the count was last read."""
+        return bool(self._pending)
+
+    def reset_feed(self) -> np.ndarray:
+        """The ``guard.reset`` feed of the next step: 1 when the count was read since."""
+        return np.asarray(0.0 if self._pending else 1.0, np.float32)
+
+    def ran(self, step: int, rng=None, runs: tuple | None = None) -> None:
+        """Record a step submitted to the GPU."""
+        self._pending.append(_Record(step, rng, runs))
+        if len(self._pending) > KEEP_RUNS:
+            self._pending[-KEEP_RUNS - 1].runs = None
+
+    def forget(self) -> None:
+        """Drop the unread steps (a checkpoint was loaded: the count restarts)."""
+        self._pending.clear()
+
+    def settle(
+        self,
+        out: Mapping[str, np.ndarray],
+        loss: float | None = None,
+        grads: Mapping[str, np.ndarray] | None = None,
+        rewind: Callable[[int, Any], None] | None = None,
+    ) -> int:
+        """Act on a read count (``out[GUARD_OUTPUT]``); returns how many of the unread steps
+        were skipped (the caller takes them off its step counter).
+
+        Raises:
+            NonFiniteError: in ``"raise"`` mode when a step was skipped, after calling
+                ``rewind(first skipped step, its RNG state)`` (the caller restores its step
+                counter and the RNG).
+
+        Warns:
+            NonFiniteWarning: in ``"skip"`` mode when a step was skipped.
+        """
+        records, self._pending = self._pending, []
+        n = int(np.asarray(out[GUARD_OUTPUT]).reshape(()))
+        if n == 0 or not records:
+            return 0
+        n = min(n, len(records))
+        if self.mode == "skip":
+            self.skipped_steps += n
+            span = _span(records)
+            what = f"step {span}" if len(records) == 1 else f"{n} of the steps {span}"
+            warnings.warn(
+                f"{self.owner}: {what} had a non-finite loss or gradient; its update was "
+                f"skipped (on_nonfinite='skip'; {self.skipped_steps} skipped in all)",
+                NonFiniteWarning,
+                stacklevel=4,  # the user's step() call
+            )
+            return n
+        skipped = records[len(records) - n :]  # sticky: the tail from the first bad step
+        first = skipped[0]
+        cause = None
+        if loss is not None and n == 1:
+            cause = "gradients" if math.isfinite(loss) else "loss"
+        bad_grads = None
+        if grads is not None and n == 1:
+            bad_grads = tuple(k for k, g in grads.items() if not np.isfinite(g).all())
+        if cause == "loss":
+            what = f"the loss is {loss}"
+        elif cause == "gradients":
+            named = f" ({', '.join(bad_grads)})" if bad_grads else ""
+            what = (
+                f"the loss is finite ({loss:.6g}) but the gradients{named} hold inf or NaN, "
+                "or their sum of squares exceeds float32's range"
+            )
+        else:
+            what = "its loss or gradients hold inf or NaN"
+        later = (
+            f"; steps {_span(skipped[1:])} ran after it without reading the loss and were "
+            "skipped too (the guard stops updating at the first bad step)"
+            if n > 1
+            else ""
+        )
+        if rewind is not None:
+            rewind(first.step, first.rng)
+        raise NonFiniteError(
+            f"{self.owner} step {first.step}: {what}. The update was skipped on the GPU"
+            f"{later}: parameters, optimizer state, the step counter ({first.step}) and the "
+            "RNG are as before that step (running statistics its forward updates, as "
+            "BatchNorm's, are not restored). Find the bad values with check_finite=True "
+            "(inputs) or lower the learning rate; on_nonfinite='skip' skips such steps with a "
+            "warning instead",
+            step=first.step,
+            steps=tuple(r.step for r in skipped),
+            loss=loss,
+            cause=cause,
+            gradients=bad_grads,
+            runs=first.runs,
+        )
+
+
+def _span(records: list[_Record]) -> str:
+    lo, hi = records[0].step, records[-1].step
+    return str(lo) if lo == hi else f"{lo}-{hi}"
