@@ -245,7 +245,7 @@ class ProgramRunner:
         from ..runtime.shared import shared_store
         from ..training import device_limits
 
-        self.traced = traced
+        self.traced, self.options = traced, options
         self.device = device or get_device()
         objects = traced.trace.objects
         for name, obj in objects.items():

@@ -24,7 +24,7 @@ from ..io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..optim import HYPER_INPUT, Optimizer
 from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE
 from ..schedule.program import Program
-from .guard import StepGuard, check_finite_feeds, check_mode
+from .guard import StepGuard, StepRun, check_finite_feeds, check_mode
 
 
 def device_limits(device) -> Limits:
@@ -104,6 +104,7 @@ class GraphTrainer:
             nonfinite_guard=on_nonfinite,
         )
         self.program: Program
+        self.graph, self.options = graph, options
         self.program, self.session = compile_for(graph, options, device)
         self.step_count = 0
 
@@ -159,7 +160,8 @@ class GraphTrainer:
         full[GUARD_RESET_INPUT] = self._guard.reset_feed()
         fetch = (self.loss,) if fetch is None else tuple(fetch)
         out = self.session.run(full, fetch + ((GUARD_OUTPUT,) if fetch else ()))
-        self._guard.ran(self.step_count, None, ((self.program, full, self.session),))
+        run = StepRun(self.program, full, self.session, self.graph, self.options)
+        self._guard.ran(self.step_count, None, (run,))
         self.step_count += 1
         if GUARD_OUTPUT in out:
             loss = float(out[self.loss]) if self.loss in out else None

@@ -25,7 +25,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -34,6 +34,29 @@ from ..optim.guard import GUARD_MODES, GUARD_OUTPUT, GUARD_RESET_INPUT
 # Steps whose (program, feeds) an unread record keeps; older unread records keep their
 # step number only, so a long return_loss=False loop does not hold every batch alive.
 KEEP_RUNS = 16
+# A raised NonFiniteError names the first non-finite value itself (``NonFiniteError.locate``)
+# when the step's programs hold at most this many bytes: the diagnostic program stores every
+# intermediate apart and reads each back. Larger steps leave the call to the user.
+AUTO_LOCATE_BYTES = 256 << 20
+
+
+class StepRun(NamedTuple):
+    """One program run of a guarded step, as the locator replays it.
+
+    Attributes:
+        program: the compiled Program that ran.
+        feeds: its feeds by name (the optimizer's hyper vector and the guard's flag included).
+        session: the Session it ran in (in ``"raise"`` mode its parameters and optimizer
+            state are still those the step read).
+        graph: the forward graph the program was compiled from (a module's traced graph).
+        options: the CompileOptions it was compiled with.
+    """
+
+    program: Any
+    feeds: Mapping[str, np.ndarray]
+    session: Any
+    graph: Any = None
+    options: Any = None
 
 
 class NonFiniteError(FloatingPointError):
@@ -47,12 +70,13 @@ class NonFiniteError(FloatingPointError):
         cause: ``"loss"``, ``"gradients"`` (the loss was finite), or None when unknown.
         gradients: names of the parameters whose gradient has an inf or NaN, when the step
             returned its gradients (``return_grads=True``), else None.
-        runs: the first skipped step's ``(Program, feeds, Session)`` triples, one per program
-            run in order (the micro-batches with accumulation; feeds include the optimizer's
-            hyper vector and the guard's flag), or None when no longer kept (older than the
-            last ``KEEP_RUNS`` unread steps): what a locator needs to replay the step and name
-            the first node whose output is non-finite. In ``"raise"`` mode the sessions'
-            parameters and optimizer state are still those the step read.
+        runs: the first skipped step's :class:`StepRun` s (program, feeds, session, graph,
+            options), one per program run in order (the micro-batches with accumulation), or
+            None when no longer kept (older than the last ``KEEP_RUNS`` unread steps): what
+            :meth:`locate` replays.
+        nonfinite: the first non-finite value of the step (``meganeura.debug.NonFinite``),
+            found when the error was raised if the step's programs hold at most
+            ``AUTO_LOCATE_BYTES`` (256 MiB), else None until :meth:`locate` is called.
     """
 
     def __init__(
@@ -69,6 +93,33 @@ class NonFiniteError(FloatingPointError):
         super().__init__(message)
         self.step, self.steps, self.loss, self.cause = step, steps, loss, cause
         self.gradients, self.runs = gradients, runs
+        self.nonfinite = None
+
+    def locate(self):
+        """Replay the first skipped step unfused and name its first value (in program order)
+        that holds an inf or a NaN (``meganeura.debug.find_nonfinite``, run on each of the
+        step's program runs in turn with the parameters and optimizer state the step read).
+
+        Returns:
+            A ``meganeura.debug.NonFinite`` (also stored as ``self.nonfinite``), or None when
+            the runs are no longer kept or the replay finds every value finite.
+        """
+        from ..debug import find_nonfinite
+
+        for run in self.runs or ():
+            if run.graph is None:
+                continue
+            found = find_nonfinite(
+                run.graph,
+                run.feeds,
+                run.options,
+                parameters=run.session.state_dict(),
+                device=run.session.device,
+            )
+            if found is not None:
+                self.nonfinite = found
+                return found
+        return None
 
 
 class NonFiniteWarning(UserWarning):
@@ -201,7 +252,7 @@ class StepGuard:
         )
         if rewind is not None:
             rewind(first.step, first.rng)
-        raise NonFiniteError(
+        error = NonFiniteError(
             f"{self.owner} step {first.step}: {what}. The update was skipped on the GPU"
             f"{later}: parameters, optimizer state, the step counter ({first.step}) and the "
             "RNG are as before that step (running statistics its forward updates, as "
@@ -215,6 +266,20 @@ class StepGuard:
             gradients=bad_grads,
             runs=first.runs,
         )
+        if first.runs and _footprint(first.runs) <= AUTO_LOCATE_BYTES:
+            try:
+                found = error.locate() or "a replay of the step found every value finite"
+            except Exception as e:  # the replay must never hide the error it explains
+                found = f"locating the first non-finite value failed: {e!r}"
+            error.args = (f"{error.args[0]}.\n{found}",)
+        elif first.runs:
+            error.args = (f"{error.args[0]}; e.locate() names the first non-finite value",)
+        raise error
+
+
+def _footprint(runs) -> int:
+    """Bytes of every value of the runs' programs, stored apart (the diagnostic's need)."""
+    return sum(r.program.memory.naive_bytes + r.program.memory.pinned_bytes for r in runs)
 
 
 def _span(records: list[_Record]) -> str:

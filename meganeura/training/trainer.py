@@ -49,7 +49,7 @@ from ..optim.accumulate import ACCUM_FIRST_INPUT, LOSS_ACCUMULATOR, grad_accumul
 from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE
 from .batches import bind_model, check_loss, fn_name, split_batch
 from .graph import GraphTrainer
-from .guard import StepGuard, check_finite_feeds, check_mode
+from .guard import StepGuard, StepRun, check_finite_feeds, check_mode
 
 # Checkpoint keys of optimizer state: "optimizer/<parameter name>.<suffix>". No PyTorch name
 # holds a "/", so these never collide with the model's state dict keys.
@@ -262,7 +262,10 @@ class Trainer:
             raise
         if guarded:
             r = [p.entry.runner for p, _ in runs]  # what a locator replays (NonFiniteError.runs)
-            located = tuple((x.program, f, x.session) for x, (_, f) in zip(r, runs, strict=True))
+            located = tuple(
+                StepRun(x.program, f, x.session, x.traced.graph, x.options)
+                for x, (_, f) in zip(r, runs, strict=True)
+            )
             self._guard.ran(self.step_count, rng_state, located)
         self.step_count += 1
         loss = float(out[LOSS]) if return_loss else None

@@ -263,6 +263,53 @@ def test_graph_trainer(gpu_device, mode):
     _assert_same_bits(_bits(tr), _bits(ref))
 
 
+def _log_loss(model, x, t):
+    return F.log(model(x) + 1.0).mean() + F.mse_loss(model(x), t)  # NaN where the output < -1
+
+
+def test_the_error_names_the_first_non_finite_value(gpu_device):
+    """A finite batch whose loss takes the log of a negative: the error names that log (the
+    guard replays the step with ``meganeura.debug.find_nonfinite``), the input and the
+    weights being finite; nothing changed."""
+    mn.manual_seed(0)
+    tr = Trainer(MLP(), Adam(lr=1e-2), _log_loss, device=gpu_device)
+    x, t = _batches(1)[0]
+    x = x * 50.0  # outputs far below -1
+    before = _bits(tr)
+    with pytest.raises(NonFiniteError, match=r"first non-finite value: %\d+ \(log") as info:
+        tr.step(x, t)
+    found = info.value.nonfinite
+    assert found is not None and found.op == "log" and found.nan > 0 and not found.overflow
+    assert "test_nonfinite_guard.py" in found.loc  # the user's line that took the log
+    _assert_same_bits({k: v for k, v in _bits(tr).items() if k in before}, before)
+
+
+def test_the_error_names_an_f16_overflow_in_fast_mode(gpu_device):
+    """Fast mode: activations past f16's 65504 (inputs of 1e4 through weights of 20) become
+    inf when stored as f16, which the range rule cannot foresee; the error says which value
+    overflowed and that it is finite in f32."""
+    if "shader-f16" not in gpu_device.features:
+        pytest.skip("no shader-f16 on this adapter")
+    mn.manual_seed(0)
+    model = MLP()
+    model.fc1.weight.data = np.full((SIZES[1], SIZES[0]), 20.0, np.float32)
+    tr = Trainer(model, SGD(lr=0.1), mse, device=gpu_device, precision="fast")
+    x, t = _batches(1)[0]
+    with pytest.raises(NonFiniteError, match="f16 overflow") as info:
+        tr.step(np.abs(x) * 1e4, t)
+    found = info.value.nonfinite
+    assert found.overflow and found.dtype == "f16" and found.f32_max_abs > 65504
+
+
+def test_graph_trainer_error_names_the_first_non_finite_value(gpu_device):
+    tr = GraphTrainer(_graph(), Adam(lr=1e-2), device=gpu_device)
+    tr.load_parameters({"w": np.ones((SIZES[0], SIZES[-1]), np.float32)})
+    x, t = _poison(_batches(1)[0], "x_nan")
+    with pytest.raises(NonFiniteError, match="first non-finite value") as info:
+        tr.step({"x": x, "t": t})
+    assert info.value.nonfinite.op == "input" and info.value.nonfinite.nan == 1
+
+
 def test_guard_ops_reference():
     """The NumPy references the interpreter runs: NaN clip when a checked value is non-finite,
     sticky until reset, and the count of skipped steps."""
