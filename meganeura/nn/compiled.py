@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -91,7 +92,9 @@ def _rebuild(spec, tensors: list):
     return spec[2]
 
 
-_SIGNATURES: dict = {}
+# Weak keys: a Trainer's loss function is a closure over its model, so a strong key here kept
+# every dropped Trainer's model, parameters and their GPU memory alive (issue 11, item 8).
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _signature(fn) -> inspect.Signature:
@@ -100,12 +103,11 @@ def _signature(fn) -> inspect.Signature:
     key = func if func is not None else fn
     try:
         sig = _SIGNATURES.get(key)
-    except TypeError:  # an unhashable callable
+    except TypeError:  # an unhashable or not weakly referenceable callable
         return inspect.signature(fn)
     if sig is None:
         sig = inspect.signature(fn)
-        if len(_SIGNATURES) < 4096:
-            _SIGNATURES[key] = sig
+        _SIGNATURES[key] = sig
     return sig
 
 

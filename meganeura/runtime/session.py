@@ -45,7 +45,8 @@ class Session:
         device: the Device it runs on.
         setup_seconds: wall time of construction by part: ``buffers`` (creation and slot
             binding), ``pipelines`` (compiling or fetching from the device's cache),
-            ``bind_groups``, ``validate`` (limit checks and one recorded, never submitted, step).
+            ``bind_groups``, ``validate`` (limit checks and one step recorded and submitted with
+            empty grids).
         pipelines_compiled: pipelines this Session compiled (misses of the device's cache).
         pipelines_reused: pipelines it found already compiled on the device.
     """
@@ -118,9 +119,12 @@ class Session:
         self.pipelines_compiled = cache.compiled - compiled
         self.pipelines_reused = cache.hits - hits
         t3 = time.perf_counter()
-        # Record (never submit) one step now: draw-time validation, such as a buffer smaller than
-        # a fixed-size array the shader declares, then fails here rather than at the first run.
-        self._record(tuple(program.outputs))
+        # Record one step now, so draw-time validation (a buffer smaller than a fixed-size array
+        # the shader declares) fails here rather than at the first run. Recorded dry (no
+        # workgroups) and submitted, not dropped: wgpu-native 29 never frees a buffer that a
+        # finished but never submitted command buffer references, which kept every buffer of
+        # every Session allocated after close (issue 11, item 8).
+        self._queue.submit([self._record(tuple(program.outputs), dry=True)])
         t4 = time.perf_counter()
         self.setup_seconds = {
             "buffers": t2 - t1,
@@ -300,7 +304,7 @@ class Session:
             method=chosen,
         )
 
-    def _record(self, fetch: tuple[str, ...]) -> wgpu.GPUCommandBuffer:
+    def _record(self, fetch: tuple[str, ...], dry: bool = False) -> wgpu.GPUCommandBuffer:
         def copy_outputs(enc: wgpu.GPUCommandEncoder) -> None:
             for name in fetch:
                 b = self._bound[name]
@@ -310,7 +314,7 @@ class Session:
                 enc.copy_buffer_to_buffer(b.buffer, b.start, self._staging[chunk], off, b.length)
 
         try:
-            return self._plan.encode(self._gpu, copy_outputs)
+            return self._plan.encode(self._gpu, copy_outputs, dry)
         except wgpu.GPUError as e:
             raise find_invalid_dispatch(
                 self.device.pipelines, self.program.dispatches, self._bind_groups, e
