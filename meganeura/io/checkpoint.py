@@ -29,7 +29,14 @@ from typing import Any
 import numpy as np
 import safetensors.numpy
 
-__all__ = ["METADATA_KEY", "CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "METADATA_KEY",
+    "CheckpointError",
+    "check_count",
+    "check_rng_state",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 METADATA_KEY = "meganeura"
 
@@ -195,3 +202,82 @@ def load_checkpoint(
     # np.frombuffer views can be read-only depending on the safetensors version; own the memory.
     tensors = {name: np.array(value, copy=True) for name, value in tensors.items()}
     return tensors, metadata
+
+
+# ------------------------------------------------------------------ metadata checks
+# A loader validates every value it will apply with these before it changes anything, so a bad
+# file raises CheckpointError naming the key, what was expected and what was found.
+
+
+def _shown(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_count(path: str | Path, meta: Mapping, key: str, what: str, minimum: int = 0) -> int:
+    """``meta[key]`` as a count: a Python int (not a bool, float or str) >= ``minimum``.
+
+    Raises:
+        CheckpointError: missing, or not such an int; names ``path``, ``key``, the expectation
+            (``what``) and the value found.
+    """
+    if key not in meta:
+        raise CheckpointError(f"{path}: metadata has no {key!r} ({what}, an integer >= {minimum})")
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CheckpointError(
+            f"{path}: metadata {key!r} is {_shown(value)}; expected {what}, an integer >= {minimum}"
+        )
+    return value
+
+
+def _is_uint(value: Any, bits: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << bits
+
+
+def check_rng_state(path: str | Path, meta: Mapping, key: str, bit_generator) -> dict:
+    """``meta[key]`` as a state of NumPy bit generator ``bit_generator``'s type
+    (``bit_generator.state``'s form), checked without touching ``bit_generator``.
+
+    PCG64 states (what ``meganeura.random`` and ``np.random.default_rng`` use) are checked
+    field by field, as NumPy itself accepts floats, bools and out-of-range values in some
+    fields (``numpy/random/_pcg64.pyx``, ``state.setter``): exactly the keys
+    ``bit_generator``, ``state`` (``state`` and ``inc``, ints in [0, 2**128)),
+    ``has_uint32`` (0 or 1) and ``uinteger`` (an int in [0, 2**32)). Other bit generators'
+    states are checked by setting them on a fresh generator of the same type.
+
+    Raises:
+        CheckpointError: missing or malformed; names ``path``, ``key``, what was expected and
+            the value found.
+    """
+    kind = type(bit_generator)
+    value = meta.get(key)
+    expected = f"expected a {kind.__name__} state ({kind.__name__}().state's form)"
+    if key not in meta:
+        raise CheckpointError(f"{path}: metadata has no {key!r}; {expected}")
+    problem = None
+    if kind.__name__ == "PCG64":
+        fields = {"bit_generator", "state", "has_uint32", "uinteger"}
+        inner = value.get("state") if isinstance(value, dict) else None
+        if not isinstance(value, dict) or set(value) != fields:
+            problem = (
+                f"keys {sorted(value) if isinstance(value, dict) else None}, not {sorted(fields)}"
+            )
+        elif value["bit_generator"] != "PCG64":
+            problem = f"bit_generator {value['bit_generator']!r}, not 'PCG64'"
+        elif not isinstance(inner, dict) or set(inner) != {"state", "inc"}:
+            problem = "'state' is not {'state': int, 'inc': int}"
+        elif not (_is_uint(inner["state"], 128) and _is_uint(inner["inc"], 128)):
+            problem = "'state' or 'inc' is not an integer in [0, 2**128)"
+        elif value["has_uint32"] not in (0, 1) or isinstance(value["has_uint32"], (bool, float)):
+            problem = f"has_uint32 {value['has_uint32']!r}, not 0 or 1"
+        elif not _is_uint(value["uinteger"], 32):
+            problem = f"uinteger {value['uinteger']!r}, not an integer in [0, 2**32)"
+    if problem is None:
+        try:
+            kind().state = value
+        except (TypeError, ValueError, KeyError, OverflowError) as e:
+            problem = str(e)
+    if problem is not None:
+        raise CheckpointError(f"{path}: metadata {key!r} is {_shown(value)}; {expected}: {problem}")
+    return value

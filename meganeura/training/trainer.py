@@ -37,13 +37,19 @@ from .. import random as mn_random
 from ..compile import CompileOptions, grad_output
 from ..graph.builder import Tensor
 from ..graph.ir import Graph
-from ..io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..io.checkpoint import (
+    CheckpointError,
+    check_count,
+    check_rng_state,
+    load_checkpoint,
+    save_checkpoint,
+)
 from ..nn.compiled import CacheEntry, CacheInfo, ProgramRunner, flatten_arguments, trace_call
 from ..nn.module import Module, StateDictError
 from ..nn.parameter import Buffer, Parameter
 from ..optim import HYPER_INPUT, Optimizer
 from ..optim.accumulate import ACCUM_FIRST_INPUT, LOSS_ACCUMULATOR, grad_accumulator
-from .batches import bind_model, check_loss, fn_name, split_batch
+from .batches import bind_model, check_loss, check_optimizer, fn_name, split_batch
 from .graph import GraphTrainer
 
 # Checkpoint keys of optimizer state: "optimizer/<parameter name>.<suffix>". No PyTorch name
@@ -135,6 +141,7 @@ class Trainer:
         self._loss_accumulator = Buffer(np.zeros((), np.float32))
         self._cache: dict[tuple, _Program] = {}
         self.hits = self.misses = 0
+        self._closed = False
 
     # ------------------------------------------------------------------ steps
     def lr(self) -> float:
@@ -218,6 +225,7 @@ class Trainer:
 
     def _prepare(self, kind: str, batch: tuple, kwargs: dict, return_grads: bool = False):
         """(program for this batch's signature, its feeds with fresh dropout seeds)."""
+        self._live()
         _, spec, arrays = flatten_arguments(self._fn, batch, kwargs)
         key = (kind, spec, return_grads)
         if kind != "evaluate":
@@ -324,11 +332,44 @@ class Trainer:
         self._cache.clear()
         self.hits = self.misses = 0
 
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Free the GPU memory of the compiled programs and the optimizer state now, as
+        leaving a ``with Trainer(...) as trainer:`` block does. The model keeps its trained
+        values (they live as long as the model). A closed trainer raises RuntimeError on
+        ``step``, ``evaluate``, ``state_dict``, ``save`` and ``load``; closing twice does
+        nothing. A Trainer that is dropped without ``close`` frees the same memory when it
+        is garbage-collected."""
+        if self._closed:
+            return
+        self.cache_clear()
+        self._closed = True
+        # The shared store forgets these Buffers (weak keys) and frees blocks left empty.
+        self._moments, self._accumulators, self._loss_accumulator = {}, {}, None
+
+    def _live(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"this {type(self).__name__} is closed (close() or the end of its with block "
+                "freed its programs and optimizer state); make a new one to train again"
+            )
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, np.ndarray]:
         """The model's state dict (PyTorch names) and, under ``optimizer/<param>.<suffix>``
         (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), the optimizer state of every
-        parameter the trainer has updated; NumPy copies."""
+        parameter the trainer has updated; NumPy copies.
+
+        Raises:
+            RuntimeError: the trainer is closed.
+        """
+        self._live()
         sd = dict(self.model.state_dict())
         for name, p in self.model.named_parameters():
             for suffix, buf in self._moments.get(p, {}).items():
@@ -355,26 +396,20 @@ class Trainer:
         the step counter and the RNG are as they were.
 
         Raises:
-            CheckpointError: missing or corrupt file; an optimizer of another type; a bad
-                ``step`` or RNG state; optimizer state for unknown parameters or of the wrong
-                shape or dtype; model keys missing, unexpected or mis-shaped.
+            CheckpointError: missing or corrupt file; ``optimizer`` metadata missing or of
+                another type; a ``step`` that is not an int >= 0; an ``rng`` that is not a
+                generator state (``io.checkpoint.check_rng_state``); optimizer state for
+                unknown parameters or of the wrong shape or dtype; model keys missing,
+                unexpected, or of another shape or dtype than the model's. The message names
+                the key, the expected and the actual value. Other metadata keys are the
+                caller's (``save(metadata=...)``) and are returned unchecked.
+            RuntimeError: the trainer is closed.
         """
+        self._live()
         tensors, meta = load_checkpoint(path)
-        step = meta.get("step", 0)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(
-                f"{path}: metadata 'step' is {step!r}; expected the number of steps taken, "
-                "an integer >= 0"
-            )
-        kind = (meta.get("optimizer") or {}).get("type")
-        ours = type(self.optimizer).__name__
-        if kind != ours:
-            raise CheckpointError(f"{path}: written by a {kind} trainer; this one uses {ours}")
-        rng = meta.get("rng")
-        try:
-            type(mn_random.default_generator().bit_generator)().state = rng
-        except (TypeError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{path}: metadata 'rng' is not a generator state: {e}") from e
+        step = check_count(path, meta, "step", "the number of steps taken")
+        check_optimizer(path, meta, self.optimizer)
+        rng = check_rng_state(path, meta, "rng", mn_random.default_generator().bit_generator)
         params = dict(self.model.named_parameters())
         model_sd, moments, problems = {}, {}, []
         for key, value in tensors.items():
@@ -392,6 +427,16 @@ class Trainer:
                 )
             else:
                 moments[(p, suffix)] = value
+        # The model's tensors as saved: exact dtypes too (load_state_dict alone would convert a
+        # float64 or float16 value, and the run would not continue bit-identically).
+        for key, t in self.model._state_items():
+            value = model_sd.get(key)
+            want = t._host.dtype if isinstance(t, Buffer) and t.host_only else t.dtype.numpy
+            if value is not None and (value.shape != t.shape or value.dtype != want):
+                problems.append(
+                    f"{key!r}: expected {np.dtype(want)}{list(t.shape)}, "
+                    f"got {value.dtype}{list(value.shape)}"
+                )
         if problems:
             raise CheckpointError(f"{path}: " + "; ".join(problems))
         try:  # checks every key and shape before it writes any
