@@ -239,7 +239,9 @@ class Session:
 
         Raises:
             InputError: as :meth:`run`.
+            RuntimeError: the Session is closed.
         """
+        self._live()
         inputs = self.program.inputs
         unknown = sorted(set(feeds) - set(inputs))
         missing = sorted(set(inputs) - set(feeds))
@@ -417,11 +419,18 @@ class Session:
         self._queue.read_buffer(self._sync_buffer, 0, 4)
 
     def close(self) -> None:
-        """Free the GPU buffers now; the Session cannot be used afterwards."""
+        """Free the GPU buffers now; the Session cannot be used afterwards (RuntimeError).
+
+        External buffers are left alone. The wgpu objects that reference buffers (bind groups,
+        the recorded plan) are dropped too, so a closed Session that is still referenced pins
+        nothing."""
         if not self._closed:
             self._closed = True
             for buf in (*(self._buffers[i] for i in self._own), *self._staging):
                 buf.destroy()
+            self._buffers, self._staging, self._bound = [], [], {}
+            self._bind_groups, self._pipelines, self._plan = [], [], fastpath.Recorder(())
+            self._sync_buffer = None
 
     def __enter__(self) -> Session:
         return self

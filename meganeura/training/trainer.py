@@ -44,7 +44,15 @@ from ..io.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from ..nn.compiled import CacheEntry, CacheInfo, ProgramRunner, flatten_arguments, trace_call
+from ..nn.compiled import (
+    DEFAULT_MAX_PROGRAMS,
+    CacheEntry,
+    CacheInfo,
+    ProgramRunner,
+    flatten_arguments,
+    lru_touch,
+    trace_call,
+)
 from ..nn.module import Module, StateDictError
 from ..nn.parameter import Buffer, Parameter
 from ..optim import HYPER_INPUT, Optimizer
@@ -87,11 +95,21 @@ class Trainer:
         fuse: ``CompileOptions.fuse``.
         device: a runtime Device (default: the default device).
 
+    Attributes:
+        max_programs: compiled programs kept (class default ``DEFAULT_MAX_PROGRAMS``, 32; at
+            least 2 are kept); the least recently used one is closed, freeing its GPU memory,
+            when a new batch signature would exceed it. None keeps every one.
+
     Raises:
         TypeError: a model that is not a Module, an unknown optimizer, a loss_fn that cannot
             take the model as its first argument.
         ValueError: a bad ``accumulation_steps``, ``max_grad_norm`` or ``precision``.
+
+    ``close()`` (or leaving ``with Trainer(...) as trainer:``) frees the programs' and the
+    optimizer state's GPU memory; a dropped Trainer frees it when collected.
     """
+
+    max_programs: int | None = DEFAULT_MAX_PROGRAMS
 
     def __new__(cls, model, *args, **kwargs):
         if isinstance(model, Graph):
@@ -236,6 +254,9 @@ class Trainer:
             prog = self._cache[key] = self._compile(key, kind, batch, kwargs, arrays, return_grads)
         else:
             self.hits += 1
+        # At least 2: a step with accumulation runs two programs, both prepared before either runs.
+        limit = None if self.max_programs is None else max(2, self.max_programs)
+        lru_touch(self._cache, key, limit, lambda p: p.entry.runner.session.close())
         runner = prog.entry.runner
         inputs = runner.program.inputs
         traced = runner.traced
