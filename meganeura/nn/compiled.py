@@ -341,12 +341,28 @@ def check_max_programs(value, minimum: int = 1) -> int | None:
     return value
 
 
-def lru_touch(cache: dict, key, limit: int | None, close) -> None:
-    """Mark ``cache[key]`` most recently used and close (``close(value)``) and drop the least
-    recently used entries beyond ``limit`` (dicts keep insertion order)."""
-    cache[key] = cache.pop(key)
-    while limit is not None and len(cache) > limit:
-        close(cache.pop(next(iter(cache))))
+class ProgramCache(dict):
+    """A dict of compiled programs in insertion order (``cache_info`` lists them so) that
+    remembers when each was last used, for :meth:`touch`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict = {}
+        self._tick = 0
+
+    def touch(self, key, limit: int | None, close) -> None:
+        """Mark ``self[key]`` most recently used, then close (``close(value)``) and drop the
+        least recently used entries beyond ``limit``."""
+        self._tick += 1
+        self._last[key] = self._tick
+        while limit is not None and len(self) > limit:
+            oldest = min(self._last, key=self._last.__getitem__)
+            del self._last[oldest]
+            close(self.pop(oldest))
+
+    def clear(self) -> None:
+        super().clear()
+        self._last.clear()
 
 
 class CompiledModule:
@@ -377,7 +393,7 @@ class CompiledModule:
         self.options = CompileOptions(precision=precision, fuse=fuse, shared_parameters=True)
         self.device = device
         self.max_programs = check_max_programs(max_programs)
-        self._cache: dict[tuple, CacheEntry] = {}
+        self._cache: ProgramCache = ProgramCache()
         self.hits = self.misses = 0
 
     def _lookup(self, args, kwargs, count: bool = True) -> tuple[CacheEntry, list]:
@@ -395,7 +411,7 @@ class CompiledModule:
             self._cache[key] = entry
         else:
             self.hits += count
-        lru_touch(self._cache, key, self.max_programs, _close_entry)
+        self._cache.touch(key, self.max_programs, _close_entry)
         return entry, arrays
 
     def precompile(self, *args, **kwargs) -> CacheEntry:

@@ -48,9 +48,9 @@ from ..nn.compiled import (
     DEFAULT_MAX_PROGRAMS,
     CacheEntry,
     CacheInfo,
+    ProgramCache,
     ProgramRunner,
     flatten_arguments,
-    lru_touch,
     trace_call,
 )
 from ..nn.module import Module, StateDictError
@@ -157,7 +157,7 @@ class Trainer:
         self._moments: dict[Parameter, dict[str, Buffer]] = {}
         self._accumulators: dict[Parameter, Buffer] = {}
         self._loss_accumulator = Buffer(np.zeros((), np.float32))
-        self._cache: dict[tuple, _Program] = {}
+        self._cache: ProgramCache = ProgramCache()
         self.hits = self.misses = 0
         self._closed = False
 
@@ -256,7 +256,7 @@ class Trainer:
             self.hits += 1
         # At least 2: a step with accumulation runs two programs, both prepared before either runs.
         limit = None if self.max_programs is None else max(2, self.max_programs)
-        lru_touch(self._cache, key, limit, lambda p: p.entry.runner.session.close())
+        self._cache.touch(key, limit, lambda p: p.entry.runner.session.close())
         runner = prog.entry.runner
         inputs = runner.program.inputs
         traced = runner.traced

@@ -169,3 +169,23 @@ def test_compile_on_call_keeps_at_most_max_programs(gpu_device):
     np.testing.assert_allclose(run(xs), xs @ w.T + bias, atol=1e-4)  # evicted: compiles again
     with pytest.raises(ValueError, match="max_programs"):
         mn.compile(model, max_programs=0)
+
+
+def test_the_least_recently_used_program_is_the_one_closed(gpu_device):
+    model = Linear(4, 3)
+    run = mn.compile(model, device=gpu_device, max_programs=2)
+    xs = {n: np.full((n, 4), float(n), np.float32) for n in (1, 2, 3)}
+    for n in (1, 2, 1, 3):  # 2 is the least recently used when 3 arrives
+        run(xs[n])
+    kept = [e.runner.program.inputs["input"].shape for e in run.cache_info().entries]
+    assert sorted(kept) == [(1, 4), (3, 4)], kept
+    w, b = model.weight.data, model.bias.data
+    np.testing.assert_allclose(run(xs[2]), xs[2] @ w.T + b, rtol=1e-6)  # compiles again
+    assert run.cache_info().misses == 4
+
+    mn.manual_seed(0)
+    tr = Trainer(Net(), Adam(lr=1e-3), loss_fn, device=gpu_device)
+    tr.max_programs = 2
+    for n in (8, 4, 2, 8):
+        tr.step(X[:n], Y[:n])
+    assert tr.cache_info().currsize == 2 and tr.cache_info().misses == 4
