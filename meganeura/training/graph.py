@@ -133,18 +133,18 @@ class GraphTrainer:
         return out
 
     def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
-        """Write parameter values by name (those not given keep theirs), parameters the loss
-        does not read included.
+        """Write initial parameter values: every parameter the program reads must be given;
+        those the loss does not read may be (they start at zero).
 
         Raises:
-            InputError: an unknown name, or a value of another shape or dtype; nothing is
-                written then.
+            InputError: a missing or unknown name, or a value of another shape or dtype;
+                nothing is written then.
         """
         self._live()
         unused = self._checked_unused({k: v for k, v in params.items() if k in self._unused})
         used = {k: v for k, v in params.items() if k not in self._unused}
         self.session.load_state_dict(
-            {**{k: self.session.read(k) for k in self.program.state}, **self._read_used(), **used}
+            {**{k: self.session.read(k) for k in self.program.state}, **used}
         )
         self._unused.update(unused)
 
