@@ -21,7 +21,10 @@ Invariants:
   * what a traced forward does to host state (BatchNorm's ``num_batches_tracked += 1``,
     registered with ``Trace.on_run``) happens once per executed forward: after every run of a
     program, ``k`` times per step with accumulation;
-  * ``load`` checks the whole checkpoint before it applies any of it.
+  * ``load`` checks the whole checkpoint before it applies any of it;
+  * GPU memory: ``close()`` (or the end of a ``with`` block) frees the programs and optimizer
+    state at once, a dropped Trainer when it is collected; at most ``max_programs`` programs
+    are kept, the least recently used one closed beyond that.
 """
 
 from __future__ import annotations
