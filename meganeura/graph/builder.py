@@ -13,6 +13,7 @@ see their own).
 from __future__ import annotations
 
 import contextvars
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -106,6 +107,41 @@ def op_error(
     function documents one for a bad argument value (``padding="same"`` with a stride).
     """
     return error(f"{format_call(op, operands, attrs)}: {message}")
+
+
+def check_fill_value(
+    op: str, value, dtype: DType, operands: Sequence = (), name: str = "value"
+) -> None:
+    """Refuse a finite fill value that overflows ``dtype`` (1e39 for f32), as PyTorch's
+    ``full``, ``masked_fill``, ``clamp`` and ``pad`` do ("value cannot be converted to type
+    float without overflow", ``c10::checked_convert``). inf, -inf and NaN pass: they are what
+    the user asked for. Arithmetic with such a scalar (``x * 1e39``) is not a fill: it gives
+    inf, as in PyTorch.
+
+    Raises:
+        ValueError: naming ``op``, its operands, the value, the dtype's largest finite value
+            and the user's line.
+    """
+    if not dtype.is_floating or isinstance(value, (bool, np.bool_)):
+        return
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return  # not a number: the op's own checks word that
+    top = float(np.finfo(dtype.numpy).max)
+    if math.isfinite(v) and abs(v) > top:
+        with np.errstate(over="ignore"):
+            rounded = np.array(v, dtype.numpy)
+        if not np.isfinite(rounded):
+            raise op_error(
+                op,
+                operands,
+                {name: value},
+                f"{name} {v!r} cannot be converted to {dtype} without overflow (the largest "
+                f"finite {dtype} is {top:.8g}); pass float('inf') for infinity, as PyTorch "
+                "requires",
+                ValueError,
+            )
 
 
 class GraphBuilder:

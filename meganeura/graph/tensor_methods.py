@@ -312,14 +312,16 @@ class TensorMethods:
 
         Raises:
             GraphTypeError: a mask that is not bool or does not broadcast to ``self``.
+            ValueError: a finite value beyond the dtype's range (1e39 for f32), as PyTorch.
         """
-        from .builder import Tensor, op_error
+        from .builder import Tensor, check_fill_value, op_error
 
         if not isinstance(mask, Tensor) or mask.dtype is not DType.bool:
             raise op_error("masked_fill", [self, mask], None, "the mask must be a bool Tensor")
         if isinstance(value, Tensor):
             fill = _ops().cast(value, self.dtype)
         else:
+            check_fill_value("masked_fill", value, self.dtype, [self, mask])
             fill = self.builder.constant(value, self.dtype)
         out = _ops().where(mask, fill, self)
         if out.shape != self.shape:

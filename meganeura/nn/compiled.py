@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -91,7 +92,9 @@ def _rebuild(spec, tensors: list):
     return spec[2]
 
 
-_SIGNATURES: dict = {}
+# Weak keys: a Trainer's loss function is a closure over its model, so a strong key here kept
+# every dropped Trainer's model, parameters and their GPU memory alive (issue 11, item 8).
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _signature(fn) -> inspect.Signature:
@@ -100,12 +103,11 @@ def _signature(fn) -> inspect.Signature:
     key = func if func is not None else fn
     try:
         sig = _SIGNATURES.get(key)
-    except TypeError:  # an unhashable callable
+    except TypeError:  # an unhashable or not weakly referenceable callable
         return inspect.signature(fn)
     if sig is None:
         sig = inspect.signature(fn)
-        if len(_SIGNATURES) < 4096:
-            _SIGNATURES[key] = sig
+        _SIGNATURES[key] = sig
     return sig
 
 
@@ -318,6 +320,51 @@ class CacheInfo:
     entries: tuple[CacheEntry, ...]
 
 
+# Programs a compile-on-call cache keeps (a Trainer's or a CompiledModule's); the least recently
+# used one is closed beyond this. Each program holds a Session with its activation buffers, so
+# an unbounded cache grew by one Session per new input shape. 32 leaves room for the batch
+# sizes, train/eval modes and accumulation programs of one model; a signature evicted and met
+# again is traced and compiled again (its kernels come from the device's pipeline cache).
+DEFAULT_MAX_PROGRAMS = 32
+
+
+def check_max_programs(value, minimum: int = 1) -> int | None:
+    """``max_programs`` as given to a cache: None (unbounded) or an int >= ``minimum``.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"max_programs must be an int >= {minimum} or None, got {value!r}")
+    if value is not None and value < minimum:
+        raise ValueError(f"max_programs must be an int >= {minimum} or None, got {value!r}")
+    return value
+
+
+class ProgramCache(dict):
+    """A dict of compiled programs in insertion order (``cache_info`` lists them so) that
+    remembers when each was last used, for :meth:`touch`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict = {}
+        self._tick = 0
+
+    def touch(self, key, limit: int | None, close) -> None:
+        """Mark ``self[key]`` most recently used, then close (``close(value)``) and drop the
+        least recently used entries beyond ``limit``."""
+        self._tick += 1
+        self._last[key] = self._tick
+        while limit is not None and len(self) > limit:
+            oldest = min(self._last, key=self._last.__getitem__)
+            del self._last[oldest]
+            close(self.pop(oldest))
+
+    def clear(self) -> None:
+        super().clear()
+        self._last.clear()
+
+
 class CompiledModule:
     """``model`` as a callable that compiles each new input signature once.
 
@@ -326,13 +373,27 @@ class CompiledModule:
         precision: ``"strict"`` or ``"fast"`` (``CompileOptions.precision``).
         fuse: ``CompileOptions.fuse``.
         device: a runtime Device (default: the default device).
+        max_programs: compiled signatures kept (default ``DEFAULT_MAX_PROGRAMS``, 32); the
+            least recently called one is closed, freeing its GPU memory, when a new one
+            would exceed it. None keeps every one.
+
+    Raises:
+        ValueError: ``max_programs`` is not an int >= 1 or None.
     """
 
-    def __init__(self, module, precision: str = "strict", fuse: bool = True, device=None):
+    def __init__(
+        self,
+        module,
+        precision: str = "strict",
+        fuse: bool = True,
+        device=None,
+        max_programs: int | None = DEFAULT_MAX_PROGRAMS,
+    ):
         self.module = module
         self.options = CompileOptions(precision=precision, fuse=fuse, shared_parameters=True)
         self.device = device
-        self._cache: dict[tuple, CacheEntry] = {}
+        self.max_programs = check_max_programs(max_programs)
+        self._cache: ProgramCache = ProgramCache()
         self.hits = self.misses = 0
 
     def _lookup(self, args, kwargs, count: bool = True) -> tuple[CacheEntry, list]:
@@ -350,6 +411,7 @@ class CompiledModule:
             self._cache[key] = entry
         else:
             self.hits += count
+        self._cache.touch(key, self.max_programs, _close_entry)
         return entry, arrays
 
     def precompile(self, *args, **kwargs) -> CacheEntry:
@@ -385,6 +447,11 @@ class CompiledModule:
         self.hits = self.misses = 0
 
 
+def _close_entry(entry: CacheEntry) -> None:
+    if entry.runner is not None:
+        entry.runner.session.close()
+
+
 def _rng():
     from ..random import default_generator
 
@@ -404,14 +471,15 @@ def compile(target, *args, **kwargs):  # noqa: A001 - meganeura.compile
     """``meganeura.compile``: a Graph into a Program, or a Module into a compiled callable.
 
     ``compile(graph, options=None, limits=None)`` is ``meganeura.compile.compile`` (returns a
-    Program). ``compile(model, *example_inputs, precision="strict", fuse=True, device=None)``
-    returns a :class:`CompiledModule`; with example inputs (positional, as ``forward`` takes
-    them) that signature is compiled now.
+    Program). ``compile(model, *example_inputs, precision="strict", fuse=True, device=None,
+    max_programs=32)`` returns a :class:`CompiledModule`; with example inputs (positional, as
+    ``forward`` takes them) that signature is compiled now.
     """
     from .module import Module
 
     if isinstance(target, Module):
-        opts = {k: kwargs.pop(k) for k in ("precision", "fuse", "device") if k in kwargs}
+        names = ("precision", "fuse", "device", "max_programs")
+        opts = {k: kwargs.pop(k) for k in names if k in kwargs}
         if kwargs:
             raise TypeError(f"compile(model, ...): unknown options {sorted(kwargs)}")
         cm = CompiledModule(target, **opts)

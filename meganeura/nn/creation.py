@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import DType
+from ..graph.builder import check_fill_value
 from .tracing import TraceError, current_trace
 
 
@@ -30,7 +31,12 @@ def _np_dtype(dtype) -> np.dtype:
 
 
 def full(size, fill_value, dtype=None):
-    """An array (or, while tracing, a Tensor) of ``size`` filled with ``fill_value``."""
+    """An array (or, while tracing, a Tensor) of ``size`` filled with ``fill_value``.
+
+    Raises:
+        ValueError: while tracing, a finite float ``fill_value`` beyond the dtype's range
+            (1e39 for f32), as ``torch.full`` refuses it; inf, -inf and NaN are accepted.
+    """
     shape = tuple(int(s) for s in size)
     trace = current_trace()
     if trace is None:
@@ -42,6 +48,7 @@ def full(size, fill_value, dtype=None):
         dt = {"f": DType.f32, "i": DType.i32, "u": DType.u32, "b": DType.bool}[
             _np_dtype(dtype).kind
         ]
+    check_fill_value("full", fill_value, dt)
     c = trace.builder.constant(fill_value, dt)
     return F.broadcast_to(c, shape) if shape else c
 
@@ -67,11 +74,13 @@ def ones_like(input, dtype=None):  # noqa: A002
 def tensor(data, dtype=None):
     """``torch.tensor``: a copy of ``data`` as an array, or while tracing a constant Tensor
     (float64 data is stored as f32, int64 as i32)."""
-    arr = np.array(data, dtype=None if dtype is None else _np_dtype(dtype))
-    trace = current_trace()
-    if trace is None:
-        return arr.astype(np.float32) if arr.dtype == np.float64 else arr
-    return trace.constant(arr)
+    # Values beyond float32's range become +-inf, silently, as in torch.tensor([1e39]).
+    with np.errstate(over="ignore"):
+        arr = np.array(data, dtype=None if dtype is None else _np_dtype(dtype))
+        trace = current_trace()
+        if trace is None:
+            return arr.astype(np.float32) if arr.dtype == np.float64 else arr
+        return trace.constant(arr)
 
 
 def _host_random(what: str):

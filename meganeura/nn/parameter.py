@@ -51,12 +51,15 @@ def dtype_of(array: np.ndarray, what: str) -> DType:
 
 def narrow_to_stored(arr: np.ndarray, what: str) -> np.ndarray:
     """float64 as float32 and int64 as int32 (as JAX does by default); other dtypes as they are.
+    float64 values beyond float32's range become +-inf without a warning, as in
+    ``torch.tensor(1e39)``.
 
     Raises:
         ValueError: int64 values outside the int32 range.
     """
     if arr.dtype == np.float64:
-        return arr.astype(np.float32)
+        with np.errstate(over="ignore"):
+            return arr.astype(np.float32)
     if arr.dtype == np.int64:
         if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
             raise ValueError(f"{what}: int64 values outside the int32 range")

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from ..dtypes import DType
-from ..graph.builder import Tensor, op_error
+from ..graph.builder import Tensor, check_fill_value, op_error
 from ..graph.ir import TensorType
 from . import activation
 from . import functional as F
@@ -406,7 +406,9 @@ def clamp(input: Tensor, min=None, max=None) -> Tensor:  # noqa: A001, A002
     ``where(y > max, max, y)``; a bound gets the gradient where it is the result.
 
     Raises:
-        ValueError: when both bounds are None, or a scalar bound is NaN or would clip to inf.
+        ValueError: when both bounds are None, or a scalar bound is NaN or would clip to inf,
+            or is finite beyond the dtype's range (1e39 for f32: PyTorch refuses it too,
+            ``check_fill_value``).
     """
     if min is None and max is None:
         raise ValueError("clamp: at least one of min and max must not be None")
@@ -425,6 +427,7 @@ def clamp(input: Tensor, min=None, max=None) -> Tensor:  # noqa: A001, A002
     for key, v, drop in (("min", min, -math.inf), ("max", max, math.inf)):
         if v is None:
             continue
+        check_fill_value("clamp", v, input.dtype, [input], key)
         if math.isnan(v) or (math.isinf(v) and v != drop):
             raise ValueError(f"clamp: {key}={v!r} is not representable in a kernel")
         if v == drop:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..graph.builder import Tensor, op_error
+from ..graph.builder import Tensor, check_fill_value, op_error
 from ..graph.ir import TensorType
 from . import functional as F
 from . import gather
@@ -431,10 +431,12 @@ def pad(x: Tensor, pad: Sequence[int], mode: str = "constant", value: float | No
         x: any dtype.
         pad: an even number of ints, at most two per dim.
         mode: only ``"constant"``.
-        value: the fill (default 0); must be finite.
+        value: the fill (default 0); inf, -inf and NaN too.
 
     Raises:
         GraphTypeError: for an odd or too long ``pad``, or a dim cropped below zero.
+        ValueError: a finite ``value`` beyond ``x``'s dtype's range (1e39 for f32), as
+            PyTorch refuses it (``check_fill_value``).
         NotImplementedError: for other modes.
     """
     if mode != "constant":
@@ -448,6 +450,7 @@ def pad(x: Tensor, pad: Sequence[int], mode: str = "constant", value: float | No
     for k in range(len(pad) // 2):
         pairs[x.ndim - 1 - k] = (pad[2 * k], pad[2 * k + 1])
     value = 0.0 if value is None else float(value)
+    check_fill_value("pad", value, x.dtype, [x])
     if all(p == (0, 0) for p in pairs):
         return x
     if x.type.numel == 0:

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..data.mnist import iterate_batches, load_mnist, num_batches, standardize
-from ..io.checkpoint import CheckpointError, load_checkpoint
+from ..io.checkpoint import CheckpointError, check_count, check_rng_state, load_checkpoint
 from ..models.mlp import MLP
 from ..nn import functional as F
 from ..nn.compiled import CompiledModule
@@ -101,18 +101,22 @@ def _resume_meta(path: str, cfg: MnistConfig) -> dict:
             f"{path}: holds a {meta.get('model')} of sizes {sizes}; this run trains the MLP "
             f"{list(cfg.sizes)} (pass the --hidden it was trained with)"
         )
-    epoch = meta.get("epoch")
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-        raise CheckpointError(
-            f"{path}: metadata 'epoch' is {epoch!r}; expected the epochs done, an integer >= 0"
-        )
-    try:
-        np.random.default_rng().bit_generator.state = meta.get("data_rng")
-    except (TypeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path}: metadata 'data_rng' is not a generator state: {e}") from e
+    check_count(path, meta, "epoch", "the epochs done")
+    check_rng_state(path, meta, "data_rng", np.random.default_rng().bit_generator)
     losses = meta.get("losses", [])
-    if not isinstance(losses, list) or not all(isinstance(p, list) and len(p) == 2 for p in losses):
-        raise CheckpointError(f"{path}: metadata 'losses' is not a list of [step, loss] pairs")
+    if not isinstance(losses, list) or not all(
+        isinstance(p, list)
+        and len(p) == 2
+        and isinstance(p[0], int)
+        and not isinstance(p[0], bool)
+        and isinstance(p[1], (int, float))
+        and not isinstance(p[1], bool)
+        for p in losses
+    ):
+        raise CheckpointError(
+            f"{path}: metadata 'losses' is not a list of [step, loss] pairs (an int and a "
+            "number each)"
+        )
     return meta
 
 

@@ -97,9 +97,9 @@ class Recorder:
     def __len__(self) -> int:
         return len(self._plan)
 
-    def record(self, compute_pass: wgpu.GPUComputePassEncoder) -> None:
+    def record(self, compute_pass: wgpu.GPUComputePassEncoder, dry: bool = False) -> None:
         """Encode every dispatch into ``compute_pass``; consecutive dispatches of one pipeline
-        set it once."""
+        set it once. ``dry``: every grid is (0, 0, 0) (see :meth:`encode`)."""
         last = None
         if self._raw is None:
             for pipeline, bg, x, y, z in self._plan:
@@ -107,6 +107,8 @@ class Recorder:
                     compute_pass.set_pipeline(pipeline)
                     last = pipeline
                 compute_pass.set_bind_group(0, bg)
+                if dry:
+                    x = y = z = 0
                 compute_pass.dispatch_workgroups(x, y, z)
             return
         cp, null = raw_handle(compute_pass), ffi.NULL
@@ -116,18 +118,25 @@ class Recorder:
                 set_pipeline(cp, pipeline)
                 last = pipeline
             set_bind_group(cp, 0, bg, 0, null)
+            if dry:
+                x = y = z = 0
             dispatch(cp, x, y, z)
 
-    def encode(self, gpu: wgpu.GPUDevice, tail=None) -> wgpu.GPUCommandBuffer:
+    def encode(self, gpu: wgpu.GPUDevice, tail=None, dry: bool = False) -> wgpu.GPUCommandBuffer:
         """The step as one command buffer: one compute pass holding every dispatch, then
         ``tail(encoder)`` (copies that must follow every dispatch).
+
+        ``dry``: every dispatch is encoded with a (0, 0, 0) grid. wgpu validates a dispatch
+        when it is encoded, whatever its size (pipeline and bind group compatibility, bindings
+        smaller than the shader's fixed-size arrays), so ``finish`` accepts or rejects it as it
+        would the real step; submitted, it runs no kernel.
 
         Raises:
             wgpu.GPUError: ``finish`` rejected the recording.
         """
         enc = gpu.create_command_encoder()
         cp = enc.begin_compute_pass()
-        self.record(cp)
+        self.record(cp, dry)
         cp.end()
         if tail is not None:
             tail(enc)

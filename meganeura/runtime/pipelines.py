@@ -302,7 +302,9 @@ def find_invalid_dispatch(
     """Name the dispatch that made a recorded command buffer fail ``finish``.
 
     wgpu's message for a failing dispatch does not name the pipeline, so each dispatch is
-    recorded alone (never submitted) until one fails. Only used on the error path.
+    recorded alone, with an empty grid (validated as the real one), until one fails. Only used
+    on the error path. Those that pass are submitted (they run nothing): a finished command
+    buffer that is never submitted keeps its buffers allocated (``Session``).
 
     Returns:
         A KernelError naming the first failing kernel, or wrapping ``err`` if none fails alone.
@@ -312,10 +314,11 @@ def find_invalid_dispatch(
         cp = enc.begin_compute_pass()
         cp.set_pipeline(cache.get(d.name, d.wgsl, d.writes))
         cp.set_bind_group(0, bg)
-        cp.dispatch_workgroups(*d.grid)
+        cp.dispatch_workgroups(0, 0, 0)
         cp.end()
         try:
-            enc.finish()
+            cb = enc.finish()
         except wgpu.GPUError as e:
             return KernelError(f"kernel {d.name!r} failed validation when recorded:\n{e}")
+        cache.gpu.queue.submit([cb])
     return KernelError(f"the step's command buffer failed validation:\n{err}")

@@ -45,7 +45,8 @@ class Session:
         device: the Device it runs on.
         setup_seconds: wall time of construction by part: ``buffers`` (creation and slot
             binding), ``pipelines`` (compiling or fetching from the device's cache),
-            ``bind_groups``, ``validate`` (limit checks and one recorded, never submitted, step).
+            ``bind_groups``, ``validate`` (limit checks and one step recorded and submitted with
+            empty grids).
         pipelines_compiled: pipelines this Session compiled (misses of the device's cache).
         pipelines_reused: pipelines it found already compiled on the device.
     """
@@ -118,9 +119,12 @@ class Session:
         self.pipelines_compiled = cache.compiled - compiled
         self.pipelines_reused = cache.hits - hits
         t3 = time.perf_counter()
-        # Record (never submit) one step now: draw-time validation, such as a buffer smaller than
-        # a fixed-size array the shader declares, then fails here rather than at the first run.
-        self._record(tuple(program.outputs))
+        # Record one step now, so draw-time validation (a buffer smaller than a fixed-size array
+        # the shader declares) fails here rather than at the first run. Recorded dry (no
+        # workgroups) and submitted, not dropped: wgpu-native 29 never frees a buffer that a
+        # finished but never submitted command buffer references, which kept every buffer of
+        # every Session allocated after close (issue 11, item 8).
+        self._queue.submit([self._record(tuple(program.outputs), dry=True)])
         t4 = time.perf_counter()
         self.setup_seconds = {
             "buffers": t2 - t1,
@@ -235,7 +239,9 @@ class Session:
 
         Raises:
             InputError: as :meth:`run`.
+            RuntimeError: the Session is closed.
         """
+        self._live()
         inputs = self.program.inputs
         unknown = sorted(set(feeds) - set(inputs))
         missing = sorted(set(inputs) - set(feeds))
@@ -300,7 +306,7 @@ class Session:
             method=chosen,
         )
 
-    def _record(self, fetch: tuple[str, ...]) -> wgpu.GPUCommandBuffer:
+    def _record(self, fetch: tuple[str, ...], dry: bool = False) -> wgpu.GPUCommandBuffer:
         def copy_outputs(enc: wgpu.GPUCommandEncoder) -> None:
             for name in fetch:
                 b = self._bound[name]
@@ -310,7 +316,7 @@ class Session:
                 enc.copy_buffer_to_buffer(b.buffer, b.start, self._staging[chunk], off, b.length)
 
         try:
-            return self._plan.encode(self._gpu, copy_outputs)
+            return self._plan.encode(self._gpu, copy_outputs, dry)
         except wgpu.GPUError as e:
             raise find_invalid_dispatch(
                 self.device.pipelines, self.program.dispatches, self._bind_groups, e
@@ -413,11 +419,18 @@ class Session:
         self._queue.read_buffer(self._sync_buffer, 0, 4)
 
     def close(self) -> None:
-        """Free the GPU buffers now; the Session cannot be used afterwards."""
+        """Free the GPU buffers now; the Session cannot be used afterwards (RuntimeError).
+
+        External buffers are left alone. The wgpu objects that reference buffers (bind groups,
+        the recorded plan) are dropped too, so a closed Session that is still referenced pins
+        nothing."""
         if not self._closed:
             self._closed = True
             for buf in (*(self._buffers[i] for i in self._own), *self._staging):
                 buf.destroy()
+            self._buffers, self._staging, self._bound = [], [], {}
+            self._bind_groups, self._pipelines, self._plan = [], [], fastpath.Recorder(())
+            self._sync_buffer = None
 
     def __enter__(self) -> Session:
         return self

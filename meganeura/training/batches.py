@@ -102,3 +102,26 @@ def _take(value, a: int, b: int):
     if isinstance(value, dict):
         return {key: _take(v, a, b) for key, v in value.items()}
     return value
+
+
+def check_optimizer(path, meta, optimizer) -> None:
+    """Check that checkpoint metadata ``meta`` was written by a trainer with ``optimizer``'s
+    type (``meta["optimizer"]["type"]``, from ``Optimizer.config``).
+
+    Raises:
+        CheckpointError: missing, not an object, or another optimizer type.
+    """
+    from ..io.checkpoint import CheckpointError
+
+    config = meta.get("optimizer")
+    ours = type(optimizer).__name__
+    if not isinstance(config, dict) or not isinstance(config.get("type"), str):
+        raise CheckpointError(
+            f"{path}: metadata 'optimizer' is {config!r}; expected the optimizer's config, "
+            f"an object with a 'type' ({ours!r} for this trainer)"
+        )
+    if config["type"] != ours:
+        raise CheckpointError(
+            f"{path}: metadata 'optimizer' type is {config['type']!r}: written by a "
+            f"{config['type']} trainer; this one uses {ours}"
+        )

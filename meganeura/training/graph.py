@@ -20,10 +20,11 @@ from ..autodiff import missing_loss
 from ..codegen.kernel import Limits
 from ..compile import CompileOptions, compile
 from ..graph.ir import Graph
-from ..io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..io.checkpoint import check_count, load_checkpoint, save_checkpoint
 from ..optim import HYPER_INPUT, Optimizer
 from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE
 from ..schedule.program import Program
+from .batches import check_optimizer
 from .guard import StepGuard, StepRun, check_finite_feeds, check_mode
 
 
@@ -107,6 +108,15 @@ class GraphTrainer:
         self.graph, self.options = graph, options
         self.program, self.session = compile_for(graph, options, device)
         self.step_count = 0
+        self._closed = False
+        # Parameters the loss does not read are compiled away, but they are part of the model:
+        # kept here on the host (zero until loaded) so state_dict and checkpoints hold the
+        # whole model, as torch's state_dict does (issue 11, item 10b).
+        self._unused = {
+            n.name: np.zeros(n.type.shape, n.type.dtype.numpy)
+            for n in graph.nodes
+            if n.op == "parameter" and n.name not in self.program.parameters
+        }
 
     @property
     def inputs(self) -> list[str]:
@@ -150,6 +160,7 @@ class GraphTrainer:
                 one) hold inf or NaN; the update was skipped on the GPU (``on_nonfinite``);
                 or, with ``check_finite``, a feed holds inf or NaN (nothing is run).
         """
+        self._live()
         full = dict(feeds)
         for name in (HYPER_INPUT, GUARD_RESET_INPUT):
             if name in full:
@@ -169,23 +180,54 @@ class GraphTrainer:
         return out
 
     def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
-        """Write initial parameter values (every parameter must be given)."""
-        self.session.load_state_dict(
-            {**{k: self.session.read(k) for k in self.program.state}, **params}
-        )
+        """Write initial parameter values: every parameter the program reads must be given;
+        those the loss does not read may be (they start at zero).
 
-    def parameters(self) -> dict[str, np.ndarray]:
-        """Current parameter values, read back from the device (``check_nonfinite`` first)."""
-        self.check_nonfinite()
+        Raises:
+            InputError: a missing or unknown name, or a value of another shape or dtype;
+                nothing is written then.
+        """
+        self._live()
+        unused = self._checked_unused({k: v for k, v in params.items() if k in self._unused})
+        used = {k: v for k, v in params.items() if k not in self._unused}
+        self.session.load_state_dict(
+            {**{k: self.session.read(k) for k in self.program.state}, **used}
+        )
+        self._unused.update(unused)
+
+    def _read_used(self) -> dict[str, np.ndarray]:
         return {k: self.session.read(k) for k in self.program.parameters}
 
+    def _checked_unused(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from ..runtime import InputError
+
+        out = {}
+        for k, v in values.items():
+            want = self._unused[k]
+            arr = np.asarray(v)
+            if arr.shape != want.shape or arr.dtype != want.dtype:
+                raise InputError(
+                    f"parameter {k!r}: expected {want.dtype}{list(want.shape)}, "
+                    f"got {arr.dtype}{list(arr.shape)}"
+                )
+            out[k] = arr.copy()
+        return out
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Current parameter values (read back from the device, ``check_nonfinite`` first;
+        those the loss does not read from the host copy)."""
+        self._live()
+        self.check_nonfinite()
+        return {**self._read_used(), **{k: v.copy() for k, v in self._unused.items()}}
+
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Parameters and optimizer state (``check_nonfinite`` first; the guard's count is
-        not part of it)."""
+        """Every parameter of the graph (those the loss does not read too) and the optimizer
+        state (``check_nonfinite`` first; the guard's count is not part of it)."""
+        self._live()
         self.check_nonfinite()
         sd = self.session.state_dict()
         sd.pop(GUARD_STATE, None)
-        return sd
+        return {**sd, **{k: v.copy() for k, v in self._unused.items()}}
 
     def save(self, path: str | Path, metadata: Mapping | None = None) -> None:
         """Write parameters, optimizer state, step counter, the count of skipped steps and
@@ -206,30 +248,50 @@ class GraphTrainer:
         parameters, optimizer state and step counter are as they were.
 
         Raises:
-            CheckpointError: missing file, corrupt file, missing/unknown keys, bad shapes, or a
-                ``step`` in the metadata that is not an integer >= 0.
+            CheckpointError: missing or corrupt file; missing or unknown keys, or a tensor of
+                another shape or dtype (``io.checkpoint.load_checkpoint``); ``optimizer``
+                metadata missing or of another type; a ``step`` that is not an int >= 0. The
+                message names the key, the expected and the actual value.
+            RuntimeError: the trainer is closed.
         """
+        self._live()
         expected = {
             k: (s.shape, s.host.numpy)
             for k, s in {**self.program.parameters, **self.program.state}.items()
             if k != GUARD_STATE
         }
+        expected.update({k: (v.shape, v.dtype) for k, v in self._unused.items()})
         tensors, meta = load_checkpoint(path, expected)
-        step = meta.get("step", 0)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(
-                f"{path}: metadata 'step' is {step!r}; expected the number of steps taken, "
-                "an integer >= 0"
-            )
-        skipped = meta.get("skipped_steps", 0)
-        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
-            raise CheckpointError(
-                f"{path}: metadata 'skipped_steps' is {skipped!r}; expected an integer >= 0"
-            )
+        step = check_count(path, meta, "step", "the number of steps taken")
+        skipped = 0  # checkpoints from before the guard have none
+        if "skipped_steps" in meta:
+            skipped = check_count(path, meta, "skipped_steps", "the number of skipped steps")
+        check_optimizer(path, meta, self.optimizer)
         if GUARD_STATE in self.program.state:  # the count restarts with the next step
             tensors = {**tensors, GUARD_STATE: np.zeros((), np.float32)}
-        self.session.load_state_dict(tensors)
+        self.session.load_state_dict({k: v for k, v in tensors.items() if k not in self._unused})
+        self._unused.update({k: tensors[k] for k in self._unused})
         self.step_count = step
         self._guard.skipped_steps = skipped
         self._guard.forget()
         return meta
+
+    def close(self) -> None:
+        """Free the program's GPU memory now (as leaving a ``with`` block does); a closed
+        trainer raises RuntimeError when used. Closing twice does nothing."""
+        if not self._closed:
+            self._closed = True
+            self.session.close()
+
+    def _live(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "this GraphTrainer is closed (close() or the end of its with block freed its "
+                "GPU memory); make a new one to train again"
+            )
+
+    def __enter__(self) -> GraphTrainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -25,6 +25,9 @@ Invariants:
   * every step's update is guarded against inf and NaN on the GPU (``training.guard``): a
     step whose loss or gradients are non-finite writes no parameter or optimizer state, and
     the next read raises ``NonFiniteError`` (or warns, ``on_nonfinite="skip"``).
+  * GPU memory: ``close()`` (or the end of a ``with`` block) frees the programs and optimizer
+    state at once, a dropped Trainer when it is collected; at most ``max_programs`` programs
+    are kept, the least recently used one closed beyond that.
 """
 
 from __future__ import annotations
@@ -40,14 +43,28 @@ from .. import random as mn_random
 from ..compile import CompileOptions, grad_output
 from ..graph.builder import Tensor
 from ..graph.ir import Graph
-from ..io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ..nn.compiled import CacheEntry, CacheInfo, ProgramRunner, flatten_arguments, trace_call
+from ..io.checkpoint import (
+    CheckpointError,
+    check_count,
+    check_rng_state,
+    load_checkpoint,
+    save_checkpoint,
+)
+from ..nn.compiled import (
+    DEFAULT_MAX_PROGRAMS,
+    CacheEntry,
+    CacheInfo,
+    ProgramCache,
+    ProgramRunner,
+    flatten_arguments,
+    trace_call,
+)
 from ..nn.module import Module, StateDictError
 from ..nn.parameter import Buffer, Parameter
 from ..optim import HYPER_INPUT, Optimizer
 from ..optim.accumulate import ACCUM_FIRST_INPUT, LOSS_ACCUMULATOR, grad_accumulator
 from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE
-from .batches import bind_model, check_loss, fn_name, split_batch
+from .batches import bind_model, check_loss, check_optimizer, fn_name, split_batch
 from .graph import GraphTrainer
 from .guard import StepGuard, StepRun, check_finite_feeds, check_mode
 
@@ -96,12 +113,22 @@ class Trainer:
             and raise ``NonFiniteError`` naming the input (one NumPy pass over the batch;
             off by default).
 
+    Attributes:
+        max_programs: compiled programs kept (class default ``DEFAULT_MAX_PROGRAMS``, 32; at
+            least 2 are kept); the least recently used one is closed, freeing its GPU memory,
+            when a new batch signature would exceed it. None keeps every one.
+
     Raises:
         TypeError: a model that is not a Module, an unknown optimizer, a loss_fn that cannot
             take the model as its first argument.
         ValueError: a bad ``accumulation_steps``, ``max_grad_norm``, ``precision`` or
             ``on_nonfinite``.
+
+    ``close()`` (or leaving ``with Trainer(...) as trainer:``) frees the programs' and the
+    optimizer state's GPU memory; a dropped Trainer frees it when collected.
     """
+
+    max_programs: int | None = DEFAULT_MAX_PROGRAMS
 
     def __new__(cls, model, *args, **kwargs):
         if isinstance(model, Graph):
@@ -155,8 +182,9 @@ class Trainer:
         self._accumulators: dict[Parameter, Buffer] = {}
         self._loss_accumulator = Buffer(np.zeros((), np.float32))
         self._guard_state = Buffer(np.zeros((), np.float32))  # GPU count of skipped steps
-        self._cache: dict[tuple, _Program] = {}
+        self._cache: ProgramCache = ProgramCache()
         self.hits = self.misses = 0
+        self._closed = False
 
     # ------------------------------------------------------------------ steps
     @property
@@ -299,6 +327,7 @@ class Trainer:
 
     def _prepare(self, kind: str, batch: tuple, kwargs: dict, return_grads: bool = False):
         """(program for this batch's signature, its feeds with fresh dropout seeds)."""
+        self._live()
         _, spec, arrays = flatten_arguments(self._fn, batch, kwargs)
         key = (kind, spec, return_grads)
         if kind != "evaluate":
@@ -309,6 +338,9 @@ class Trainer:
             prog = self._cache[key] = self._compile(key, kind, batch, kwargs, arrays, return_grads)
         else:
             self.hits += 1
+        # At least 2: a step with accumulation runs two programs, both prepared before either runs.
+        limit = None if self.max_programs is None else max(2, self.max_programs)
+        self._cache.touch(key, limit, lambda p: p.entry.runner.session.close())
         runner = prog.entry.runner
         inputs = runner.program.inputs
         traced = runner.traced
@@ -407,6 +439,36 @@ class Trainer:
         self._cache.clear()
         self.hits = self.misses = 0
 
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Free the GPU memory of the compiled programs and the optimizer state now, as
+        leaving a ``with Trainer(...) as trainer:`` block does. The model keeps its trained
+        values (they live as long as the model). A closed trainer raises RuntimeError on
+        ``step``, ``evaluate``, ``state_dict``, ``save`` and ``load``; closing twice does
+        nothing. A Trainer that is dropped without ``close`` frees the same memory when it
+        is garbage-collected."""
+        if self._closed:
+            return
+        self.cache_clear()
+        self._closed = True
+        # The shared store forgets these Buffers (weak keys) and frees blocks left empty.
+        self._moments, self._accumulators, self._loss_accumulator = {}, {}, None
+        self._guard_state = None
+        self._guard.forget()  # its records hold the closed programs' feeds and Sessions
+
+    def _live(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"this {type(self).__name__} is closed (close() or the end of its with block "
+                "freed its programs and optimizer state); make a new one to train again"
+            )
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, np.ndarray]:
         """The model's state dict (PyTorch names) and, under ``optimizer/<param>.<suffix>``
@@ -415,7 +477,9 @@ class Trainer:
 
         Raises:
             NonFiniteError: an unread step was skipped (``check_nonfinite``).
+            RuntimeError: the trainer is closed.
         """
+        self._live()
         self.check_nonfinite()
         sd = dict(self.model.state_dict())
         for name, p in self.model.named_parameters():
@@ -451,31 +515,23 @@ class Trainer:
         the step counter and the RNG are as they were.
 
         Raises:
-            CheckpointError: missing or corrupt file; an optimizer of another type; a bad
-                ``step`` or RNG state; optimizer state for unknown parameters or of the wrong
-                shape or dtype; model keys missing, unexpected or mis-shaped.
+            CheckpointError: missing or corrupt file; ``optimizer`` metadata missing or of
+                another type; a ``step`` that is not an int >= 0; an ``rng`` that is not a
+                generator state (``io.checkpoint.check_rng_state``); optimizer state for
+                unknown parameters or of the wrong shape or dtype; model keys missing,
+                unexpected, or of another shape or dtype than the model's. The message names
+                the key, the expected and the actual value. Other metadata keys are the
+                caller's (``save(metadata=...)``) and are returned unchecked.
+            RuntimeError: the trainer is closed.
         """
+        self._live()
         tensors, meta = load_checkpoint(path)
-        step = meta.get("step", 0)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(
-                f"{path}: metadata 'step' is {step!r}; expected the number of steps taken, "
-                "an integer >= 0"
-            )
-        skipped = meta.get("skipped_steps", 0)
-        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
-            raise CheckpointError(
-                f"{path}: metadata 'skipped_steps' is {skipped!r}; expected an integer >= 0"
-            )
-        kind = (meta.get("optimizer") or {}).get("type")
-        ours = type(self.optimizer).__name__
-        if kind != ours:
-            raise CheckpointError(f"{path}: written by a {kind} trainer; this one uses {ours}")
-        rng = meta.get("rng")
-        try:
-            type(mn_random.default_generator().bit_generator)().state = rng
-        except (TypeError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{path}: metadata 'rng' is not a generator state: {e}") from e
+        step = check_count(path, meta, "step", "the number of steps taken")
+        skipped = 0  # checkpoints from before the guard have none
+        if "skipped_steps" in meta:
+            skipped = check_count(path, meta, "skipped_steps", "the number of skipped steps")
+        check_optimizer(path, meta, self.optimizer)
+        rng = check_rng_state(path, meta, "rng", mn_random.default_generator().bit_generator)
         params = dict(self.model.named_parameters())
         model_sd, moments, problems = {}, {}, []
         for key, value in tensors.items():
@@ -493,6 +549,16 @@ class Trainer:
                 )
             else:
                 moments[(p, suffix)] = value
+        # The model's tensors as saved: exact dtypes too (load_state_dict alone would convert a
+        # float64 or float16 value, and the run would not continue bit-identically).
+        for key, t in self.model._state_items():
+            value = model_sd.get(key)
+            want = t._host.dtype if isinstance(t, Buffer) and t.host_only else t.dtype.numpy
+            if value is not None and (value.shape != t.shape or value.dtype != want):
+                problems.append(
+                    f"{key!r}: expected {np.dtype(want)}{list(t.shape)}, "
+                    f"got {value.dtype}{list(value.shape)}"
+                )
         if problems:
             raise CheckpointError(f"{path}: " + "; ".join(problems))
         try:  # checks every key and shape before it writes any

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -240,3 +241,69 @@ def test_save_replaces_existing_and_metadata_is_one_json_string(tmp_path):
     raw = path.read_bytes()
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     assert header["__metadata__"] == {"meganeura": '{"step": 2}'}
+
+
+def _partial_name(target: str, random_part: str = "k1ll3d_x") -> str:
+    return f".{target}.meganeura-partial-{random_part}.tmp"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="stale temporaries are cleaned on POSIX")
+def test_a_save_killed_mid_write_leaves_a_temporary_the_next_save_removes(tmp_path):
+    """Issue 11, item 10c: a killed save cannot clean up after itself; the next one does."""
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, {"w": np.zeros(3, np.float32)}, {"step": 1})
+    script = f"""
+import os, signal
+import numpy as np
+from meganeura.io import checkpoint
+def killed(f, payload):
+    f.write(payload[: len(payload) // 2])
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+checkpoint._write_payload = killed
+checkpoint.save_checkpoint({str(path)!r}, {{"w": np.ones(1 << 16, np.float32)}}, {{"step": 2}})
+"""
+    root = Path(__file__).resolve().parents[2]  # imports this checkout's meganeura
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, check=False)
+    assert proc.returncode == -signal.SIGKILL
+    stale = [n for n in os.listdir(tmp_path) if n != "ckpt.safetensors"]
+    assert len(stale) == 1 and stale[0].startswith(".ckpt.safetensors.meganeura-partial-")
+    assert (tmp_path / stale[0]).stat().st_size > 0
+    assert load_checkpoint(path)[1] == {"step": 1}  # the old checkpoint is intact
+
+    save_checkpoint(path, {"w": np.ones(3, np.float32)}, {"step": 3})
+    assert os.listdir(tmp_path) == ["ckpt.safetensors"]
+    assert load_checkpoint(path)[1] == {"step": 3}
+
+
+@pytest.mark.skipif(os.name != "posix", reason="stale temporaries are cleaned on POSIX")
+def test_cleaning_spares_users_files_and_a_concurrent_save(tmp_path):
+    import fcntl
+
+    kept = [
+        "ckpt.safetensors.tmp",
+        ".ckpt.safetensors.abc123.tmp",  # mkstemp's name before the tag existed
+        "notes.meganeura-partial-abc.tmp",  # no leading dot and target
+        _partial_name("ckpt.safetensors", "with-dash"),
+    ]
+    for name in kept:
+        (tmp_path / name).write_bytes(b"user data")
+    os.symlink(tmp_path / kept[0], tmp_path / _partial_name("link"))
+    stale = _partial_name("other.safetensors")
+    (tmp_path / stale).write_bytes(b"half a checkpoint")
+    live = tmp_path / _partial_name("ckpt.safetensors", "live")
+    live.write_bytes(b"being written")
+    with open(live, "rb") as f:  # another process's save, in the middle of its write
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        save_checkpoint(tmp_path / "ckpt.safetensors", {"w": np.ones(2, np.float32)}, {})
+        assert live.read_bytes() == b"being written"
+    assert not (tmp_path / stale).exists()
+    for name in kept:
+        assert (tmp_path / name).read_bytes() == b"user data", name
+    assert os.path.islink(tmp_path / _partial_name("link"))
+    save_checkpoint(tmp_path / "ckpt.safetensors", {"w": np.ones(2, np.float32)}, {})
+    assert not live.exists()  # its writer is gone (lock released): stale now

@@ -64,6 +64,11 @@ BAD_META = {
     "epoch_negative": {"epoch": -1},
     "epoch_missing": {"epoch": None},
     "data_rng_garbage": {"data_rng": {"bit_generator": "PCG64", "state": 3}},
+    # NumPy itself accepts a float uinteger (issue 11, item 6)
+    "data_rng_float": {
+        "data_rng": {**np.random.default_rng(1).bit_generator.state, "uinteger": 2.5}
+    },
+    "losses_string": {"losses": [[0, "2.3"]]},
     "other_hidden": {"sizes": [784, 64, 10]},
 }
 
@@ -75,7 +80,7 @@ def test_resume_checks_the_recipe_metadata_before_loading(tmp_path, case):
     meta = _meta(cfg, 1, np.random.default_rng(1), [], 0.1, 0.3)
     ckpt = tmp_path / "bad.safetensors"
     trainer.save(ckpt, {**meta, **BAD_META[case]})
-    with pytest.raises(CheckpointError, match="sizes|epoch|data_rng"):
+    with pytest.raises(CheckpointError, match="sizes|epoch|data_rng|losses"):
         train(cfg, resume=str(ckpt), progress=False)
 
 
