@@ -109,8 +109,10 @@ def _pad_type(types, attrs):
     pad, value = attrs["pad"], attrs["value"]
     if len(pad) != x.ndim or any(len(p) != 2 for p in pad):
         raise ShapeError(f"pad needs one (before, after) pair per dim ({x.ndim}), got {pad}")
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ShapeError(f"pad value must be a finite number (WGSL has no inf/NaN), got {value}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ShapeError(f"pad value must be a number, got {value!r}")
+    if not math.isfinite(value) and not x.dtype.is_floating:
+        raise ShapeError(f"pad value {value} does not fit {x.dtype.name} (an integer tensor)")
     shape = tuple(s + lo + hi for s, (lo, hi) in zip(x.shape, pad))
     if any(s < 0 for s in shape):
         raise ShapeError(f"padding {list(pad)} crops {list(x.shape)} below zero: {list(shape)}")

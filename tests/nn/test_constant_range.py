@@ -40,7 +40,15 @@ ACCEPTED = {  # the same calls with inf, and arithmetic and tensor() with 1e39
         lambda t: t.masked_fill(t > 2, -float("inf")),
     ),
     "clamp": (lambda x: x.clamp(max=float("inf")), lambda t: t.clamp(max=float("inf"))),
-    # pad(value=inf) is item 2's (the pad op's type rule refuses non-finite values today)
+    # pad(value=-inf/nan) was refused by the pad op's type rule (issue 11, item 2)
+    "pad_neginf": (
+        lambda x: F.pad(x, (1, 2), value=-float("inf")),
+        lambda t: torch.nn.functional.pad(t, (1, 2), value=-float("inf")),
+    ),
+    "pad_nan": (
+        lambda x: F.pad(x, (0, 1, 1, 0), value=float("nan")),
+        lambda t: torch.nn.functional.pad(t, (0, 1, 1, 0), value=float("nan")),
+    ),
     "mul": (lambda x: x * 1e39, lambda t: t * 1e39),
     "sub": (lambda x: x - 1e39, lambda t: t - 1e39),
     "tensor": (
