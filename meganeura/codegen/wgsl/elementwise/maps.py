@@ -90,7 +90,7 @@ UNARY: dict[str, Expr] = {
     "exp": lambda x, t, a: f"exp({x[0]})",
     "log": lambda x, t, a: f"log({x[0]})",
     "sqrt": lambda x, t, a: f"sqrt({x[0]})",
-    "relu": lambda x, t, a: f"max({x[0]}, 0.0)",
+    "relu": lambda x, t, a: f"max_nan({x[0]}, 0.0)",  # relu(NaN) = NaN, as torch
     "tanh": lambda x, t, a: f"tanh_stable({x[0]})",
     "sigmoid": lambda x, t, a: f"sigmoid_stable({x[0]})",
     "abs": lambda x, t, a: f"abs({x[0]})",
@@ -130,14 +130,31 @@ def _infix(sym: str) -> Expr:
 
 
 def _compare(sym: str) -> Expr:
-    return lambda x, t, a: f"select(0u, 1u, {x[0]} {sym} {x[1]})"
+    """IEEE comparisons: false with a NaN operand, except ``!=`` (true). The NaN test is by bit
+    pattern: drivers fold ``x == x`` to true and ``x != x`` to false."""
+
+    def expr(x: Sequence[str], t: DType, a: dict) -> str:
+        cmp = f"{x[0]} {sym} {x[1]}"
+        if not t.is_floating:
+            return f"select(0u, 1u, {cmp})"
+        nan = f"is_nan_f32({x[0]}) || is_nan_f32({x[1]})"
+        if sym == "!=":
+            return f"select(0u, 1u, ({cmp}) || {nan})"
+        return f"select(0u, 1u, ({cmp}) && !({nan}))"
+
+    return expr
+
+
+def _extremum(fn: str) -> Expr:
+    """torch.maximum / minimum: NaN when either operand is NaN (WGSL's max/min is maxNum)."""
+    return lambda x, t, a: f"{fn}{'_nan' if t.is_floating else ''}({x[0]}, {x[1]})"
 
 
 BINARY: dict[str, Expr] = {
     **{op: _infix(sym) for op, sym in _INFIX.items()},
     **{op: _compare(sym) for op, sym in _COMPARE.items()},
-    "maximum": lambda x, t, a: f"max({x[0]}, {x[1]})",
-    "minimum": lambda x, t, a: f"min({x[0]}, {x[1]})",
+    "maximum": _extremum("max"),
+    "minimum": _extremum("min"),
     "pow": lambda x, t, a: f"pow_f32({x[0]}, {x[1]})",
     "logical_and": _logical("&&"),
     "logical_or": _logical("||"),
@@ -151,6 +168,10 @@ BINARY: dict[str, Expr] = {
 FUSIBLE = frozenset(UNARY) | frozenset(BINARY) | {"where", "cast", "broadcast_to"}
 # WGSL helper functions (``core.mathlib``) each op's expression calls.
 HELPERS: dict[str, tuple[str, ...]] = {
+    "relu": ("max_nan",),
+    "maximum": ("max_nan",),
+    "minimum": ("max_nan",),
+    **{op: ("is_nan_f32",) for op in _COMPARE},
     "tanh": ("tanh_stable",),
     "sigmoid": ("sigmoid_stable",),
     "silu": ("sigmoid_stable",),
