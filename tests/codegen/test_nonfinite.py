@@ -217,3 +217,38 @@ def test_gradient_with_nan_inputs_matches_torch(case, gpu_device):
     tx = torch.from_numpy(x.astype(np.float64)).requires_grad_(True)
     (tf(tx) * torch.from_numpy(r.astype(np.float64))).sum().backward()
     assert_same(dx, tx.grad.numpy(), f"d{case}/dx")
+
+
+ROW_CASES = {
+    "softmax": (lambda x: F.softmax(x, 1), lambda t: torch.softmax(t, 1)),
+    "log_softmax": (lambda x: F.log_softmax(x, 1), lambda t: torch.log_softmax(t, 1)),
+    "logsumexp": (lambda x: F.logsumexp(x, 1), lambda t: torch.logsumexp(t, 1)),
+    "layer_norm": (lambda x: F.layer_norm(x, x.shape[1:]), lambda t: TF.layer_norm(t, t.shape[1:])),
+    "rms_norm": (lambda x: F.rms_norm(x, x.shape[1:]), lambda t: TF.rms_norm(t, t.shape[1:])),
+    "var": (lambda x: F.var(x, 1), lambda t: torch.var(t, 1)),
+    "normalize": (lambda x: F.normalize(x, dim=1), lambda t: TF.normalize(t, dim=1)),
+    "normalize-inf": (
+        lambda x: F.normalize(x, p=float("inf"), dim=1),
+        lambda t: TF.normalize(t, p=float("inf"), dim=1),
+    ),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [8, 300], ids=["row8", "row300"])
+@pytest.mark.parametrize("case", list(ROW_CASES))
+def test_row_ops_on_rows_with_inf_and_nan(case, n, gpu_device):
+    """Row kernels (plain and team) on rows that are all -inf, hold one +inf, one -inf, both,
+    a NaN, or two +inf, against torch: NaN rows where torch has them, exact -inf/0 elsewhere."""
+    x = np.random.default_rng(0).normal(size=(6, n)).astype(np.float32)
+    x[0] = -np.inf
+    x[1, 3] = np.inf
+    x[2, 5] = -np.inf
+    x[3, [2, 4]] = np.inf, -np.inf
+    x[4, 1] = np.nan
+    x[5, :2] = np.inf
+    f, tf = ROW_CASES[case]
+    out = run(lambda b, x: f(x), {"x": x}, CompileOptions(), gpu_device)
+    with np.errstate(all="ignore"):
+        ref = tf(torch.from_numpy(x.copy())).numpy()
+    assert_same(out["y"], ref, f"{case} n={n}", tol=1e-4)
