@@ -23,6 +23,7 @@ import torch
 
 from meganeura.autodiff import differentiate
 from meganeura.compile import CompileOptions, compile
+from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder
 from meganeura.nn import functional as F
 from meganeura.runtime import Session
@@ -58,6 +59,13 @@ CASES = {
     "eq-self": (lambda x: x == x, lambda t: t == t),
     "ge-self": (lambda x: x >= x, lambda t: t >= t),
     "lt": (lambda x: x < 1.0, lambda t: t < 1.0),
+    "to-bool": (lambda x: F.cast(x, DType.bool), lambda t: t.bool()),
+    "logical_and": (
+        lambda x: F.logical_and(x, x * 0.0 + 1.0),
+        lambda t: torch.logical_and(t, t * 0 + 1),
+    ),
+    "logical_or": (lambda x: F.logical_or(x, x * 0.0), lambda t: torch.logical_or(t, t * 0)),
+    "logical_not": (F.logical_not, torch.logical_not),
     "erf": (F.erf, torch.erf),
     "exp": (F.exp, torch.exp),
     "log": (F.log, torch.log),

@@ -81,8 +81,16 @@ def _gelu(x: str, a: dict, grad: bool) -> str:
     return f"{form}{'_grad' if grad else ''}({x})"
 
 
+def _truth(x: str, t: DType) -> str:
+    """``x != 0`` as a WGSL bool; a NaN is true (IEEE ``!=``), tested by bit pattern because
+    Mesa folds ``NaN != 0.0`` to false."""
+    if t.is_floating:
+        return f"({x} != 0.0 || is_nan_f32({x}))"
+    return f"({x} != {zero(t)})"
+
+
 def _logical(sym: str) -> Expr:
-    return lambda x, t, a: f"select(0u, 1u, ({x[0]} != {zero(t)}) {sym} ({x[1]} != {zero(t)}))"
+    return lambda x, t, a: f"select(0u, 1u, {_truth(x[0], t)} {sym} {_truth(x[1], t)})"
 
 
 UNARY: dict[str, Expr] = {
@@ -171,7 +179,7 @@ HELPERS: dict[str, tuple[str, ...]] = {
     "relu": ("max_nan",),
     "maximum": ("max_nan",),
     "minimum": ("max_nan",),
-    **{op: ("is_nan_f32",) for op in _COMPARE},
+    **{op: ("is_nan_f32",) for op in (*_COMPARE, "logical_and", "logical_or", "logical_xor")},
     "tanh": ("tanh_stable",),
     "sigmoid": ("sigmoid_stable",),
     "silu": ("sigmoid_stable",),
@@ -228,8 +236,7 @@ def cast_expr(x: str, src: DType, dst: DType) -> str:
     if src is dst or (src is DType.bool and dst is DType.u32):
         return x  # bool is already stored as u32 0/1
     if dst is DType.bool:
-        zero = "0.0" if src.is_floating else ("0i" if src is DType.i32 else "0u")
-        return f"select(0u, 1u, {x} != {zero})"
+        return f"select(0u, 1u, {_truth(x, src)})"  # NaN -> True, as torch
     if src.is_floating and dst is DType.u32:
         # NumPy (C, on x86) wraps negative floats through int64; WGSL's u32() would clamp to 0.
         return f"select(u32({x}), u32(i32({x})), {x} < 0.0)"
@@ -312,7 +319,8 @@ def node_expr(graph: Graph, node: Node, names: Sequence[str]) -> tuple[str, tupl
     if node.op == "where":
         return f"select({names[2]}, {names[1]}, {names[0]} != 0u)", ()
     if node.op == "cast":
-        return cast_expr(names[0], dtype, node.type.dtype), ()
+        nan = dtype.is_floating and node.type.dtype is DType.bool
+        return cast_expr(names[0], dtype, node.type.dtype), ("is_nan_f32",) if nan else ()
     if node.op == "broadcast_to":
         return names[0], ()
     raise KeyError(f"no elementwise lowering for {node.op!r}")
