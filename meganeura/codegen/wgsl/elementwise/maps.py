@@ -8,7 +8,9 @@ read through baked strides (0 on broadcast dims, NumPy's rule), with size-1 dims
 contiguous runs merged first; an operand laid out exactly like the output is read at the flat
 index with no index math. Semantics follow each op's NumPy reference: integer ops wrap, i32
 division truncates toward zero (as ``astype`` truncates NumPy's true division), comparisons
-yield bool stored as u32 0/1, and ``tanh``/``sigmoid`` use formulas that cannot overflow.
+yield bool stored as u32 0/1 (IEEE with NaN, tested by bit pattern), maximum/minimum/relu
+propagate NaN (docs/ops.md, "Non-finite values"), and ``tanh``/``sigmoid`` use formulas
+that cannot overflow.
 Math WGSL lacks or specifies loosely (erf, sin/cos, log1p, expm1, pow, the gelu forms) comes
 from ``core.mathlib`` helper functions, emitted per kernel for the ops it computes; op attributes
 (slopes, bounds, beta) are baked in as literals.
