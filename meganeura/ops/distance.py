@@ -33,7 +33,7 @@ def vector_norm_keepdim(x: Tensor, p: float, dim: int) -> Tensor:
     if p == 1.0:
         return F.sum(a, dim, keepdim=True)
     s = F.sum(x * x if p == 2.0 else E.pow(a, p), dim, keepdim=True)
-    live = F.greater(s, 0.0)
+    live = F.ne(s, 0.0)  # s >= 0 or NaN; a NaN norm stays NaN (torch), so not s > 0
     safe = F.where(live, s, 1.0)
     root = F.sqrt(safe) if p == 2.0 else E.pow(safe, 1.0 / p)
     return F.where(live, root, 0.0)

@@ -83,16 +83,15 @@ def _cast(types, attrs):
     return TensorType(t.shape, DType(attrs["dtype"]))
 
 
-def _zero_like_where(cond, g):
-    return F.where(cond, g, F.zero(g))
-
-
-def _tie_split(a_wins, b_wins, g):
-    """Gradients of maximum/minimum: the winner takes g, a tie gives each operand g/2."""
+def _tie_split(a, b, a_wins, b_wins, g):
+    """Gradients of maximum/minimum: the loser gets 0, a tie gives each operand g/2, and
+    otherwise (a winner, or a NaN operand) the operand gets g: torch's
+    ``where(a == b, g / 2, g).masked_fill_(a < b, 0)``, so a NaN passes g to both operands."""
     half = g * 0.5
+    tie = F.eq(a, b)
     return (
-        F.where(a_wins, g, F.where(b_wins, F.zero(g), half)),
-        F.where(b_wins, g, F.where(a_wins, F.zero(g), half)),
+        F.where(b_wins, F.zero(g), F.where(tie, half, g)),
+        F.where(a_wins, F.zero(g), F.where(tie, half, g)),
     )
 
 
@@ -111,7 +110,8 @@ DEFS = [
         "relu",
         _float_unary,
         lambda x, a: np.maximum(x[0], 0).astype(x[0].dtype),
-        lambda n, i, o, g: (_zero_like_where(i[0] > 0.0, g),),
+        # torch's threshold_backward: 0 where x <= 0, else g (so g at a NaN input)
+        lambda n, i, o, g: (F.where(i[0] <= 0.0, F.zero(g), g),),
         arity=1,
     ),
     OpDef(
@@ -145,14 +145,14 @@ DEFS = [
         "maximum",
         _binary,
         lambda x, a: np.maximum(x[0], x[1]),
-        lambda n, i, o, g: _tie_split(F.greater(i[0], i[1]), F.less(i[0], i[1]), g),
+        lambda n, i, o, g: _tie_split(i[0], i[1], F.greater(i[0], i[1]), F.less(i[0], i[1]), g),
         arity=2,
     ),
     OpDef(
         "minimum",
         _binary,
         lambda x, a: np.minimum(x[0], x[1]),
-        lambda n, i, o, g: _tie_split(F.less(i[0], i[1]), F.greater(i[0], i[1]), g),
+        lambda n, i, o, g: _tie_split(i[0], i[1], F.less(i[0], i[1]), F.greater(i[0], i[1]), g),
         arity=2,
     ),
     OpDef("greater", _compare, lambda x, a: x[0] > x[1], differentiable=False, arity=2),

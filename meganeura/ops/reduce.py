@@ -100,7 +100,8 @@ def _mean_grad(node, i, o, g):
 
 
 def _extremum_grad(node, i, o, g):
-    # amax/amin: ties share the gradient equally, as torch.amax/amin document.
+    # amax/amin: ties share the gradient equally, as torch.amax/amin document. A NaN maximum
+    # equals nothing, so count = 0 and the group's gradient is NaN (0/0), as torch's.
     x = i[0]
     mask = F.cast(F.eq(x, _expand_back(node, x, o)), x.dtype)
     count = F.sum(mask, node.attr("dims"), keepdim=True)
@@ -109,12 +110,16 @@ def _extremum_grad(node, i, o, g):
 
 def _first_extremum_grad(node, i, o, g):
     # torch.max/min(x, dim): the whole gradient goes to the index returned (the first of ties);
-    # "first" is where the running count of ties along the dim equals 1 (exact in i32).
+    # "first" is where the running count of ties along the dim equals 1 (exact in i32). A NaN
+    # maximum equals nothing: the hits are then the NaNs (x != x), so g goes to the first NaN,
+    # the index argmax returns, as torch (a group without NaN has no x != x).
+    from .elementwise import logical_or
+
     x, dims = i[0], node.attr("dims")
     if not dims:  # a 0-d input: the value is the input
         return (g,)
     (d,) = dims
-    hit = F.cast(F.eq(x, _expand_back(node, x, o)), DType.i32)
+    hit = F.cast(logical_or(F.eq(x, _expand_back(node, x, o)), F.ne(x, x)), DType.i32)
     first = F.eq(cumsum(hit, d) * hit, x.builder.constant(1, DType.i32))
     return (F.where(first, _expand_back(node, x, g), F.zero(g)),)
 

@@ -21,6 +21,7 @@ from ....graph.ir import Graph
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder
 from ..core.literals import f32_literal, u
+from ..core.mathlib import helper_source
 
 WG = 256
 UNROLL_TAPS = 64
@@ -89,13 +90,17 @@ def _window(x, attrs, dil, h: int, w: int, oh: int, ow: int, step) -> str:
     return text + "".join(step(f"ok{t}", f"v{t}", u(t)) for t in range(len(taps)))
 
 
+_NAN = helper_source(["is_nan_f32"])
+
+
 def _argmax_body(x, attrs, dil, h: int, w: int, oh: int, ow: int) -> str:
     """Statements leaving ``m`` (max) and ``mi`` (tap index) of window ``i``: the first
     maximum in scan order, a NaN winning (PyTorch's ``val > max || isnan(val)``)."""
 
     def step(ok: str, v: str, tap: str) -> str:
         take = f"m = {v}; mi = {tap}; found = true;"
-        return f"  if ({ok} && (!found || {v} > m || {v} != {v})) {{ {take} }}\n"
+        # NaN by bit pattern (``_NAN``): drivers fold ``v != v`` to false.
+        return f"  if ({ok} && (!found || {v} > m || is_nan_f32({v}))) {{ {take} }}\n"
 
     body = "  var m = 0.0;\n  var mi = 0u;\n  var found = false;\n"
     return body + _window(x, attrs, dil, h, w, oh, ow, step)
@@ -118,7 +123,7 @@ def lower_max_pool2d(graph: Graph, node_id: int, limits: Limits) -> list[KernelS
     body = _window_origin(a, h, w, oh, ow, total)
     body += _argmax_body(x, a, a["dilation"], h, w, oh, ow) + f"  {kb.store(out, 'i', 'm')}\n"
     taps = a["kernel_size"][0] * a["kernel_size"][1]
-    return [kb.finish("", body, WG, -(-total // WG), flops=total * taps)]
+    return [kb.finish("", body, WG, -(-total // WG), _NAN, flops=total * taps)]
 
 
 def _gather(attrs, dil, h: int, w: int, oh: int, ow: int, loads, step) -> str:
@@ -202,7 +207,7 @@ def lower_max_pool2d_backward(graph: Graph, node_id: int, limits: Limits) -> lis
     idx = kb.scratch("argmax", n_out, DType.u32, "argmax")
     body = _window_origin(a, h, w, oh, ow, n_out)
     body += _argmax_body(x, a, a["dilation"], h, w, oh, ow) + f"  {kb.store(idx, 'i', 'mi')}\n"
-    first = kb.finish("argmax", body, WG, -(-n_out // WG))
+    first = kb.finish("argmax", body, WG, -(-n_out // WG), _NAN)
 
     kb = KernelBuilder(graph, node, limits)
     g = kb.read(node.inputs[1], "g")

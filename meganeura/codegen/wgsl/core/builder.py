@@ -26,7 +26,7 @@ from ....dtypes import DType
 from ....graph.ir import Graph, Node, TensorType, resolve_view
 from ...kernel import MAX_ELEMENTS, ArenaRef, KernelSource, Limits, ScratchRef, ValueRef
 from .layout import fold_grid, linear_workgroup
-from .literals import F32_BITS, F32_BITS_HELPER, literal
+from .literals import F32_BITS, F32_BITS_HELPER, F32_OPAQUE_INIT, literal
 
 ENTRY_ARGS = (
     "@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, "
@@ -262,12 +262,14 @@ class KernelBuilder:
             r"\bf16\b", body + helpers
         ):
             src = "enable f16;\n\n" + src
-        if re.search(rf"\b{F32_BITS}\(", body + helpers):  # a non-finite constant
+        opaque = re.search(rf"\b{F32_BITS}\(", body + helpers) is not None
+        if opaque:  # a non-finite or zero constant
             helpers = F32_BITS_HELPER + "\n" + helpers
         if helpers:
             src += helpers.strip("\n") + "\n\n"
         src += f"@compute @workgroup_size({workgroup_size})\nfn main({ENTRY_ARGS}{extra_args}) {{\n"
-        src += linear_workgroup(groups, grid) + body.rstrip() + "\n}\n"
+        src += (F32_OPAQUE_INIT if opaque else "") + linear_workgroup(groups, grid)
+        src += body.rstrip() + "\n}\n"
         name = f"%{self.node.id} {self.node.op}" + (f" {suffix}" if suffix else "")
         return KernelSource(name, src, tuple(self._refs), grid, flops, nbytes)
 

@@ -18,6 +18,27 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+# NaN and inf tests by bit pattern: drivers apply "inexact" rules that assume finite floats
+# (Mesa folds ``x != x`` to false, and ``max``/``min`` return the non-NaN operand, IEEE
+# maxNum), so no helper tests a float for NaN by comparing it.
+_NONFINITE = """
+fn is_nan_f32(x: f32) -> bool {
+  return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
+}
+fn is_inf_f32(x: f32) -> bool {
+  return (bitcast<u32>(x) & 0x7fffffffu) == 0x7f800000u;
+}
+"""
+# torch.maximum / amax semantics: NaN if either operand is NaN (the first one's bits).
+_MAX_NAN = """
+fn max_nan(a: f32, b: f32) -> f32 {
+  return select(select(max(a, b), b, is_nan_f32(b)), a, is_nan_f32(a));
+}
+fn min_nan(a: f32, b: f32) -> f32 {
+  return select(select(min(a, b), b, is_nan_f32(b)), a, is_nan_f32(a));
+}
+"""
+
 # tanh: Cephes' tanhf polynomial below |x| = 0.625 (where 1 - 2e/(1+e) would cancel), and
 # exp(-2|x|), which only underflows, above it; drivers' tanh can return NaN past |x| ~ 44.
 _TANH = """
@@ -96,6 +117,9 @@ fn erfc_tail(a: f32) -> f32 {
 _ERF = """
 fn erf_f32(x: f32) -> f32 {
   let a = abs(x);
+  if (is_nan_f32(x)) {
+    return x;
+  }
   if (a < 0.84375) {
     return x + x * erf_small(x);
   }
@@ -111,6 +135,9 @@ fn erf_f32(x: f32) -> f32 {
 _ERFC = """
 fn erfc_f32(x: f32) -> f32 {
   let a = abs(x);
+  if (is_nan_f32(x)) {
+    return x;
+  }
   if (a < 0.84375) {
     let y = erf_small(x);
     if (x < 0.25) {
@@ -175,17 +202,20 @@ fn expm1_f32(x: f32) -> f32 {
 }
 """
 
-# exp2 that keeps exp2(+inf) = +inf: lavapipe's exp2 returns 0 there (its exp does not).
+# exp2 that keeps exp2(+inf) = +inf and exp2(NaN) = NaN: lavapipe's exp2 returns 0 for both
+# (its exp does not).
 _EXP2 = """
 fn exp2_f32(l: f32) -> f32 {
-  return select(exp2(l), l, bitcast<u32>(l) == 0x7f800000u);
+  return select(exp2(l), l, bitcast<u32>(l) == 0x7f800000u || is_nan_f32(l));
 }
 """
 # pow with torch.pow semantics: |a|^b as exp2(b * log2|a|) (what WGSL's pow is defined as);
 # a negative base keeps the sign of an odd integer exponent, gives NaN (log2 of a negative
 # number) for a non-integer one; b == 0 and a == 1 give 1 for every b and a; 0^b is 0 (b > 0)
 # or inf (b < 0), signed for -0 and an odd exponent. Infinite results come from the
-# arithmetic (log2(0) = -inf, overflow), never from literals.
+# arithmetic (log2(0) = -inf, overflow), never from literals. C99 pow's non-finite cases, as
+# torch: a NaN operand gives NaN (except the two rules above), (-1)^(+-inf) = 1, and -inf to a
+# non-integer power is +inf (b > 0) or 0 (b < 0), not the NaN of a finite negative base.
 _POW = """
 fn pow_f32(a: f32, b: f32) -> f32 {
   let m = exp2_f32(b * log2(abs(a)));
@@ -194,8 +224,9 @@ fn pow_f32(a: f32, b: f32) -> f32 {
   let odd = is_int && half != floor(half);
   let negative = (bitcast<u32>(a) >> 31u) == 1u;
   var r = select(m, -m, negative && odd);
-  r = select(r, exp2(b * log2(a)), a < 0.0 && !is_int);
-  return select(r, 1.0, b == 0.0 || a == 1.0);
+  r = select(r, exp2(b * log2(a)), a < 0.0 && !is_int && !is_inf_f32(a));
+  r = select(r, a + b, is_nan_f32(a) || is_nan_f32(b));
+  return select(r, 1.0, b == 0.0 || a == 1.0 || (a == -1.0 && is_inf_f32(b)));
 }
 """
 
@@ -242,17 +273,19 @@ fn softplus_f32(t: f32) -> f32 {
 """
 
 HELPERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "is_nan_f32": (_NONFINITE, ()),
+    "max_nan": (_MAX_NAN, ("is_nan_f32",)),
     "tanh_stable": (_TANH, ()),
     "sigmoid_stable": (_SIGMOID, ()),
     "erf_small": (_ERF_RS, ()),
     "erf_mid": (_ERF_PQ, ()),
     "erfc_tail": (_ERFC_TAIL, ()),
-    "erf_f32": (_ERF, ("erf_small", "erf_mid", "erfc_tail")),
-    "erfc_f32": (_ERFC, ("erf_small", "erf_mid", "erfc_tail")),
+    "erf_f32": (_ERF, ("is_nan_f32", "erf_small", "erf_mid", "erfc_tail")),
+    "erfc_f32": (_ERFC, ("is_nan_f32", "erf_small", "erf_mid", "erfc_tail")),
     "sin_cos_f32": (_SINCOS, ()),
     "log1p_f32": (_LOG1P, ()),
     "expm1_f32": (_EXPM1, ()),
-    "exp2_f32": (_EXP2, ()),
+    "exp2_f32": (_EXP2, ("is_nan_f32",)),
     "pow_f32": (_POW, ("exp2_f32",)),
     "gelu": (_GELU, ("erfc_f32", "sigmoid_stable")),
     "silu_grad": (_SILU, ("sigmoid_stable",)),

@@ -8,7 +8,9 @@ read through baked strides (0 on broadcast dims, NumPy's rule), with size-1 dims
 contiguous runs merged first; an operand laid out exactly like the output is read at the flat
 index with no index math. Semantics follow each op's NumPy reference: integer ops wrap, i32
 division truncates toward zero (as ``astype`` truncates NumPy's true division), comparisons
-yield bool stored as u32 0/1, and ``tanh``/``sigmoid`` use formulas that cannot overflow.
+yield bool stored as u32 0/1 (IEEE with NaN, tested by bit pattern), maximum/minimum/relu
+propagate NaN (docs/ops.md, "Non-finite values"), and ``tanh``/``sigmoid`` use formulas
+that cannot overflow.
 Math WGSL lacks or specifies loosely (erf, sin/cos, log1p, expm1, pow, the gelu forms) comes
 from ``core.mathlib`` helper functions, emitted per kernel for the ops it computes; op attributes
 (slopes, bounds, beta) are baked in as literals.
@@ -81,8 +83,16 @@ def _gelu(x: str, a: dict, grad: bool) -> str:
     return f"{form}{'_grad' if grad else ''}({x})"
 
 
+def _truth(x: str, t: DType) -> str:
+    """``x != 0`` as a WGSL bool; a NaN is true (IEEE ``!=``), tested by bit pattern because
+    Mesa folds ``NaN != 0.0`` to false."""
+    if t.is_floating:
+        return f"({x} != 0.0 || is_nan_f32({x}))"
+    return f"({x} != {zero(t)})"
+
+
 def _logical(sym: str) -> Expr:
-    return lambda x, t, a: f"select(0u, 1u, ({x[0]} != {zero(t)}) {sym} ({x[1]} != {zero(t)}))"
+    return lambda x, t, a: f"select(0u, 1u, {_truth(x[0], t)} {sym} {_truth(x[1], t)})"
 
 
 UNARY: dict[str, Expr] = {
@@ -90,7 +100,7 @@ UNARY: dict[str, Expr] = {
     "exp": lambda x, t, a: f"exp({x[0]})",
     "log": lambda x, t, a: f"log({x[0]})",
     "sqrt": lambda x, t, a: f"sqrt({x[0]})",
-    "relu": lambda x, t, a: f"max({x[0]}, 0.0)",
+    "relu": lambda x, t, a: f"max_nan({x[0]}, 0.0)",  # relu(NaN) = NaN, as torch
     "tanh": lambda x, t, a: f"tanh_stable({x[0]})",
     "sigmoid": lambda x, t, a: f"sigmoid_stable({x[0]})",
     "abs": lambda x, t, a: f"abs({x[0]})",
@@ -130,14 +140,31 @@ def _infix(sym: str) -> Expr:
 
 
 def _compare(sym: str) -> Expr:
-    return lambda x, t, a: f"select(0u, 1u, {x[0]} {sym} {x[1]})"
+    """IEEE comparisons: false with a NaN operand, except ``!=`` (true). The NaN test is by bit
+    pattern: drivers fold ``x == x`` to true and ``x != x`` to false."""
+
+    def expr(x: Sequence[str], t: DType, a: dict) -> str:
+        cmp = f"{x[0]} {sym} {x[1]}"
+        if not t.is_floating:
+            return f"select(0u, 1u, {cmp})"
+        nan = f"is_nan_f32({x[0]}) || is_nan_f32({x[1]})"
+        if sym == "!=":
+            return f"select(0u, 1u, ({cmp}) || {nan})"
+        return f"select(0u, 1u, ({cmp}) && !({nan}))"
+
+    return expr
+
+
+def _extremum(fn: str) -> Expr:
+    """torch.maximum / minimum: NaN when either operand is NaN (WGSL's max/min is maxNum)."""
+    return lambda x, t, a: f"{fn}{'_nan' if t.is_floating else ''}({x[0]}, {x[1]})"
 
 
 BINARY: dict[str, Expr] = {
     **{op: _infix(sym) for op, sym in _INFIX.items()},
     **{op: _compare(sym) for op, sym in _COMPARE.items()},
-    "maximum": lambda x, t, a: f"max({x[0]}, {x[1]})",
-    "minimum": lambda x, t, a: f"min({x[0]}, {x[1]})",
+    "maximum": _extremum("max"),
+    "minimum": _extremum("min"),
     "pow": lambda x, t, a: f"pow_f32({x[0]}, {x[1]})",
     "logical_and": _logical("&&"),
     "logical_or": _logical("||"),
@@ -151,6 +178,10 @@ BINARY: dict[str, Expr] = {
 FUSIBLE = frozenset(UNARY) | frozenset(BINARY) | {"where", "cast", "broadcast_to"}
 # WGSL helper functions (``core.mathlib``) each op's expression calls.
 HELPERS: dict[str, tuple[str, ...]] = {
+    "relu": ("max_nan",),
+    "maximum": ("max_nan",),
+    "minimum": ("max_nan",),
+    **{op: ("is_nan_f32",) for op in (*_COMPARE, "logical_and", "logical_or", "logical_xor")},
     "tanh": ("tanh_stable",),
     "sigmoid": ("sigmoid_stable",),
     "silu": ("sigmoid_stable",),
@@ -207,8 +238,7 @@ def cast_expr(x: str, src: DType, dst: DType) -> str:
     if src is dst or (src is DType.bool and dst is DType.u32):
         return x  # bool is already stored as u32 0/1
     if dst is DType.bool:
-        zero = "0.0" if src.is_floating else ("0i" if src is DType.i32 else "0u")
-        return f"select(0u, 1u, {x} != {zero})"
+        return f"select(0u, 1u, {_truth(x, src)})"  # NaN -> True, as torch
     if src.is_floating and dst is DType.u32:
         # NumPy (C, on x86) wraps negative floats through int64; WGSL's u32() would clamp to 0.
         return f"select(u32({x}), u32(i32({x})), {x} < 0.0)"
@@ -291,7 +321,8 @@ def node_expr(graph: Graph, node: Node, names: Sequence[str]) -> tuple[str, tupl
     if node.op == "where":
         return f"select({names[2]}, {names[1]}, {names[0]} != 0u)", ()
     if node.op == "cast":
-        return cast_expr(names[0], dtype, node.type.dtype), ()
+        nan = dtype.is_floating and node.type.dtype is DType.bool
+        return cast_expr(names[0], dtype, node.type.dtype), ("is_nan_f32",) if nan else ()
     if node.op == "broadcast_to":
         return names[0], ()
     raise KeyError(f"no elementwise lowering for {node.op!r}")

@@ -12,6 +12,8 @@ statistics of several chunks of a group combine (``combine``) and the value stor
 chunks (one workgroup each, statistics into scratch, then a second dispatch combines them),
 each thread sums a strided slice in blocks, and threads combine pairwise, so a 2^21-element
 sum keeps f32 accuracy. Per op:
+  * amax/amin/max/min over floats propagate NaN (``max_nan``), argmax/argmin rank a NaN above
+    every number and return the first NaN, as torch; NaN tests are by bit pattern;
   * amax/amin/max/min/argmax start from a real element of the group (never from an infinite
     literal); argmax/argmin carry (value, index) pairs ordered by value then index, so the
     first index wins ties whatever the combining order;
@@ -24,6 +26,7 @@ sum keeps f32 accuracy. Per op:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, compute_dtype
 from ..core.layout import contiguous_strides, strided_index
 from ..core.literals import f32_literal, u
+from ..core.mathlib import helper_source
 from ..rowwise.rows import RowPlan, plan_rows, shared_decl, strided_loop, thread_coords, tree
 
 # Aim for this many workgroups before splitting groups into chunks (fills a large GPU), but
@@ -175,10 +179,22 @@ def _monoid(f: Fold, dtype: DType, finish: Callable[[str], str] = lambda s: s) -
 
 
 def _arg_spec(dtype: DType, better: str) -> _Spec:
+    # Floating values: a NaN beats every number and the first NaN wins (torch.argmax); the
+    # NaN test is by bit pattern (drivers fold x != x to false).
+    pick = f"(b.v {better} a.v || (b.v == a.v && b.i < a.i))"
+    nan_helpers = ""
+    if dtype.is_floating:
+        pick = (
+            "let an = is_nan_f32(a.v);\n  let bn = is_nan_f32(b.v);\n"
+            f"  if ((bn && (!an || b.i < a.i)) || (!an && {pick})) {{ return b; }}"
+        )
+        nan_helpers = helper_source(["is_nan_f32"]) + "\n\n"
+    else:
+        pick = f"if {pick} {{ return b; }}"
     helpers = (
-        f"struct VI {{ v: {dtype.wgsl}, i: u32 }}\n\n"
+        nan_helpers + f"struct VI {{ v: {dtype.wgsl}, i: u32 }}\n\n"
         "fn pick(a: VI, b: VI) -> VI {\n"
-        f"  if (b.v {better} a.v || (b.v == a.v && b.i < a.i)) {{ return b; }}\n"
+        f"  {pick}\n"
         "  return a;\n}\n"
     )
     f = Fold("VI", _call("pick"), struct=True)
@@ -255,7 +271,12 @@ def _spec(op: str, dtype: DType, n_red: int, node) -> _Spec:
             fin = lambda s: f"{s} / {f32_literal(float(n_red))}"  # noqa: E731
         return _monoid(_sum(dtype.wgsl), dtype, fin)
     if op in ("amax", "max", "amin", "min"):
-        return _monoid(Fold(dtype.wgsl, _call("max" if "max" in op else "min")), dtype)
+        fn = "max" if "max" in op else "min"
+        if not dtype.is_floating:
+            return _monoid(Fold(dtype.wgsl, _call(fn)), dtype)
+        # NaN-propagating (torch.amax): WGSL's max/min return the non-NaN operand.
+        spec = _monoid(Fold(dtype.wgsl, _call(f"{fn}_nan")), dtype)
+        return dataclasses.replace(spec, helpers=helper_source(["max_nan"]) + "\n")
     if op in ("argmax", "argmin"):
         return _arg_spec(dtype, ">" if op == "argmax" else "<")
     if op == "var":
@@ -341,6 +362,8 @@ def _vec4_fold(op: str, kept: Layout, red: Layout, x) -> tuple[Layout, Layout, s
         return None
     ty = x.dtype.wgsl if x.dtype.wgsl != "f16" else "f32"
     f = _VEC_OPS[op]
+    if f != "+" and ty == "f32":
+        f += "_nan"  # the helper comes with the monoid's (``_spec``)
     body = "(v.x + v.y) + (v.z + v.w)" if f == "+" else f"{f}({f}(v.x, v.y), {f}(v.z, v.w))"
     fold = f"\nfn h4(v: vec4<{ty}>) -> {ty} {{ return {body}; }}\n"
     kept4 = (kept[0], tuple(s // 4 for s in kept[1]))
