@@ -59,13 +59,13 @@ def test_mlp_step_fuses_bias_relu_and_the_relu_mask_into_matmuls():
     assert set(groups) == {
         ("matmul", "add", "relu"),  # fc1: x @ W1^T + b1, relu
         ("matmul", "add"),  # fc2: logits
-        ("matmul", "greater", "where"),  # backward through relu, in the dx matmul's store
+        ("matmul", "less_equal", "where"),  # backward through relu (threshold_backward)
     }
     fc1 = groups[("matmul", "add", "relu")]
     assert fc1.anchor == fc1.members[0]
     # the pre-activation is read by the backward mask, the activation by the next matmul
     assert _ops(g, fc1.outputs) == ["add", "relu"]
-    mask = groups[("matmul", "greater", "where")]
+    mask = groups[("matmul", "less_equal", "where")]
     assert _ops(g, mask.outputs) == ["where"]  # the comparison is never stored
 
 
