@@ -27,7 +27,10 @@ of x with fixed statistics; its gradient is written with elementwise ops and sum
 batch_norm in training mode also appends ``batch_norm_update_stats`` (an effect op writing the
 ``state`` leaves running_mean/running_var in place, as torch.nn.functional.batch_norm does):
 ``running = (1 - momentum) * running + momentum * batch_stat`` with the *unbiased* batch
-variance, while the output is normalized with the biased one.
+variance, while the output is normalized with the biased one. Its optional fourth operand is the
+non-finite guard's clip coefficient (``optim.guard``): when it is inf or NaN (by bit pattern, the
+guard tripped) the op writes nothing, as the optimizer updates do; a guarded training program
+moves the op after the guard's decision (``optim.guard.defer_update_stats``, issue 11 item 3).
 """
 
 from __future__ import annotations
@@ -105,8 +108,12 @@ def _weight_backward_type(types, attrs, kind: str):
 
 
 def _update_stats_type(types, attrs):
-    x, rm, rv = types
+    if len(types) not in (3, 4):
+        raise ShapeError(f"expects x, running_mean, running_var[, clip], got {len(types)} operands")
+    x, rm, rv = types[:3]
     _x_type(x)
+    if len(types) == 4 and types[3] != TensorType((), DType.f32):
+        raise ShapeError(f"clip must be f32[], got {types[3]}")
     _, m, wshape = group_dims(x.shape, "batch_norm", attrs)
     _check_params(x, [rm, rv], wshape, ("running_mean", "running_var"))
     if rm.shape != wshape or rv.shape != wshape:
@@ -188,7 +195,6 @@ def _defs() -> list[OpDef]:
             update_stats_np,
             differentiable=False,
             writes=(1, 2),
-            arity=3,
         )
     )
     return out

@@ -138,7 +138,11 @@ def weight_backward_np(kind: str):
 
 
 def update_stats_np(xs, a):
-    x, rm, rv = (np.asarray(v) for v in xs)
+    x, rm, rv = (np.asarray(v) for v in xs[:3])
+    if len(xs) == 4:  # the guard's clip coefficient: non-finite means the step was skipped
+        bits = np.asarray(xs[3], np.float32).view(np.uint32)
+        if (bits & 0x7F800000) == 0x7F800000:
+            return rm, rv
     xg = _grouped(x, "batch_norm", {"eps": 0.0})
     m = xg.shape[1]
     dev, mean = centered(xg, False)

@@ -44,6 +44,7 @@ from ....ops.norm_ref import group_dims
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.literals import f32_literal, u
+from ..optim import is_nonfinite
 from ..rowwise.team import Chunk, RowKernel, TeamPlan, plan_team, sources_bound
 
 MIN_SEG = 16  # elements per segment below which a segmented row is left to the rows kernels
@@ -367,10 +368,22 @@ def weight_backward_team(graph: Graph, node_id: int, limits: Limits) -> list[Ker
     return [stats_k, rk.finish("reduce")]
 
 
+def update_stats_kept(kb: KernelBuilder, node) -> str:
+    """The WGSL condition (`` && ...``, or ``""``) under which ``batch_norm_update_stats``
+    writes: its optional fourth operand, the non-finite guard's clip coefficient, is finite.
+    A NaN clip means the guard skipped the step (``ops/update.py``); the statistics are still
+    computed (their workgroup barriers stay in uniform control flow) but not stored, so the
+    running statistics keep their bits as the parameters do."""
+    if len(node.inputs) < 4:
+        return ""
+    clip = kb.read(node.inputs[3], "clip")
+    return f" && !{is_nonfinite(clip.at('0u'))}"
+
+
 def update_stats_team(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource] | None:
     """batch_norm's running statistics (``lowering.lower_update_stats``) as one team kernel."""
     node = graph[node_id]
-    x_id, rm_id, rv_id = node.inputs
+    x_id, rm_id, rv_id = node.inputs[:3]
     shape = graph[x_id].type.shape
     n, c, s = _segments(shape)
     plan = _plan_channels(n, c, s, limits)
@@ -381,11 +394,12 @@ def update_stats_team(graph: Graph, node_id: int, limits: Limits) -> list[Kernel
     if not sources_bound(x):
         return None
     rm, rv = kb.write(rm_id, "running_mean"), kb.write(rv_id, "running_var")
+    kept = update_stats_kept(kb, node)
     rk = RowKernel(kb, plan)
     _stats(rk, rk.bind(x), False, 0.0)
     mom = node.attr("momentum")
     a, b = f32_literal(mom), f32_literal(1.0 - mom)
-    rk.line("if (live && y == 0u) {")
+    rk.line(f"if (live && y == 0u{kept}) {{")
     rk.line(f"  {rm}[row] = {a} * (shift + mean) + {b} * {rm}[row];")
     rk.line(f"  {rv}[row] = {a} * (ssd / {f32_literal(plan.n - 1)}) + {b} * {rv}[row];")
     rk.line("}")
