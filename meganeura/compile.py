@@ -21,7 +21,7 @@ from .graph.ir import Graph, resolve_view
 from .graph.verify import verify
 from .optim import Optimizer, apply_optimizer
 from .optim.accumulate import add_to_accumulators, mean_with_accumulators
-from .optim.guard import GUARD_MODES
+from .optim.guard import GUARD_MODES, defer_update_stats
 from .passes import cse, dce, fold_permutes
 from .passes.precision import narrow_storage
 from .schedule.planner import plan_memory
@@ -76,7 +76,10 @@ class CompileOptions:
             sum of squares on the GPU and skip the update when either is inf or NaN
             (``optim.guard``; the Trainers set it); None: no guard. A program without an
             optimizer (inference, ``accumulate_grads``) has no update to guard and ignores it:
-            the last micro-batch's program checks the mean of all micro-batches.
+            the last micro-batch's program checks the mean of all micro-batches. A skipped
+            step writes no running statistics either (``optim.guard.defer_update_stats``);
+            with accumulation only the last micro-batch's, the earlier micro-batches' programs
+            having written theirs already.
     """
 
     loss: str | None = None
@@ -178,7 +181,12 @@ def _training_graph(
             guard=options.nonfinite_guard,
             max_bindings=(limits or Limits()).max_storage_buffers_per_shader_stage,
         )
-    return g, frozenset(raw | set(range(backward_end, len(g.nodes))))
+    master = raw | set(range(backward_end, len(g.nodes)))
+    if options.optimizer is not None and options.nonfinite_guard is not None:
+        # A skipped step must leave BatchNorm's running statistics as it leaves parameters.
+        g, id_map = defer_update_stats(g)
+        master = {id_map[i] for i in master if i in id_map}
+    return g, frozenset(master)
 
 
 def compile(

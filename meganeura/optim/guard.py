@@ -17,12 +17,19 @@ is sticky: once a step trips, every later step is skipped too until the host rea
 bad step instead of training on past it. A sum of squares beyond f32's range (gradient
 elements near 1.8e19) trips the guard as well, as ``clip_grad_norm_(error_if_nonfinite=True)``
 would.
+
+BatchNorm's running statistics are guarded too: ``defer_update_stats`` moves each
+``batch_norm_update_stats`` after the guard and gives it the clip coefficient, so a skipped
+step leaves ``running_mean``/``running_var`` bit-identical (issue 11, item 3).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..dtypes import DType
 from ..graph.builder import GraphBuilder, Tensor
+from ..graph.ir import Graph
 
 GUARD_STATE = "_guard.skipped"
 GUARD_RESET_INPUT = "guard.reset"
@@ -53,3 +60,48 @@ def append_guard(b: GraphBuilder, clip: Tensor, checked: list[Tensor], mode: str
     b.add("guard_count", [skipped, guarded, reset])
     b.output(GUARD_OUTPUT, skipped)
     return guarded
+
+
+def defer_update_stats(graph: Graph) -> tuple[Graph, dict[int, int]]:
+    """Move a guarded training graph's running-statistics updates after the guard's decision.
+
+    ``batch_norm_update_stats`` runs in the forward, before the loss exists; left there, a
+    skipped step (a NaN batch) would still write its NaN statistics into ``running_mean`` and
+    ``running_var``. Each such op is re-appended at the end of the graph with the guard's clip
+    coefficient as a fourth operand (its kernel then writes nothing when the clip is NaN, as
+    the optimizer updates do), and the original is dropped. The op reads the batch ``x`` it
+    recomputes the statistics from, which the backward reads anyway, so no value lives longer
+    than the backward's own. An update whose running statistics another node reads after it
+    (a hand-built graph that uses the new statistics in the same step) stays where it is,
+    unguarded, since moving it would change what that node reads.
+
+    Args:
+        graph: a training graph holding the guard (``append_guard``'s ``guard_clip``); a graph
+            without one is returned unchanged.
+
+    Returns:
+        (the rewritten graph, old node id -> new node id of every kept node).
+    """
+    from ..passes.simplify import renumber  # passes sit after the optimizer in the pipeline
+
+    clips = [n.id for n in graph.nodes if n.op == "guard_clip"]
+    identity = {n.id: n.id for n in graph.nodes}
+    if not clips:
+        return graph, identity
+    b = GraphBuilder(graph)
+    clip = b.tensor(clips[-1])
+    keep = [True] * len(graph.nodes)
+    for n in graph.nodes:
+        if n.op != "batch_norm_update_stats" or len(n.inputs) != 3:
+            continue
+        stats = set(n.inputs[1:])
+        later = graph.nodes[n.id + 1 :]
+        if any(stats & set(m.inputs) for m in later if m.op != "batch_norm_update_stats"):
+            continue
+        t = b.add(n.op, [b.tensor(i) for i in n.inputs] + [clip], n.attr_dict)
+        b.nodes[t.id] = dataclasses.replace(b.nodes[t.id], loc=n.loc, origin=n.origin)
+        keep[n.id] = False
+    if all(keep):
+        return graph, identity
+    keep += [True] * (len(b.nodes) - len(graph.nodes))
+    return renumber(b.build_unverified(), keep)
