@@ -20,11 +20,13 @@ Invariants:
     asked for;
   * what a traced forward does to host state (BatchNorm's ``num_batches_tracked += 1``,
     registered with ``Trace.on_run``) happens once per executed forward: after every run of a
-    program, ``k`` times per step with accumulation;
+    program, ``k`` times per step with accumulation; a step the guard skips has its guarded
+    (last) run's effects taken back when the guard's count is read (``StepGuard``);
   * ``load`` checks the whole checkpoint before it applies any of it;
   * every step's update is guarded against inf and NaN on the GPU (``training.guard``): a
-    step whose loss or gradients are non-finite writes no parameter or optimizer state, and
-    the next read raises ``NonFiniteError`` (or warns, ``on_nonfinite="skip"``).
+    step whose loss or gradients are non-finite writes no parameter, optimizer state or
+    BatchNorm running statistics (issue 11 item 3), and the next read raises
+    ``NonFiniteError`` (or warns, ``on_nonfinite="skip"``).
 """
 
 from __future__ import annotations
@@ -131,7 +133,9 @@ class Trainer:
             )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
-        self._guard = StepGuard(check_mode(on_nonfinite), "Trainer")
+        self._guard = StepGuard(
+            check_mode(on_nonfinite), "Trainer", (self._host_counters, self._set_host_counters)
+        )
         self.check_finite = bool(check_finite)
         self.model = model
         self.optimizer = optimizer
@@ -224,8 +228,10 @@ class Trainer:
             Nothing is changed when any of these is raised.
             NonFiniteError: the loss or the gradients of this step (or, read now, of an
                 earlier step run with ``return_loss=False``) hold inf or NaN; the update was
-                skipped on the GPU and the trainer is as before that step (its BatchNorm
-                running statistics aside). ``on_nonfinite="skip"`` warns instead.
+                skipped on the GPU and the trainer is as before that step, BatchNorm's running
+                statistics and ``num_batches_tracked`` included (with accumulation, the
+                earlier micro-batches' updates of them stay). ``on_nonfinite="skip"`` warns
+                instead.
         """
         k = self.accumulation_steps
         micro = split_batch(self._fn, batch, kwargs, k) if k > 1 else [(batch, kwargs)]
@@ -256,6 +262,9 @@ class Trainer:
             guarded = GUARD_OUTPUT in prog.entry.runner.program.outputs
             if fetch and guarded:  # the flag comes in the same read
                 fetch += (GUARD_OUTPUT,)
+            # what the guarded run's forward advances (num_batches_tracked), taken back if
+            # the guard skips the step, as the GPU skips its running-statistics update
+            host = self._host_counters() if guarded else None
             out = self._run(prog, feeds, fetch)
         except BaseException:
             mn_random.set_rng_state(rng_state)
@@ -266,7 +275,7 @@ class Trainer:
                 StepRun(x.program, f, x.session, x.traced.graph, x.options)
                 for x, (_, f) in zip(r, runs, strict=True)
             )
-            self._guard.ran(self.step_count, rng_state, located)
+            self._guard.ran(self.step_count, rng_state, located, host)
         self.step_count += 1
         loss = float(out[LOSS]) if return_loss else None
         grads = {name: out[g] for g, name in prog.grads.items()}
@@ -288,6 +297,17 @@ class Trainer:
         self.check_nonfinite()
         prog, feeds = self._prepare("evaluate", batch, kwargs)
         return float(self._run(prog, feeds, (LOSS,))[LOSS])
+
+    def _host_counters(self) -> dict[str, np.ndarray]:
+        """Copies of the model's host-only buffers (BatchNorm's ``num_batches_tracked``)."""
+        return {
+            name: np.array(b.data) for name, b in self.model.named_buffers(_all=True) if b.host_only
+        }
+
+    def _set_host_counters(self, values: Mapping[str, np.ndarray]) -> None:
+        buffers = dict(self.model.named_buffers(_all=True))
+        for name, value in values.items():
+            buffers[name].copy_(value)
 
     def _run(self, prog: _Program, feeds: dict, fetch: tuple) -> dict:
         runner = prog.entry.runner

@@ -1,0 +1,196 @@
+"""A step the non-finite guard skips leaves BatchNorm's running statistics and
+``num_batches_tracked`` as they were (issue 11 item 3; ``optim.guard.defer_update_stats``).
+
+The running statistics used to be written by the forward, before the loss existed, so a NaN
+batch made ``running_mean``/``running_var`` NaN (and every later eval output NaN) although the
+guard kept the parameters. Compared bit for bit, as the parameters are in
+``test_nonfinite_guard.py``: after a tripped step the running statistics and the counter are
+the bits they had, and a run that skipped a bad batch is the bits of a run that never saw it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import meganeura as mn
+import meganeura.nn.functional as F
+from meganeura.nn import BatchNorm1d, BatchNorm2d, Conv2d, Linear, Module
+from meganeura.optim import SGD, AdamW
+from meganeura.training import NonFiniteError, NonFiniteWarning, Trainer
+
+pytestmark = pytest.mark.gpu
+
+ROWS = 4
+STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+class MLP(Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = Linear(6, 5)
+        self.bn = BatchNorm1d(5)
+        self.fc2 = Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.bn(self.fc1(x))))
+
+
+class ConvNet(Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = Conv2d(2, 3, 3, padding=1)
+        self.bn = BatchNorm2d(3)
+        self.fc = Linear(3 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.bn(self.conv(x))).reshape(x.shape[0], -1))
+
+
+MODELS = {"mlp_bn1d": (MLP, (6,)), "conv_bn2d": (ConvNet, (2, 4, 4))}
+
+
+def mse(model, x, t):
+    return F.mse_loss(model(x), t)
+
+
+def _batches(model: str, n: int, seed: int = 0, rows: int = ROWS):
+    r = np.random.default_rng(seed)
+    shape = MODELS[model][1]
+    return [
+        (
+            r.standard_normal((rows, *shape)).astype(np.float32),
+            r.standard_normal((rows, 3)).astype(np.float32),
+        )
+        for _ in range(n)
+    ]
+
+
+def _poison(batch, value=np.nan):
+    x, t = (a.copy() for a in batch)
+    x.reshape(len(x), -1)[1, 2] = value
+    return x, t
+
+
+def _trainer(gpu_device, model: str, opt=None, **kw) -> Trainer:
+    mn.manual_seed(0)
+    return Trainer(MODELS[model][0](), opt or AdamW(lr=1e-2), mse, device=gpu_device, **kw)
+
+
+def _bits(tr) -> dict[str, np.ndarray]:
+    sd = tr.model.state_dict()  # not tr.state_dict(): that reads the guard's count first
+    return {k: np.atleast_1d(np.asarray(v)).view(np.uint8).copy() for k, v in sd.items()}
+
+
+def _assert_same_bits(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def _stats(tr) -> dict[str, np.ndarray]:
+    return {k: v for k, v in _bits(tr).items() if k.rsplit(".", 1)[-1] in STATS}
+
+
+def _fast_context(gpu_device, precision: str):
+    if precision == "fast" and "shader-f16" not in gpu_device.features:
+        return pytest.warns(UserWarning)  # compiled strict: the same guarantees
+    return _Nothing()
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("precision", ["strict", "fast"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_raise_mode_keeps_running_statistics(gpu_device, model, precision):
+    good = _batches(model, 3)
+    with _fast_context(gpu_device, precision):
+        tr = _trainer(gpu_device, model, precision=precision)
+        ref = _trainer(gpu_device, model, precision=precision)
+        tr.step(*good[0])
+        ref.step(*good[0])
+    before = _bits(tr)
+    assert int(tr.model.bn.num_batches_tracked.data) == 1
+    with pytest.raises(NonFiniteError, match=r"step 1: .*running statistics"):
+        tr.step(*_poison(good[1]))
+    _assert_same_bits(_bits(tr), before)  # running stats, counter and parameters
+    # the next good step is the one of a run that never saw the bad batch
+    assert tr.step(*good[2]) == ref.step(*good[2])
+    _assert_same_bits(_bits(tr), _bits(ref))
+    assert int(tr.model.bn.num_batches_tracked.data) == 2
+    tr.model.eval()
+    ref.model.eval()
+    x = good[0][0]
+    out = np.asarray(tr.model(x))
+    assert np.isfinite(out).all()  # eval normalizes with the running statistics
+    np.testing.assert_array_equal(out, np.asarray(ref.model(x)))
+
+
+@pytest.mark.parametrize("precision", ["strict", "fast"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_skip_mode_keeps_running_statistics(gpu_device, model, precision):
+    good = _batches(model, 3)
+    with _fast_context(gpu_device, precision):
+        tr = _trainer(gpu_device, model, on_nonfinite="skip", precision=precision)
+        ref = _trainer(gpu_device, model, precision=precision)
+        tr.step(*good[0])
+        ref.step(*good[0])
+    before = _stats(tr)
+    with pytest.warns(NonFiniteWarning, match="step 1"):
+        tr.step(*_poison(good[1], np.inf))
+    _assert_same_bits(_stats(tr), before)
+    assert tr.step(*good[2]) == ref.step(*good[2])
+    _assert_same_bits(_bits(tr), _bits(ref))
+
+
+def test_unread_steps_take_back_the_counter(gpu_device):
+    """Raise mode over unread steps: the guard is sticky, so the steps after the bad one are
+    skipped too and the counter goes back to before the bad one. Skip mode: only the bad step
+    is skipped; the counter counts the others."""
+    good = _batches("mlp_bn1d", 3)
+    tr = _trainer(gpu_device, "mlp_bn1d", SGD(lr=0.1, momentum=0.9))
+    tr.step(*good[0])
+    before = _bits(tr)
+    tr.step(*_poison(good[1]), return_loss=False)
+    tr.step(*good[2], return_loss=False)
+    with pytest.raises(NonFiniteError, match=r"steps 2 ran after it"):
+        tr.check_nonfinite()
+    _assert_same_bits(_bits(tr), before)
+
+    skip = _trainer(gpu_device, "mlp_bn1d", SGD(lr=0.1, momentum=0.9), on_nonfinite="skip")
+    ref = _trainer(gpu_device, "mlp_bn1d", SGD(lr=0.1, momentum=0.9))
+    for b in (good[0], _poison(good[1]), good[2]):
+        skip.step(*b, return_loss=False)
+    for b in (good[0], good[2]):
+        ref.step(*b)
+    with pytest.warns(NonFiniteWarning, match="1 of the steps 0-2"):
+        skip.check_nonfinite()
+    assert int(skip.model.bn.num_batches_tracked.data) == 2
+    _assert_same_bits(_bits(skip), _bits(ref))
+
+
+def test_accumulation_keeps_the_last_micro_batch_statistics(gpu_device):
+    """With accumulation the guarded program is the last micro-batch's: a bad step takes back
+    that micro-batch's update of the running statistics and the counter; the earlier
+    micro-batches' programs ran (and updated them, as torch's forwards do) before the guard
+    could decide (docs/training.md)."""
+    good = _batches("mlp_bn1d", 2, rows=6)
+    tr = _trainer(gpu_device, "mlp_bn1d", accumulation_steps=2)
+    tr.step(*good[0])
+    bn = tr.model.bn
+    mean0, var0 = bn.running_mean.data.copy(), bn.running_var.data.copy()
+    count0 = int(bn.num_batches_tracked.data)
+    x, t = good[1][0].copy(), good[1][1]
+    x[4, 0] = np.nan  # rows 3-5: the last micro-batch
+    h = x[:3] @ tr.model.fc1.weight.data.T + tr.model.fc1.bias.data  # the first micro-batch
+    with pytest.raises(NonFiniteError, match="step 1"):
+        tr.step(x, t)
+    assert int(bn.num_batches_tracked.data) == count0 + 1
+    np.testing.assert_allclose(bn.running_mean.data, 0.9 * mean0 + 0.1 * h.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(bn.running_var.data, 0.9 * var0 + 0.1 * h.var(0, ddof=1), rtol=1e-5)
