@@ -15,9 +15,10 @@ import pytest
 
 import meganeura as mn
 import meganeura.nn.functional as F
+from meganeura.graph.builder import GraphBuilder
 from meganeura.nn import BatchNorm1d, BatchNorm2d, Conv2d, Linear, Module
 from meganeura.optim import SGD, AdamW
-from meganeura.training import NonFiniteError, NonFiniteWarning, Trainer
+from meganeura.training import GraphTrainer, NonFiniteError, NonFiniteWarning, Trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -194,3 +195,38 @@ def test_accumulation_keeps_the_last_micro_batch_statistics(gpu_device):
     assert int(bn.num_batches_tracked.data) == count0 + 1
     np.testing.assert_allclose(bn.running_mean.data, 0.9 * mean0 + 0.1 * h.mean(0), rtol=1e-5)
     np.testing.assert_allclose(bn.running_var.data, 0.9 * var0 + 0.1 * h.var(0, ddof=1), rtol=1e-5)
+
+
+def _bn_graph():
+    b = GraphBuilder()
+    x, t = b.input("x", (ROWS, 6)), b.input("t", (ROWS, 3))
+    w = b.parameter("w", (6, 3))
+    rm, rv = b.state("bn.running_mean", (3,)), b.state("bn.running_var", (3,))
+    b.output("loss", F.mse_loss(F.batch_norm(x @ w, rm, rv, training=True), t))
+    return b.build()
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_graph_trainer(gpu_device, mode):
+    """A hand-built graph's running statistics (state leaves) are guarded as well."""
+    good = _batches("mlp_bn1d", 3)
+    w = np.random.default_rng(1).standard_normal((6, 3)).astype(np.float32)
+    tr = GraphTrainer(_bn_graph(), AdamW(lr=1e-2), device=gpu_device, on_nonfinite=mode)
+    ref = GraphTrainer(_bn_graph(), AdamW(lr=1e-2), device=gpu_device)
+    for g in (tr, ref):
+        g.load_parameters({"w": w})
+        g.step(dict(zip("xt", good[0])))
+    before = tr.state_dict()
+    bad = dict(zip("xt", _poison(good[1])))
+    if mode == "raise":
+        with pytest.raises(NonFiniteError, match="GraphTrainer step 1"):
+            tr.step(bad)
+    else:
+        with pytest.warns(NonFiniteWarning):
+            tr.step(bad)
+    after = tr.state_dict()
+    for k in ("bn.running_mean", "bn.running_var"):
+        np.testing.assert_array_equal(after[k].view(np.uint32), before[k].view(np.uint32))
+    assert tr.step(dict(zip("xt", good[2]))) == ref.step(dict(zip("xt", good[2])))
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(tr.state_dict()[k].view(np.uint32), v.view(np.uint32))
