@@ -77,9 +77,11 @@ class CompileOptions:
             (``optim.guard``; the Trainers set it); None: no guard. A program without an
             optimizer (inference, ``accumulate_grads``) has no update to guard and ignores it:
             the last micro-batch's program checks the mean of all micro-batches. A skipped
-            step writes no running statistics either (``optim.guard.defer_update_stats``);
-            with accumulation only the last micro-batch's, the earlier micro-batches' programs
-            having written theirs already.
+            step writes no running statistics either (``optim.guard.defer_update_stats``):
+            with the guard, an ``accumulate_grads`` program stages BatchNorm's updates in the
+            state ``<statistic>.pending`` and the last micro-batch's program commits them, so
+            the caller must share those states between the programs and compile both with the
+            guard.
     """
 
     loss: str | None = None
@@ -182,9 +184,15 @@ def _training_graph(
             max_bindings=(limits or Limits()).max_storage_buffers_per_shader_stage,
         )
     master = raw | set(range(backward_end, len(g.nodes)))
-    if options.optimizer is not None and options.nonfinite_guard is not None:
+    if options.nonfinite_guard is not None and (
+        options.optimizer is not None or options.accumulate_grads
+    ):
         # A skipped step must leave BatchNorm's running statistics as it leaves parameters.
-        g, id_map = defer_update_stats(g)
+        if options.accumulate_grads:
+            accumulation = "stage"
+        else:
+            accumulation = "commit" if options.accumulation_steps > 1 else None
+        g, id_map = defer_update_stats(g, accumulation)
         master = {id_map[i] for i in master if i in id_map}
     return g, frozenset(master)
 

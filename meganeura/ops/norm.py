@@ -31,6 +31,11 @@ variance, while the output is normalized with the biased one. Its optional fourt
 non-finite guard's clip coefficient (``optim.guard``): when it is inf or NaN (by bit pattern, the
 guard tripped) the op writes nothing, as the optimizer updates do; a guarded training program
 moves the op after the guard's decision (``optim.guard.defer_update_stats``, issue 11 item 3).
+``batch_norm_update_stats_into(x, src_mean, src_var, mean, var, take_src, clip)`` is the same
+update written into ``mean``/``var`` from ``src_*`` when ``take_src`` is nonzero, else from
+``mean``/``var`` themselves, and nothing when ``clip`` is non-finite: with gradient
+accumulation and the guard, the micro-batches stage their updates in pending copies and the
+guarded last micro-batch commits them (``optim.guard``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from .norm_ref import (
     channel_axes,
     group_dims,
     norm_np,
+    update_stats_into_np,
     update_stats_np,
     weight_backward_np,
 )
@@ -123,6 +129,19 @@ def _update_stats_type(types, attrs):
     return TensorType((), DType.u32)
 
 
+def _update_stats_into_type(types, attrs):
+    if len(types) != 7:
+        raise ShapeError(
+            f"expects x, src_mean, src_var, mean, var, take_src, clip, got {len(types)} operands"
+        )
+    _update_stats_type(types[:3], attrs)
+    _update_stats_type([types[0], *types[3:5]], attrs)
+    for t, what in zip(types[5:], ("take_src", "clip"), strict=True):
+        if t != TensorType((), DType.f32):
+            raise ShapeError(f"{what} must be f32[], got {t}")
+    return TensorType((), DType.u32)
+
+
 # ---- gradient rules ---------------------------------------------------------------------------
 def _is_const(t: Tensor) -> bool:
     return t.node.op == "constant"
@@ -195,6 +214,16 @@ def _defs() -> list[OpDef]:
             update_stats_np,
             differentiable=False,
             writes=(1, 2),
+        )
+    )
+    out.append(
+        OpDef(
+            "batch_norm_update_stats_into",
+            _update_stats_into_type,
+            update_stats_into_np,
+            differentiable=False,
+            writes=(3, 4),
+            arity=7,
         )
     )
     return out

@@ -137,6 +137,14 @@ def weight_backward_np(kind: str):
     return ref
 
 
+def update_stats_into_np(xs, a):
+    """``batch_norm_update_stats_into(x, src_mean, src_var, mean, var, take_src, clip)``."""
+    x, sm, sv, dm, dv, take, clip = (np.asarray(v) for v in xs)
+    if (np.asarray(clip, np.float32).view(np.uint32) & 0x7F800000) == 0x7F800000:
+        return dm, dv
+    return update_stats_np([x, sm, sv] if take != 0 else [x, dm, dv], a)
+
+
 def update_stats_np(xs, a):
     x, rm, rv = (np.asarray(v) for v in xs[:3])
     if len(xs) == 4:  # the guard's clip coefficient: non-finite means the step was skipped

@@ -35,6 +35,7 @@ GUARD_STATE = "_guard.skipped"
 GUARD_RESET_INPUT = "guard.reset"
 GUARD_OUTPUT = "guard.skipped"
 GUARD_MODES = ("raise", "skip")
+PENDING_SUFFIX = "pending"
 
 
 def append_guard(b: GraphBuilder, clip: Tensor, checked: list[Tensor], mode: str) -> Tensor:
@@ -62,34 +63,57 @@ def append_guard(b: GraphBuilder, clip: Tensor, checked: list[Tensor], mode: str
     return guarded
 
 
-def defer_update_stats(graph: Graph) -> tuple[Graph, dict[int, int]]:
+def pending_stats(name: str) -> str:
+    """The state name of a running statistic's pending copy (gradient accumulation)."""
+    return f"{name}.{PENDING_SUFFIX}"
+
+
+def defer_update_stats(
+    graph: Graph, accumulation: str | None = None
+) -> tuple[Graph, dict[int, int]]:
     """Move a guarded training graph's running-statistics updates after the guard's decision.
 
     ``batch_norm_update_stats`` runs in the forward, before the loss exists; left there, a
     skipped step (a NaN batch) would still write its NaN statistics into ``running_mean`` and
     ``running_var``. Each such op is re-appended at the end of the graph with the guard's clip
-    coefficient as a fourth operand (its kernel then writes nothing when the clip is NaN, as
-    the optimizer updates do), and the original is dropped. The op reads the batch ``x`` it
-    recomputes the statistics from, which the backward reads anyway, so no value lives longer
-    than the backward's own. An update whose running statistics another node reads after it
-    (a hand-built graph that uses the new statistics in the same step) stays where it is,
-    unguarded, since moving it would change what that node reads.
+    coefficient (its kernel then writes nothing when the clip is NaN, as the optimizer updates
+    do), and the original is dropped. The op reads the batch ``x`` it recomputes the statistics
+    from, which the backward reads anyway, so no value lives longer than the backward's own.
+    An update whose running statistics another node reads after it (a hand-built graph that
+    uses the new statistics in the same step) stays where it is, unguarded, since moving it
+    would change what that node reads.
+
+    With gradient accumulation the earlier micro-batches' programs run before any guard can
+    decide, so their updates are staged (``batch_norm_update_stats_into``) in a pending copy
+    of each statistic (the state ``<name>.pending``, which the caller shares between the
+    programs as it shares gradient accumulators): the first micro-batch (input
+    ``accum.first`` = 1) updates the copy from the running statistic, the next ones the copy
+    itself, and the guarded last micro-batch writes its update of the copy into the running
+    statistic, or nothing when the step is skipped. The values are torch's sequential
+    per-forward updates, applied at the end of the step.
 
     Args:
-        graph: a training graph holding the guard (``append_guard``'s ``guard_clip``); a graph
-            without one is returned unchanged.
+        graph: a training graph: with ``accumulation`` None or ``"commit"`` one holding the
+            guard (``append_guard``'s ``guard_clip``; a graph without it is returned
+            unchanged); with ``"stage"`` an accumulate program (``accum.first`` input).
+        accumulation: None (no accumulation), ``"stage"`` (micro-batches ``0 .. k-2``) or
+            ``"commit"`` (the last micro-batch of ``k > 1``).
 
     Returns:
         (the rewritten graph, old node id -> new node id of every kept node).
     """
     from ..passes.simplify import renumber  # passes sit after the optimizer in the pipeline
+    from .accumulate import ACCUM_FIRST_INPUT
 
-    clips = [n.id for n in graph.nodes if n.op == "guard_clip"]
     identity = {n.id: n.id for n in graph.nodes}
-    if not clips:
-        return graph, identity
     b = GraphBuilder(graph)
-    clip = b.tensor(clips[-1])
+    if accumulation == "stage":
+        clip, take = b.constant(1.0), b.tensor(graph.find(ACCUM_FIRST_INPUT, "input").id)
+    else:
+        clips = [n.id for n in graph.nodes if n.op == "guard_clip"]
+        if not clips:
+            return graph, identity
+        clip, take = b.tensor(clips[-1]), b.constant(1.0)
     keep = [True] * len(graph.nodes)
     for n in graph.nodes:
         if n.op != "batch_norm_update_stats" or len(n.inputs) != 3:
@@ -98,7 +122,13 @@ def defer_update_stats(graph: Graph) -> tuple[Graph, dict[int, int]]:
         later = graph.nodes[n.id + 1 :]
         if any(stats & set(m.inputs) for m in later if m.op != "batch_norm_update_stats"):
             continue
-        t = b.add(n.op, [b.tensor(i) for i in n.inputs] + [clip], n.attr_dict)
+        x, rm, rv = (b.tensor(i) for i in n.inputs)
+        if accumulation is None:
+            t = b.add(n.op, [x, rm, rv, clip], n.attr_dict)
+        else:
+            pm, pv = (b.state(pending_stats(s.node.name), s.shape, s.dtype) for s in (rm, rv))
+            into = [x, rm, rv, pm, pv] if accumulation == "stage" else [x, pm, pv, rm, rv]
+            t = b.add("batch_norm_update_stats_into", [*into, take, clip], n.attr_dict)
         b.nodes[t.id] = dataclasses.replace(b.nodes[t.id], loc=n.loc, origin=n.origin)
         keep[n.id] = False
     if all(keep):

@@ -48,7 +48,7 @@ from ..nn.module import Module, StateDictError
 from ..nn.parameter import Buffer, Parameter
 from ..optim import HYPER_INPUT, Optimizer
 from ..optim.accumulate import ACCUM_FIRST_INPUT, LOSS_ACCUMULATOR, grad_accumulator
-from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE
+from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE, PENDING_SUFFIX
 from .batches import bind_model, check_loss, fn_name, split_batch
 from .graph import GraphTrainer
 from .guard import StepGuard, StepRun, check_finite_feeds, check_mode
@@ -157,6 +157,9 @@ class Trainer:
         self.step_count = 0
         self._moments: dict[Parameter, dict[str, Buffer]] = {}
         self._accumulators: dict[Parameter, Buffer] = {}
+        # running statistic -> its pending copy, staged by the micro-batches of an accumulated
+        # step and committed by the guarded last one (``optim.guard.defer_update_stats``)
+        self._pending_stats: dict[Buffer, Buffer] = {}
         self._loss_accumulator = Buffer(np.zeros((), np.float32))
         self._guard_state = Buffer(np.zeros((), np.float32))  # GPU count of skipped steps
         self._cache: dict[tuple, _Program] = {}
@@ -255,6 +258,9 @@ class Trainer:
             if len(runs) > 1:
                 for prog, feeds in runs:
                     prog.entry.runner.session.check(feeds)
+            # what the step's forwards advance (num_batches_tracked), taken back if the guard
+            # skips the step, as the GPU skips its running-statistics updates
+            host = self._host_counters()
             for prog, feeds in runs[:-1]:
                 self._run(prog, feeds, ())
             prog, feeds = runs[-1]
@@ -262,9 +268,6 @@ class Trainer:
             guarded = GUARD_OUTPUT in prog.entry.runner.program.outputs
             if fetch and guarded:  # the flag comes in the same read
                 fetch += (GUARD_OUTPUT,)
-            # what the guarded run's forward advances (num_batches_tracked), taken back if
-            # the guard skips the step, as the GPU skips its running-statistics update
-            host = self._host_counters() if guarded else None
             out = self._run(prog, feeds, fetch)
         except BaseException:
             mn_random.set_rng_state(rng_state)
@@ -397,6 +400,10 @@ class Trainer:
             return self._guard_state
         owner, _, suffix = name.rpartition(".")
         p = objects.get(owner)
+        if suffix == PENDING_SUFFIX and isinstance(p, Buffer):  # a running statistic's copy
+            if p not in self._pending_stats:
+                self._pending_stats[p] = Buffer(np.zeros(p.shape, p.dtype.numpy))
+            return self._pending_stats[p]
         if not isinstance(p, Parameter):
             return None
         if name == grad_accumulator(owner):

@@ -176,25 +176,50 @@ def test_unread_steps_take_back_the_counter(gpu_device):
     _assert_same_bits(_bits(skip), _bits(ref))
 
 
-def test_accumulation_keeps_the_last_micro_batch_statistics(gpu_device):
-    """With accumulation the guarded program is the last micro-batch's: a bad step takes back
-    that micro-batch's update of the running statistics and the counter; the earlier
-    micro-batches' programs ran (and updated them, as torch's forwards do) before the guard
-    could decide (docs/training.md)."""
-    good = _batches("mlp_bn1d", 2, rows=6)
-    tr = _trainer(gpu_device, "mlp_bn1d", accumulation_steps=2)
+def _sequential_stats(bn_in: list[np.ndarray], mean, var, momentum=0.1):
+    """torch's running statistics after one forward per micro-batch (float64)."""
+    mean, var = mean.astype(np.float64), var.astype(np.float64)
+    for h in bn_in:
+        mean = (1 - momentum) * mean + momentum * h.mean(0)
+        var = (1 - momentum) * var + momentum * h.var(0, ddof=1)
+    return mean, var
+
+
+def test_accumulated_step_updates_statistics_per_micro_batch(gpu_device):
+    """With accumulation the micro-batches stage their updates in pending copies and the
+    guarded last one commits them: the values are torch's, one update per forward."""
+    (x, t), (x2, t2) = _batches("mlp_bn1d", 2, rows=6)
+    tr = _trainer(gpu_device, "mlp_bn1d", accumulation_steps=3)
+    bn, fc1 = tr.model.bn, tr.model.fc1
+    for xs, ts in ((x, t), (x2, t2)):
+        w, b = fc1.weight.data.astype(np.float64), fc1.bias.data.astype(np.float64)
+        m0, v0 = bn.running_mean.data, bn.running_var.data
+        count = int(bn.num_batches_tracked.data)
+        tr.step(xs, ts)
+        want = _sequential_stats([xs[i : i + 2] @ w.T + b for i in (0, 2, 4)], m0, v0)
+        np.testing.assert_allclose(bn.running_mean.data, want[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(bn.running_var.data, want[1], rtol=1e-5, atol=1e-6)
+        assert int(bn.num_batches_tracked.data) == count + 3
+
+
+@pytest.mark.parametrize("row", [0, 5], ids=["first_micro_batch", "last_micro_batch"])
+def test_accumulated_step_skipped_keeps_every_micro_batch_statistics(gpu_device, row):
+    """A bad micro-batch, the first (whose program runs before the guard can decide) or the
+    last (the guarded one): the running statistics and the counter are as before the step,
+    and the next step is the one of a run that never saw the bad batch."""
+    good = _batches("mlp_bn1d", 3, rows=6)
+    tr = _trainer(gpu_device, "mlp_bn1d", accumulation_steps=3)
+    ref = _trainer(gpu_device, "mlp_bn1d", accumulation_steps=3)
     tr.step(*good[0])
-    bn = tr.model.bn
-    mean0, var0 = bn.running_mean.data.copy(), bn.running_var.data.copy()
-    count0 = int(bn.num_batches_tracked.data)
+    ref.step(*good[0])
+    before = _bits(tr)
     x, t = good[1][0].copy(), good[1][1]
-    x[4, 0] = np.nan  # rows 3-5: the last micro-batch
-    h = x[:3] @ tr.model.fc1.weight.data.T + tr.model.fc1.bias.data  # the first micro-batch
+    x[row, 0] = np.nan
     with pytest.raises(NonFiniteError, match="step 1"):
         tr.step(x, t)
-    assert int(bn.num_batches_tracked.data) == count0 + 1
-    np.testing.assert_allclose(bn.running_mean.data, 0.9 * mean0 + 0.1 * h.mean(0), rtol=1e-5)
-    np.testing.assert_allclose(bn.running_var.data, 0.9 * var0 + 0.1 * h.var(0, ddof=1), rtol=1e-5)
+    _assert_same_bits(_bits(tr), before)
+    assert tr.step(*good[2]) == ref.step(*good[2])
+    _assert_same_bits(_bits(tr), _bits(ref))
 
 
 def _bn_graph():

@@ -41,7 +41,7 @@ from .team import (
     lower_norm_backward_team,
     lower_norm_team,
     stats_team,
-    update_stats_kept,
+    update_stats_stores,
     update_stats_team,
     weight_backward_team,
 )
@@ -234,9 +234,10 @@ def lower_norm_weight_backward(graph: Graph, node_id: int, limits: Limits) -> li
 def lower_update_stats(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
     """Running mean / unbiased variance update of batch_norm, in place, one group per
     channel: ``running = momentum * stat + (1 - momentum) * running``; nothing is written when
-    the optional guard clip operand is non-finite (``update_stats_kept``)."""
+    the optional guard clip operand is non-finite. Also ``batch_norm_update_stats_into``
+    (``ops/norm.py``; ``team.update_stats_stores``)."""
     node = graph[node_id]
-    x_id, rm_id, rv_id = node.inputs[:3]
+    x_id = node.inputs[0]
     shape = graph[x_id].type.shape
     lay = group_layout(shape, "batch_norm", {})
     if lay.count == 0:
@@ -247,18 +248,10 @@ def lower_update_stats(graph: Graph, node_id: int, limits: Limits) -> list[Kerne
     plan = _plan(lay)
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(x_id, "x")
-    rm = kb.write(rm_id, "running_mean")
-    rv = kb.write(rv_id, "running_var")
-    kept = update_stats_kept(kb, node)
-    mom = node.attr("momentum")
-    a, b = f32_literal(mom), f32_literal(1.0 - mom)
+    kept, stores = update_stats_stores(kb, node, lay.length)
     body = thread_coords(plan, "wg", lay.count) + _stats(plan, lay, x, False, 0.0)
-    body += (
-        f"  if (live && y == 0u{kept}) {{\n"
-        f"    {rm}[row] = {a} * (shift + mean) + {b} * {rm}[row];\n"
-        f"    {rv}[row] = {a} * (ssd / {f32_literal(lay.length - 1)}) + {b} * {rv}[row];\n"
-        "  }\n"
-    )
+    body += f"  if (live && y == 0u{kept}) {{\n" + "".join(f"    {s}\n" for s in stores)
+    body += "  }\n"
     helpers = shared_decl(plan, "red", "f32") + _SQ + lay.helpers("g")
     return [kb.finish("", body, plan.size, -(-lay.count // plan.ox), helpers)]
 

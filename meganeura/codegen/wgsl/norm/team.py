@@ -368,22 +368,45 @@ def weight_backward_team(graph: Graph, node_id: int, limits: Limits) -> list[Ker
     return [stats_k, rk.finish("reduce")]
 
 
-def update_stats_kept(kb: KernelBuilder, node) -> str:
-    """The WGSL condition (`` && ...``, or ``""``) under which ``batch_norm_update_stats``
-    writes: its optional fourth operand, the non-finite guard's clip coefficient, is finite.
-    A NaN clip means the guard skipped the step (``ops/update.py``); the statistics are still
-    computed (their workgroup barriers stay in uniform control flow) but not stored, so the
-    running statistics keep their bits as the parameters do."""
-    if len(node.inputs) < 4:
-        return ""
-    clip = kb.read(node.inputs[3], "clip")
-    return f" && !{is_nonfinite(clip.at('0u'))}"
+def update_stats_stores(kb: KernelBuilder, node, m: int) -> tuple[str, list[str]]:
+    """How ``batch_norm_update_stats`` (``_into``) stores channel ``row``'s statistics, given
+    ``shift + mean`` and ``ssd`` (the sum of squared deviations over ``m`` values).
+
+    Returns:
+        (the WGSL condition suffix `` && ...`` or ``""``, the store statements). The condition
+        is false when the guard's clip operand is non-finite (the guard skipped the step,
+        ``ops/update.py``): the statistics are still computed, so the kernel's workgroup
+        barriers stay in uniform control flow, but not stored, and the running statistics
+        keep their bits as the parameters do.
+    """
+    ins = node.inputs
+    mom = node.attr("momentum")
+    a, b = f32_literal(mom), f32_literal(1.0 - mom)
+    if node.op == "batch_norm_update_stats":
+        rm, rv = kb.write(ins[1], "running_mean"), kb.write(ins[2], "running_var")
+        base_m, base_v = f"{rm}[row]", f"{rv}[row]"
+        clip_id = ins[3] if len(ins) == 4 else None
+    else:  # _into: from the source statistics when take_src, else from the destination's
+        sm, sv = kb.read(ins[1], "src_mean"), kb.read(ins[2], "src_var")
+        rm, rv = kb.write(ins[3], "running_mean"), kb.write(ins[4], "running_var")
+        take = f"({kb.read(ins[5], 'take_src').at('0u')} != 0.0)"
+        base_m = f"select({rm}[row], {sm.at('row')}, {take})"
+        base_v = f"select({rv}[row], {sv.at('row')}, {take})"
+        clip_id = ins[6]
+    kept = ""
+    if clip_id is not None:
+        kept = f" && !{is_nonfinite(kb.read(clip_id, 'clip').at('0u'))}"
+    stores = [
+        f"{rm}[row] = {a} * (shift + mean) + {b} * {base_m};",
+        f"{rv}[row] = {a} * (ssd / {f32_literal(m - 1)}) + {b} * {base_v};",
+    ]
+    return kept, stores
 
 
 def update_stats_team(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource] | None:
     """batch_norm's running statistics (``lowering.lower_update_stats``) as one team kernel."""
     node = graph[node_id]
-    x_id, rm_id, rv_id = node.inputs[:3]
+    x_id = node.inputs[0]
     shape = graph[x_id].type.shape
     n, c, s = _segments(shape)
     plan = _plan_channels(n, c, s, limits)
@@ -393,14 +416,11 @@ def update_stats_team(graph: Graph, node_id: int, limits: Limits) -> list[Kernel
     x = kb.read(x_id, "x")
     if not sources_bound(x):
         return None
-    rm, rv = kb.write(rm_id, "running_mean"), kb.write(rv_id, "running_var")
-    kept = update_stats_kept(kb, node)
+    kept, stores = update_stats_stores(kb, node, plan.n)
     rk = RowKernel(kb, plan)
     _stats(rk, rk.bind(x), False, 0.0)
-    mom = node.attr("momentum")
-    a, b = f32_literal(mom), f32_literal(1.0 - mom)
     rk.line(f"if (live && y == 0u{kept}) {{")
-    rk.line(f"  {rm}[row] = {a} * (shift + mean) + {b} * {rm}[row];")
-    rk.line(f"  {rv}[row] = {a} * (ssd / {f32_literal(plan.n - 1)}) + {b} * {rv}[row];")
+    for line in stores:
+        rk.line(f"  {line}")
     rk.line("}")
     return [rk.finish("")]
