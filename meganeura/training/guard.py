@@ -271,10 +271,9 @@ class StepGuard:
             f"{self.owner} step {first.step}: {what}. The update was skipped on the GPU"
             f"{later}: parameters, optimizer state, the step counter ({first.step}) and the "
             "RNG are as before that step, and so are BatchNorm's running statistics and "
-            "num_batches_tracked (with gradient accumulation, the earlier micro-batches' "
-            "updates of them stay). Find the bad values with check_finite=True "
-            "(inputs) or lower the learning rate; on_nonfinite='skip' skips such steps with a "
-            "warning instead",
+            "num_batches_tracked. Find the bad values with check_finite=True (inputs) or "
+            "lower the learning rate; on_nonfinite='skip' skips such steps with a warning "
+            "instead",
             step=first.step,
             steps=tuple(r.step for r in skipped),
             loss=loss,

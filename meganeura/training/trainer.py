@@ -20,8 +20,8 @@ Invariants:
     asked for;
   * what a traced forward does to host state (BatchNorm's ``num_batches_tracked += 1``,
     registered with ``Trace.on_run``) happens once per executed forward: after every run of a
-    program, ``k`` times per step with accumulation; a step the guard skips has its guarded
-    (last) run's effects taken back when the guard's count is read (``StepGuard``);
+    program, ``k`` times per step with accumulation; a step the guard skips has them taken
+    back when the guard's count is read (``StepGuard``);
   * ``load`` checks the whole checkpoint before it applies any of it;
   * every step's update is guarded against inf and NaN on the GPU (``training.guard``): a
     step whose loss or gradients are non-finite writes no parameter, optimizer state or
@@ -232,9 +232,8 @@ class Trainer:
             NonFiniteError: the loss or the gradients of this step (or, read now, of an
                 earlier step run with ``return_loss=False``) hold inf or NaN; the update was
                 skipped on the GPU and the trainer is as before that step, BatchNorm's running
-                statistics and ``num_batches_tracked`` included (with accumulation, the
-                earlier micro-batches' updates of them stay). ``on_nonfinite="skip"`` warns
-                instead.
+                statistics and ``num_batches_tracked`` included (every micro-batch's, with
+                accumulation). ``on_nonfinite="skip"`` warns instead.
         """
         k = self.accumulation_steps
         micro = split_batch(self._fn, batch, kwargs, k) if k > 1 else [(batch, kwargs)]

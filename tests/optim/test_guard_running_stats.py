@@ -82,3 +82,48 @@ def test_a_tripped_guard_keeps_the_running_statistics():
 def test_an_update_whose_statistics_are_read_later_stays():
     (u,) = _updates(_train("raise", read_stats_after=True))
     assert len(u.inputs) == 3
+
+
+def _accumulated(kind: str):
+    opts = CompileOptions(loss="loss", nonfinite_guard="raise")
+    if kind == "stage":
+        opts = CompileOptions(loss="loss", accumulate_grads=True, nonfinite_guard="raise")
+    else:
+        opts = CompileOptions(
+            loss="loss", optimizer=SGD(lr=0.1), accumulation_steps=2, nonfinite_guard="raise"
+        )
+    return build_training_graph(_graph(), opts)
+
+
+def test_accumulation_stages_and_commits_through_pending_copies():
+    x = np.random.default_rng(2).standard_normal((16, 3)).astype(np.float32)
+    w = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    stage, commit = _accumulated("stage"), _accumulated("commit")
+    (u,) = [n for n in stage.nodes if n.op == "batch_norm_update_stats_into"]
+    names = [stage[i].name for i in u.inputs[1:5]]
+    assert names == [*STATS, "bn.running_mean.pending", "bn.running_var.pending"]
+    (c,) = [n for n in commit.nodes if n.op == "batch_norm_update_stats_into"]
+    assert [commit[i].name for i in c.inputs[1:5]] == names[2:] + names[:2]
+    assert commit[c.inputs[6]].op == "guard_clip"
+    assert not _updates(stage) and not _updates(commit)
+
+    def run(g, xs, state, first=1.0):
+        feeds = {"x": xs, "accum.first": np.float32(first)}
+        feeds["optim.hyper"] = np.array([0.1, 1.0], np.float32)
+        feeds["guard.reset"] = np.float32(1.0)
+        return interpret(g, feeds, {"w": w}, state)[2]
+
+    state = run(stage, x[:8], dict(STATS))
+    assert all(np.array_equal(state[k], STATS[k]) for k in STATS)  # only the copies change
+    state = run(commit, x[8:], state)
+    ref = dict(STATS)  # torch: one update per forward, in order
+    for xs in (x[:8], x[8:]):
+        ref = run(_train(None), xs, ref)
+    for k in STATS:
+        np.testing.assert_allclose(state[k], ref[k], rtol=1e-6)
+    bad = x[8:].copy()
+    bad[0, 0] = np.nan
+    staged = run(stage, x[:8], dict(STATS))
+    kept = run(commit, bad, staged)
+    for k in STATS:  # a skipped step commits nothing
+        np.testing.assert_array_equal(kept[k].view(np.uint32), STATS[k].view(np.uint32))
