@@ -89,8 +89,9 @@ def defer_update_stats(
     programs as it shares gradient accumulators): the first micro-batch (input
     ``accum.first`` = 1) updates the copy from the running statistic, the next ones the copy
     itself, and the guarded last micro-batch writes its update of the copy into the running
-    statistic, or nothing when the step is skipped. The values are torch's sequential
-    per-forward updates, applied at the end of the step.
+    statistic, or nothing when the step is skipped (a module called twice: its second update
+    chains from its first). The values are torch's sequential per-forward updates, applied at
+    the end of the step.
 
     Args:
         graph: a training graph: with ``accumulation`` None or ``"commit"`` one holding the
@@ -115,6 +116,7 @@ def defer_update_stats(
             return graph, identity
         clip, take = b.tensor(clips[-1]), b.constant(1.0)
     keep = [True] * len(graph.nodes)
+    pending: dict[int, tuple[Tensor, Tensor]] = {}
     for n in graph.nodes:
         if n.op != "batch_norm_update_stats" or len(n.inputs) != 3:
             continue
@@ -126,9 +128,16 @@ def defer_update_stats(
         if accumulation is None:
             t = b.add(n.op, [x, rm, rv, clip], n.attr_dict)
         else:
-            pm, pv = (b.state(pending_stats(s.node.name), s.shape, s.dtype) for s in (rm, rv))
+            if rm.id not in pending:  # the statistics' first update in this program
+                pending[rm.id] = tuple(
+                    b.state(pending_stats(s.node.name), s.shape, s.dtype) for s in (rm, rv)
+                )
+                src = take
+            else:  # a module called twice: its next update chains from the one before
+                src = b.constant(0.0)
+            pm, pv = pending[rm.id]
             into = [x, rm, rv, pm, pv] if accumulation == "stage" else [x, pm, pv, rm, rv]
-            t = b.add("batch_norm_update_stats_into", [*into, take, clip], n.attr_dict)
+            t = b.add("batch_norm_update_stats_into", [*into, src, clip], n.attr_dict)
         b.nodes[t.id] = dataclasses.replace(b.nodes[t.id], loc=n.loc, origin=n.origin)
         keep[n.id] = False
     if all(keep):

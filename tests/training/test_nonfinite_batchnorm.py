@@ -202,6 +202,45 @@ def test_accumulated_step_updates_statistics_per_micro_batch(gpu_device):
         assert int(bn.num_batches_tracked.data) == count + 3
 
 
+class TwiceNormed(Module):
+    """One BatchNorm1d called twice per forward: two updates of the same statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = Linear(6, 3)
+        self.bn = BatchNorm1d(3)
+
+    def forward(self, x):
+        return self.bn(self.bn(self.fc1(x)))
+
+
+def test_a_module_called_twice_chains_its_staged_updates(gpu_device):
+    (x, t), (x2, t2) = _batches("mlp_bn1d", 2, rows=6)
+    mn.manual_seed(0)
+    tr = Trainer(TwiceNormed(), AdamW(lr=1e-2), mse, device=gpu_device, accumulation_steps=2)
+    bn, fc1 = tr.model.bn, tr.model.fc1
+    for xs, ts in ((x, t), (x2, t2)):
+        w, b = fc1.weight.data.astype(np.float64), fc1.bias.data.astype(np.float64)
+        gamma, beta = bn.weight.data.astype(np.float64), bn.bias.data.astype(np.float64)
+        m0, v0 = bn.running_mean.data, bn.running_var.data
+        inputs = []
+        for i in (0, 3):
+            h = xs[i : i + 3] @ w.T + b
+            y = (h - h.mean(0)) / np.sqrt(h.var(0) + 1e-5) * gamma + beta
+            inputs += [h, y]  # the two calls' inputs, in order
+        tr.step(xs, ts)
+        want = _sequential_stats(inputs, m0, v0)
+        np.testing.assert_allclose(bn.running_mean.data, want[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(bn.running_var.data, want[1], rtol=1e-5, atol=1e-6)
+    assert int(bn.num_batches_tracked.data) == 8
+    before = _bits(tr)
+    bad = x.copy()
+    bad[4, 1] = np.nan
+    with pytest.raises(NonFiniteError):
+        tr.step(bad, t)
+    _assert_same_bits(_bits(tr), before)
+
+
 @pytest.mark.parametrize("row", [0, 5], ids=["first_micro_batch", "last_micro_batch"])
 def test_accumulated_step_skipped_keeps_every_micro_batch_statistics(gpu_device, row):
     """A bad micro-batch, the first (whose program runs before the guard can decide) or the
