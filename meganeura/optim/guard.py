@@ -77,8 +77,9 @@ def defer_update_stats(
     skipped step (a NaN batch) would still write its NaN statistics into ``running_mean`` and
     ``running_var``. Each such op is re-appended at the end of the graph with the guard's clip
     coefficient (its kernel then writes nothing when the clip is NaN, as the optimizer updates
-    do), and the original is dropped. The op reads the batch ``x`` it recomputes the statistics
-    from, which the backward reads anyway, so no value lives longer than the backward's own.
+    do), and the original is dropped. The op recomputes the statistics from the batch ``x``,
+    which the backward reads anyway: ``x`` now lives on from the backward's
+    ``batch_norm_backward`` to the end of the step (docs/training.md gives what that costs).
     An update whose running statistics another node reads after it (a hand-built graph that
     uses the new statistics in the same step) stays where it is, unguarded, since moving it
     would change what that node reads.

@@ -158,10 +158,10 @@ class _Record:
     step: int
     rng: Any  # global RNG state before the step (None: not tracked)
     runs: tuple | None
-    host: dict | None = None  # host-only counters before the guarded run (None: not tracked)
+    host: dict | None = None  # host-only counters before the step ran (None: not tracked)
 
 
-# Reads and writes the host-only state a guarded run's forward changes (BatchNorm's
+# Reads and writes the host-only state a step's forwards change (BatchNorm's
 # ``num_batches_tracked``), so a skipped step can be taken off it as the GPU took it off the
 # running statistics.
 HostState = tuple[Callable[[], dict], Callable[[dict], None]]
@@ -173,10 +173,10 @@ class StepGuard:
     Args:
         mode: ``"raise"`` or ``"skip"``.
         owner: how messages name the trainer (``"Trainer"``, ``"GraphTrainer"``).
-        host_state: (read, write) of the host-only counters a guarded run's forward advances
-            (the Trainer's BatchNorm ``num_batches_tracked``), or None. A skipped step's
-            advance is taken back when the count is read (``settle``), as the GPU skipped its
-            running-statistics update.
+        host_state: (read, write) of the host-only counters a step's forwards advance (the
+            Trainer's BatchNorm ``num_batches_tracked``), or None. A skipped step's advance is
+            taken back when the count is read (``settle``), as the GPU skipped its
+            running-statistics updates.
     """
 
     def __init__(self, mode: str, owner: str, host_state: HostState | None = None) -> None:
@@ -197,7 +197,7 @@ class StepGuard:
 
     def ran(self, step: int, rng=None, runs: tuple | None = None, host: dict | None = None) -> None:
         """Record a step submitted to the GPU; ``host``: the host-only counters before its
-        guarded run (``host_state``'s read), taken back if the step was skipped."""
+        first run (``host_state``'s read), taken back to if the step was skipped."""
         self._pending.append(_Record(step, rng, runs, host))
         if len(self._pending) > KEEP_RUNS:
             self._pending[-KEEP_RUNS - 1].runs = None
@@ -295,7 +295,7 @@ class StepGuard:
         """Take the last ``n`` records' advances off the host-only counters.
 
         In ``"raise"`` mode the skipped steps are the tail (the guard is sticky), so this
-        restores the counters as they were before the first skipped step's guarded run. In
+        restores the counters as they were before the first skipped step. In
         ``"skip"`` mode the GPU reports only how many unread steps it skipped, not which:
         with a read every step (the default) that is exact; over unread steps it takes back
         the advances of the last ``n``, which is exact whenever every step advances a counter
