@@ -106,6 +106,10 @@ def test_accumulation_stages_and_commits_through_pending_copies():
     assert [commit[i].name for i in c.inputs[1:5]] == names[2:] + names[:2]
     assert commit[c.inputs[6]].op == "guard_clip"
     assert not _updates(stage) and not _updates(commit)
+    for g, into in ((stage, u), (commit, c)):  # the statistics come from the forward
+        stats = g[into.inputs[0]]
+        first_backward = min(n.id for n in g.nodes if n.op.endswith("_backward"))
+        assert stats.op == "batch_norm_stats" and stats.id < first_backward
 
     def run(g, xs, state, first=1.0):
         feeds = {"x": xs, "accum.first": np.float32(first)}

@@ -369,8 +369,9 @@ def weight_backward_team(graph: Graph, node_id: int, limits: Limits) -> list[Ker
 
 
 def update_stats_stores(kb: KernelBuilder, node, m: int) -> tuple[str, list[str]]:
-    """How ``batch_norm_update_stats`` (``_into``) stores channel ``row``'s statistics, given
-    ``shift + mean`` and ``ssd`` (the sum of squared deviations over ``m`` values).
+    """How ``batch_norm_update_stats`` (or ``batch_norm_stats``) stores channel ``row``'s
+    statistics, given ``shift + mean`` and ``ssd`` (the sum of squared deviations over ``m``
+    values).
 
     Returns:
         (the WGSL condition suffix `` && ...`` or ``""``, the store statements). The condition
@@ -380,19 +381,16 @@ def update_stats_stores(kb: KernelBuilder, node, m: int) -> tuple[str, list[str]
         keep their bits as the parameters do.
     """
     ins = node.inputs
+    if node.op == "batch_norm_stats":  # [2, C]: the mean, then the unbiased variance
+        out = kb.write(node.id, "stats")
+        var = f"ssd / {f32_literal(m - 1)}"
+        c = u(node.type.shape[1])
+        return "", [kb.store(out, "row", "shift + mean"), kb.store(out, f"{c} + row", var)]
     mom = node.attr("momentum")
     a, b = f32_literal(mom), f32_literal(1.0 - mom)
-    if node.op == "batch_norm_update_stats":
-        rm, rv = kb.write(ins[1], "running_mean"), kb.write(ins[2], "running_var")
-        base_m, base_v = f"{rm}[row]", f"{rv}[row]"
-        clip_id = ins[3] if len(ins) == 4 else None
-    else:  # _into: from the source statistics when take_src, else from the destination's
-        sm, sv = kb.read(ins[1], "src_mean"), kb.read(ins[2], "src_var")
-        rm, rv = kb.write(ins[3], "running_mean"), kb.write(ins[4], "running_var")
-        take = f"({kb.read(ins[5], 'take_src').at('0u')} != 0.0)"
-        base_m = f"select({rm}[row], {sm.at('row')}, {take})"
-        base_v = f"select({rv}[row], {sv.at('row')}, {take})"
-        clip_id = ins[6]
+    rm, rv = kb.write(ins[1], "running_mean"), kb.write(ins[2], "running_var")
+    base_m, base_v = f"{rm}[row]", f"{rv}[row]"
+    clip_id = ins[3] if len(ins) == 4 else None
     kept = ""
     if clip_id is not None:
         kept = f" && !{is_nonfinite(kb.read(clip_id, 'clip').at('0u'))}"
