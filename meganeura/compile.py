@@ -21,7 +21,7 @@ from .graph.ir import Graph, resolve_view
 from .graph.verify import verify
 from .optim import Optimizer, apply_optimizer
 from .optim.accumulate import add_to_accumulators, mean_with_accumulators
-from .optim.guard import GUARD_MODES
+from .optim.guard import GUARD_MODES, defer_update_stats
 from .passes import cse, dce, fold_permutes
 from .passes.precision import narrow_storage
 from .schedule.planner import plan_memory
@@ -76,7 +76,12 @@ class CompileOptions:
             sum of squares on the GPU and skip the update when either is inf or NaN
             (``optim.guard``; the Trainers set it); None: no guard. A program without an
             optimizer (inference, ``accumulate_grads``) has no update to guard and ignores it:
-            the last micro-batch's program checks the mean of all micro-batches.
+            the last micro-batch's program checks the mean of all micro-batches. A skipped
+            step writes no running statistics either (``optim.guard.defer_update_stats``):
+            with the guard, an ``accumulate_grads`` program stages BatchNorm's updates in the
+            state ``<statistic>.pending`` and the last micro-batch's program commits them, so
+            the caller must share those states between the programs and compile both with the
+            guard.
     """
 
     loss: str | None = None
@@ -178,7 +183,18 @@ def _training_graph(
             guard=options.nonfinite_guard,
             max_bindings=(limits or Limits()).max_storage_buffers_per_shader_stage,
         )
-    return g, frozenset(raw | set(range(backward_end, len(g.nodes))))
+    master = raw | set(range(backward_end, len(g.nodes)))
+    if options.nonfinite_guard is not None and (
+        options.optimizer is not None or options.accumulate_grads
+    ):
+        # A skipped step must leave BatchNorm's running statistics as it leaves parameters.
+        if options.accumulate_grads:
+            accumulation = "stage"
+        else:
+            accumulation = "commit" if options.accumulation_steps > 1 else None
+        g, id_map = defer_update_stats(g, accumulation)
+        master = {id_map[i] for i in master if i in id_map}
+    return g, frozenset(master)
 
 
 def compile(

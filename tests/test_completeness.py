@@ -40,6 +40,15 @@ INTERNAL: dict[str, str] = {
     "reference and end to end in tests/training/test_nonfinite_guard.py",
     "guard_clip": "the non-finite guard's clip coefficient (NaN when a step must be skipped); "
     "tested against its reference and end to end in tests/training/test_nonfinite_guard.py",
+    "batch_norm_stats": "BatchNorm's batch statistics for a deferred running-statistics update "
+    "(gradient accumulation with the non-finite guard); tested through "
+    "batch_norm_update_stats_into in tests/training/test_nonfinite_batchnorm.py and "
+    "tests/optim/test_guard_running_stats.py",
+    "batch_norm_update_stats_into": "BatchNorm's running-statistics update staged in pending "
+    "copies under gradient accumulation with the non-finite guard (writes in place, returns a "
+    "token); tested against torch's per-forward formula and through skipped steps in "
+    "tests/training/test_nonfinite_batchnorm.py, its reference in "
+    "tests/optim/test_guard_running_stats.py",
     "guard_count": "the non-finite guard's effect op (counts skipped steps in place); tested "
     "in tests/training/test_nonfinite_guard.py",
 }

@@ -34,7 +34,7 @@ from .tracing import current_trace
 
 # Keys PyTorch and Hugging Face checkpoints carry that are not parameters of the model, and the
 # optimizer state of meganeura's Trainer checkpoints (``optimizer/<param>.<suffix>``,
-# ``training.trainer.OPTIMIZER_PREFIX``; no module path holds a "/"): loaded when the model
+# ``training.checkpoints.OPTIMIZER_PREFIX``; no module path holds a "/"): loaded when the model
 # has them, skipped (not "unexpected") when it has not.
 KNOWN_EXTRA_KEYS = (
     re.compile(r"(^|\.)num_batches_tracked$"),

@@ -27,7 +27,17 @@ of x with fixed statistics; its gradient is written with elementwise ops and sum
 batch_norm in training mode also appends ``batch_norm_update_stats`` (an effect op writing the
 ``state`` leaves running_mean/running_var in place, as torch.nn.functional.batch_norm does):
 ``running = (1 - momentum) * running + momentum * batch_stat`` with the *unbiased* batch
-variance, while the output is normalized with the biased one.
+variance, while the output is normalized with the biased one. Its optional fourth operand is the
+non-finite guard's clip coefficient (``optim.guard``): when it is inf or NaN (by bit pattern, the
+guard tripped) the op writes nothing, as the optimizer updates do; a guarded training program
+moves the op after the guard's decision (``optim.guard.defer_update_stats``, issue 11 item 3).
+``batch_norm_stats(x)`` is the batch mean and unbiased variance per channel, ``[2, C]``;
+``batch_norm_update_stats_into(stats, src_mean, src_var, mean, var, take_src, clip)`` writes
+``momentum * stats + (1 - momentum) * src`` into ``mean``/``var``, with ``src`` = ``src_*``
+when ``take_src`` is nonzero, else ``mean``/``var`` themselves, and nothing when ``clip`` is
+non-finite: with gradient accumulation and the guard, the micro-batches stage their updates
+in pending copies and the guarded last micro-batch commits them (``optim.guard``); the
+statistics are computed in the forward, so the batch input is not kept for the update.
 """
 
 from __future__ import annotations
@@ -41,9 +51,11 @@ from . import functional as F
 from .dropout import DEFS as DROPOUT_DEFS
 from .norm_ref import (
     backward_np,
+    batch_stats_np,
     channel_axes,
     group_dims,
     norm_np,
+    update_stats_into_np,
     update_stats_np,
     weight_backward_np,
 )
@@ -105,14 +117,46 @@ def _weight_backward_type(types, attrs, kind: str):
 
 
 def _update_stats_type(types, attrs):
-    x, rm, rv = types
+    if len(types) not in (3, 4):
+        raise ShapeError(f"expects x, running_mean, running_var[, clip], got {len(types)} operands")
+    x, rm, rv = types[:3]
     _x_type(x)
+    if len(types) == 4 and types[3] != TensorType((), DType.f32):
+        raise ShapeError(f"clip must be f32[], got {types[3]}")
     _, m, wshape = group_dims(x.shape, "batch_norm", attrs)
     _check_params(x, [rm, rv], wshape, ("running_mean", "running_var"))
     if rm.shape != wshape or rv.shape != wshape:
         raise ShapeError(f"running statistics must be {x.dtype}[{wshape[0]}]")
     if m < 2:
         raise ShapeError(f"needs more than 1 value per channel, got input {list(x.shape)}")
+    return TensorType((), DType.u32)
+
+
+def _batch_stats_type(types, attrs):
+    (x,) = types
+    _x_type(x)
+    _, m, wshape = group_dims(x.shape, "batch_norm", attrs)
+    if m < 2:
+        raise ShapeError(f"needs more than 1 value per channel, got input {list(x.shape)}")
+    return TensorType((2, *wshape), x.dtype)
+
+
+def _update_stats_into_type(types, attrs):
+    if len(types) != 7:
+        raise ShapeError(
+            "expects stats, src_mean, src_var, mean, var, take_src, clip, got "
+            f"{len(types)} operands"
+        )
+    stats = types[0]
+    c = stats.shape[-1] if stats.ndim == 2 else -1
+    if stats.ndim != 2 or stats.shape[0] != 2 or not stats.dtype.is_floating:
+        raise ShapeError(f"stats must be [2, C] (batch_norm_stats), got {stats}")
+    for t, name in zip(types[1:5], ("src_mean", "src_var", "mean", "var"), strict=True):
+        if t != TensorType((c,), stats.dtype):
+            raise ShapeError(f"{name} must be {stats.dtype}[{c}], got {t}")
+    for t, what in zip(types[5:], ("take_src", "clip"), strict=True):
+        if t != TensorType((), DType.f32):
+            raise ShapeError(f"{what} must be f32[], got {t}")
     return TensorType((), DType.u32)
 
 
@@ -188,7 +232,19 @@ def _defs() -> list[OpDef]:
             update_stats_np,
             differentiable=False,
             writes=(1, 2),
-            arity=3,
+        )
+    )
+    out.append(
+        OpDef("batch_norm_stats", _batch_stats_type, batch_stats_np, differentiable=False, arity=1)
+    )
+    out.append(
+        OpDef(
+            "batch_norm_update_stats_into",
+            _update_stats_into_type,
+            update_stats_into_np,
+            differentiable=False,
+            writes=(3, 4),
+            arity=7,
         )
     )
     return out

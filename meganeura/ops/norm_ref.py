@@ -137,14 +137,34 @@ def weight_backward_np(kind: str):
     return ref
 
 
-def update_stats_np(xs, a):
-    x, rm, rv = (np.asarray(v) for v in xs)
+def batch_stats_np(xs, a):
+    """``batch_norm_stats(x)``: [2, C], the batch mean and the unbiased variance per channel."""
+    x = np.asarray(xs[0])
     xg = _grouped(x, "batch_norm", {"eps": 0.0})
-    m = xg.shape[1]
     dev, mean = centered(xg, False)
-    mean = mean[:, 0]
-    var = np.sum(dev * dev, axis=1) / (m - 1)
+    var = np.sum(dev * dev, axis=1) / (xg.shape[1] - 1)
+    return np.stack([mean[:, 0], var]).astype(x.dtype, copy=False)
+
+
+def _blend(stats, rm, rv, a):
     mom = a["momentum"]
-    new_m = mom * mean + (1 - mom) * rm
-    new_v = mom * var + (1 - mom) * rv
+    new_m = mom * stats[0] + (1 - mom) * rm
+    new_v = mom * stats[1] + (1 - mom) * rv
     return new_m.astype(rm.dtype, copy=False), new_v.astype(rv.dtype, copy=False)
+
+
+def update_stats_into_np(xs, a):
+    """``batch_norm_update_stats_into(stats, src_mean, src_var, mean, var, take_src, clip)``."""
+    stats, sm, sv, dm, dv, take, clip = (np.asarray(v) for v in xs)
+    if (np.asarray(clip, np.float32).view(np.uint32) & 0x7F800000) == 0x7F800000:
+        return dm, dv
+    return _blend(stats, *((sm, sv) if take != 0 else (dm, dv)), a)
+
+
+def update_stats_np(xs, a):
+    x, rm, rv = (np.asarray(v) for v in xs[:3])
+    if len(xs) == 4:  # the guard's clip coefficient: non-finite means the step was skipped
+        bits = np.asarray(xs[3], np.float32).view(np.uint32)
+        if (bits & 0x7F800000) == 0x7F800000:
+            return rm, rv
+    return _blend(batch_stats_np([x], a), rm, rv, a)

@@ -8,8 +8,9 @@ GPU counts skipped steps; the trainers read the count in the same read as the lo
 
   * ``on_nonfinite="raise"`` (the default): raise :class:`NonFiniteError`. The guard is
     sticky on the GPU: once a step trips, the later unread steps are skipped too, so
-    parameters, optimizer state, the step counter and the global RNG are as they were before
-    the first bad step;
+    parameters, optimizer state, BatchNorm's running statistics (``optim.guard.
+    defer_update_stats``) and ``num_batches_tracked``, the step counter and the global RNG are
+    as they were before the first bad step;
   * ``on_nonfinite="skip"``: warn (:class:`NonFiniteWarning`), add the steps to
     ``skipped_steps`` and continue. Skipped steps do not advance ``step_count``, which drives
     the learning-rate schedule and Adam's bias correction (Hugging Face's Trainer steps neither
@@ -157,6 +158,13 @@ class _Record:
     step: int
     rng: Any  # global RNG state before the step (None: not tracked)
     runs: tuple | None
+    host: dict | None = None  # host-only counters before the step ran (None: not tracked)
+
+
+# Reads and writes the host-only state a step's forwards change (BatchNorm's
+# ``num_batches_tracked``), so a skipped step can be taken off it as the GPU took it off the
+# running statistics.
+HostState = tuple[Callable[[], dict], Callable[[dict], None]]
 
 
 class StepGuard:
@@ -165,11 +173,16 @@ class StepGuard:
     Args:
         mode: ``"raise"`` or ``"skip"``.
         owner: how messages name the trainer (``"Trainer"``, ``"GraphTrainer"``).
+        host_state: (read, write) of the host-only counters a step's forwards advance (the
+            Trainer's BatchNorm ``num_batches_tracked``), or None. A skipped step's advance is
+            taken back when the count is read (``settle``), as the GPU skipped its
+            running-statistics updates.
     """
 
-    def __init__(self, mode: str, owner: str) -> None:
+    def __init__(self, mode: str, owner: str, host_state: HostState | None = None) -> None:
         self.mode = check_mode(mode)
         self.owner = owner
+        self._host = host_state
         self.skipped_steps = 0
         self._pending: list[_Record] = []
 
@@ -182,9 +195,10 @@ class StepGuard:
         """The ``guard.reset`` feed of the next step: 1 when the count was read since."""
         return np.asarray(0.0 if self._pending else 1.0, np.float32)
 
-    def ran(self, step: int, rng=None, runs: tuple | None = None) -> None:
-        """Record a step submitted to the GPU."""
-        self._pending.append(_Record(step, rng, runs))
+    def ran(self, step: int, rng=None, runs: tuple | None = None, host: dict | None = None) -> None:
+        """Record a step submitted to the GPU; ``host``: the host-only counters before its
+        first run (``host_state``'s read), taken back to if the step was skipped."""
+        self._pending.append(_Record(step, rng, runs, host))
         if len(self._pending) > KEEP_RUNS:
             self._pending[-KEEP_RUNS - 1].runs = None
 
@@ -215,6 +229,7 @@ class StepGuard:
         if n == 0 or not records:
             return 0
         n = min(n, len(records))
+        self._take_back(records, n)
         if self.mode == "skip":
             self.skipped_steps += n
             span = _span(records)
@@ -255,10 +270,10 @@ class StepGuard:
         error = NonFiniteError(
             f"{self.owner} step {first.step}: {what}. The update was skipped on the GPU"
             f"{later}: parameters, optimizer state, the step counter ({first.step}) and the "
-            "RNG are as before that step (running statistics its forward updates, as "
-            "BatchNorm's, are not restored). Find the bad values with check_finite=True "
-            "(inputs) or lower the learning rate; on_nonfinite='skip' skips such steps with a "
-            "warning instead",
+            "RNG are as before that step, and so are BatchNorm's running statistics and "
+            "num_batches_tracked. Find the bad values with check_finite=True (inputs) or "
+            "lower the learning rate; on_nonfinite='skip' skips such steps with a warning "
+            "instead",
             step=first.step,
             steps=tuple(r.step for r in skipped),
             loss=loss,
@@ -275,6 +290,27 @@ class StepGuard:
         elif first.runs:
             error.args = (f"{error.args[0]}; e.locate() names the first non-finite value",)
         raise error
+
+    def _take_back(self, records: list[_Record], n: int) -> None:
+        """Take the last ``n`` records' advances off the host-only counters.
+
+        In ``"raise"`` mode the skipped steps are the tail (the guard is sticky), so this
+        restores the counters as they were before the first skipped step. In
+        ``"skip"`` mode the GPU reports only how many unread steps it skipped, not which:
+        with a read every step (the default) that is exact; over unread steps it takes back
+        the advances of the last ``n``, which is exact whenever every step advances a counter
+        alike (the same BatchNorms run in every step's forward).
+        """
+        if self._host is None or any(r.host is None for r in records):
+            return
+        read, write = self._host
+        snaps = [r.host for r in records] + [read()]
+        now = snaps[-1]
+        back = {
+            k: sum(snaps[i + 1][k] - snaps[i][k] for i in range(len(records) - n, len(records)))
+            for k in now
+        }
+        write({k: now[k] - back[k] for k in now})
 
 
 def _footprint(runs) -> int:

@@ -20,11 +20,13 @@ Invariants:
     asked for;
   * what a traced forward does to host state (BatchNorm's ``num_batches_tracked += 1``,
     registered with ``Trace.on_run``) happens once per executed forward: after every run of a
-    program, ``k`` times per step with accumulation;
+    program, ``k`` times per step with accumulation; a step the guard skips has them taken
+    back when the guard's count is read (``StepGuard``);
   * ``load`` checks the whole checkpoint before it applies any of it;
   * every step's update is guarded against inf and NaN on the GPU (``training.guard``): a
-    step whose loss or gradients are non-finite writes no parameter or optimizer state, and
-    the next read raises ``NonFiniteError`` (or warns, ``on_nonfinite="skip"``).
+    step whose loss or gradients are non-finite writes no parameter, optimizer state or
+    BatchNorm running statistics (issue 11 item 3), and the next read raises
+    ``NonFiniteError`` (or warns, ``on_nonfinite="skip"``).
   * GPU memory: ``close()`` (or the end of a ``with`` block) frees the programs and optimizer
     state at once, a dropped Trainer when it is collected; at most ``max_programs`` programs
     are kept, the least recently used one closed beyond that.
@@ -43,13 +45,7 @@ from .. import random as mn_random
 from ..compile import CompileOptions, grad_output
 from ..graph.builder import Tensor
 from ..graph.ir import Graph
-from ..io.checkpoint import (
-    CheckpointError,
-    check_count,
-    check_rng_state,
-    load_checkpoint,
-    save_checkpoint,
-)
+from ..io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..nn.compiled import (
     DEFAULT_MAX_PROGRAMS,
     CacheEntry,
@@ -63,14 +59,12 @@ from ..nn.module import Module, StateDictError
 from ..nn.parameter import Buffer, Parameter
 from ..optim import HYPER_INPUT, Optimizer
 from ..optim.accumulate import ACCUM_FIRST_INPUT, LOSS_ACCUMULATOR, grad_accumulator
-from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE
-from .batches import bind_model, check_loss, check_optimizer, fn_name, split_batch
+from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE, PENDING_SUFFIX
+from .batches import bind_model, check_loss, fn_name, split_batch
+from .checkpoints import OPTIMIZER_PREFIX, check_trainer_checkpoint
 from .graph import GraphTrainer
 from .guard import StepGuard, StepRun, check_finite_feeds, check_mode
 
-# Checkpoint keys of optimizer state: "optimizer/<parameter name>.<suffix>". No PyTorch name
-# holds a "/", so these never collide with the model's state dict keys.
-OPTIMIZER_PREFIX = "optimizer/"
 LOSS = "loss"
 
 
@@ -158,7 +152,9 @@ class Trainer:
             )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
-        self._guard = StepGuard(check_mode(on_nonfinite), "Trainer")
+        self._guard = StepGuard(
+            check_mode(on_nonfinite), "Trainer", (self._host_counters, self._set_host_counters)
+        )
         self.check_finite = bool(check_finite)
         self.model = model
         self.optimizer = optimizer
@@ -180,6 +176,9 @@ class Trainer:
         self.step_count = 0
         self._moments: dict[Parameter, dict[str, Buffer]] = {}
         self._accumulators: dict[Parameter, Buffer] = {}
+        # running statistic -> its pending copy, staged by the micro-batches of an accumulated
+        # step and committed by the guarded last one (``optim.guard.defer_update_stats``)
+        self._pending_stats: dict[Buffer, Buffer] = {}
         self._loss_accumulator = Buffer(np.zeros((), np.float32))
         self._guard_state = Buffer(np.zeros((), np.float32))  # GPU count of skipped steps
         self._cache: ProgramCache = ProgramCache()
@@ -252,8 +251,9 @@ class Trainer:
             Nothing is changed when any of these is raised.
             NonFiniteError: the loss or the gradients of this step (or, read now, of an
                 earlier step run with ``return_loss=False``) hold inf or NaN; the update was
-                skipped on the GPU and the trainer is as before that step (its BatchNorm
-                running statistics aside). ``on_nonfinite="skip"`` warns instead.
+                skipped on the GPU and the trainer is as before that step, BatchNorm's running
+                statistics and ``num_batches_tracked`` included (every micro-batch's, with
+                accumulation). ``on_nonfinite="skip"`` warns instead.
         """
         k = self.accumulation_steps
         micro = split_batch(self._fn, batch, kwargs, k) if k > 1 else [(batch, kwargs)]
@@ -277,6 +277,9 @@ class Trainer:
             if len(runs) > 1:
                 for prog, feeds in runs:
                     prog.entry.runner.session.check(feeds)
+            # what the step's forwards advance (num_batches_tracked), taken back if the guard
+            # skips the step, as the GPU skips its running-statistics updates
+            host = self._host_counters()
             for prog, feeds in runs[:-1]:
                 self._run(prog, feeds, ())
             prog, feeds = runs[-1]
@@ -294,7 +297,7 @@ class Trainer:
                 StepRun(x.program, f, x.session, x.traced.graph, x.options)
                 for x, (_, f) in zip(r, runs, strict=True)
             )
-            self._guard.ran(self.step_count, rng_state, located)
+            self._guard.ran(self.step_count, rng_state, located, host)
         self.step_count += 1
         loss = float(out[LOSS]) if return_loss else None
         grads = {name: out[g] for g, name in prog.grads.items()}
@@ -316,6 +319,17 @@ class Trainer:
         self.check_nonfinite()
         prog, feeds = self._prepare("evaluate", batch, kwargs)
         return float(self._run(prog, feeds, (LOSS,))[LOSS])
+
+    def _host_counters(self) -> dict[str, np.ndarray]:
+        """Copies of the model's host-only buffers (BatchNorm's ``num_batches_tracked``)."""
+        return {
+            name: np.array(b.data) for name, b in self.model.named_buffers(_all=True) if b.host_only
+        }
+
+    def _set_host_counters(self, values: Mapping[str, np.ndarray]) -> None:
+        buffers = dict(self.model.named_buffers(_all=True))
+        for name, value in values.items():
+            buffers[name].copy_(value)
 
     def _run(self, prog: _Program, feeds: dict, fetch: tuple) -> dict:
         runner = prog.entry.runner
@@ -409,6 +423,10 @@ class Trainer:
             return self._guard_state
         owner, _, suffix = name.rpartition(".")
         p = objects.get(owner)
+        if suffix == PENDING_SUFFIX and isinstance(p, Buffer):  # a running statistic's copy
+            if p not in self._pending_stats:
+                self._pending_stats[p] = Buffer(np.zeros(p.shape, p.dtype.numpy))
+            return self._pending_stats[p]
         if not isinstance(p, Parameter):
             return None
         if name == grad_accumulator(owner):
@@ -453,6 +471,7 @@ class Trainer:
         self._closed = True
         # The shared store forgets these Buffers (weak keys) and frees blocks left empty.
         self._moments, self._accumulators, self._loss_accumulator = {}, {}, None
+        self._pending_stats = {}
         self._guard_state = None
         self._guard.forget()  # its records hold the closed programs' feeds and Sessions
 
@@ -526,41 +545,8 @@ class Trainer:
         """
         self._live()
         tensors, meta = load_checkpoint(path)
-        step = check_count(path, meta, "step", "the number of steps taken")
-        skipped = 0  # checkpoints from before the guard have none
-        if "skipped_steps" in meta:
-            skipped = check_count(path, meta, "skipped_steps", "the number of skipped steps")
-        check_optimizer(path, meta, self.optimizer)
-        rng = check_rng_state(path, meta, "rng", mn_random.default_generator().bit_generator)
-        params = dict(self.model.named_parameters())
-        model_sd, moments, problems = {}, {}, []
-        for key, value in tensors.items():
-            if not key.startswith(OPTIMIZER_PREFIX):
-                model_sd[key] = value
-                continue
-            owner, _, suffix = key.removeprefix(OPTIMIZER_PREFIX).rpartition(".")
-            p = params.get(owner)
-            if p is None or suffix not in self.optimizer.state_suffixes:
-                problems.append(f"unknown optimizer state {key!r}")
-            elif value.shape != p.shape or value.dtype != p.dtype.numpy:
-                problems.append(
-                    f"{key!r}: expected {p.dtype.numpy}{list(p.shape)}, "
-                    f"got {value.dtype}{list(value.shape)}"
-                )
-            else:
-                moments[(p, suffix)] = value
-        # The model's tensors as saved: exact dtypes too (load_state_dict alone would convert a
-        # float64 or float16 value, and the run would not continue bit-identically).
-        for key, t in self.model._state_items():
-            value = model_sd.get(key)
-            want = t._host.dtype if isinstance(t, Buffer) and t.host_only else t.dtype.numpy
-            if value is not None and (value.shape != t.shape or value.dtype != want):
-                problems.append(
-                    f"{key!r}: expected {np.dtype(want)}{list(t.shape)}, "
-                    f"got {value.dtype}{list(value.shape)}"
-                )
-        if problems:
-            raise CheckpointError(f"{path}: " + "; ".join(problems))
+        checked = check_trainer_checkpoint(path, tensors, meta, self.model, self.optimizer)
+        step, skipped, rng, model_sd, moments = checked
         try:  # checks every key and shape before it writes any
             self.model.load_state_dict(model_sd, strict=True)
         except StateDictError as e:

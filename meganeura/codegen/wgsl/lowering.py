@@ -60,6 +60,7 @@ from .norm.lowering import (
     lower_norm_backward,
     lower_norm_weight_backward,
     lower_update_stats,
+    lower_update_stats_into,
 )
 from .optim import (
     lower_accumulate,
@@ -101,6 +102,8 @@ LOWERINGS: dict[str, Lowering] = {
     **{f"{op}_backward": lower_norm_backward for op in _NORMS},
     **{f"{op}_weight_backward": lower_norm_weight_backward for op in _NORMS},
     "batch_norm_update_stats": lower_update_stats,
+    "batch_norm_stats": lower_update_stats,
+    "batch_norm_update_stats_into": lower_update_stats_into,
     # matmul (matmul/)
     "matmul": lower_matmul,
     # attention and rotary embedding (attention/)

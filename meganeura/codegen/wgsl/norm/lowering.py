@@ -23,9 +23,10 @@ from __future__ import annotations
 from ....graph.ir import Graph
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src, indent
-from ..core.layout import contiguous_strides
+from ..core.layout import PER_THREAD, WG, contiguous_strides, element_slots
 from ..core.literals import f32_literal, u
 from ..elementwise.maps import emit_map, lower_fill
+from ..optim import is_nonfinite
 from ..rowwise.rows import (
     RowPlan,
     for_each,
@@ -41,6 +42,7 @@ from .team import (
     lower_norm_backward_team,
     lower_norm_team,
     stats_team,
+    update_stats_stores,
     update_stats_team,
     weight_backward_team,
 )
@@ -232,9 +234,11 @@ def lower_norm_weight_backward(graph: Graph, node_id: int, limits: Limits) -> li
 
 def lower_update_stats(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
     """Running mean / unbiased variance update of batch_norm, in place, one group per
-    channel: ``running = momentum * stat + (1 - momentum) * running``."""
+    channel: ``running = momentum * stat + (1 - momentum) * running``; nothing is written when
+    the optional guard clip operand is non-finite. Also ``batch_norm_stats``, which stores
+    the statistics themselves (``ops/norm.py``; ``team.update_stats_stores``)."""
     node = graph[node_id]
-    x_id, rm_id, rv_id = node.inputs
+    x_id = node.inputs[0]
     shape = graph[x_id].type.shape
     lay = group_layout(shape, "batch_norm", {})
     if lay.count == 0:
@@ -245,19 +249,46 @@ def lower_update_stats(graph: Graph, node_id: int, limits: Limits) -> list[Kerne
     plan = _plan(lay)
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(x_id, "x")
-    rm = kb.write(rm_id, "running_mean")
-    rv = kb.write(rv_id, "running_var")
-    mom = node.attr("momentum")
-    a, b = f32_literal(mom), f32_literal(1.0 - mom)
+    kept, stores = update_stats_stores(kb, node, lay.length)
     body = thread_coords(plan, "wg", lay.count) + _stats(plan, lay, x, False, 0.0)
-    body += (
-        "  if (live && y == 0u) {\n"
-        f"    {rm}[row] = {a} * (shift + mean) + {b} * {rm}[row];\n"
-        f"    {rv}[row] = {a} * (ssd / {f32_literal(lay.length - 1)}) + {b} * {rv}[row];\n"
-        "  }\n"
-    )
+    body += f"  if (live && y == 0u{kept}) {{\n" + "".join(f"    {s}\n" for s in stores)
+    body += "  }\n"
     helpers = shared_decl(plan, "red", "f32") + _SQ + lay.helpers("g")
     return [kb.finish("", body, plan.size, -(-lay.count // plan.ox), helpers)]
+
+
+def lower_update_stats_into(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
+    """``batch_norm_update_stats_into(stats, src_mean, src_var, mean, var, take_src, clip)``
+    (``ops/norm.py``), one channel per element slot: ``mean = momentum * stats[0] + (1 -
+    momentum) * (src_mean if take_src else mean)``, likewise ``var`` from ``stats[1]``. A
+    non-finite ``clip`` (the guard skipped the step) returns before any load or store, as the
+    optimizer updates do (no barrier follows, so the early return is safe)."""
+    node = graph[node_id]
+    st_id, sm_id, sv_id, m_id, v_id, t_id, c_id = node.inputs
+    c = graph[m_id].type.numel
+    if c == 0:
+        return []
+    kb = KernelBuilder(graph, node, limits)
+    stats = kb.read(st_id, "stats")
+    sm, sv = kb.read(sm_id, "src_mean"), kb.read(sv_id, "src_var")
+    rm, rv = kb.write(m_id, "running_mean"), kb.write(v_id, "running_var")
+    take, clip = kb.read(t_id, "take_src"), kb.read(c_id, "clip")
+    mom = node.attr("momentum")
+    a, b = f32_literal(mom), f32_literal(1.0 - mom)
+    slots, groups, guard = element_slots(c)
+    lines = [slots.rstrip(), f"  let take = {take.at('0u')} != 0.0;"]
+    if clip.literal is None:
+        lines.append(f"  if {is_nonfinite(clip.at('0u'))} {{ return; }}")
+    for e in range(PER_THREAD):
+        j = f"j{e}"
+        base_m = f"select({kb.load(rm, j)}, {sm.at(j)}, take)"
+        base_v = f"select({kb.load(rv, j)}, {sv.at(j)}, take)"
+        lines.append(f"  let m{e} = {a} * {stats.at(j)} + {b} * {base_m};")
+        lines.append(f"  let v{e} = {a} * {stats.at(f'{u(c)} + {j}')} + {b} * {base_v};")
+    for e in range(PER_THREAD):
+        stores = f"{kb.store(rm, f'i{e}', f'm{e}')} {kb.store(rv, f'i{e}', f'v{e}')}"
+        lines.append("  " + guard(e, stores))
+    return [kb.finish("", "\n".join(lines), WG, groups, flops=6 * c, nbytes=28 * c)]
 
 
 def _lower_batch_norm_eval(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:

@@ -44,6 +44,7 @@ from ....ops.norm_ref import group_dims
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.literals import f32_literal, u
+from ..optim import is_nonfinite
 from ..rowwise.team import Chunk, RowKernel, TeamPlan, plan_team, sources_bound
 
 MIN_SEG = 16  # elements per segment below which a segmented row is left to the rows kernels
@@ -367,10 +368,43 @@ def weight_backward_team(graph: Graph, node_id: int, limits: Limits) -> list[Ker
     return [stats_k, rk.finish("reduce")]
 
 
+def update_stats_stores(kb: KernelBuilder, node, m: int) -> tuple[str, list[str]]:
+    """How ``batch_norm_update_stats`` (or ``batch_norm_stats``) stores channel ``row``'s
+    statistics, given ``shift + mean`` and ``ssd`` (the sum of squared deviations over ``m``
+    values).
+
+    Returns:
+        (the WGSL condition suffix `` && ...`` or ``""``, the store statements). The condition
+        is false when the guard's clip operand is non-finite (the guard skipped the step,
+        ``ops/update.py``): the statistics are still computed, so the kernel's workgroup
+        barriers stay in uniform control flow, but not stored, and the running statistics
+        keep their bits as the parameters do.
+    """
+    ins = node.inputs
+    if node.op == "batch_norm_stats":  # [2, C]: the mean, then the unbiased variance
+        out = kb.write(node.id, "stats")
+        var = f"ssd / {f32_literal(m - 1)}"
+        c = u(node.type.shape[1])
+        return "", [kb.store(out, "row", "shift + mean"), kb.store(out, f"{c} + row", var)]
+    mom = node.attr("momentum")
+    a, b = f32_literal(mom), f32_literal(1.0 - mom)
+    rm, rv = kb.write(ins[1], "running_mean"), kb.write(ins[2], "running_var")
+    base_m, base_v = f"{rm}[row]", f"{rv}[row]"
+    clip_id = ins[3] if len(ins) == 4 else None
+    kept = ""
+    if clip_id is not None:
+        kept = f" && !{is_nonfinite(kb.read(clip_id, 'clip').at('0u'))}"
+    stores = [
+        f"{rm}[row] = {a} * (shift + mean) + {b} * {base_m};",
+        f"{rv}[row] = {a} * (ssd / {f32_literal(m - 1)}) + {b} * {base_v};",
+    ]
+    return kept, stores
+
+
 def update_stats_team(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource] | None:
     """batch_norm's running statistics (``lowering.lower_update_stats``) as one team kernel."""
     node = graph[node_id]
-    x_id, rm_id, rv_id = node.inputs
+    x_id = node.inputs[0]
     shape = graph[x_id].type.shape
     n, c, s = _segments(shape)
     plan = _plan_channels(n, c, s, limits)
@@ -380,13 +414,11 @@ def update_stats_team(graph: Graph, node_id: int, limits: Limits) -> list[Kernel
     x = kb.read(x_id, "x")
     if not sources_bound(x):
         return None
-    rm, rv = kb.write(rm_id, "running_mean"), kb.write(rv_id, "running_var")
+    kept, stores = update_stats_stores(kb, node, plan.n)
     rk = RowKernel(kb, plan)
     _stats(rk, rk.bind(x), False, 0.0)
-    mom = node.attr("momentum")
-    a, b = f32_literal(mom), f32_literal(1.0 - mom)
-    rk.line("if (live && y == 0u) {")
-    rk.line(f"  {rm}[row] = {a} * (shift + mean) + {b} * {rm}[row];")
-    rk.line(f"  {rv}[row] = {a} * (ssd / {f32_literal(plan.n - 1)}) + {b} * {rv}[row];")
+    rk.line(f"if (live && y == 0u{kept}) {{")
+    for line in stores:
+        rk.line(f"  {line}")
     rk.line("}")
     return [rk.finish("")]
