@@ -99,8 +99,8 @@ def test_argument_errors():
         I.index(x, (i, i))
     with pytest.raises(TypeError, match=r"sections \[3, 3\] must be positive and sum to 7"):
         I.split(x, [3, 3], 1)
-    with pytest.raises(GraphTypeError, match="finite"):
-        b.add("pad", [x], {"pad": ((0, 0), (0, 0), (1, 1)), "value": float("inf")})
+    with pytest.raises(GraphTypeError, match="does not fit i32"):  # a float pad may be inf
+        b.add("pad", [i], {"pad": ((1, 1),), "value": float("inf")})
     with pytest.raises(GraphTypeError, match=r"crops \[3, 7, 5\] below zero"):
         I.pad(x, (-3, -3))
     with pytest.raises(NotImplementedError, match="only 'constant'"):
