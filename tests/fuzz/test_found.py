@@ -1,0 +1,39 @@
+"""Counterexamples the fuzzer found, kept as plain tests (issue 11: "its first counterexamples
+kept as regression tests"). Each names what was wrong and what fixed it; docs/testing.md lists
+them all.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .check import check_program
+from .programs import Input, Program, Step
+
+pytestmark = pytest.mark.gpu
+
+
+def _p(shapes, *steps, constant=()) -> Program:
+    inputs = tuple(Input(tuple(s), seed=k) for k, s in enumerate(shapes))
+    return Program(inputs, tuple(Step(op, tuple(args), kw) for op, args, kw in steps), constant)
+
+
+# 1. matmul and linear refused 1-D operands (GraphTypeError "operands must have at least 2
+#    dims"), which torch.matmul and torch.nn.functional.linear take. Found as
+#    matmul(x0: [1], x1: [1, 1]) and linear(x: [1], weight: [1, 1]); fixed in
+#    ops/functional.py (torch's vector rules as views around the >= 2-D matmul op).
+VECTOR_MATMUL = {
+    "vec-mat": _p([(1,), (1, 1)], ("matmul", (0, 1), {})),
+    "vec-mat-3x2": _p([(3,), (3, 2)], ("matmul", (0, 1), {})),
+    "mat-vec": _p([(2, 3), (3,)], ("matmul", (0, 1), {})),
+    "batched-vec": _p([(2, 1, 4, 3), (3,)], ("matmul", (0, 1), {})),
+    "vec-batched": _p([(4,), (2, 4, 3)], ("matmul", (0, 1), {})),
+    "dot": _p([(5,), (5,)], ("matmul", (0, 1), {})),
+    "linear-vec": _p([(3,), (2, 3), (2,)], ("linear", (0, 1, 2), {})),
+    "linear-vec-nobias": _p([(1,), (1, 1)], ("linear", (0, 1, None), {})),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VECTOR_MATMUL))
+def test_vector_matmul(name, gpu_device):
+    check_program(VECTOR_MATMUL[name], gpu_device)
