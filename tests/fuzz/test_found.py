@@ -37,3 +37,21 @@ VECTOR_MATMUL = {
 @pytest.mark.parametrize("name", sorted(VECTOR_MATMUL))
 def test_vector_matmul(name, gpu_device):
     check_program(VECTOR_MATMUL[name], gpu_device)
+
+
+# 2. Fast mode: the gradient of amax (and amin, max over a dim) was NaN when the reduced
+#    value was a program input. The backward splits the gradient among the elements equal to
+#    the maximum, eq(x, amax(x)) / count; amax's value was stored as f16 while x (an input)
+#    stays f32, so no element equalled the rounded maximum and the count was 0 (0 / 0).
+#    Found as amax(x0: [1], dim=0) -> tanh; fixed in passes/precision.py (amax and amin keep
+#    the dtype of what they compare against: f32).
+EXTREMA_FAST = {
+    "amax-tanh": _p([(1,)], ("amax", (0,), {"dim": 0, "keepdim": False}), ("tanh", (1,), {})),
+    "amin-keepdim": _p([(3, 4)], ("amin", (0,), {"dim": 1, "keepdim": True}), ("sin", (1,), {})),
+    "max-dim": _p([(2, 3)], ("max_dim", (0,), {"dim": 0, "keepdim": False}), ("tanh", (1,), {})),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXTREMA_FAST))
+def test_extrema_gradient_fast(name, gpu_device):
+    check_program(EXTREMA_FAST[name], gpu_device)
