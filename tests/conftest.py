@@ -32,6 +32,20 @@ COLLECTED = pytest.StashKey[list]()
 OP_DATABASE_MODULES = frozenset({"tests.test_opinfo", "tests.test_opinfo_fast"})
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("fuzz", "the property-based fuzzer (tests/fuzz, docs/testing.md)")
+    group.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=None,
+        help="examples per fuzz suite, with a random seed and hypothesis's example database "
+        "(default: CI's fixed count, derandomized, no database)",
+    )
+    group.addoption(
+        "--fuzz-seed", type=int, default=None, help="fix the fuzz seed (with --fuzz-examples)"
+    )
+
+
 def pytest_configure(config):
     # pytest-xdist registers it too; this keeps a run without xdist free of unknown-mark warnings.
     config.addinivalue_line("markers", "xdist_group(name): run these tests on one xdist worker")
