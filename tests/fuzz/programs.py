@@ -49,10 +49,6 @@ class Step:
     args: tuple[int | None, ...]  # value indices; None passes an absent optional tensor
     kwargs: dict = field(default_factory=dict)
 
-    def __repr__(self) -> str:
-        kw = "".join(f", {k}={v!r}" for k, v in self.kwargs.items())
-        return f"Step({self.op!r}, {self.args}{kw})"
-
 
 @dataclass(frozen=True)
 class Program:
@@ -77,15 +73,6 @@ def _sq(x):
 
 def _where_gt(lib):
     return lambda x, y: lib.where(x > y, x, y)
-
-
-def _bool_mask(x):
-    return x > 0  # used only on constant (not differentiated) inputs
-
-
-def _red(mn, tc):
-    """A reduction entry; torch.max(x, dim) returns (values, indices): keep the values."""
-    return (mn, tc)
 
 
 # name -> (meganeura function, torch function); both take the same arguments.
