@@ -143,3 +143,24 @@ def test_fast_mode_ties(name, gpu_device):
 @pytest.mark.parametrize("name", sorted(FAST_TIES))
 def test_strict_mode_ties(name, gpu_device):
     check_program(FAST_TIES[name], gpu_device, variants=STRICT_VARIANTS)
+
+
+# 7. The fuzzer's own: an input that no step uses (drawn for a step then left out) made
+#    GraphBuilder.build refuse the graph ("input 'x0' ... is never used"); the interpreter
+#    was compared at a floor of 1e-9, below float64 round-off of a layer_norm -> softmax.
+HARNESS = {
+    "unused-input": _p([(1,), (1,)], ("tanh", (1,), {})),
+    "layer_norm-softmax": _p(
+        [(2, 2), (2,)],
+        ("layer_norm", (0, None, 1), {"normalized_shape": (2,)}),
+        ("tanh", (2,), {}),
+        ("softmax", (2,), {"dim": 0}),
+        seeds=(0, 0),
+    ),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(HARNESS))
+def test_harness(name, gpu_device):
+    check_program(HARNESS[name], gpu_device)
