@@ -17,6 +17,9 @@ same kernels, and on a cold shader cache compiling a kernel costs far more than 
 (lavapipe compiles on first dispatch: up to a second for an attention kernel). Each entry's
 tests therefore form one ``xdist_group``: under ``--dist loadgroup`` (``make test``) they run on
 one worker, one after another, and each kernel is compiled once.
+
+``--fuzz-examples`` and ``--fuzz-seed`` run the fuzzer (tests/fuzz) longer than CI does
+(docs/testing.md).
 """
 
 from __future__ import annotations
