@@ -17,6 +17,9 @@ same kernels, and on a cold shader cache compiling a kernel costs far more than 
 (lavapipe compiles on first dispatch: up to a second for an attention kernel). Each entry's
 tests therefore form one ``xdist_group``: under ``--dist loadgroup`` (``make test``) they run on
 one worker, one after another, and each kernel is compiled once.
+
+``--fuzz-examples`` and ``--fuzz-seed`` run the fuzzer (tests/fuzz) longer than CI does
+(docs/testing.md).
 """
 
 from __future__ import annotations
@@ -30,6 +33,20 @@ COLLECTED = pytest.StashKey[list]()
 
 
 OP_DATABASE_MODULES = frozenset({"tests.test_opinfo", "tests.test_opinfo_fast"})
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("fuzz", "the property-based fuzzer (tests/fuzz, docs/testing.md)")
+    group.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=None,
+        help="examples per fuzz suite, with a random seed and hypothesis's example database "
+        "(default: CI's fixed count, derandomized, no database)",
+    )
+    group.addoption(
+        "--fuzz-seed", type=int, default=None, help="fix the fuzz seed (with --fuzz-examples)"
+    )
 
 
 def pytest_configure(config):

@@ -418,12 +418,30 @@ max = amax  # noqa: A001 - values only; argmax is a separate op
 
 # ---- linear algebra and nn --------------------------------------------------------------------
 def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``[..., M, K] @ [..., K, N] -> [..., M, N]``, batch dims broadcast (torch.matmul)."""
+    """``[..., M, K] @ [..., K, N] -> [..., M, N]``, batch dims broadcast (torch.matmul).
+
+    A 1-D operand follows torch.matmul: ``a [K]`` is taken as ``[1, K]`` and ``b [K]`` as
+    ``[K, 1]``, and that dim is removed from the result (two vectors give a 0-d dot product).
+    The ``matmul`` op itself takes at least 2-D operands; the vector cases are views around it.
+
+    Raises:
+        GraphTypeError: for a 0-d operand, inner dims that differ, or batch dims that do not
+            broadcast (naming ``matmul``, its operands and the caller's line).
+    """
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and a.ndim and b.ndim:
+        if 1 in (a.ndim, b.ndim):
+            a2 = reshape(a, (1, a.shape[0])) if a.ndim == 1 else a
+            b2 = reshape(b, (b.shape[0], 1)) if b.ndim == 1 else b
+            out = a.builder.add("matmul", [a2, b2])
+            drop = {out.ndim - 2} if a.ndim == 1 else set()
+            drop |= {out.ndim - 1} if b.ndim == 1 else set()
+            return reshape(out, [s for d, s in enumerate(out.shape) if d not in drop])
     return a.builder.add("matmul", [a, b])
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x @ weight^T + bias`` with PyTorch's layout: weight [out, in], bias [out].
+    """``x @ weight^T + bias`` with PyTorch's layout: x [*, in] (1-D too, as torch: [in] gives
+    [out]), weight [out, in], bias [out].
 
     Raises:
         GraphTypeError: for a weight that is not 2-D, an input whose last dim is not
@@ -436,8 +454,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         why = "input, weight and bias must be Tensors"
     elif weight.ndim != 2:
         why = f"weight must be 2-D [out_features, in_features], got {weight.type}"
-    elif x.ndim < 2:
-        why = f"input must be [*, in_features] with at least 2 dims, got {x.type}"
+    elif x.ndim < 1:
+        why = f"input must be [*, in_features] with at least 1 dim, got {x.type}"
     elif x.shape[-1] != weight.shape[1]:
         why = (
             f"input has {x.shape[-1]} features (its last dim), but weight "

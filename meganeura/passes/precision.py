@@ -31,6 +31,9 @@ What stays f32 (the rules, in order):
     65504 or need more than its 11 significant bits: sums, means, variances, log-sum-exp,
     prefix sums), losses, attention's log-sum-exp statistics, and ``arange`` (positions and
     coordinates past 2048 are not integers in f16);
+    the extrema ``amax``, ``amin``, ``max`` and ``min`` too: their gradients find the
+    extremal elements by ``x == amax(x)``, which an f16-rounded extremum of an f32 ``x``
+    (an input) never equals;
   * every non-floating value.
 Everything else floating (activations, activation gradients and, when allowed, parameters)
 becomes f16. A view (``reshape``, ``stop_gradient``) always takes its storage owner's dtype,
@@ -58,6 +61,10 @@ WIDE_OPS = frozenset(
         "binary_cross_entropy_with_logits",
         "scaled_dot_product_attention_stats",
         "arange",
+        "amax",
+        "amin",
+        "max",
+        "min",
     }
 )
 NARROW_LEAVES = frozenset({"parameter"})
