@@ -260,3 +260,37 @@ def test_row_ops_on_rows_with_inf_and_nan(case, n, gpu_device):
     with np.errstate(all="ignore"):
         ref = tf(torch.from_numpy(x.copy())).numpy()
     assert_same(out["y"], ref, f"{case} n={n}", tol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["unfused-scalar", "fast-unfused"])
+def test_dropout_keeps_nan_and_inf_where_it_drops(mode, gpu_device):
+    """torch's dropout is ``x * mask * scale``: a dropped NaN or inf is NaN (``0 * inf``), not
+    0, so a NaN in a batch still reaches the loss and the training guard. The GPU kernel, the
+    NumPy reference and ``x * keep_mask * scale`` (torch's formula, float64) agree."""
+    from meganeura.ops.dropout import _dropout_np as dropout_reference
+    from meganeura.ops.dropout import keep_mask
+
+    shape, options = MODES[mode]
+    if options.precision == "fast" and "shader-f16" not in gpu_device.features:
+        pytest.skip("fast mode needs shader-f16")
+    x = _input(shape)
+    seed = np.asarray(7, np.uint32)
+    keep = keep_mask(int(seed), shape, 0.5)
+    assert keep.any() and not keep.all()
+
+    def build(b, x):
+        return F.dropout(x * 1.0, 0.5, seed=b.input("seed", (), DType.u32))
+
+    b = GraphBuilder()
+    xi = b.input("x", shape)
+    b.output("y", build(b, xi))
+    program = compile(b.build(), options, device_limits(gpu_device))
+    with Session(program, gpu_device) as s:
+        got = s.run({"x": x, "seed": seed}, ["y"])["y"]
+    with np.errstate(all="ignore"):
+        ref = x.astype(np.float64) * keep * 2.0
+        host = dropout_reference([x, seed], {"p": 0.5})
+    assert np.isnan(ref[~keep & ~np.isfinite(x)]).all()
+    assert_same(got, ref, f"dropout ({mode})")
+    assert_same(host, ref, "dropout (NumPy reference)")
