@@ -9,8 +9,9 @@ host feeds each step) is kept when ``hash(s, i) >= threshold``, where
     so neighbouring seeds give unrelated masks;
   * ``threshold = min(round(p * 2^32), 2^32 - 1)``, so a keep has probability
     ``1 - threshold / 2^32`` (``1 - p`` to within 2^-32).
-Kept elements are scaled by ``1 / (1 - p)`` (rounded to the input's dtype), the others are 0,
-as torch.nn.functional.dropout in training mode. The same (seed, index) gives the same mask in
+Kept elements are scaled by ``1 / (1 - p)`` (rounded to the input's dtype), the others are
+``x * 0`` (0, or NaN for a NaN or +-inf element), as torch.nn.functional.dropout in training
+mode computes ``x * mask * scale``. The same (seed, index) gives the same mask in
 the WGSL kernel, in this NumPy reference and in the backward, which is dropout of the upstream
 gradient with the same seed (the same mask and scale), so no mask is ever stored.
 """
@@ -63,7 +64,8 @@ def _dropout_type(types, attrs):
 def _dropout_np(xs, a):
     x, seed = np.asarray(xs[0]), int(np.asarray(xs[1]))
     scale = np.asarray(1.0 / (1.0 - a["p"]), x.dtype)
-    return np.where(keep_mask(seed, x.shape, a["p"]), x * scale, np.zeros((), x.dtype))
+    with np.errstate(invalid="ignore"):  # a dropped inf is NaN (0 * inf), as torch's
+        return np.where(keep_mask(seed, x.shape, a["p"]), x * scale, x * np.zeros((), x.dtype))
 
 
 def _dropout_grad(node, i, o, g):

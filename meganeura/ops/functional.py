@@ -440,8 +440,8 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x @ weight^T + bias`` with PyTorch's layout: x [*, in] (1-D too, as torch: [in] gives
-    [out]), weight [out, in], bias [out].
+    """``x @ weight^T + bias`` with PyTorch's layout: weight [out, in], bias [out]; x is
+    [*, in] -> [*, out], or unbatched [in] -> [out], as torch.nn.functional.linear.
 
     Raises:
         GraphTypeError: for a weight that is not 2-D, an input whose last dim is not
@@ -468,6 +468,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         why = f"bias must be {x.dtype}[{weight.shape[0]}] (out_features), got {bias.type}"
     if why is not None:
         raise op_error("linear", operands, None, why)
+    if x.ndim == 1:  # torch's unbatched input: [in_features] -> [out_features]
+        return reshape(linear(reshape(x, (1, x.shape[0])), weight, bias), weight.shape[:1])
     y = matmul(x, transpose(weight, -2, -1))
     return y if bias is None else y + bias
 

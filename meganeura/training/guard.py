@@ -212,6 +212,7 @@ class StepGuard:
         loss: float | None = None,
         grads: Mapping[str, np.ndarray] | None = None,
         rewind: Callable[[int, Any], None] | None = None,
+        restore_rng: Callable[[Any], None] | None = None,
     ) -> int:
         """Act on a read count (``out[GUARD_OUTPUT]``); returns how many of the unread steps
         were skipped (the caller takes them off its step counter).
@@ -220,6 +221,12 @@ class StepGuard:
             NonFiniteError: in ``"raise"`` mode when a step was skipped, after calling
                 ``rewind(first skipped step, its RNG state)`` (the caller restores its step
                 counter and the RNG).
+
+        In ``"skip"`` mode, when every unread step was skipped (always so with a read every
+        step), ``restore_rng(the first one's RNG state)`` puts the global RNG back as before
+        it, so the next step draws the dropout seed a run that never saw the bad batch would
+        draw. When only some unread steps were skipped the GPU does not say which, and the RNG
+        is left as it is.
 
         Warns:
             NonFiniteWarning: in ``"skip"`` mode when a step was skipped.
@@ -232,6 +239,8 @@ class StepGuard:
         self._take_back(records, n)
         if self.mode == "skip":
             self.skipped_steps += n
+            if n == len(records) and restore_rng is not None and records[0].rng is not None:
+                restore_rng(records[0].rng)
             span = _span(records)
             what = f"step {span}" if len(records) == 1 else f"{n} of the steps {span}"
             warnings.warn(

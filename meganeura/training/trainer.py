@@ -214,7 +214,9 @@ class Trainer:
             self.step_count = step
             mn_random.set_rng_state(rng)
 
-        self.step_count -= self._guard.settle(out, loss, grads, rewind)
+        self.step_count -= self._guard.settle(
+            out, loss, grads, rewind, restore_rng=mn_random.set_rng_state
+        )
 
     def lr(self) -> float:
         """Learning rate of the next step."""

@@ -55,6 +55,9 @@ CASES = {
     "div-zero": (lambda x: x / 0.0, lambda t: t / 0.0),
     "div-neg-zero": (lambda x: x / -0.0, lambda t: t / -0.0),
     "reciprocal": (lambda x: 1.0 / x, lambda t: 1.0 / t),
+    # inf - inf = NaN: Mesa folded the same value minus itself (x - x, x + -x) to 0
+    "sub-self": (lambda x: x - x, lambda t: t - t),
+    "add-neg-self": (lambda x: x + (-x), lambda t: t + (-t)),
     "ne-self": (lambda x: x != x, lambda t: t != t),
     "eq-self": (lambda x: x == x, lambda t: t == t),
     "ge-self": (lambda x: x >= x, lambda t: t >= t),
@@ -260,3 +263,60 @@ def test_row_ops_on_rows_with_inf_and_nan(case, n, gpu_device):
     with np.errstate(all="ignore"):
         ref = tf(torch.from_numpy(x.copy())).numpy()
     assert_same(out["y"], ref, f"{case} n={n}", tol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["unfused-scalar", "fast-unfused"])
+def test_dropout_keeps_nan_and_inf_where_it_drops(mode, gpu_device):
+    """torch's dropout is ``x * mask * scale``: a dropped NaN or inf is NaN (``0 * inf``), not
+    0, so a NaN in a batch still reaches the loss and the training guard. The GPU kernel, the
+    NumPy reference and ``x * keep_mask * scale`` (torch's formula, float64) agree."""
+    from meganeura.ops.dropout import _dropout_np as dropout_reference
+    from meganeura.ops.dropout import keep_mask
+
+    shape, options = MODES[mode]
+    if options.precision == "fast" and "shader-f16" not in gpu_device.features:
+        pytest.skip("fast mode needs shader-f16")
+    x = _input(shape)
+    seed = np.asarray(7, np.uint32)
+    keep = keep_mask(int(seed), shape, 0.5)
+    assert keep.any() and not keep.all()
+
+    def build(b, x):
+        return F.dropout(x * 1.0, 0.5, seed=b.input("seed", (), DType.u32))
+
+    b = GraphBuilder()
+    xi = b.input("x", shape)
+    b.output("y", build(b, xi))
+    program = compile(b.build(), options, device_limits(gpu_device))
+    with Session(program, gpu_device) as s:
+        got = s.run({"x": x, "seed": seed}, ["y"])["y"]
+    with np.errstate(all="ignore"):
+        ref = x.astype(np.float64) * keep * 2.0
+        host = dropout_reference([x, seed], {"p": 0.5})
+    assert np.isnan(ref[~keep & ~np.isfinite(x)]).all()
+    assert_same(got, ref, f"dropout ({mode})")
+    assert_same(host, ref, "dropout (NumPy reference)")
+
+
+# Across the ops of a fused chain Mesa rewrote exp(log x) -> x, sqrt(x) * sqrt(x) -> |x| and
+# (x + x) - x -> x, wrong for negative, inf and NaN x. Strict modes only: fast mode stores the
+# intermediate as f16, which no 1e-5 tolerance holds.
+CHAIN_CASES = {
+    "exp-log": (lambda x: F.exp(F.log(x)), lambda t: torch.exp(torch.log(t))),
+    "sqrt-times-sqrt": (lambda x: F.sqrt(x) * F.sqrt(x), lambda t: torch.sqrt(t) * torch.sqrt(t)),
+    "add-then-sub": (lambda x: (x + x) - x, lambda t: (t + t) - t),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fused-vec4", "unfused-scalar"])
+@pytest.mark.parametrize("case", list(CHAIN_CASES))
+def test_fused_chains_are_not_rewritten_across_ops(case, mode, gpu_device):
+    shape, options = MODES[mode]
+    f, tf = CHAIN_CASES[case]
+    x = _input(shape)
+    out = run(lambda b, x: f(x * 1.0), {"x": x}, options, gpu_device)
+    with np.errstate(all="ignore"):
+        ref = tf(torch.from_numpy(x.copy())).numpy()
+    assert_same(out["y"], ref, f"{case} ({mode})")

@@ -365,3 +365,26 @@ def test_the_other_norms_name_their_call(call, op, says):
     # the user's line is the lambda's, in the parameter list above
     assert msg.startswith(f"{op}(%0: f32[2,4,5]") and f") at {FILE}:" in msg, msg
     assert says in msg, msg
+
+
+def test_linear_takes_an_unbatched_input_as_torch_does():
+    # torch.nn.Linear maps [in_features] to [out_features]; it was refused with "input must be
+    # [*, in_features] with at least 2 dims".
+    import numpy as np
+    import torch
+
+    from meganeura.graph.interpret import interpret
+
+    r = np.random.default_rng(0)
+    x, w, bias = (r.standard_normal(s) for s in ((6,), (5, 6), (5,)))
+    b = GraphBuilder()
+    xi, wi, bi = b.input("x", (6,)), b.parameter("w", (5, 6)), b.parameter("b", (5,))
+    y = F.linear(xi, wi, bi)
+    assert y.shape == (5,)
+    b.output("y", y)
+    vals, _, _ = interpret(b.build(), {"x": x}, {"w": w, "b": bias}, float64=True)
+    got = vals[y.id]
+    ref = torch.nn.functional.linear(*(torch.from_numpy(a) for a in (x, w, bias))).numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-12)
+    with pytest.raises(GraphTypeError, match="input must be"):
+        F.linear(b.input("s", ()), wi)

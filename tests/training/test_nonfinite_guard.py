@@ -17,7 +17,7 @@ import meganeura as mn
 import meganeura.nn.functional as F
 from meganeura.graph.builder import GraphBuilder
 from meganeura.graph.interpret import interpret
-from meganeura.nn import Linear, Module
+from meganeura.nn import Dropout, Linear, Module
 from meganeura.optim import SGD, Adam, AdamW
 from meganeura.training import GraphTrainer, NonFiniteError, NonFiniteWarning, Trainer
 
@@ -194,6 +194,36 @@ def test_skip_mode_counts_warns_and_matches_a_run_without_the_bad_batch(gpu_devi
         t.step(*good[2])
     _assert_same_bits(_bits(resumed), _bits(tr))
     _assert_same_bits(_bits(tr), _bits(ref))
+
+
+class DropoutMLP(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = Dropout(0.5)
+
+    def forward(self, x):
+        return self.fc2(self.drop(F.relu(self.fc1(x))))
+
+
+def test_skip_mode_puts_the_rng_back_for_dropout(gpu_device):
+    """A skipped step's dropout seed is drawn again by the next step, so a model with dropout
+    trains on as a run that never saw the bad batch (each run alone: they share the global
+    RNG)."""
+    good = _batches(3)
+
+    def run(bad: bool):
+        mn.manual_seed(0)
+        tr = Trainer(DropoutMLP(), Adam(lr=1e-2), mse, device=gpu_device, on_nonfinite="skip")
+        tr.step(*good[0])
+        if bad:
+            with pytest.warns(NonFiniteWarning):
+                tr.step(*_poison(good[1], "t_nan"))  # the target: no dropout can hide it
+        losses = [tr.step(*good[1]), tr.step(*good[2])]
+        return losses, _bits(tr), mn.random.get_rng_state()
+
+    skipped, clean = run(True), run(False)
+    assert skipped[0] == clean[0] and skipped[2] == clean[2]
+    _assert_same_bits(skipped[1], clean[1])
 
 
 def test_skip_mode_learns_of_an_unread_skip_at_the_next_read(gpu_device):

@@ -38,7 +38,7 @@ from ..core.layout import (
 )
 from ..core.mathlib import helper_source
 from ..matmul.lowering import lower_matmul
-from .maps import node_expr
+from .maps import OPAQUE_NEG_ZERO, node_expr
 from .vector import emit_vec4, plan_vec4
 
 
@@ -71,6 +71,11 @@ class GroupBody:
             names = [f"t{i}" if i in members else self.operand(i) for i in graph[m].inputs]
             expr, used = node_expr(graph, graph[m], names)
             helpers.update(dict.fromkeys(used))
+            if graph[m].type.dtype.is_floating:
+                # An opaque identity between the ops of a chain: Mesa's inexact algebra
+                # otherwise rewrites across them (exp(log a) -> a, sqrt(a) * sqrt(a) -> |a|,
+                # (a + b) - b -> a), which is wrong for negative, inf and NaN inputs.
+                expr = f"({expr} + {OPAQUE_NEG_ZERO})"
             self.lets.append(f"let t{m} = {expr};")
         self.helpers = helper_source(helpers)
 

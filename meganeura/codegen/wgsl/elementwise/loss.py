@@ -3,7 +3,9 @@
 
 dropout mirrors ``meganeura/ops/dropout.py`` bit for bit: element i is kept when
 ``pcg(pcg(i) ^ pcg(seed)) >= threshold`` (u32 wrapping arithmetic, the same in WGSL and NumPy)
-and then multiplied by the f32 scale ``1 / (1 - p)``.
+and then multiplied by the f32 scale ``1 / (1 - p)``; a dropped element is ``x * 0`` (torch's
+``x * mask * scale``: a dropped NaN or +-inf is NaN, so a bad batch still reaches the loss and
+the training guard), the zero opaque to the compiler (``core.literals``).
 
 binary_cross_entropy_with_logits is ``max(x, 0) - x * t + log1p(exp(-|x|))``. WGSL has no
 ``log1p``; ``log(1 + u)`` would lose every digit of ``u = exp(-|x|)`` below 2^-24, so it is
@@ -18,7 +20,7 @@ from ....ops.dropout import PCG_INC, PCG_MUL, PCG_OUT, threshold
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder
 from ..core.layout import PER_THREAD, WG, contiguous_strides, element_slots
-from ..core.literals import f32_literal
+from ..core.literals import f32_literal, nonfinite_f32
 from .maps import emit_map
 
 PCG_HELPER = f"""
@@ -45,7 +47,8 @@ LOG1P_EXP_HELPER = (
 
 
 def lower_dropout(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
-    """``out[i] = keep(seed, i) ? x[i] * scale : 0``; ``PER_THREAD`` elements per thread."""
+    """``out[i] = keep(seed, i) ? x[i] * scale : x[i] * 0``; ``PER_THREAD`` elements per
+    thread."""
     node = graph[node_id]
     n = node.type.numel
     p = node.attr("p")
@@ -55,13 +58,15 @@ def lower_dropout(graph: Graph, node_id: int, limits: Limits) -> list[KernelSour
     out = kb.write(node_id, "out")
     slots, groups, guard = element_slots(n)
     scale = f32_literal(1.0 / (1.0 - p))
+    drop = nonfinite_f32(0.0)  # x * 0.0 with a literal zero is folded to 0 by Mesa
     lines = [slots.rstrip(), f"  let key = pcg({seed.at('0u')});"]
     for e in range(PER_THREAD):
         lines.append(f"  let v{e} = {x.at(f'j{e}')};")
         lines.append(f"  let keep{e} = pcg(pcg(i{e}) ^ key) >= {threshold(p)}u;")
     for e in range(PER_THREAD):
         lines.append(
-            "  " + guard(e, kb.store(out, f"i{e}", f"select(0.0, v{e} * {scale}, keep{e})"))
+            "  "
+            + guard(e, kb.store(out, f"i{e}", f"select(v{e} * {drop}, v{e} * {scale}, keep{e})"))
         )
     return [kb.finish("", "\n".join(lines), WG, groups, PCG_HELPER, 12 * n, 2 * node.type.nbytes)]
 

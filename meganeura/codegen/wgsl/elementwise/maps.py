@@ -36,7 +36,7 @@ from ..core.layout import (
     element_slots,
     strided_index,
 )
-from ..core.literals import NEG_INF_BITS, f32_literal, literal, zero
+from ..core.literals import NEG_INF_BITS, f32_literal, literal, nonfinite_f32, zero
 from ..core.mathlib import helper_source
 from .vector import emit_vec4, plan_vec4
 
@@ -135,7 +135,18 @@ _COMPARE = {
 }
 
 
+# An f32 1.0 the shader compiler cannot see (``core.literals``): Mesa folds ``x - x`` and
+# ``x + -x`` to 0, which is wrong where x is inf or NaN (torch: NaN). Multiplying the second
+# operand of a float add or sub by it is exact for every value and hides the identity.
+OPAQUE_ONE = nonfinite_f32(1.0)
+OPAQUE_NEG_ZERO = nonfinite_f32(-0.0)  # x + -0.0 is x for every f32, -0.0 included
+
+
 def _infix(sym: str) -> Expr:
+    if sym in ("+", "-"):
+        return lambda x, t, a: (
+            f"({x[0]} {sym} {x[1]} * {OPAQUE_ONE})" if t.is_floating else f"({x[0]} {sym} {x[1]})"
+        )
     return lambda x, t, a: f"({x[0]} {sym} {x[1]})"
 
 
