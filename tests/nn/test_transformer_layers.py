@@ -92,6 +92,11 @@ DECODER = {
 }  # fmt: skip
 
 
+# The layers print as the pinned torch (the test extra's 2.13) does; older torch prints fewer
+# arguments (the norms' bias= came in 2.13's reprs), so only the values are compared there.
+SAME_REPRS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def _params(table):
     return [pytest.param(kw, xs, fkw, id=k) for k, (kw, xs, fkw) in table.items()]
 
@@ -99,7 +104,7 @@ def _params(table):
 @pytest.mark.parametrize("kwargs, inputs, forward_kwargs", _params(ENCODER))
 def test_encoder_layer_matches_torch(kwargs, inputs, forward_kwargs):
     theirs, ours = _pair("TransformerEncoderLayer", E, H, FF, **kwargs)
-    assert repr(ours) == repr(theirs)
+    assert repr(ours) == repr(theirs) or not SAME_REPRS
     xs, fkw = inputs(), forward_kwargs()
     got, _ = interpret_forward(ours, xs, fkw)
     assert_close(got, torch_forward(theirs, xs, fkw), 1e-10)
@@ -109,7 +114,7 @@ def test_encoder_layer_matches_torch(kwargs, inputs, forward_kwargs):
 @pytest.mark.parametrize("kwargs, inputs, forward_kwargs", _params(DECODER))
 def test_decoder_layer_matches_torch(kwargs, inputs, forward_kwargs):
     theirs, ours = _pair("TransformerDecoderLayer", E, H, FF, **kwargs)
-    assert repr(ours) == repr(theirs)
+    assert repr(ours) == repr(theirs) or not SAME_REPRS
     xs, fkw = inputs(), forward_kwargs()
     got, _ = interpret_forward(ours, xs, fkw)
     assert_close(got, torch_forward(theirs, xs, fkw), 1e-10)

@@ -57,7 +57,8 @@ def _sign(x: Sequence[str], t: DType, a: dict) -> str:
 
 
 def _clamp(x: Sequence[str], t: DType, a: dict) -> str:
-    # Two selects, not min/max: NaN stays NaN, and min > max gives max (torch.clamp).
+    # Two selects (min > max gives max, torch.clamp), and NaN kept by bit pattern: NVIDIA's
+    # compiler turns select(x, lo, x < lo) into a max that drops NaN (torch: clamp(NaN) = NaN).
     out = x[0]
     if a.get("min") is not None:
         lo = literal(a["min"], t)
@@ -65,6 +66,8 @@ def _clamp(x: Sequence[str], t: DType, a: dict) -> str:
     if a.get("max") is not None:
         hi = literal(a["max"], t)
         out = f"select({out}, {hi}, {out} > {hi})"
+    if t.is_floating and out != x[0]:
+        out = f"select({out}, {x[0]}, is_nan_f32({x[0]}))"
     return out
 
 
@@ -193,6 +196,7 @@ HELPERS: dict[str, tuple[str, ...]] = {
     "maximum": ("max_nan",),
     "minimum": ("max_nan",),
     **{op: ("is_nan_f32",) for op in (*_COMPARE, "logical_and", "logical_or", "logical_xor")},
+    "clamp": ("is_nan_f32",),
     "tanh": ("tanh_stable",),
     "sigmoid": ("sigmoid_stable",),
     "silu": ("sigmoid_stable",),
