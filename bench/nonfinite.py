@@ -105,9 +105,7 @@ def bench_ops(args, device, torch, dev, rows) -> None:
         ref = torch_fn(tx)
         theirs = time_torch(lambda: torch_fn(tx), dev, args.warmup, args.repeats)
         err = rel_err(ours_y, to_numpy(ref))
-        rows.append(
-            result(name, "ms", ours["median"], theirs["median"], part="ops", rel_err=err)
-        )
+        rows.append(result(name, "ms", ours["median"], theirs["median"], part="ops", rel_err=err))
         print(
             f"{name:<44} ours {ours['median']:.4f} ms  torch {theirs['median']:.4f} ms  "
             f"err {err:.1e}"
