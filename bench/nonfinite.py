@@ -103,7 +103,7 @@ def bench_ops(args, device, torch, dev, rows) -> None:
             ours_y = s.run({"x": x}, ("y",))["y"]
             ours = profile_ms(s, {"x": x}, args.warmup, args.repeats)["all"]
         ref = torch_fn(tx)
-        theirs = time_torch(lambda: torch_fn(tx), dev, args.warmup, args.repeats)
+        theirs = time_torch(lambda f=torch_fn, t=tx: f(t), dev, args.warmup, args.repeats)
         err = rel_err(ours_y, to_numpy(ref))
         rows.append(result(name, "ms", ours["median"], theirs["median"], part="ops", rel_err=err))
         print(
