@@ -39,8 +39,11 @@ With ``dropout_p > 0`` the user function does not use these ops: it builds PyTor
 reference from matmul, softmax (a masked softmax where masks or causality apply, giving the
 same zeros for fully masked rows) and ``dropout``, and autodiff differentiates that.
 
-``apply_rotary_emb(x [..., L, D])`` rotates the halves of the last dim (HF ``rotate_half``):
-``out = x cos + rotate_half(x) sin`` with angle ``pos * theta^(-2i/D)``, pos = offset + l.
+``apply_rotary_emb(x [..., L, D], offset?)`` rotates the halves of the last dim (HF
+``rotate_half``): ``out = x cos + rotate_half(x) sin`` with angle ``pos * theta^(-2i/D)``,
+pos = position_offset + offset + l, where the optional i32 operand ``offset`` is [] (or [1]),
+or [B] for x [B, ..., L, D]: one first position per batch row (batched decoding of
+left-padded prompts).
 Its gradient is the transposed rotation: the same op with ``inverse`` (sin negated).
 """
 
@@ -273,8 +276,10 @@ def _rope_type(types, attrs):
     x, *offset = types
     if x.ndim < 2 or not x.dtype.is_floating or x.shape[-1] % 2:
         raise ShapeError(f"expects a floating [..., L, D] tensor with D even, got {x}")
-    if offset and (offset[0].dtype is not DType.i32 or offset[0].shape not in ((), (1,))):
-        raise ShapeError(f"a position offset operand must be i32[] or i32[1], got {offset[0]}")
+    batch = ((x.shape[0],),) if x.ndim >= 3 else ()
+    if offset and (offset[0].dtype is not DType.i32 or offset[0].shape not in ((), (1,), *batch)):
+        want = f"i32[], i32[1] or i32[{x.shape[0]}] (one per batch row)" if batch else "i32[]"
+        raise ShapeError(f"a position offset operand must be {want}, got {offset[0]}")
     theta, start = attrs.get("theta"), attrs.get("position_offset")
     if not isinstance(theta, float) or not theta > 0 or not math.isfinite(theta):
         raise ShapeError(f"theta must be a positive finite float, got {theta!r}")
@@ -293,8 +298,13 @@ def rope_angles(length: int, dim: int, theta: float, offset: int) -> np.ndarray:
 
 def _rope_np(xs, attrs):
     x = xs[0]
-    offset = attrs["position_offset"] + (int(np.ravel(xs[1])[0]) if len(xs) > 1 else 0)
-    ang = rope_angles(x.shape[-2], x.shape[-1], attrs["theta"], offset)
+    offsets = np.ravel(xs[1]).astype(np.int64) if len(xs) > 1 else np.zeros(1, np.int64)
+    if offsets.size > 1:  # one first position per batch row
+        return np.stack(
+            [_rope_np([x[b : b + 1], offsets[b : b + 1]], attrs)[0] for b in range(x.shape[0])]
+        )
+    ang = rope_angles(x.shape[-2], x.shape[-1], attrs["theta"], attrs["position_offset"] +
+                      int(offsets[0]))  # fmt: skip
     cos, sin = np.cos(ang), np.sin(ang) * (-1.0 if attrs["inverse"] else 1.0)
     x1, x2 = np.split(x, 2, axis=-1)
     out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -523,13 +533,16 @@ def apply_rotary_emb(
         x: f32 [..., L, D], D even (usually [B, H, L, D]).
         theta: the RoPE base (10000 for Llama 2, 100000 for SmolLM2).
         position_offset: the first position: an int, or an i32[] tensor fed at run time (for
-            decoding with a KV cache). Positions must stay below 2^31.
+            decoding with a KV cache), or an i32[B] tensor, one first position per batch
+            row b of x [B, ..., L, D] (batched decoding of left-padded prompts: row b's
+            positions are ``position_offset[b] + l``). Positions must stay below 2^31.
 
     Returns:
         f32 tensor of x's shape.
 
     Raises:
-        GraphTypeError: for odd D, a non-floating x, or an offset that is not i32[].
+        GraphTypeError: for odd D, a non-floating x, or an offset tensor that is not i32[],
+            i32[1] or i32[B].
     """
     attrs = {"theta": float(theta), "inverse": False, "position_offset": 0}
     if isinstance(position_offset, Tensor):
