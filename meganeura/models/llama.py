@@ -356,8 +356,9 @@ class LlamaForCausalLM(nn.Module):
         """Allocate (or reallocate) the KV cache: per layer f32 [batch_size, Hkv, max_length,
         head_dim] for keys and for values, zeros, on the GPU at the first call that uses it.
         Memory: ``2 * layers * batch_size * Hkv * max_length * head_dim * 4`` bytes (SmolLM2-135M:
-        180 KiB per token and sequence). Programs compiled for another cache shape are kept
-        (their signature differs); they run again only after the same shape is set up.
+        180 KiB per token and sequence). The same shape again keeps the cache and every
+        program compiled for it; a new shape compiles the cached programs anew at their next
+        call.
 
         Raises:
             ValueError: sizes that are not positive ints.
@@ -365,6 +366,8 @@ class LlamaForCausalLM(nn.Module):
         for name, v in (("batch_size", batch_size), ("max_length", max_length)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"setup_cache: {name} must be a positive int, got {v!r}")
+        if self._cache_shape == (batch_size, max_length):
+            return  # kept: a call reads only the slots it or an earlier call wrote
         cfg = self.config
         shape = (batch_size, cfg.num_key_value_heads, max_length, cfg.head_dim)
         for layer in self.model.layers:
@@ -418,7 +421,8 @@ class LlamaForCausalLM(nn.Module):
             ckpt = load_gguf(path)
         else:
             raise FileNotFoundError(f"no model at {path!r} (a .gguf file or an HF folder)")
-        model = cls(LlamaConfig.from_dict(ckpt.config))
+        with init.empty_weights():  # every value is loaded next: draw nothing
+            model = cls(LlamaConfig.from_dict(ckpt.config))
         state = dict(ckpt.state_dict())
         if model.config.tie_word_embeddings:
             state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
