@@ -61,6 +61,24 @@ ADAPTER_CONFIG = "adapter_config.json"  # PEFT's CONFIG_NAME
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the wrapped model
 
 
+# PEFT LoraConfig options that change which tensors exist or what they compute; a file that
+# sets any of them is refused by name rather than loaded wrongly.
+_UNSUPPORTED = (
+    "use_dora",
+    "use_rslora",
+    "rank_pattern",
+    "alpha_pattern",
+    "fan_in_fan_out",
+    "modules_to_save",
+    "layers_to_transform",
+    "exclude_modules",
+    "lora_bias",
+    "layer_replication",
+    "target_parameters",
+    "trainable_token_indices",
+)
+
+
 @dataclass
 class LoraConfig:
     """The adapter's settings, with the names of PEFT's ``LoraConfig`` (its
@@ -118,19 +136,15 @@ class LoraConfig:
 
         Raises:
             ValueError: not a LoRA adapter, or a PEFT option meganeura does not implement
-                (``use_dora``, ``use_rslora``, ``rank_pattern``, ``alpha_pattern``,
-                ``fan_in_fan_out``, ``modules_to_save``, a bias other than "none"), named
-                with its value.
+                set (any of ``_UNSUPPORTED``: DoRA, rsLoRA, per-module ranks, layer
+                selection, extra trained modules ...; a bias other than "none"), named with
+                its value.
         """
         if d.get("peft_type", "LORA") != "LORA":
             raise ValueError(f"{source}: peft_type {d['peft_type']!r} is not 'LORA'")
-        unsupported = {
-            k: d[k]
-            for k in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern", "fan_in_fan_out")
-            if d.get(k)
-        }
-        if d.get("modules_to_save"):
-            unsupported["modules_to_save"] = d["modules_to_save"]
+        unsupported = {k: d[k] for k in _UNSUPPORTED if d.get(k)}
+        if d.get("bias", "none") != "none":
+            unsupported["bias"] = d["bias"]
         if unsupported:
             raise ValueError(f"{source}: unsupported LoRA options {unsupported}")
         if "target_modules" not in d or d["target_modules"] is None:

@@ -343,9 +343,12 @@ def test_load_lora_reports_missing_files_and_unsupported_peft_options(tmp_path):
     # the file describes the model's adapters; what only PEFT reads is its default again
     assert again["base_model_name_or_path"] is None and again["lora_dropout"] == 0.05
     assert again["target_modules"] == ["q_proj", "v_proj"]
-    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**peft, "use_dora": True}))
-    with pytest.raises(ValueError, match=r"unsupported LoRA options \{'use_dora': True\}"):
-        load_lora(_base(), tmp_path)
+    for option in ({"use_dora": True}, {"layers_to_transform": [0]}, {"bias": "all"}):
+        (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**peft, **option}))
+        model = _base()
+        with pytest.raises(ValueError, match=re.escape(str(option)[1:-1])):
+            load_lora(model, tmp_path)
+        assert not _loras(model)
 
 
 # ------------------------------------------------------------------ against torch (GPU)
