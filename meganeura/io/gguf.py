@@ -362,7 +362,7 @@ def _sort_key(name: str) -> tuple[int, int, str]:
     m = re.match(r"model\.layers\.(\d+)\.", name)
     if m:
         return (1, int(m.group(1)), name)
-    return (0 if "embed" in name else 2, 0, name)
+    return (0 if "embed" in name else 3 if name.startswith("lm_head") else 2, 0, name)
 
 
 def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
