@@ -70,7 +70,7 @@ def test_state_dict_matches_a_second_dequantizer(ckpt, written):
         assert value.dtype == np.float32 and value.flags.writeable, name
         assert ckpt.tensor_types[name] == written.types[name]
         t = ckpt._tensors[ckpt.gguf_name(name)]
-        stored = _reference_dequant(t.data.view(np.uint8), written.types[name], value.shape)
+        stored = _reference_dequant(t.data, written.types[name], value.shape)
         if "q_proj" in name or "k_proj" in name:
             heads = synth.HEADS if "q_proj" in name else synth.KV_HEADS
             # Ours is in HF order: llama.cpp's permutation must bring it back to the file's.
@@ -203,3 +203,31 @@ def test_refuses_a_file_that_is_not_gguf(tmp_path):
         load_gguf(path)
     with pytest.raises(FileNotFoundError):
         load_gguf(tmp_path / "absent.gguf")
+
+
+def _reader_view(path):
+    """Metadata and tensor bytes as gguf-py's own GGUFReader reads them."""
+    reader = gguf.GGUFReader(path)
+    meta = {}
+    for key, field in reader.fields.items():
+        value = field.contents()
+        meta[key] = value.item() if isinstance(value, np.generic) else value
+    return meta, {t.name: (t.tensor_type.value, t.data.view(np.uint8)) for t in reader.tensors}
+
+
+def test_header_parser_agrees_with_gguf_reader(ckpt, written):
+    meta, tensors = _reader_view(written.path)
+    assert ckpt.metadata == meta
+    assert set(ckpt._tensors) == set(tensors)
+    for name, info in ckpt._tensors.items():
+        ggml_type, data = tensors[name]
+        assert info.ggml_type == ggml_type, name
+        np.testing.assert_array_equal(info.data.reshape(-1), data.reshape(-1), err_msg=name)
+
+
+def test_missing_gguf_package_names_the_extra(monkeypatch, written):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(ImportError, match=r"'gguf' package.*pip install meganeura\[llm\]"):
+        load_gguf(written.path)

@@ -207,3 +207,18 @@ def test_streaming_decoder(tok):
     assert pieces.count("") >= 3
     quiet = tok.incremental_decoder(skip_special_tokens=True)
     assert "".join([*(quiet.step(i) for i in ids), quiet.flush()]) == text.replace("<|im_end|>", "")
+
+
+def test_header_parser_agrees_with_gguf_reader(ckpt):
+    import gguf
+
+    reader = gguf.GGUFReader(PATH)
+    for key, field in reader.fields.items():
+        value = field.contents()
+        value = value.item() if isinstance(value, np.generic) else value
+        assert ckpt.metadata[key] == value, key
+    assert len(ckpt.metadata) == len(reader.fields)
+    for t in reader.tensors:
+        ours = ckpt._tensors[t.name]
+        assert ours.ggml_type == t.tensor_type.value and ours.shape == tuple(reversed(t.shape))
+        np.testing.assert_array_equal(ours.data.reshape(-1), t.data.view(np.uint8).reshape(-1))
