@@ -1,8 +1,9 @@
 """Reading Llama checkpoints from GGUF files (llama.cpp's format) into Hugging Face names.
 
-``load_gguf(path)`` memory-maps the file through the ``gguf`` package's reader (nothing is
-dequantized until asked for) and checks, before any tensor is read, everything a Llama model
-needs: the architecture, plain RoPE, each tensor's presence, type and shape against the metadata.
+``load_gguf(path)`` memory-maps the file (meganeura.io.gguf_format parses its header; nothing
+is dequantized until asked for, by ``gguf.quants.dequantize``) and checks, before any tensor is
+read, everything a Llama model needs: the architecture, plain RoPE, each tensor's presence, type
+and shape against the metadata.
 It then offers the checkpoint three ways:
 
 - ``config``: the metadata as the keys of a Hugging Face ``LlamaForCausalLM`` ``config.json``;
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from meganeura.io._optional import require
+from meganeura.io.gguf_format import GGUFFormatError, read_gguf
 
 if TYPE_CHECKING:
     from meganeura.io.tokenizer import Tokenizer
@@ -89,14 +91,6 @@ class QuantizedTensor:
     type_size: int
 
 
-def _plain(field: Any) -> Any:
-    """A reader field's value as plain Python (str, int, float, bool, or a list of them)."""
-    value = field.contents()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
 def _f32_decimal(x: float) -> float:
     # GGUF stores epsilons and frequencies as float32: 1e-5 reads back as 9.999999747e-06.
     # The shortest decimal that rounds to the same float32 is the value the converter was given.
@@ -120,16 +114,14 @@ class GGUFCheckpoint:
         if not self.path.is_file():
             raise FileNotFoundError(f"no GGUF file at {self.path}")
         try:
-            self._reader = gguf.GGUFReader(self.path, "r")
-        except (ValueError, OSError) as e:
+            self.metadata, tensors = read_gguf(self.path)
+        except (GGUFFormatError, UnicodeDecodeError, OSError, ValueError) as e:
             raise GGUFError(f"{self.path}: not a readable GGUF file ({e})") from e
-        self.metadata: dict[str, Any] = {k: _plain(f) for k, f in self._reader.fields.items()}
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors = {t.name: t for t in tensors}
+        self._types = {t.name: gguf.GGMLQuantizationType(t.ggml_type) for t in tensors}
         self.config = self._build_config()
         self._hf_to_gguf = self._map_names()
-        self.tensor_types = {
-            hf: self._tensors[g].tensor_type.name for hf, g in self._hf_to_gguf.items()
-        }
+        self.tensor_types = {hf: self._types[g].name for hf, g in self._hf_to_gguf.items()}
 
     def __repr__(self) -> str:
         return f"GGUFCheckpoint({str(self.path)!r}, {len(self._hf_to_gguf)} tensors)"
@@ -177,7 +169,7 @@ class GGUFCheckpoint:
         if vocab is None:
             tokens = self.metadata.get("tokenizer.ggml.tokens")
             embd = self._tensors.get("token_embd.weight")
-            vocab = len(tokens) if tokens else (int(embd.shape[-1]) if embd else None)
+            vocab = len(tokens) if tokens else (embd.shape[0] if embd else None)
         if vocab is None:
             raise GGUFError(f"{self.path}: no llama.vocab_size, token list or token_embd.weight")
         eps = self._key("attention.layer_norm_rms_epsilon", required=True)
@@ -270,15 +262,16 @@ class GGUFCheckpoint:
                     f"{self.config['num_hidden_layers']} layers of llama.block_count"
                 )
             t = self._tensors[gguf_name]
-            shape = tuple(int(d) for d in reversed(t.shape))
+            shape = t.shape
             if shape != expected[hf]:
                 raise GGUFError(
                     f"{self.path}: tensor {gguf_name!r} ({hf}) has shape {list(shape)} but the "
                     f"metadata implies {list(expected[hf])}"
                 )
-            if t.tensor_type.name not in SUPPORTED_TYPES:
+            if self._types[gguf_name].name not in SUPPORTED_TYPES:
                 raise GGUFError(
-                    f"{self.path}: tensor {gguf_name!r} has type {t.tensor_type.name}, which is "
+                    f"{self.path}: tensor {gguf_name!r} has type {self._types[gguf_name].name}, "
+                    "which is "
                     f"not supported; supported: {', '.join(SUPPORTED_TYPES)}"
                 )
         return dict(sorted(hf_to_gguf.items(), key=lambda kv: _sort_key(kv[0])))
@@ -311,15 +304,14 @@ class GGUFCheckpoint:
             KeyError: no such tensor.
         """
         gguf = require("gguf")
-        t = self._tensors[self.gguf_name(name)]
-        block_size, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
-        shape = tuple(int(d) for d in reversed(t.shape))
-        data = t.data.view(np.uint8)
-        data = data.reshape(shape[0], -1) if len(shape) == 2 else data.reshape(-1)
+        g = self.gguf_name(name)
+        t, qtype = self._tensors[g], self._types[g]
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        shape, data = t.shape, t.data
         heads = self._unpermute_heads(name)
         if heads is not None:
             data = _unpermute_rows(data, heads)
-        return QuantizedTensor(t.tensor_type.name, shape, data, int(block_size), int(type_size))
+        return QuantizedTensor(qtype.name, shape, data, int(block_size), int(type_size))
 
     def tensor(self, name: str) -> np.ndarray:
         """One tensor dequantized to a new float32 array of its Hugging Face shape.
@@ -328,9 +320,9 @@ class GGUFCheckpoint:
             KeyError: no such tensor.
         """
         gguf = require("gguf")
-        t = self._tensors[self.gguf_name(name)]
-        shape = tuple(int(d) for d in reversed(t.shape))
-        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        g = self.gguf_name(name)
+        t = self._tensors[g]
+        values = gguf.quants.dequantize(t.data, self._types[g]).reshape(t.shape)
         heads = self._unpermute_heads(name)
         if heads is not None:
             return _unpermute_rows(values, heads)
@@ -362,7 +354,7 @@ def _sort_key(name: str) -> tuple[int, int, str]:
     m = re.match(r"model\.layers\.(\d+)\.", name)
     if m:
         return (1, int(m.group(1)), name)
-    return (0 if "embed" in name else 2, 0, name)
+    return (0 if "embed" in name else 3 if name.startswith("lm_head") else 2, 0, name)
 
 
 def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
