@@ -136,6 +136,7 @@ class Generator:
 
         self.model = model
         self.forward = CompiledModule(model, precision=precision, device=device)
+        self._chains: dict = {}  # compiled greedy_step programs
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         self.max_length = max_length
         self.buckets = tuple(sorted(buckets or PREFILL_BUCKETS))
@@ -279,17 +280,11 @@ class Generator:
         sequences: list[list[int]] = [[] for _ in range(batch)]
         done = [False] * batch
         reasons = ["length"] * batch
-        texts_so_far = [""] * batch
         streamed = 0
-        ttft = decode_start = None
-        for step in range(max_new_tokens):
-            if greedy:
-                tokens = np.asarray(out, np.int64).reshape(batch)
-            else:
-                tokens = sample(np.asarray(out).reshape(batch, -1), temperature, top_k, top_p, rng)
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-                decode_start = time.perf_counter()
+
+        def accept(tokens) -> bool:
+            """Book one token per sequence; True when every sequence has finished."""
+            nonlocal streamed
             for b in range(batch):
                 if done[b]:
                     continue
@@ -298,18 +293,35 @@ class Generator:
                 self.history[b].append(t)
                 if t in stop_ids:
                     done[b], reasons[b] = True, "stop"
-                elif stop_strings and self.tokenizer is not None:
-                    texts_so_far[b] = self.tokenizer.decode(sequences[b])
-                    if any(s in texts_so_far[b] for s in stop_strings):
+                elif stop_strings:
+                    text = self.tokenizer.decode(sequences[b])
+                    if any(x in text for x in stop_strings):
                         done[b], reasons[b] = True, "stop"
             if streamer is not None and self.tokenizer is not None:
                 streamed = self._stream(streamer, sequences[0], stop_ids, streamed, done[0])
-            if all(done) or step == max_new_tokens - 1:
-                break
-            feed = np.where(done, 0, tokens).astype(np.int32).reshape(batch, 1)
-            out = self._run(feed, slot, 1, greedy)
-            slot += 1
-            self.cached += batch == 1
+            return all(done)
+
+        if greedy:
+            first = np.asarray(out, np.int64).reshape(batch)
+        else:
+            first = sample(np.asarray(out).reshape(batch, -1), temperature, top_k, top_p, rng)
+        ttft = time.perf_counter() - t0
+        decode_start = time.perf_counter()
+        finished = accept(first)
+        remaining = max_new_tokens - 1
+        if greedy and not finished and remaining:
+            self._chained(first, slot, remaining, accept, streamer is not None)
+        else:
+            tokens = first
+            while not finished and remaining:
+                feed = np.where(done, 0, tokens).astype(np.int32).reshape(batch, 1)
+                out = self._run(feed, slot, 1, greedy)
+                slot += 1
+                self.cached += batch == 1
+                logits = np.asarray(out).reshape(batch, -1)
+                tokens = sample(logits, temperature, top_k, top_p, rng)
+                finished = accept(tokens)
+                remaining -= 1
         decode_seconds = time.perf_counter() - decode_start
         n = max(len(s) for s in sequences)
         texts = None
@@ -324,6 +336,54 @@ class Generator:
             decode_seconds,
             (n - 1) / decode_seconds if n > 1 and decode_seconds > 0 else 0.0,
         )
+
+    def _chained(self, first, slot: int, remaining: int, accept, streaming: bool) -> None:
+        """Greedy decoding with no host round trip per token: the model's ``greedy_step``
+        program is submitted ``block`` times back to back (each step reads the token the
+        previous one wrote on the GPU), then the tokens are read in one go (``block`` is 8
+        when streaming, for a steady output, else up to ``TOKEN_RING``)."""
+        from ..models.llama import TOKEN_RING
+
+        model = self.model
+        batch = len(first)
+        runner = self._chain_runner(self.pad is not None)
+        model.next_tokens.copy_(np.asarray(first, np.int32).reshape(batch, 1))
+        model.position.copy_(np.asarray([slot], np.int32))
+        model.steps.copy_(np.zeros(1, np.int32))
+        if self.pad is not None:
+            model.pad.copy_(self.pad)
+        block = 8 if streaming else TOKEN_RING
+        done_steps = 0
+        while remaining:
+            k = min(block, remaining)
+            for _ in range(k):
+                runner.run({}, ())
+            ring = model.generated.data
+            for i in range(done_steps, done_steps + k):
+                self.cached += batch == 1
+                if accept(ring[:, i % TOKEN_RING]):
+                    return
+            done_steps += k
+            remaining -= k
+
+    def _chain_runner(self, padded: bool):
+        """The compiled ``greedy_step`` program for the model's current cache and modes."""
+        from ..compile import CompileOptions
+        from ..nn.compiled import ProgramRunner, trace_call
+
+        key = (self.model.signature_key(), padded)
+        runner = self._chains.get(key)
+        if runner is None:
+            traced = trace_call(self.model, self.model.greedy_step, (), {"padded": padded})
+            options = CompileOptions(
+                precision=self.forward.options.precision,
+                fuse=self.forward.options.fuse,
+                shared_parameters=True,
+            )
+            runner = self._chains[key] = ProgramRunner(traced, options, self.forward.device)
+            while len(self._chains) > 2:  # programs of an older cache: free their sessions
+                self._chains.pop(next(iter(self._chains))).session.close()
+        return runner
 
     def _common_prefix(self, prompts: list[list[int]]) -> int:
         """Tokens of a one-sequence prompt whose keys and values the cache already holds

@@ -43,6 +43,8 @@ from ..nn import functional as F
 from ..nn import init
 
 CACHE_DTYPE = np.float32
+#: Tokens of chained greedy decoding held on the GPU between host reads.
+TOKEN_RING = 64
 
 
 class ConfigError(ValueError):
@@ -374,6 +376,14 @@ class LlamaForCausalLM(nn.Module):
             attn = layer.self_attn
             attn.key_cache = nn.Buffer(np.zeros(shape, CACHE_DTYPE), persistent=False)
             attn.value_cache = nn.Buffer(np.zeros(shape, CACHE_DTYPE), persistent=False)
+        # The state of chained greedy decoding (greedy_step): the next input token, its slot,
+        # the padding, a ring of the tokens produced and the step count.
+        zeros = np.zeros
+        self.next_tokens = nn.Buffer(zeros((batch_size, 1), np.int32), persistent=False)
+        self.position = nn.Buffer(zeros((1,), np.int32), persistent=False)
+        self.pad = nn.Buffer(zeros((batch_size,), np.int32), persistent=False)
+        self.generated = nn.Buffer(zeros((batch_size, TOKEN_RING), np.int32), persistent=False)
+        self.steps = nn.Buffer(zeros((1,), np.int32), persistent=False)
         object.__setattr__(self, "_cache_shape", (batch_size, max_length))
 
     @property
@@ -386,7 +396,32 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.key_cache = None
             layer.self_attn.value_cache = None
+        for name in ("next_tokens", "position", "pad", "generated", "steps"):
+            self._drop(name)
         object.__setattr__(self, "_cache_shape", None)
+
+    def greedy_step(self, padded: bool = False):
+        """One greedy decoding step that reads and writes only GPU state, traced as a program
+        with no inputs: the token in ``next_tokens`` [B, 1] runs at cache slot ``position``
+        (with ``pad`` [B] as in :meth:`forward` when ``padded``), its argmax is written to
+        ``next_tokens`` and to ``generated[:, steps % TOKEN_RING]``, and ``position`` and
+        ``steps`` advance by one. Consecutive steps are submitted back to back with no host
+        round trip; the host reads ``generated`` every few tokens (``Generator``).
+
+        Returns:
+            i32 [B, 1]: the token chosen (not read back by the generator).
+        """
+        if self._cache_shape is None:
+            raise RuntimeError("greedy_step needs a KV cache: call model.setup_cache(...)")
+        ids = self.next_tokens
+        position, steps = self.position, self.steps
+        token = self.forward(ids, position, self.pad if padded else None, 1, True)
+        zero = F.arange(1)
+        self.next_tokens.index_copy_(1, zero, token)
+        self.generated.index_copy_(1, F.remainder(steps, TOKEN_RING), token)
+        self.position.index_copy_(0, zero, position + 1)
+        self.steps.index_copy_(0, zero, steps + 1)
+        return token
 
     @property
     def tokenizer(self):
