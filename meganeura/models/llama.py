@@ -469,6 +469,29 @@ class LlamaForCausalLM(nn.Module):
         object.__setattr__(model, "_tokenizer", tokenizer)
         return model
 
+    def save_pretrained(self, folder) -> None:
+        """Write an HF folder: ``config.json``, ``model.safetensors`` (PyTorch names, f32;
+        the tied head is left out, as transformers leaves it out) and the tokenizer's files,
+        each written to a temporary name and renamed. :meth:`from_pretrained` and
+        transformers' ``LlamaForCausalLM.from_pretrained`` both read it."""
+        import json
+        from pathlib import Path
+
+        from safetensors.numpy import save
+
+        from ..io.checkpoint import write_atomic
+
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict()
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        write_atomic(path / "model.safetensors", save(dict(state), metadata={"format": "pt"}))
+        config = json.dumps(self.config.to_dict(), indent=2) + "\n"
+        write_atomic(path / "config.json", config.encode("utf-8"))
+        if self._tokenizer is not None:
+            self._tokenizer.save_pretrained(path)
+
     # ------------------------------------------------------------------------ generation
     def generate(self, prompt, max_new_tokens: int = 64, **kwargs):
         """``Generator.generate`` with this model's own generator, whose KV cache carries
