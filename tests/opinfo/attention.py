@@ -230,7 +230,10 @@ def _sdpa_kv_ref(q, k, v, kv_length, attn_mask=None, is_causal=False, enable_gqa
             rows.append(torch.zeros_like(q[i]))
             continue
         out = TF.scaled_dot_product_attention(
-            q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], torch.where(full, True, keep),
+            q[i : i + 1],
+            k[i : i + 1, :, :n],
+            v[i : i + 1, :, :n],
+            torch.where(full, True, keep),
             enable_gqa=True,
         )[0]
         rows.append(torch.where(full, 0.0, out))
