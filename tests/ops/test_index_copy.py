@@ -199,3 +199,12 @@ def test_fusion_never_spans_the_write():
     g, _, w = _attention_after_write(True)
     for grp in plan_fusion(g, FUSIBLE):
         assert not grp.members[0] < w < grp.members[-1], grp
+
+
+def test_fast_mode_storage_keeps_the_written_state_f32():
+    from meganeura.passes.precision import narrow_storage
+
+    g, _, w = _attention_after_write(False)
+    plan, half = narrow_storage(g, parameters=True)
+    assert w not in half and plan[w].type == g[w].type
+    assert g.find("cache").id not in half
