@@ -502,7 +502,8 @@ def scaled_dot_product_attention(
 
 def _kv_length(query: Tensor, kv_length, dropout_p: float) -> Tensor:
     """``kv_length`` as an i32[] or i32[B] tensor of the query's graph (an int becomes a
-    constant, i32[1] a scalar)."""
+    constant, i32[1] a scalar); GraphTypeError for another dtype (the type rule would take a
+    floating one for a mask)."""
     from . import functional as F
 
     if dropout_p > 0.0:
@@ -512,6 +513,10 @@ def _kv_length(query: Tensor, kv_length, dropout_p: float) -> Tensor:
         return b.constant(int(kv_length), DType.i32)
     if not isinstance(kv_length, Tensor):
         kv_length = b._operand(SDPA, kv_length)
+    if kv_length.dtype is not DType.i32:
+        from ..graph.builder import op_error
+
+        raise op_error(SDPA, [query, kv_length], {}, f"kv_length must be i32, got {kv_length.type}")
     if kv_length.shape == (1,):
         kv_length = F.reshape(kv_length, ())
     return kv_length
