@@ -303,8 +303,8 @@ def _rope_np(xs, attrs):
         return np.stack(
             [_rope_np([x[b : b + 1], offsets[b : b + 1]], attrs)[0] for b in range(x.shape[0])]
         )
-    ang = rope_angles(x.shape[-2], x.shape[-1], attrs["theta"], attrs["position_offset"] +
-                      int(offsets[0]))  # fmt: skip
+    start = attrs["position_offset"] + int(offsets[0])
+    ang = rope_angles(x.shape[-2], x.shape[-1], attrs["theta"], start)
     cos, sin = np.cos(ang), np.sin(ang) * (-1.0 if attrs["inverse"] else 1.0)
     x1, x2 = np.split(x, 2, axis=-1)
     out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -540,7 +540,7 @@ def apply_rotary_emb(
         position_offset: the first position: an int, or an i32[] tensor fed at run time (for
             decoding with a KV cache), or an i32[B] tensor, one first position per batch
             row b of x [B, ..., L, D] (batched decoding of left-padded prompts: row b's
-            positions are ``position_offset[b] + l``). Positions must stay below 2^31.
+            positions are ``position_offset[b] + l``). Positions must lie in [0, 2^31).
 
     Returns:
         f32 tensor of x's shape.
