@@ -3,8 +3,8 @@
 ``interpret`` evaluates every node with its op's NumPy reference. Ops with effects
 (optimizer updates) write their new values into the ``parameters``/``state`` dicts passed in
 (copies are made first, so the caller's arrays are never mutated); ``index_copy_`` writes the
-state leaf it updates (through earlier writes of it) and its value is the updated array. With ``float64=True``
-floating values are computed in float64, for gradient checks.
+state leaf it updates (through earlier writes of it) and its value is the updated array.
+With ``float64=True`` floating values are computed in float64, for gradient checks.
 """
 
 from __future__ import annotations

@@ -79,7 +79,6 @@ from ..ops.functional import (
     where,
 )
 from ..ops.gather import embedding, gather, index_select, one_hot, take_along_dim
-from ..ops.inplace import index_copy_
 from ..ops.indexing import (
     cat,
     chunk,
@@ -93,6 +92,7 @@ from ..ops.indexing import (
     stack,
     unsqueeze,
 )
+from ..ops.inplace import index_copy_
 from ..ops.loss import (
     binary_cross_entropy,
     binary_cross_entropy_with_logits,
