@@ -12,6 +12,7 @@ from . import (
     loss,
     nn,
     norm,
+    quantized,
     reduce,
     shape,
     update,
@@ -29,6 +30,7 @@ OPS: dict[str, OpDef] = collect(
     conv.DEFS,
     norm.DEFS,
     attention.DEFS,
+    quantized.DEFS,
     loss.DEFS,
     update.DEFS,
 )
