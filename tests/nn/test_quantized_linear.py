@@ -1,0 +1,130 @@
+"""meganeura.nn.QuantizedLinear: construction from floats and from GGUF blocks, state dict
+names and round trip, forward on the GPU against float64 NumPy, a LoRA-style training step
+(a trainable Linear before a frozen quantized layer) against torch.autograd, and errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import meganeura as mn
+from meganeura.nn import Linear, Module, QuantizedLinear, StateDictError
+from meganeura.ops import quant_formats as qf
+
+rng = np.random.default_rng(3)
+QTYPES = ["q8_0", "q4_1"]
+
+
+@pytest.mark.parametrize(
+    "qtype,names,shapes",
+    [
+        ("q8_0", ["weight_q8", "weight_d", "bias"], [(40, 24), (40, 2), (40,)]),
+        ("q4_1", ["weight_q4", "weight_dm", "bias"], [(40, 12), (40, 3), (40,)]),
+    ],
+)
+def test_state_dict_layout(qtype, names, shapes):
+    layer = QuantizedLinear(96, 40, qtype, bias=True)
+    sd = layer.state_dict()
+    assert list(sd) == names
+    assert [v.shape for v in sd.values()] == shapes
+    assert [v.dtype for v in sd.values()] == [np.uint32, np.uint32, np.float32]
+    assert list(layer.parameters()) == []  # frozen: buffers only
+    assert np.all(layer.dequantize() == 0)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_from_float_round_trip_through_state_dict(qtype):
+    w = rng.standard_normal((33, 64)).astype(np.float32)
+    a = QuantizedLinear.from_float(w, qtype)
+    np.testing.assert_array_equal(a.to_blocks(), qf.quantize_blocks(w, qtype))
+    b = QuantizedLinear(64, 33, qtype)
+    b.load_state_dict(a.state_dict())
+    np.testing.assert_array_equal(b.dequantize(), a.dequantize())
+    other = "q4_1" if qtype == "q8_0" else "q8_0"
+    with pytest.raises(StateDictError, match="missing keys"):
+        QuantizedLinear(64, 33, other).load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_from_blocks_matches_gguf(qtype):
+    gq = pytest.importorskip("gguf.quants")
+    from gguf.constants import GGMLQuantizationType as T
+
+    gtype = {"q8_0": T.Q8_0, "q4_1": T.Q4_1}[qtype]
+    w = rng.standard_normal((9, 160)).astype(np.float32)
+    blocks = gq.quantize(w, gtype)
+    layer = QuantizedLinear.from_blocks(blocks, (9, 160), qtype)
+    np.testing.assert_array_equal(layer.dequantize(), gq.dequantize(blocks, gtype))
+    np.testing.assert_array_equal(layer.to_blocks(), blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_forward_on_gpu(gpu_device, qtype):
+    w = rng.standard_normal((37, 128)).astype(np.float32) / 11
+    bias = rng.standard_normal(37).astype(np.float32)
+    layer = QuantizedLinear.from_float(w, qtype, bias=bias)
+    wd = layer.dequantize().astype(np.float64)
+    for shape in [(128,), (2, 3, 128), (5, 11, 128)]:  # unbatched, GEMV, tiled
+        x = rng.standard_normal(shape).astype(np.float32)
+        want = x.astype(np.float64) @ wd.T + bias
+        got = layer(x)
+        assert got.shape == shape[:-1] + (37,)
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+
+
+class _LoRAish(Module):
+    """A trainable Linear feeding a frozen quantized layer, as a LoRA adapter's input path."""
+
+    def __init__(self, base: QuantizedLinear) -> None:
+        super().__init__()
+        self.adapter = Linear(64, 64)
+        self.base = base
+
+    def forward(self, x):
+        return self.base(self.adapter(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_training_step_gradients_through_quantized_layer(gpu_device, qtype):
+    w = rng.standard_normal((48, 64)).astype(np.float32) / 8
+    model = _LoRAish(QuantizedLinear.from_float(w, qtype))
+    x = rng.standard_normal((12, 64)).astype(np.float32)
+    y = rng.standard_normal((12, 48)).astype(np.float32)
+    a_w = model.adapter.weight.numpy().astype(np.float64)
+    a_b = model.adapter.bias.numpy().astype(np.float64)
+
+    def loss_fn(m, x, y):
+        return mn.nn.functional.mse_loss(m(x), y)
+
+    tr = mn.Trainer(model, mn.optim.SGD(lr=0.0), loss_fn)
+    loss, grads = tr.step(x, y, return_grads=True)
+    assert set(grads) == {"adapter.weight", "adapter.bias"}
+
+    tw = torch.tensor(a_w, requires_grad=True)
+    tb = torch.tensor(a_b, requires_grad=True)
+    base = torch.from_numpy(model.base.dequantize().astype(np.float64))
+    out = (torch.from_numpy(x.astype(np.float64)) @ tw.T + tb) @ base.T
+    want = torch.nn.functional.mse_loss(out, torch.from_numpy(y.astype(np.float64)))
+    want.backward()
+    assert abs(loss - want.item()) <= 1e-5 * want.item()
+    for name, t in (("adapter.weight", tw), ("adapter.bias", tb)):
+        g = t.grad.numpy()
+        assert np.linalg.norm(grads[name] - g) <= 1e-5 * np.linalg.norm(g), name
+
+
+def test_errors():
+    with pytest.raises(ValueError, match=r"in_features must be a positive multiple of 32.*40"):
+        QuantizedLinear(40, 8)
+    with pytest.raises(ValueError, match=r"qtype must be one of"):
+        QuantizedLinear(64, 8, "q5_0")
+    with pytest.raises(ValueError, match="out_features must be positive"):
+        QuantizedLinear(64, 0)
+    with pytest.raises(ValueError, match=r"multiple of 32.*got 48"):
+        QuantizedLinear.from_float(np.zeros((4, 48), np.float32))
+    with pytest.raises(ValueError, match=r"need 136 bytes, got 135"):
+        QuantizedLinear.from_blocks(np.zeros(135, np.uint8), (4, 32), "q8_0")
+    with pytest.raises(ValueError, match=r"bias must have shape \(4,\)"):
+        QuantizedLinear.from_float(np.zeros((4, 32), np.float32), bias=np.zeros(5))
