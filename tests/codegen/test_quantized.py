@@ -9,6 +9,8 @@ products in f32, so each output's error is a few f32 roundings of partial sums, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,7 @@ from meganeura.ops import functional as F
 from meganeura.ops import quant_formats as qf
 from meganeura.ops.quantized import quantized_linear
 
-from .harness import run
+from .harness import device_limits, has_subgroups, run
 
 pytestmark = pytest.mark.gpu
 rng = np.random.default_rng(12)
@@ -59,6 +61,28 @@ def test_forward(rows, size, qtype):
     kernel = r.kernels[0].name
     assert kernel.endswith("gemv" if rows <= 8 else "tiled"), kernel
     assert _rel_l2(r.values[y.id], xv.astype(np.float64) @ w.T) <= RTOL
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("subgroups", [True, False], ids=["subgroup", "tree"])
+@pytest.mark.parametrize("size", [(64, 9), (160, 5), (1536, 70)], ids=["64x9", "160x5", "1536x70"])
+def test_gemv_lane_reductions(size, subgroups, qtype):
+    """Both lane reductions, for teams narrower and wider than a subgroup (1..32 lanes)."""
+    if subgroups and not has_subgroups():
+        pytest.skip("the adapter has no subgroups")
+    limits = dataclasses.replace(device_limits(), subgroups=subgroups)
+    n, out = size
+    qweight, scales, w = _weights(out, n, qtype)
+    for rows in (1, 5, 8):
+        b = GraphBuilder()
+        x = b.input("x", (rows, n))
+        q = b.input("q", qweight.shape, DType.u32)
+        s = b.input("s", scales.shape, DType.u32)
+        y = b.output("y", quantized_linear(x, q, s, qtype))
+        xv = rng.standard_normal((rows, n)).astype(np.float32)
+        r = run(b.build(), {"x": xv, "q": qweight, "s": scales}, limits=limits)
+        assert ("subgroupShuffleXor" in r.kernels[0].wgsl) == subgroups
+        assert _rel_l2(r.values[y.id], xv.astype(np.float64) @ w.T) <= RTOL
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])

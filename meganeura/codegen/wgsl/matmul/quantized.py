@@ -8,8 +8,9 @@ Two kernels:
     reads one contiguous stretch of the row. Each unit is unpacked with shifts into four
     (Q8_0) or eight (Q4_1) vec4<f32>, dotted with the matching vec4s of every row of x, and
     scaled once per unit: ``d * dot(q, x)`` (Q8_0) and ``d * dot(q, x) + m * sum(x)``
-    (Q4_1). All M sums live in named f32 registers; the lanes' sums are added in workgroup
-    memory in lane order (deterministic).
+    (Q4_1). All M sums live in named f32 registers; the lanes' sums are combined by
+    subgroup shuffles where the adapter has subgroups, else by a pairwise tree in workgroup
+    memory (both in a fixed order: deterministic).
   * tiled (forward for M > 8, and every input gradient ``g @ W``): 256 threads compute a
     64 x 64 output tile, 4 x 4 per thread in named vec4 accumulators, with the K loop
     stepping one block (32) at a time: the x (or g) tile and the dequantized weight tile are
@@ -183,21 +184,71 @@ def _gemv(graph: Graph, node_id: int, limits: Limits, rows: int) -> KernelSource
             lines.append(f"      acc{m} += d * ({dots}) + m * dot({total}, vec4<f32>(1.0));")
             lines.append("    }")
     lines.append("  }")
-    row = lanes + 1  # padded against bank conflicts
-    lines += [f"  red[{u(m * cols * row)} + cl * {u(row)} + lane] = acc{m};" for m in range(rows)]
-    lines += [
-        "  workgroupBarrier();",
-        f"  for (var t = lid; t < {u(rows * cols)}; t = t + {u(WG)}) {{",
-        "    var s = 0.0;",
-        f"    for (var l = 0u; l < {u(lanes)}; l = l + 1u) {{ s += red[t * {u(row)} + l]; }}",
-        f"    let col = wg * {u(cols)} + t % {u(cols)};",
-        f"    if (col < {u(out)}) {{ {kb.store(y, f't / {u(cols)} * {u(out)} + col', 's')} }}",
-        "  }",
-    ]
-    helpers = HELPERS + f"\nvar<workgroup> red: array<f32, {rows * cols * row}>;\n"
+    tail, helpers, extra = _reduce_lanes(kb, y, rows, lanes, out, limits.subgroups)
+    lines += tail
     return kb.finish(
-        "gemv", "\n".join(lines), WG, groups, helpers, 2 * rows * out * n, _nbytes(graph, node)
+        "gemv",
+        "\n".join(lines),
+        WG,
+        groups,
+        HELPERS + helpers,
+        2 * rows * out * n,
+        _nbytes(graph, node),
+        extra,
     )
+
+
+def _reduce_lanes(kb: KernelBuilder, y: str, rows: int, lanes: int, out: int, subgroups: bool):
+    """Sum ``acc0 .. acc{rows-1}`` over the ``lanes`` threads of each column and store them.
+
+    The sums travel as vectors of up to four rows. With subgroups: a butterfly of
+    ``subgroupShuffleXor`` within the subgroup, then (only where subgroups are narrower
+    than ``lanes``) one value per subgroup through workgroup memory, as
+    ``rowwise.team`` does (subgroups are consecutive ranges of ``lid``). Without: a
+    pairwise tree in workgroup memory. Fixed orders, so results are deterministic; barriers
+    sit outside every branch. Returns (statements, helpers, extra entry-point arguments).
+    """
+    packs = [list(range(i, min(i + 4, rows))) for i in range(0, rows, 4)]
+    ty = {1: "f32", 2: "vec2<f32>", 3: "vec3<f32>", 4: "vec4<f32>"}
+    lines, helpers = [], ""
+    for p, ms in enumerate(packs):
+        args = ", ".join(f"acc{m}" for m in ms)
+        lines.append(f"  var r{p} = {args if len(ms) == 1 else f'{ty[len(ms)]}({args})'};")
+        helpers += f"var<workgroup> red{p}: array<{ty[len(ms)]}, {WG}>;\n"
+    extra = ""
+    if lanes > 1 and subgroups:
+        extra = ", @builtin(subgroup_size) sgs: u32, @builtin(subgroup_invocation_id) sid: u32"
+        lines.append(f"  for (var o = 1u; o < min({u(lanes)}, sgs); o = o << 1u) {{")
+        lines += [f"    r{p} += subgroupShuffleXor(r{p}, o);" for p in range(len(packs))]
+        lines.append("  }")
+        stash = " ".join(f"red{p}[lid / sgs] = r{p};" for p in range(len(packs)))
+        lines += [f"  if (sgs < {u(lanes)} && sid == 0u) {{ {stash} }}", "  workgroupBarrier();"]
+        lines.append(f"  if (sgs < {u(lanes)} && lane == 0u) {{")
+        lines.append("    let first = lid / sgs;")
+        lines.append(f"    for (var j = 1u; j < {u(lanes)} / sgs; j = j + 1u) {{")
+        lines += [f"      r{p} += red{p}[first + j];" for p in range(len(packs))]
+        lines += ["    }", "  }"]
+    elif lanes > 1:
+        lines += [f"  red{p}[lid] = r{p};" for p in range(len(packs))]
+        lines.append("  workgroupBarrier();")
+        step = lanes // 2
+        while step >= 1:
+            adds = " ".join(
+                f"red{p}[lid] = red{p}[lid] + red{p}[lid + {u(step)}];" for p in range(len(packs))
+            )
+            lines += [f"  if (lane < {u(step)}) {{ {adds} }}", "  workgroupBarrier();"]
+            step //= 2
+        lines += [f"  r{p} = red{p}[lid];" for p in range(len(packs))]
+    stores = []
+    for p, ms in enumerate(packs):
+        for c, m in enumerate(ms):
+            v = f"r{p}" if len(ms) == 1 else f"r{p}.{'xyzw'[c]}"
+            stores.append(kb.store(y, f"{u(m * out)} + col", v))
+    lines += [
+        f"  let col = wg * {u(WG // lanes)} + cl;",
+        f"  if (lane == 0u && col < {u(out)}) {{ {' '.join(stores)} }}",
+    ]
+    return lines, helpers, extra
 
 
 def _nbytes(graph: Graph, node) -> int:
