@@ -2,7 +2,8 @@
 
 ``interpret`` evaluates every node with its op's NumPy reference. Ops with effects
 (optimizer updates) write their new values into the ``parameters``/``state`` dicts passed in
-(copies are made first, so the caller's arrays are never mutated). With ``float64=True``
+(copies are made first, so the caller's arrays are never mutated); ``index_copy_`` writes the
+state leaf it updates (through earlier writes of it) and its value is the updated array. With ``float64=True``
 floating values are computed in float64, for gradient checks.
 """
 
@@ -12,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .ir import Graph
+from .ir import ALIAS_OPS, Graph, resolve_view
 
 
 def interpret(
@@ -61,10 +62,11 @@ def interpret(
             if d.writes:
                 new = d.reference(args, n.attr_dict)
                 for pos, value in zip(d.writes, new):
-                    leaf = graph.nodes[n.inputs[pos]]
+                    leaf = graph.nodes[resolve_view(graph, n.inputs[pos])]
                     target = params if leaf.op == "parameter" else st
                     target[leaf.name] = np.asarray(value, leaf.type.dtype.numpy)
-                v = np.zeros((), np.uint32)
+                # an in-place write returning its storage (index_copy_) has its new value
+                v = new[0] if n.op in ALIAS_OPS else np.zeros((), np.uint32)
             elif (
                 float64
                 and n.op == "cast"
