@@ -61,14 +61,15 @@ FORMATS = {
 
 
 def qformat(qtype: str) -> QFormat:
-    """The format named ``qtype`` ("q8_0" or "q4_1").
+    """The format named ``qtype``: "q8_0" or "q4_1" (ggml's names "Q8_0", "Q4_1" too).
 
     Raises:
         ValueError: for any other name.
     """
-    if qtype not in FORMATS:
+    key = qtype.lower() if isinstance(qtype, str) else qtype
+    if key not in FORMATS:
         raise ValueError(f"qtype must be one of {sorted(FORMATS)}, got {qtype!r}")
-    return FORMATS[qtype]
+    return FORMATS[key]
 
 
 def check_in_features(in_features: int, what: str = "in_features") -> None:

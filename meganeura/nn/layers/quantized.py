@@ -95,6 +95,18 @@ class QuantizedLinear(Module):
             layer._buffers["bias"].copy_(b)
         return layer
 
+    @classmethod
+    def from_gguf(cls, tensor, bias=None) -> QuantizedLinear:
+        """Build from a GGUF loader's ``QuantizedTensor`` (``meganeura.io.gguf``:
+        ``checkpoint.quantized(name)``, with ``ggml_type`` "Q8_0" or "Q4_1", ``shape``
+        (out, in) and ``data`` its blocks).
+
+        Raises:
+            ValueError: for another ggml type (dequantize those: ``checkpoint.tensor(name)``
+                and ``from_float``), or as ``from_blocks``.
+        """
+        return cls.from_blocks(tensor.data, tensor.shape, tensor.ggml_type, bias=bias)
+
     def _packed(self) -> tuple[np.ndarray, np.ndarray]:
         q_name, s_name = NAMES[self.qtype]
         return self._buffers[q_name].data, self._buffers[s_name].data
