@@ -178,3 +178,26 @@ def test_real_smollm2_weights(gpu_device, name):
         x = rng.standard_normal((rows, layer.in_features)).astype(np.float32)
         want = x.astype(np.float64) @ w.T.astype(np.float64)
         assert np.linalg.norm(layer(x) - want) <= 1e-5 * np.linalg.norm(want)
+
+
+def test_quantize_linears_replaces_what_it_can():
+    from meganeura.nn import ReLU, Sequential, quantize_linears
+
+    model = Sequential(Linear(64, 32), ReLU(), Linear(32, 10), Linear(10, 4))
+    w0 = model[0].weight.numpy()
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    names = quantize_linears(model, "q4_1", include=lambda name, m: name != "2")
+    assert names == ["0"]  # "2" excluded, "3" has in_features 10
+    assert isinstance(model[0], QuantizedLinear) and isinstance(model[3], Linear)
+    np.testing.assert_array_equal(model[0].to_blocks(), qf.quantize_blocks(w0, "q4_1"))
+    assert "0.weight_q4" in model.state_dict() and "0.bias" in model.state_dict()
+    blocks = qf.quantize_blocks(model[2].weight.numpy(), "q8_0")
+    from meganeura.io.gguf import QuantizedTensor
+
+    tensor = QuantizedTensor("Q8_0", (10, 32), blocks, 32, 34)
+    assert quantize_linears(
+        model, "q4_1", blocks=lambda n: tensor if n == "2.weight" else None
+    ) == ["2"]
+    assert model[2].qtype == "q8_0"
+    np.testing.assert_array_equal(model[2].to_blocks(), blocks)
+    assert model[0].bias is not None and model(x).shape == (3, 4)

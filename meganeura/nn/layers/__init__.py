@@ -51,7 +51,7 @@ from .pooling import (
     MaxPool1d,
     MaxPool2d,
 )
-from .quantized import QuantizedLinear
+from .quantized import QuantizedLinear, quantize_linears
 from .sparse import Embedding
 from .transformer import (
     Transformer,
@@ -129,4 +129,5 @@ __all__ = [
     "Upsample",
     "UpsamplingBilinear2d",
     "UpsamplingNearest2d",
+    "quantize_linears",
 ]

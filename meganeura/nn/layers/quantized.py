@@ -12,12 +12,15 @@ Bytes per weight: q8_0 1.0625, q4_1 0.625 (f32 Linear: 4).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ...ops import quant_formats as qf
 from ...ops.quantized import quantized_linear
 from ..module import Module
 from ..parameter import Buffer
+from .linear import Linear
 
 # (packed quants, packed scales) state-dict names per qtype
 NAMES = {"q8_0": ("weight_q8", "weight_d"), "q4_1": ("weight_q4", "weight_dm")}
@@ -131,3 +134,45 @@ class QuantizedLinear(Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"qtype={self.qtype}, bias={self._buffers['bias'] is not None}"
         )
+
+
+def quantize_linears(
+    module: Module,
+    qtype: str = "q8_0",
+    blocks: Callable[[str], object | None] | None = None,
+    include: Callable[[str, Linear], bool] | None = None,
+) -> list[str]:
+    """Replace the ``Linear`` submodules of ``module`` by ``QuantizedLinear`` s, in place.
+
+    Args:
+        module: the model; its Linears with in_features a multiple of 32 are replaced (the
+            others cannot be and are kept).
+        qtype: the format for weights quantized here from their f32 values ("q8_0", "q4_1").
+        blocks: optional ``name -> QuantizedTensor or None`` (e.g. a GGUF checkpoint's
+            ``quantized``, wrapped to return None for other types): a weight given this way
+            keeps the file's own blocks (``from_gguf``), its ``qtype`` whatever ``qtype`` says;
+            None quantizes the Linear's current weight. ``name`` is the weight's dotted name
+            (``"model.layers.0.mlp.up_proj.weight"``).
+        include: optional ``(dotted module name, Linear) -> bool`` choosing which to replace.
+
+    Returns:
+        The dotted names of the replaced modules, in ``named_modules`` order. Biases are kept
+        (as frozen buffers); the replaced weights are no longer parameters.
+    """
+    done = []
+    for name, parent in list(module.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if not isinstance(child, Linear) or child.in_features % qf.QK:
+                continue
+            if include is not None and not include(full, child):
+                continue
+            bias = None if child.bias is None else child.bias.data
+            tensor = blocks(f"{full}.weight") if blocks is not None else None
+            if tensor is not None:
+                new = QuantizedLinear.from_gguf(tensor, bias=bias)
+            else:
+                new = QuantizedLinear.from_float(child.weight.data, qtype, bias=bias)
+            setattr(parent, child_name, new)
+            done.append(full)
+    return done
