@@ -201,3 +201,35 @@ def test_quantize_linears_replaces_what_it_can():
     assert model[2].qtype == "q8_0"
     np.testing.assert_array_equal(model[2].to_blocks(), blocks)
     assert model[0].bias is not None and model(x).shape == (3, 4)
+
+
+@pytest.mark.gpu
+def test_real_smollm2_quantized_model_generates_as_f32(gpu_device):
+    """SmolLM2-135M with every projection and the tied head kept as the GGUF's own Q4_1 /
+    Q8_0 blocks: greedy chat generation (prefill through the tiled kernel, decode through the
+    GEMV with the KV cache) gives the tokens of the same model on the dequantized f32
+    weights. (About 40 s on lavapipe, most of it loading and compiling two models.)"""
+    from meganeura.models.llama import LlamaForCausalLM
+    from meganeura.nn import quantize_linears
+
+    ckpt = _smollm2()
+    ref = LlamaForCausalLM.from_pretrained()
+    model = LlamaForCausalLM.from_pretrained()
+
+    def blocks(name):
+        t = ckpt.quantized("model.embed_tokens.weight" if name == "lm_head.weight" else name)
+        return t if t.ggml_type in ("Q8_0", "Q4_1") else None
+
+    names = quantize_linears(model, blocks=blocks)
+    assert len(names) == 30 * 7 + 1 and "lm_head" in names
+
+    def weight_bytes(m):  # projections and head: 538 MB in f32, 96 MB kept quantized
+        return sum(v.nbytes for k, v in m.state_dict().items() if "proj" in k or "head" in k)
+
+    assert weight_bytes(model) < 0.2 * weight_bytes(ref)
+    prompt = ref.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    a = ref.generate(prompt, max_new_tokens=4).sequences
+    b = model.generate(prompt, max_new_tokens=4).sequences
+    assert a == b
