@@ -233,3 +233,21 @@ def test_real_smollm2_quantized_model_generates_as_f32(gpu_device):
     a = ref.generate(prompt, max_new_tokens=4).sequences
     b = model.generate(prompt, max_new_tokens=4).sequences
     assert a == b
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_interpreter_forward_and_input_gradient(qtype):
+    """The NumPy oracle (float64) against torch.autograd on the dequantized weight; no GPU."""
+    from .harness import graph_gradients, interpret_forward
+
+    layer = QuantizedLinear.from_float(rng.standard_normal((8, 64)), qtype, bias=np.ones(8))
+    w = torch.from_numpy(layer.dequantize().astype(np.float64))
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    want = xt @ w.T + 1
+    out, _ = interpret_forward(layer, [x])
+    np.testing.assert_allclose(out, want.detach().numpy(), rtol=0, atol=1e-12)
+    loss, grads, r = graph_gradients(layer, [x])
+    (want * torch.from_numpy(r)).sum().backward()
+    assert sorted(grads) == ["input"]  # nothing trainable
+    np.testing.assert_allclose(grads["input"], xt.grad.numpy(), rtol=0, atol=1e-12)
