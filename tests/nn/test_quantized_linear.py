@@ -22,6 +22,7 @@ QTYPES = ["q8_0", "q4_1"]
         ("q8_0", ["weight_q8", "weight_d", "bias"], [(40, 24), (40, 2), (40,)]),
         ("q4_1", ["weight_q4", "weight_dm", "bias"], [(40, 12), (40, 3), (40,)]),
     ],
+    ids=["q8_0", "q4_1"],
 )
 def test_state_dict_layout(qtype, names, shapes):
     layer = QuantizedLinear(96, 40, qtype, bias=True)

@@ -97,6 +97,7 @@ def test_quantization_error_bound(qtype):
 @pytest.mark.parametrize(
     "qtype,q_shape,s_shape,bytes_per_weight",
     [("q8_0", (7, 144), (7, 9), 1.0625), ("q4_1", (7, 72), (7, 18), 0.625)],
+    ids=["q8_0", "q4_1"],
 )
 def test_packed_shapes_and_memory(qtype, q_shape, s_shape, bytes_per_weight):
     w = rng.normal(size=(7, 576)).astype(np.float32)
