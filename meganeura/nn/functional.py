@@ -106,6 +106,7 @@ from ..ops.loss import (
 )
 from ..ops.norm import batch_norm, group_norm, layer_norm, rms_norm
 from ..ops.pool import adaptive_avg_pool2d, avg_pool2d, max_pool2d
+from ..ops.quantized import quantized_linear
 from ..ops.reduce import amin, argmax, argmin, cumsum, logsumexp, max, min, std, var  # noqa: A004
 from ..ops.resample import interpolate, upsample_bilinear2d, upsample_nearest2d
 
@@ -194,6 +195,7 @@ __all__ = [
     "pad",
     "permute",
     "pow",
+    "quantized_linear",
     "reciprocal",
     "relu",
     "remainder",
