@@ -10,7 +10,7 @@ bar (loss, tokens/s) and the loss curve (``loss.png``).
 
 Output folder: ``model/`` (an HF folder: config, safetensors, tokenizer; LoRA runs merge their
 adapters into it unless ``--no-merge``) and, with LoRA, ``adapter/`` (PEFT's files), both
-loadable by ``meganeura generate --model ...`` (``--adapter`` for the unmerged adapter).
+loadable by ``meganeura generate --model ...`` (``--lora-adapter`` for the unmerged adapter).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
 
     from ..models.llama import LlamaForCausalLM, lm_loss
     from ..nn import lora
-    from ..optim.schedules import warmup_cosine
+    from ..optim.schedules import get_schedule
     from .plotting import plot_losses
 
     if cfg.batch_size < 1 or cfg.seq_len < 1 or cfg.epochs < 1 or cfg.log_every < 1:
@@ -111,13 +111,17 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
         lora.apply_lora(model, cfg.lora_targets, r=cfg.lora_r, alpha=cfg.lora_alpha)
     steps_per_epoch = len(windows) // cfg.batch_size
     total = steps_per_epoch * cfg.epochs
-    if cfg.max_steps is not None:
-        total = min(total, cfg.max_steps)
+    if cfg.max_steps is not None:  # as transformers' Trainer: max_steps overrides epochs
+        if cfg.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {cfg.max_steps}")
+        total = cfg.max_steps
     trainer = mn.Trainer(
         model,
         mn.optim.AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay),
         lm_loss,
-        schedule=warmup_cosine(min(cfg.warmup_steps, total), total),
+        schedule=get_schedule(
+            "cosine", lr=cfg.lr, total_steps=total, warmup_steps=min(cfg.warmup_steps, total - 1)
+        ),
         max_grad_norm=cfg.max_grad_norm,
         device=device,
         precision=cfg.precision,
@@ -165,7 +169,7 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
     if not cfg.lora or cfg.merge:
         model.save_pretrained(out / "model")
         summary["model"] = str(out / "model")
-    title = f"meganeura finetune ({'LoRA r=%d' % cfg.lora_r if cfg.lora else 'full'})"
+    title = f"meganeura finetune ({f'LoRA r={cfg.lora_r}' if cfg.lora else 'full'})"
     if plot_losses(losses, out / "loss.png", title, window=max(1, len(losses) // 10)):
         summary["loss_plot"] = str(out / "loss.png")
     meta = {"config": asdict(cfg), **{k: v for k, v in summary.items() if k != "losses"}}
