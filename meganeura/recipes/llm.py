@@ -80,6 +80,13 @@ def _model_flags(p) -> None:
     p.add_argument(
         "--lora-adapter", help="LoRA adapters to apply (a folder written by finetune --lora)"
     )
+    p.add_argument(
+        "--weights",
+        choices=["f32", "q8_0", "q4_1"],
+        default="f32",
+        help="f32, or keep the projections quantized on the GPU (q8_0: 1.06 bytes per weight, "
+        "q4_1: 0.625; a GGUF's own blocks are kept when they are in that format)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
@@ -93,14 +100,14 @@ def _model_flags(p) -> None:
     )
 
 
-def load_model(path, adapter=None):
+def load_model(path, adapter=None, weights="f32"):
     """The model of ``--model`` (or the default) with ``--lora-adapter``'s LoRA adapters, with
     clear errors for what is missing."""
     from ..models.llama import LlamaForCausalLM
     from ..nn.lora import load_lora
 
     try:
-        model = LlamaForCausalLM.from_pretrained(path)
+        model = LlamaForCausalLM.from_pretrained(path, weights=weights)
         if adapter:
             load_lora(model, adapter)
         return model
@@ -149,7 +156,7 @@ def _generator(args):
     from ..cli import _device
     from ..models.generation import Generator
 
-    model = load_model(args.model, args.lora_adapter)
+    model = load_model(args.model, args.lora_adapter, args.weights)
     return Generator(model, precision=args.precision, device=_device(args))
 
 
