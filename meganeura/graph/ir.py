@@ -56,6 +56,10 @@ LEAF_OPS = frozenset({"input", "parameter", "state", "constant"})
 # Ops whose value is their operand's storage reinterpreted (contiguous, row-major): no kernel.
 VIEW_OPS = frozenset({"reshape", "stop_gradient"})
 PERSISTENT_OPS = frozenset({"parameter", "state"})
+# Ops whose value is rows [start, start + length) of a leaf's storage, bound as that byte range
+# of the leaf's buffer (``passes.split_bindings``): no kernel, and unlike a view a value of its
+# own to code generation, which binds it in place of the (too large) leaf.
+ALIAS_OPS = frozenset({"row_block"})
 
 
 @dataclass(frozen=True)

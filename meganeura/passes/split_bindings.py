@@ -1,0 +1,539 @@
+"""Split values larger than one storage binding into row blocks.
+
+WebGPU caps one storage binding at ``max_storage_buffer_binding_size`` (128 MiB on lavapipe and
+in browsers, 2 GiB - 4 B on NVIDIA) while one buffer may be larger (``max_buffer_size``: 2 GiB
+on lavapipe). SmolLM2-360M's tied embedding / LM head, f32[49152, 960], is 188 MB: it fits a
+buffer but no binding. This pass rewrites the program so that no kernel binds a value larger
+than the limit, after differentiation and the optimizer (so the backward pass and the update
+are split too) and before scheduling.
+
+Design:
+  * A value is *big* when it is bound by kernels (not a constant, not a view) and its bytes
+    exceed ``limit`` (``CompileOptions.max_storage_binding_bytes``, else the adapter's
+    ``Limits.max_storage_buffer_binding_size``). Every big value is split along dim 0 into
+    row blocks; all values with the same number of rows ``R`` share one partition, so blocks
+    of a parameter, its gradient and its optimizer state line up. A block holds ``k`` rows,
+    the largest count whose bytes fit ``limit`` for every big value of ``R`` rows and whose
+    byte offset ``k * row_bytes`` is a multiple of ``min_storage_buffer_offset_alignment``
+    for each (the last block takes the rest).
+  * A big leaf (parameter, state, input) keeps one buffer; its blocks are ``row_block``
+    aliases (``graph.ir.ALIAS_OPS``): values of their own to code generation, no kernel,
+    bound by the assembler as the byte range ``[start * row_bytes, end * row_bytes)`` of the
+    leaf's buffer. Optimizer updates write the leaf through them.
+  * A big intermediate never exists whole: each block is its own SSA value (so blocks need no
+    alignment, and the memory planner reuses their buffers as it does any value's).
+  * Each op that reads or makes a big value is rewritten per block by a rule:
+      - elementwise maps (``codegen.wgsl.elementwise.maps.FUSIBLE``: unary, binary, ``where``,
+        ``cast``, ``clamp``, ``broadcast_to``): the op per block; operands that broadcast
+        along dim 0 are read whole, small operands with ``R`` rows are sliced;
+      - ``index_select(x, idx, dim=0)`` (embedding): per block an ``index_select`` of
+        ``clamp(idx, start, end - 1) - start``, merged in block order by ``where(idx >= start,
+        ...)``: exact, one value per token;
+      - ``index_select_backward`` (embedding backward, scatter-add): per block, the gradient
+        rows of tokens outside the block are zeroed and the rest scattered into the block's
+        rows: exact (each block adds the same terms in the same order, plus zeros);
+      - ``matmul`` with a 2-D big operand: ``x @ W^T`` (the tied LM head, ``F.linear``) per
+        block of W's rows, i.e. output columns, concatenated along the last dim; ``x @ W`` and
+        ``W^T @ y`` (contraction over W's rows, e.g. the head's input gradient) as a sum of
+        per-block products over column (row) slices of the other operand (float rounding
+        differs from the unsplit sum); ``A @ B`` with a big 2-D output (the head's weight
+        gradient ``dlogits^T @ h``) or a big row-split ``A`` per block of output rows;
+      - ``sum`` over a big value: per block, then added when dim 0 is reduced;
+      - optimizer updates (``sgd_update``, ``sgd_momentum_update``, ``adam_update``) and
+        ``accumulate``: one update per block on the ``row_block`` aliases of the parameter and
+        state; ``found_inf`` (the non-finite guard) reads the blocks, in chunks that respect
+        the binding count, summed;
+      - views: ``stop_gradient`` per block, ``reshape`` when it keeps dim 0.
+    A block-split value that some other op must read whole is concatenated (``cat`` along
+    dim 0) when the result fits one binding.
+  * Anything else raises ``BindingSplitError`` naming the tensor, its size, the limit and the
+    op that reads it: never a silently wrong program. Not split (today): big graph outputs
+    (logits larger than the limit, ``output_grads`` of a big parameter), losses and other
+    reductions of a big value (``cross_entropy`` of logits above the limit), ``gather``,
+    ``index_select`` along another dim, batched matmuls of a big operand, views that move dim 0.
+
+``compile`` reads the label checks (token-id range checks) from the graph before this pass,
+since the rewritten ``index_select``s read computed indices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from ..codegen.kernel import Limits
+from ..dtypes import DType
+from ..graph.ir import ALIAS_OPS, LEAF_OPS, VIEW_OPS, Graph, Node, TensorType, make_attrs
+from ..ops import OPS
+from .simplify import cse, dce
+
+# Leaves that own a buffer whose row ranges can be bound at offsets.
+_STORAGE_LEAVES = frozenset({"input", "parameter", "state"})
+_UPDATES = frozenset({"sgd_update", "sgd_momentum_update", "adam_update", "accumulate"})
+SUPPORTED = (
+    "elementwise maps, index_select/embedding along dim 0 and its backward, 2-D matmul/linear, "
+    "sum, optimizer updates, found_inf, stop_gradient, reshape keeping dim 0"
+)
+
+
+class BindingSplitError(ValueError):
+    """A value larger than one storage binding is read by an op that cannot be split."""
+
+
+def split_bindings(graph: Graph, limits: Limits) -> tuple[Graph, dict[int, int]]:
+    """Rewrite ``graph`` so that no kernel binds more than one binding's bytes (see the module
+    docstring).
+
+    Args:
+        graph: a verified graph (after autodiff, the optimizer, simplification and the storage
+            plan).
+        limits: ``max_storage_buffer_binding_size`` is the byte limit;
+            ``min_storage_buffer_offset_alignment`` the alignment of block offsets;
+            ``max_storage_buffers_per_shader_stage`` caps the bindings of the kernels made.
+
+    Returns:
+        (the rewritten graph, old node id -> new node id for the nodes kept as they were:
+        leaves, and every node when nothing is split).
+
+    Raises:
+        BindingSplitError: a big value is read by an op this pass cannot split, is a graph
+            output, or has rows too large for one block.
+    """
+    limit = limits.max_storage_buffer_binding_size
+    big = {n.id for n in graph.nodes if _bound(n) and n.type.nbytes > limit}
+    if not big:
+        return graph, {n.id: n.id for n in graph.nodes}
+    splitter = _Splitter(graph, limits, big)
+    new_graph, kept = splitter.run()
+    for rewrite in (cse, dce):
+        new_graph, id_map = rewrite(new_graph)
+        kept = {old: id_map[new] for old, new in kept.items() if new in id_map}
+    check_bindings(new_graph, limit)
+    return new_graph, kept
+
+
+def _bound(n: Node) -> bool:
+    return n.op not in VIEW_OPS and n.op != "constant" and n.type.numel > 0
+
+
+def _label(n: Node) -> str:
+    name = f" {n.name!r}" if n.name else ""
+    return f"tensor %{n.id}{name} ({n.op}: {n.type}) of {n.type.nbytes} bytes"
+
+
+def _where(n: Node) -> str:
+    return f" at {n.loc}" if n.loc else ""
+
+
+def check_bindings(graph: Graph, limit: int) -> None:
+    """Raise BindingSplitError when a kernel of ``graph`` would bind a value of more than
+    ``limit`` bytes (naming the value and the op whose kernel binds it)."""
+    from ..codegen.wgsl import reads
+    from ..schedule.schedule import needed_nodes
+
+    needed = needed_nodes(graph)
+    outputs = {v for _, v in graph.outputs}
+    for n in graph.nodes:
+        if not needed[n.id] or n.op in LEAF_OPS or n.op in VIEW_OPS or n.op in ALIAS_OPS:
+            continue
+        own = () if OPS[n.op].writes else (n.id,)
+        for v in (*reads(graph, n.id), *own):
+            if graph[v].type.nbytes > limit:
+                raise _refusal(graph[v], n, limit, output=v in outputs)
+
+
+def _refusal(value: Node, op: Node | None, limit: int, output: bool = False, why: str = ""):
+    if op is None or (output and op.id == value.id):
+        what = "it is a graph output, which is not written in row blocks"
+    else:
+        what = f"op {op.origin or op.op} %{op.id}{_where(op)} that reads it cannot be split"
+    return BindingSplitError(
+        f"{_label(value)}{_where(value)} is larger than one storage binding ({limit} bytes: "
+        f"CompileOptions.max_storage_binding_bytes, else the adapter's "
+        f"max_storage_buffer_binding_size) and {what}{why}. Split by row blocks: {SUPPORTED} "
+        f"(docs/bindings.md)."
+    )
+
+
+def row_partition(
+    rows: int, row_bytes: Sequence[int], limit: int, align: int
+) -> tuple[tuple[int, int], ...]:
+    """Row ranges ``(start, end)`` splitting ``rows`` rows so that a block of each row size in
+    ``row_bytes`` fits ``limit`` bytes and starts at a multiple of ``align`` bytes.
+
+    Raises:
+        ValueError: no whole number of rows fits (a row, or the alignment step, is too large).
+    """
+    step = 1
+    for rb in row_bytes:
+        step = math.lcm(step, align // math.gcd(rb, align))
+    most = min(limit // rb for rb in row_bytes)
+    k = most // step * step
+    if k < 1:
+        raise ValueError(
+            f"rows of {max(row_bytes)} bytes cannot be split into blocks of at most "
+            f"{limit} bytes starting at multiples of {align} bytes ({step} rows at least)"
+        )
+    return tuple((s, min(s + k, rows)) for s in range(0, rows, k))
+
+
+class _Splitter:
+    def __init__(self, graph: Graph, limits: Limits, big: set[int]) -> None:
+        self.g, self.limits, self.limit = graph, limits, limits.max_storage_buffer_binding_size
+        self.big = big
+        self.nodes: list[Node] = []
+        self.new: dict[int, int] = {}  # old id -> new id of the whole value
+        self.blocked: dict[int, list[int]] = {}  # old id -> new ids of its row blocks
+        self.aliases: dict[tuple[int, int], int] = {}
+        self.consts: dict[tuple, int] = {}
+        by_rows: dict[int, list[int]] = {}
+        for v in sorted(big):
+            t = graph[v].type
+            by_rows.setdefault(t.shape[0], []).append(t.nbytes // t.shape[0])
+        align = limits.min_storage_buffer_offset_alignment
+        self.parts: dict[int, tuple[tuple[int, int], ...]] = {}
+        for rows, sizes in by_rows.items():
+            try:
+                self.parts[rows] = row_partition(rows, sizes, self.limit, align)
+            except ValueError as e:
+                v = next(graph[v] for v in sorted(big) if graph[v].type.shape[0] == rows)
+                raise _refusal(v, None, self.limit, why=f" ({e})") from None
+            if len(self.parts[rows]) < 2:  # pragma: no cover - a big value needs 2 blocks
+                raise AssertionError(f"{rows} rows split into one block")
+
+    # ---- emitting nodes ---------------------------------------------------------------------
+    def emit(self, op: str, inputs: Sequence[int], attrs: dict, like: Node) -> int:
+        types = [self.nodes[i].type for i in inputs]
+        t = OPS[op].infer(types, attrs)
+        node = Node(len(self.nodes), op, tuple(inputs), make_attrs(attrs), t, None, like.loc)
+        self.nodes.append(dataclasses.replace(node, origin=like.origin))
+        return node.id
+
+    def const(self, value, dtype: DType) -> int:
+        key = (repr(value), dtype)
+        if key not in self.consts:
+            node = Node(len(self.nodes), "constant", (), make_attrs({"value": value}),
+                        TensorType((), dtype))  # fmt: skip
+            self.nodes.append(node)
+            self.consts[key] = node.id
+        return self.consts[key]
+
+    def whole(self, v: int, consumer: Node) -> int:
+        """The new id of old value ``v`` whole; a block-split value is concatenated."""
+        if v in self.new:
+            return self.new[v]
+        if v in self.blocked and self.g[v].type.nbytes <= self.limit:
+            self.new[v] = self.cat(self.blocked[v], 0, self.g[v])
+            return self.new[v]
+        raise _refusal(self.g[v], consumer, self.limit)
+
+    def cat(self, ids: list[int], dim: int, like: Node) -> int:
+        """``cat`` of ``ids`` along ``dim``, as a tree when they exceed one kernel's bindings."""
+        per = max(2, self.limits.max_storage_buffers_per_shader_stage - 1)
+        while len(ids) > 1:
+            ids = [
+                ids[i] if len(ids[i : i + per]) == 1 else self.emit("cat", ids[i : i + per],
+                                                                    {"dim": dim}, like)
+                for i in range(0, len(ids), per)
+            ]  # fmt: skip
+        return ids[0]
+
+    def add_all(self, ids: list[int], like: Node) -> int:
+        out = ids[0]
+        for i in ids[1:]:
+            out = self.emit("add", [out, i], {}, like)
+        return out
+
+    def slice(self, v_new: int, dim: int, start: int, end: int, like: Node) -> int:
+        shape = self.nodes[v_new].type.shape
+        if start == 0 and end == shape[dim]:
+            return v_new
+        attrs = {
+            "start": tuple(start if d == dim else 0 for d in range(len(shape))),
+            "end": tuple(end if d == dim else s for d, s in enumerate(shape)),
+            "step": (1,) * len(shape),
+        }
+        return self.emit("slice", [v_new], attrs, like)
+
+    # ---- blocks of a value ------------------------------------------------------------------
+    def splittable(self, v: int) -> bool:
+        """Whether old value ``v`` has row blocks (split, or a big leaf that can be aliased)."""
+        return v in self.blocked or (v in self.big and self.g[v].op in _STORAGE_LEAVES)
+
+    def reaches(self, v: int) -> bool:
+        """Whether old value ``v`` is split, or a transpose of a split value (a matmul reads
+        it through the transpose)."""
+        x = self.transposed(v)
+        return self.splittable(v) or (x is not None and self.splittable(x))
+
+    def block(self, v: int, b: int, rows: int, consumer: Node) -> int:
+        """Rows ``parts[rows][b]`` of old value ``v`` (whose dim 0 has ``rows`` rows)."""
+        if v in self.blocked:
+            return self.blocked[v][b]
+        start, end = self.parts[rows][b]
+        n = self.g[v]
+        if v in self.big and n.op in _STORAGE_LEAVES:
+            key = (v, b)
+            if key not in self.aliases:
+                attrs = {"start": start, "length": end - start}
+                self.aliases[key] = self.emit("row_block", [self.new[v]], attrs, n)
+            return self.aliases[key]
+        return self.slice(self.whole(v, consumer), 0, start, end, consumer)
+
+    def blocks(self, v: int, consumer: Node) -> list[int]:
+        rows = self.g[v].type.shape[0]
+        return [self.block(v, b, rows, consumer) for b in range(len(self.parts[rows]))]
+
+    # ---- the walk ---------------------------------------------------------------------------
+    def run(self) -> tuple[Graph, dict[int, int]]:
+        for n in self.g.nodes:
+            touched = n.id in self.big or any(self.reaches(i) for i in n.inputs)
+            if n.op in LEAF_OPS or not touched:
+                self.copy(n)
+                continue
+            rule = _RULES.get(n.op)
+            if n.op in _ELEMENTWISE:
+                rule = _Splitter.elementwise
+            if rule is None or not rule(self, n):
+                self.fallback(n)
+        outputs = []
+        for name, v in self.g.outputs:
+            if v not in self.new and (v not in self.blocked or v in self.big):
+                raise _refusal(self.g[v], None, self.limit)
+            outputs.append((name, self.whole(v, self.g[v])))
+        kept = {n.id: self.new[n.id] for n in self.g.nodes if n.op in LEAF_OPS}
+        return Graph(tuple(self.nodes), tuple(outputs)), kept
+
+    def copy(self, n: Node) -> None:
+        ins = tuple(self.whole(i, n) for i in n.inputs)
+        self.new[n.id] = len(self.nodes)
+        self.nodes.append(dataclasses.replace(n, id=len(self.nodes), inputs=ins))
+
+    def fallback(self, n: Node) -> None:
+        """An op with no rule: kept whole if its operands exist whole (a big leaf's permute
+        may yet be folded into a matmul; ``check_bindings`` refuses what a kernel binds);
+        a transpose of a split value is left for the matmul rule."""
+        if n.op == "permute" and n.inputs[0] in self.blocked:
+            return  # no whole value: only a matmul rule may read it (whole() refuses others)
+        self.copy(n)
+
+    # ---- rules: each returns True when it rewrote the node ----------------------------------
+    def elementwise(self, n: Node) -> bool:
+        out = n.type
+        if out.ndim == 0 or out.shape[0] not in self.parts:
+            return False
+        rows = out.shape[0]
+        blocks = []
+        for b, (start, end) in enumerate(self.parts[rows]):
+            ins = []
+            for i in n.inputs:
+                t = self.g[i].type
+                if t.ndim == out.ndim and t.shape[0] == rows:
+                    ins.append(self.block(i, b, rows, n))
+                else:  # broadcast along dim 0: read whole
+                    ins.append(self.whole(i, n))
+            attrs = dict(n.attrs)
+            if n.op == "broadcast_to":
+                attrs["shape"] = (end - start, *tuple(attrs["shape"])[1:])
+            blocks.append(self.emit(n.op, ins, attrs, n))
+        self.blocked[n.id] = blocks
+        return True
+
+    def view(self, n: Node) -> bool:
+        x = n.inputs[0]
+        if not self.splittable(x):
+            return False
+        rows = self.g[x].type.shape[0]
+        shape = n.type.shape
+        if n.op == "reshape" and (not shape or shape[0] != rows):
+            return False
+        out = []
+        for b, (start, end) in enumerate(self.parts[rows]):
+            attrs = {"shape": (end - start, *shape[1:])} if n.op == "reshape" else dict(n.attrs)
+            out.append(self.emit(n.op, [self.block(x, b, rows, n)], attrs, n))
+        self.blocked[n.id] = out
+        return True
+
+    def index_select(self, n: Node) -> bool:
+        x, idx = n.inputs
+        if n.attr("dim") != 0 or not self.splittable(x) or n.id in self.big:
+            return False
+        rows = self.g[x].type.shape[0]
+        ids, dt = self.whole(idx, n), self.g[idx].type.dtype
+        out = None
+        for b, (start, end) in enumerate(self.parts[rows]):
+            local = self.emit("clamp", [ids], {"min": start, "max": end - 1}, n)
+            if start:
+                local = self.emit("sub", [local, self.const(start, dt)], {}, n)
+            sel = self.emit("index_select", [self.block(x, b, rows, n), local], {"dim": 0}, n)
+            if out is None:
+                out = sel
+                continue
+            # Later blocks override: a token in block b has idx >= start_b and < start_(b+1).
+            mine = self.emit("greater_equal", [ids, self.const(start, dt)], {}, n)
+            shape = mine_shape(self.nodes[sel].type.ndim, self.g[idx].type.shape[0])
+            mine = self.emit("reshape", [mine], {"shape": shape}, n)
+            out = self.emit("where", [mine, sel, out], {}, n)
+        self.new[n.id] = out
+        return True
+
+    def index_select_backward(self, n: Node) -> bool:
+        g, idx = n.inputs
+        if n.attr("dim") != 0 or n.id not in self.big or self.splittable(g):
+            return False
+        rows = n.type.shape[0]
+        grad, ids, dt = self.whole(g, n), self.whole(idx, n), self.g[idx].type.dtype
+        zero = self.const(0.0, self.g[g].type.dtype)
+        shape = mine_shape(self.g[g].type.ndim, self.g[idx].type.shape[0])
+        out = []
+        for start, end in self.parts[rows]:
+            lo = self.emit("greater_equal", [ids, self.const(start, dt)], {}, n)
+            hi = self.emit("less", [ids, self.const(end, dt)], {}, n)
+            mine = self.emit("logical_and", [lo, hi], {}, n)
+            mine = self.emit("reshape", [mine], {"shape": shape}, n)
+            part = self.emit("where", [mine, grad, zero], {}, n)
+            local = self.emit("clamp", [ids], {"min": start, "max": end - 1}, n)
+            if start:
+                local = self.emit("sub", [local, self.const(start, dt)], {}, n)
+            attrs = {"dim": 0, "size": end - start}
+            out.append(self.emit("index_select_backward", [part, local], attrs, n))
+        self.blocked[n.id] = out
+        return True
+
+    def transposed(self, v: int) -> int | None:
+        """The old id of ``x`` when old value ``v`` is ``permute(x, (1, 0))``, else None."""
+        n = self.g[v]
+        ok = n.op == "permute" and n.attr("dims") == (1, 0)
+        return n.inputs[0] if ok else None
+
+    def rows_of(self, v: int, b: int, rows: int, n: Node) -> int:
+        """Rows ``parts[rows][b]`` of 2-D old value ``v`` (a transposed small value is sliced
+        by columns under its transpose, so that the matmul still folds it)."""
+        x = self.transposed(v)
+        if v in self.blocked or self.splittable(v) or x is None or self.splittable(x):
+            return self.block(v, b, rows, n)
+        start, end = self.parts[rows][b]
+        part = self.slice(self.whole(x, n), 1, start, end, n)
+        return self.emit("permute", [part], {"dims": (1, 0)}, n)
+
+    def matmul(self, n: Node) -> bool:
+        a, w = n.inputs
+        ta, tw = self.g[a].type, self.g[w].type
+        wt, at = self.transposed(w), self.transposed(a)
+        if n.id in self.big:  # output rows: A's rows
+            if n.type.ndim != 2 or tw.ndim != 2 or self.splittable(w):
+                return False
+            rows = n.type.shape[0]
+            out = [
+                self.emit("matmul", [self.rows_of(a, b, rows, n), self.whole(w, n)], {}, n)
+                for b in range(len(self.parts[rows]))
+            ]
+            self.blocked[n.id] = out
+            return True
+        if wt is not None and self.splittable(wt) and self.g[wt].type.ndim == 2:
+            # x @ W^T: blocks of W's rows are blocks of the output's columns.
+            x = self.whole(a, n)
+            cols = [
+                self.emit("matmul", [x, self.emit("permute", [blk], {"dims": (1, 0)}, n)], {}, n)
+                for blk in self.blocks(wt, n)
+            ]
+            self.new[n.id] = self.cat(cols, n.type.ndim - 1, n)
+            return True
+        if self.splittable(w) and tw.ndim == 2:
+            # x @ W: W's rows are the contraction; x's columns are sliced to match.
+            rows = tw.shape[0]
+            parts = []
+            for b, (start, end) in enumerate(self.parts[rows]):
+                if at is not None and ta.ndim == 2:
+                    xa = self.rows_of(at, b, rows, n)  # x = y^T: rows of y, transposed
+                    xa = self.emit("permute", [xa], {"dims": (1, 0)}, n)
+                else:
+                    xa = self.slice(self.whole(a, n), ta.ndim - 1, start, end, n)
+                parts.append(self.emit("matmul", [xa, self.block(w, b, rows, n)], {}, n))
+            self.new[n.id] = self.add_all(parts, n)
+            return True
+        if at is not None and self.splittable(at) and tw.ndim == 2 and ta.ndim == 2:
+            # W^T @ y: W's rows are the contraction; y's rows are sliced to match.
+            rows = self.g[at].type.shape[0]
+            parts = []
+            for b in range(len(self.parts[rows])):
+                wb = self.emit("permute", [self.block(at, b, rows, n)], {"dims": (1, 0)}, n)
+                parts.append(self.emit("matmul", [wb, self.rows_of(w, b, rows, n)], {}, n))
+            self.new[n.id] = self.add_all(parts, n)
+            return True
+        if self.splittable(a) and ta.ndim == 2 and tw.ndim == 2:
+            rows = ta.shape[0]
+            out = [
+                self.emit("matmul", [blk, self.whole(w, n)], {}, n) for blk in self.blocks(a, n)
+            ]
+            self.blocked[n.id] = out
+            return True
+        return False
+
+    def sum(self, n: Node) -> bool:
+        (x,) = n.inputs
+        if not self.splittable(x):
+            return False
+        parts = [self.emit("sum", [blk], dict(n.attrs), n) for blk in self.blocks(x, n)]
+        if 0 in n.attr("dims"):  # partial sums of the blocks, added in block order
+            self.new[n.id] = self.add_all(parts, n)
+        else:
+            self.blocked[n.id] = parts
+        return True
+
+    def update(self, n: Node) -> bool:
+        """An effect op per block, on the ``row_block`` aliases of the leaves it writes."""
+        writes = OPS[n.op].writes
+        target = self.g[n.inputs[writes[0]]]
+        for pos in writes:  # every written operand: a big leaf of the target's shape
+            w = n.inputs[pos]
+            if w not in self.big or self.g[w].op not in _STORAGE_LEAVES:
+                return False
+            if self.g[w].type.shape != target.type.shape:
+                return False
+        rows = target.type.shape[0]
+        token = None
+        for b in range(len(self.parts[rows])):
+            ins = [
+                self.block(i, b, rows, n)
+                if self.g[i].type.shape == target.type.shape
+                else self.whole(i, n)
+                for i in n.inputs
+            ]
+            token = self.emit(n.op, ins, dict(n.attrs), n)
+        self.new[n.id] = token  # nothing reads an update's token
+        return True
+
+    def found_inf(self, n: Node) -> bool:
+        parts: list[int] = []
+        for i in n.inputs:
+            parts.extend(self.blocks(i, n) if self.splittable(i) else [self.whole(i, n)])
+        per = max(1, self.limits.max_storage_buffers_per_shader_stage - 1)
+        checks = [self.emit("found_inf", parts[i : i + per], {}, n) for i in range(0, len(parts), per)]
+        self.new[n.id] = self.add_all(checks, n)
+        return True
+
+
+def mine_shape(ndim: int, n: int) -> tuple[int, ...]:
+    """Shape of a per-index mask broadcast over an ``ndim``-d gather result: ``[n, 1, ...]``."""
+    return (n,) + (1,) * (ndim - 1)
+
+
+def _elementwise_ops() -> frozenset[str]:
+    from ..codegen.wgsl.elementwise.maps import FUSIBLE
+
+    return frozenset(FUSIBLE)
+
+
+_ELEMENTWISE = _elementwise_ops()
+_RULES = {
+    "index_select": _Splitter.index_select,
+    "index_select_backward": _Splitter.index_select_backward,
+    "matmul": _Splitter.matmul,
+    "sum": _Splitter.sum,
+    "found_inf": _Splitter.found_inf,
+    "reshape": _Splitter.view,
+    "stop_gradient": _Splitter.view,
+    **{op: _Splitter.update for op in _UPDATES},
+}
