@@ -144,29 +144,37 @@ def check_bindings(graph: Graph, limit: int) -> None:
 
 
 def _refusal(value: Node, op: Node | None, limit: int, output: bool = False, why: str = ""):
-    if op is None or (output and op.id == value.id):
+    if why:
+        what = why
+    elif op is None or (output and op.id == value.id):
         what = "it is a graph output, which is not written in row blocks"
     else:
         what = f"op {op.origin or op.op} %{op.id}{_where(op)} that reads it cannot be split"
     return BindingSplitError(
         f"{_label(value)}{_where(value)} is larger than one storage binding ({limit} bytes: "
         f"CompileOptions.max_storage_binding_bytes, else the adapter's "
-        f"max_storage_buffer_binding_size) and {what}{why}. Split by row blocks: {SUPPORTED} "
+        f"max_storage_buffer_binding_size) and {what}. Split by row blocks: {SUPPORTED} "
         f"(docs/bindings.md)."
     )
 
 
 def row_partition(
-    rows: int, row_bytes: Sequence[int], limit: int, align: int
+    rows: int,
+    row_bytes: Sequence[int],
+    limit: int,
+    align: int,
+    aligned: Sequence[int] | None = None,
 ) -> tuple[tuple[int, int], ...]:
     """Row ranges ``(start, end)`` splitting ``rows`` rows so that a block of each row size in
-    ``row_bytes`` fits ``limit`` bytes and starts at a multiple of ``align`` bytes.
+    ``row_bytes`` fits ``limit`` bytes, and one of each size in ``aligned`` (default
+    ``row_bytes``: the values bound at offsets into one buffer) starts at a multiple of
+    ``align`` bytes.
 
     Raises:
         ValueError: no whole number of rows fits (a row, or the alignment step, is too large).
     """
     step = 1
-    for rb in row_bytes:
+    for rb in row_bytes if aligned is None else aligned:
         step = math.lcm(step, align // math.gcd(rb, align))
     most = min(limit // rb for rb in row_bytes)
     k = most // step * step
@@ -187,18 +195,22 @@ class _Splitter:
         self.blocked: dict[int, list[int]] = {}  # old id -> new ids of its row blocks
         self.aliases: dict[tuple[int, int], int] = {}
         self.consts: dict[tuple, int] = {}
-        by_rows: dict[int, list[int]] = {}
+        # Per row count: the row bytes of its big values, and of those bound at offsets (leaves).
+        by_rows: dict[int, tuple[list[int], list[int]]] = {}
         for v in sorted(big):
             t = graph[v].type
-            by_rows.setdefault(t.shape[0], []).append(t.nbytes // t.shape[0])
+            sizes, aligned = by_rows.setdefault(t.shape[0], ([], []))
+            sizes.append(t.nbytes // t.shape[0])
+            if graph[v].op in _STORAGE_LEAVES:
+                aligned.append(t.nbytes // t.shape[0])
         align = limits.min_storage_buffer_offset_alignment
         self.parts: dict[int, tuple[tuple[int, int], ...]] = {}
-        for rows, sizes in by_rows.items():
+        for rows, (sizes, aligned) in by_rows.items():
             try:
-                self.parts[rows] = row_partition(rows, sizes, self.limit, align)
+                self.parts[rows] = row_partition(rows, sizes, self.limit, align, aligned)
             except ValueError as e:
                 v = next(graph[v] for v in sorted(big) if graph[v].type.shape[0] == rows)
-                raise _refusal(v, None, self.limit, why=f" ({e})") from None
+                raise _refusal(v, None, self.limit, why=f"its rows cannot be split: {e}") from None
             if len(self.parts[rows]) < 2:  # pragma: no cover - a big value needs 2 blocks
                 raise AssertionError(f"{rows} rows split into one block")
 
@@ -425,10 +437,18 @@ class _Splitter:
             if n.type.ndim != 2 or tw.ndim != 2 or self.splittable(w):
                 return False
             rows = n.type.shape[0]
-            out = [
-                self.emit("matmul", [self.rows_of(a, b, rows, n), self.whole(w, n)], {}, n)
-                for b in range(len(self.parts[rows]))
-            ]
+            out = []
+            for b in range(len(self.parts[rows])):
+                ab = self.rows_of(a, b, rows, n)
+                if wt is not None and self.splittable(wt):  # and W's rows: output columns
+                    cols = [
+                        self.emit("matmul", [ab, self.emit("permute", [blk], {"dims": (1, 0)}, n)],
+                                  {}, n)
+                        for blk in self.blocks(wt, n)
+                    ]  # fmt: skip
+                    out.append(self.cat(cols, 1, n))
+                else:
+                    out.append(self.emit("matmul", [ab, self.whole(w, n)], {}, n))
             self.blocked[n.id] = out
             return True
         if wt is not None and self.splittable(wt) and self.g[wt].type.ndim == 2:
@@ -464,9 +484,7 @@ class _Splitter:
             return True
         if self.splittable(a) and ta.ndim == 2 and tw.ndim == 2:
             rows = ta.shape[0]
-            out = [
-                self.emit("matmul", [blk, self.whole(w, n)], {}, n) for blk in self.blocks(a, n)
-            ]
+            out = [self.emit("matmul", [blk, self.whole(w, n)], {}, n) for blk in self.blocks(a, n)]
             self.blocked[n.id] = out
             return True
         return False
@@ -510,7 +528,9 @@ class _Splitter:
         for i in n.inputs:
             parts.extend(self.blocks(i, n) if self.splittable(i) else [self.whole(i, n)])
         per = max(1, self.limits.max_storage_buffers_per_shader_stage - 1)
-        checks = [self.emit("found_inf", parts[i : i + per], {}, n) for i in range(0, len(parts), per)]
+        checks = [
+            self.emit("found_inf", parts[i : i + per], {}, n) for i in range(0, len(parts), per)
+        ]
         self.new[n.id] = self.add_all(checks, n)
         return True
 
