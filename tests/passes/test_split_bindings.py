@@ -271,3 +271,29 @@ def test_smollm2_embedding_and_tied_head_on_the_adapter_limit(gpu_device):
     got = run(ids)
     want = (table[ids].astype(np.float64) * 0.5) @ table.T.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_trainer_with_accumulation_split_matches_unsplit(gpu_device):
+    """mn.Trainer: micro-batch accumulators and the guard's found_inf run per block too.
+    SGD, whose step is linear in the gradient: Adam's m / sqrt(v) turns the rounding of
+    gradients near zero (the split head sums its input gradient in another order) into
+    differences of up to lr per element."""
+    y = rng.integers(0, V, size=IDS.shape).astype(np.int32)
+    start, results = _model(), []
+    for limit in (None, LIMIT):
+        m = _model()
+        m.load_state_dict(_params(start))
+        trainer = mn.Trainer(
+            m, SGD(lr=0.1, momentum=0.9), lambda model, ids, y: F.cross_entropy(model(ids), y),
+            accumulation_steps=2, on_nonfinite="skip", device=gpu_device,
+            max_storage_binding_bytes=limit,
+        )  # fmt: skip
+        with trainer:
+            losses = [float(trainer.step(IDS, y)) for _ in range(4)]
+        results.append((losses, _params(m)))
+    (want_loss, want), (got_loss, got) = results
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert not np.array_equal(got["emb.weight"], _params(start)["emb.weight"])
