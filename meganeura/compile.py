@@ -1,5 +1,6 @@
 """The pipeline in one place: graph -> (differentiate -> apply_optimizer) -> simplify ->
-(narrow_storage, fast mode) -> schedule -> plan_memory -> lower to WGSL -> Program.
+(narrow_storage, fast mode) -> split_bindings (tensors over one storage binding, in row
+blocks) -> schedule -> plan_memory -> lower to WGSL -> Program.
 
 Every stage is a pure function; ``compile`` only strings them together, times each stage and
 assembles the Program's buffer table. Nothing here touches a GPU: adapter limits come in as
@@ -228,8 +229,8 @@ def compile(
     Returns:
         A Program whose ``meta["compile_seconds"]`` holds wall seconds per stage, in order:
         ``graph`` (only when given), ``autodiff`` (backward + optimizer, 0 for inference),
-        ``passes`` (fold_permutes, dce, cse), ``codegen`` (schedule + lowering to WGSL),
-        ``plan_memory``,
+        ``passes`` (fold_permutes, dce, cse, split_bindings), ``codegen`` (schedule + lowering
+        to WGSL), ``plan_memory``,
         ``assemble`` (buffer table and dispatches); ``meta`` also holds the options.
 
         ``meta["precision"]`` is the precision compiled (``"strict"`` or ``"fast"``) and
