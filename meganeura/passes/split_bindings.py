@@ -64,7 +64,16 @@ from collections.abc import Sequence
 
 from ..codegen.kernel import Limits
 from ..dtypes import DType
-from ..graph.ir import ALIAS_OPS, LEAF_OPS, VIEW_OPS, Graph, Node, TensorType, make_attrs
+from ..graph.ir import (
+    ALIAS_OPS,
+    LEAF_OPS,
+    VIEW_OPS,
+    Graph,
+    Node,
+    TensorType,
+    make_attrs,
+    resolve_view,
+)
 from ..ops import OPS
 from .simplify import cse, dce
 
@@ -181,7 +190,8 @@ def row_partition(
     if k < 1:
         raise ValueError(
             f"rows of {max(row_bytes)} bytes cannot be split into blocks of at most "
-            f"{limit} bytes starting at multiples of {align} bytes ({step} rows at least)"
+            f"{limit} bytes starting at multiples of {align} bytes (a block holds a multiple "
+            f"of {step} rows)"
         )
     return tuple((s, min(s + k, rows)) for s in range(0, rows, k))
 
@@ -195,24 +205,29 @@ class _Splitter:
         self.blocked: dict[int, list[int]] = {}  # old id -> new ids of its row blocks
         self.aliases: dict[tuple[int, int], int] = {}
         self.consts: dict[tuple, int] = {}
-        # Per row count: the row bytes of its big values, and of those bound at offsets (leaves).
-        by_rows: dict[int, tuple[list[int], list[int]]] = {}
+        # Per row count: its big values' row bytes, and those of the leaves bound at offsets.
+        self.by_rows: dict[int, tuple[list[int], list[int]]] = {}
         for v in sorted(big):
             t = graph[v].type
-            sizes, aligned = by_rows.setdefault(t.shape[0], ([], []))
+            sizes, aligned = self.by_rows.setdefault(t.shape[0], ([], []))
             sizes.append(t.nbytes // t.shape[0])
             if graph[v].op in _STORAGE_LEAVES:
                 aligned.append(t.nbytes // t.shape[0])
-        align = limits.min_storage_buffer_offset_alignment
-        self.parts: dict[int, tuple[tuple[int, int], ...]] = {}
-        for rows, (sizes, aligned) in by_rows.items():
+        self._parts: dict[int, tuple[tuple[int, int], ...]] = {}
+
+    def part(self, rows: int) -> tuple[tuple[int, int], ...]:
+        """The row blocks of values of ``rows`` rows, made on first use (a big value that
+        nothing splits, such as a transpose folded into a matmul, needs none)."""
+        if rows not in self._parts:
+            sizes, aligned = self.by_rows[rows]
+            align = self.limits.min_storage_buffer_offset_alignment
             try:
-                self.parts[rows] = row_partition(rows, sizes, self.limit, align, aligned)
+                self._parts[rows] = row_partition(rows, sizes, self.limit, align, aligned)
             except ValueError as e:
-                v = next(graph[v] for v in sorted(big) if graph[v].type.shape[0] == rows)
-                raise _refusal(v, None, self.limit, why=f"its rows cannot be split: {e}") from None
-            if len(self.parts[rows]) < 2:  # pragma: no cover - a big value needs 2 blocks
-                raise AssertionError(f"{rows} rows split into one block")
+                v = next(v for v in sorted(self.big) if self.g[v].type.shape[0] == rows)
+                why = f"its rows cannot be split: {e}"
+                raise _refusal(self.g[v], None, self.limit, why=why) from None
+        return self._parts[rows]
 
     # ---- emitting nodes ---------------------------------------------------------------------
     def emit(self, op: str, inputs: Sequence[int], attrs: dict, like: Node) -> int:
@@ -280,10 +295,10 @@ class _Splitter:
         return self.splittable(v) or (x is not None and self.splittable(x))
 
     def block(self, v: int, b: int, rows: int, consumer: Node) -> int:
-        """Rows ``parts[rows][b]`` of old value ``v`` (whose dim 0 has ``rows`` rows)."""
+        """Rows ``part(rows)[b]`` of old value ``v`` (whose dim 0 has ``rows`` rows)."""
         if v in self.blocked:
             return self.blocked[v][b]
-        start, end = self.parts[rows][b]
+        start, end = self.part(rows)[b]
         n = self.g[v]
         if v in self.big and n.op in _STORAGE_LEAVES:
             key = (v, b)
@@ -291,11 +306,13 @@ class _Splitter:
                 attrs = {"start": start, "length": end - start}
                 self.aliases[key] = self.emit("row_block", [self.new[v]], attrs, n)
             return self.aliases[key]
+        if resolve_view(self.g, v) in self.big:  # a big value with no blocks (a transpose)
+            raise _refusal(n, consumer, self.limit)
         return self.slice(self.whole(v, consumer), 0, start, end, consumer)
 
     def blocks(self, v: int, consumer: Node) -> list[int]:
         rows = self.g[v].type.shape[0]
-        return [self.block(v, b, rows, consumer) for b in range(len(self.parts[rows]))]
+        return [self.block(v, b, rows, consumer) for b in range(len(self.part(rows)))]
 
     # ---- the walk ---------------------------------------------------------------------------
     def run(self) -> tuple[Graph, dict[int, int]]:
@@ -333,11 +350,11 @@ class _Splitter:
     # ---- rules: each returns True when it rewrote the node ----------------------------------
     def elementwise(self, n: Node) -> bool:
         out = n.type
-        if out.ndim == 0 or out.shape[0] not in self.parts:
+        if out.ndim == 0 or out.shape[0] not in self.by_rows:
             return False
         rows = out.shape[0]
         blocks = []
-        for b, (start, end) in enumerate(self.parts[rows]):
+        for b, (start, end) in enumerate(self.part(rows)):
             ins = []
             for i in n.inputs:
                 t = self.g[i].type
@@ -361,7 +378,7 @@ class _Splitter:
         if n.op == "reshape" and (not shape or shape[0] != rows):
             return False
         out = []
-        for b, (start, end) in enumerate(self.parts[rows]):
+        for b, (start, end) in enumerate(self.part(rows)):
             attrs = {"shape": (end - start, *shape[1:])} if n.op == "reshape" else dict(n.attrs)
             out.append(self.emit(n.op, [self.block(x, b, rows, n)], attrs, n))
         self.blocked[n.id] = out
@@ -374,7 +391,7 @@ class _Splitter:
         rows = self.g[x].type.shape[0]
         ids, dt = self.whole(idx, n), self.g[idx].type.dtype
         out = None
-        for b, (start, end) in enumerate(self.parts[rows]):
+        for b, (start, end) in enumerate(self.part(rows)):
             local = self.emit("clamp", [ids], {"min": start, "max": end - 1}, n)
             if start:
                 local = self.emit("sub", [local, self.const(start, dt)], {}, n)
@@ -399,7 +416,7 @@ class _Splitter:
         zero = self.const(0.0, self.g[g].type.dtype)
         shape = mine_shape(self.g[g].type.ndim, self.g[idx].type.shape[0])
         out = []
-        for start, end in self.parts[rows]:
+        for start, end in self.part(rows):
             lo = self.emit("greater_equal", [ids, self.const(start, dt)], {}, n)
             hi = self.emit("less", [ids, self.const(end, dt)], {}, n)
             mine = self.emit("logical_and", [lo, hi], {}, n)
@@ -420,12 +437,12 @@ class _Splitter:
         return n.inputs[0] if ok else None
 
     def rows_of(self, v: int, b: int, rows: int, n: Node) -> int:
-        """Rows ``parts[rows][b]`` of 2-D old value ``v`` (a transposed small value is sliced
+        """Rows ``part(rows)[b]`` of 2-D old value ``v`` (a transposed small value is sliced
         by columns under its transpose, so that the matmul still folds it)."""
         x = self.transposed(v)
         if v in self.blocked or self.splittable(v) or x is None or self.splittable(x):
             return self.block(v, b, rows, n)
-        start, end = self.parts[rows][b]
+        start, end = self.part(rows)[b]
         part = self.slice(self.whole(x, n), 1, start, end, n)
         return self.emit("permute", [part], {"dims": (1, 0)}, n)
 
@@ -438,7 +455,7 @@ class _Splitter:
                 return False
             rows = n.type.shape[0]
             out = []
-            for b in range(len(self.parts[rows])):
+            for b in range(len(self.part(rows))):
                 ab = self.rows_of(a, b, rows, n)
                 if wt is not None and self.splittable(wt):  # and W's rows: output columns
                     cols = [
@@ -464,7 +481,7 @@ class _Splitter:
             # x @ W: W's rows are the contraction; x's columns are sliced to match.
             rows = tw.shape[0]
             parts = []
-            for b, (start, end) in enumerate(self.parts[rows]):
+            for b, (start, end) in enumerate(self.part(rows)):
                 if at is not None and ta.ndim == 2:
                     xa = self.rows_of(at, b, rows, n)  # x = y^T: rows of y, transposed
                     xa = self.emit("permute", [xa], {"dims": (1, 0)}, n)
@@ -477,13 +494,12 @@ class _Splitter:
             # W^T @ y: W's rows are the contraction; y's rows are sliced to match.
             rows = self.g[at].type.shape[0]
             parts = []
-            for b in range(len(self.parts[rows])):
+            for b in range(len(self.part(rows))):
                 wb = self.emit("permute", [self.block(at, b, rows, n)], {"dims": (1, 0)}, n)
                 parts.append(self.emit("matmul", [wb, self.rows_of(w, b, rows, n)], {}, n))
             self.new[n.id] = self.add_all(parts, n)
             return True
         if self.splittable(a) and ta.ndim == 2 and tw.ndim == 2:
-            rows = ta.shape[0]
             out = [self.emit("matmul", [blk, self.whole(w, n)], {}, n) for blk in self.blocks(a, n)]
             self.blocked[n.id] = out
             return True
@@ -512,7 +528,7 @@ class _Splitter:
                 return False
         rows = target.type.shape[0]
         token = None
-        for b in range(len(self.parts[rows])):
+        for b in range(len(self.part(rows))):
             ins = [
                 self.block(i, b, rows, n)
                 if self.g[i].type.shape == target.type.shape

@@ -297,3 +297,11 @@ def test_trainer_with_accumulation_split_matches_unsplit(gpu_device):
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert not np.array_equal(got["emb.weight"], _params(start)["emb.weight"])
+
+
+def test_a_transpose_of_a_big_leaf_read_elementwise_is_refused_naming_the_op():
+    def build(b):
+        b.output("y", F.sum(F.permute(b.parameter("w", (300, 8)), (1, 0)) * 2.0))
+
+    msg = _refused(build, limit=4096)
+    assert "(permute: f32[8,300]) of 9600 bytes" in msg and "op mul" in msg
