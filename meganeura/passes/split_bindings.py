@@ -75,6 +75,7 @@ from ..graph.ir import (
     resolve_view,
 )
 from ..ops import OPS
+from . import split_rules
 from .simplify import cse, dce
 
 # Leaves that own a buffer whose row ranges can be bound at offsets.
@@ -203,6 +204,8 @@ class _Splitter:
         self.nodes: list[Node] = []
         self.new: dict[int, int] = {}  # old id -> new id of the whole value
         self.blocked: dict[int, list[int]] = {}  # old id -> new ids of its row blocks
+        # old id of an N-d value -> new ids of the row blocks of its 2-D flattening [-1, last]
+        self.unflat: dict[int, list[int]] = {}
         self.aliases: dict[tuple[int, int], int] = {}
         self.consts: dict[tuple, int] = {}
         # Per row count: its big values' row bytes, and those of the leaves bound at offsets.
@@ -215,18 +218,24 @@ class _Splitter:
                 aligned.append(t.nbytes // t.shape[0])
         self._parts: dict[int, tuple[tuple[int, int], ...]] = {}
 
-    def part(self, rows: int) -> tuple[tuple[int, int], ...]:
+    def part(self, rows: int, row_bytes: int = 0) -> tuple[tuple[int, int], ...]:
         """The row blocks of values of ``rows`` rows, made on first use (a big value that
-        nothing splits, such as a transpose folded into a matmul, needs none)."""
+        nothing splits, such as a transpose folded into a matmul, needs none). ``row_bytes``
+        registers a row count no big value has (a matmul's output with its batch dims
+        flattened)."""
         if rows not in self._parts:
-            sizes, aligned = self.by_rows[rows]
+            sizes, aligned = self.by_rows.setdefault(rows, ([row_bytes], []))
             align = self.limits.min_storage_buffer_offset_alignment
             try:
                 self._parts[rows] = row_partition(rows, sizes, self.limit, align, aligned)
             except ValueError as e:
-                v = next(v for v in sorted(self.big) if self.g[v].type.shape[0] == rows)
+                v = next((v for v in sorted(self.big) if self.g[v].type.shape[0] == rows), None)
                 why = f"its rows cannot be split: {e}"
-                raise _refusal(self.g[v], None, self.limit, why=why) from None
+                raise (
+                    BindingSplitError(f"{rows} rows: {why}")
+                    if v is None
+                    else _refusal(self.g[v], None, self.limit, why=why)
+                ) from None
         return self._parts[rows]
 
     # ---- emitting nodes ---------------------------------------------------------------------
@@ -252,6 +261,10 @@ class _Splitter:
             return self.new[v]
         if v in self.blocked and self.g[v].type.nbytes <= self.limit:
             self.new[v] = self.cat(self.blocked[v], 0, self.g[v])
+            return self.new[v]
+        if v in self.unflat and self.g[v].type.nbytes <= self.limit:
+            flat = self.cat(self.unflat[v], 0, self.g[v])
+            self.new[v] = self.emit("reshape", [flat], {"shape": self.g[v].type.shape}, consumer)
             return self.new[v]
         raise _refusal(self.g[v], consumer, self.limit)
 
@@ -292,7 +305,7 @@ class _Splitter:
         """Whether old value ``v`` is split, or a transpose of a split value (a matmul reads
         it through the transpose)."""
         x = self.transposed(v)
-        return self.splittable(v) or (x is not None and self.splittable(x))
+        return self.splittable(v) or v in self.unflat or (x is not None and self.splittable(x))
 
     def block(self, v: int, b: int, rows: int, consumer: Node) -> int:
         """Rows ``part(rows)[b]`` of old value ``v`` (whose dim 0 has ``rows`` rows)."""
@@ -353,6 +366,9 @@ class _Splitter:
         if out.ndim == 0 or out.shape[0] not in self.by_rows:
             return False
         rows = out.shape[0]
+        split = [i for i in n.inputs if self.g[i].type.shape[:1] == (rows,) and self.splittable(i)]
+        if n.id not in self.big and not split:
+            return False  # e.g. an operand with batch dims kept flat: read whole, if it fits
         blocks = []
         for b, (start, end) in enumerate(self.part(rows)):
             ins = []
@@ -370,11 +386,20 @@ class _Splitter:
         return True
 
     def view(self, n: Node) -> bool:
-        x = n.inputs[0]
+        x, shape = n.inputs[0], n.type.shape
+        if n.op == "reshape" and x in self.unflat:  # back to 2-D: the blocks as they are
+            if len(shape) != 2 or shape[-1] != self.g[x].type.shape[-1]:
+                return False
+            self.blocked[n.id] = self.unflat[x]
+            return True
         if not self.splittable(x):
             return False
-        rows = self.g[x].type.shape[0]
-        shape = n.type.shape
+        xt = self.g[x].type
+        if n.op == "reshape" and x in self.blocked and xt.ndim == 2 and len(shape) > 2:
+            if shape[-1] == xt.shape[-1]:  # dim 0 split into batch dims: kept flat
+                self.unflat[n.id] = self.blocked[x]
+                return True
+        rows = xt.shape[0]
         if n.op == "reshape" and (not shape or shape[0] != rows):
             return False
         out = []
@@ -435,75 +460,6 @@ class _Splitter:
         n = self.g[v]
         ok = n.op == "permute" and n.attr("dims") == (1, 0)
         return n.inputs[0] if ok else None
-
-    def rows_of(self, v: int, b: int, rows: int, n: Node) -> int:
-        """Rows ``part(rows)[b]`` of 2-D old value ``v`` (a transposed small value is sliced
-        by columns under its transpose, so that the matmul still folds it)."""
-        x = self.transposed(v)
-        if v in self.blocked or self.splittable(v) or x is None or self.splittable(x):
-            return self.block(v, b, rows, n)
-        start, end = self.part(rows)[b]
-        part = self.slice(self.whole(x, n), 1, start, end, n)
-        return self.emit("permute", [part], {"dims": (1, 0)}, n)
-
-    def matmul(self, n: Node) -> bool:
-        a, w = n.inputs
-        ta, tw = self.g[a].type, self.g[w].type
-        wt, at = self.transposed(w), self.transposed(a)
-        if n.id in self.big:  # output rows: A's rows
-            if n.type.ndim != 2 or tw.ndim != 2 or self.splittable(w):
-                return False
-            rows = n.type.shape[0]
-            out = []
-            for b in range(len(self.part(rows))):
-                ab = self.rows_of(a, b, rows, n)
-                if wt is not None and self.splittable(wt):  # and W's rows: output columns
-                    cols = [
-                        self.emit("matmul", [ab, self.emit("permute", [blk], {"dims": (1, 0)}, n)],
-                                  {}, n)
-                        for blk in self.blocks(wt, n)
-                    ]  # fmt: skip
-                    out.append(self.cat(cols, 1, n))
-                else:
-                    out.append(self.emit("matmul", [ab, self.whole(w, n)], {}, n))
-            self.blocked[n.id] = out
-            return True
-        if wt is not None and self.splittable(wt) and self.g[wt].type.ndim == 2:
-            # x @ W^T: blocks of W's rows are blocks of the output's columns.
-            x = self.whole(a, n)
-            cols = [
-                self.emit("matmul", [x, self.emit("permute", [blk], {"dims": (1, 0)}, n)], {}, n)
-                for blk in self.blocks(wt, n)
-            ]
-            self.new[n.id] = self.cat(cols, n.type.ndim - 1, n)
-            return True
-        if self.splittable(w) and tw.ndim == 2:
-            # x @ W: W's rows are the contraction; x's columns are sliced to match.
-            rows = tw.shape[0]
-            parts = []
-            for b, (start, end) in enumerate(self.part(rows)):
-                if at is not None and ta.ndim == 2:
-                    xa = self.rows_of(at, b, rows, n)  # x = y^T: rows of y, transposed
-                    xa = self.emit("permute", [xa], {"dims": (1, 0)}, n)
-                else:
-                    xa = self.slice(self.whole(a, n), ta.ndim - 1, start, end, n)
-                parts.append(self.emit("matmul", [xa, self.block(w, b, rows, n)], {}, n))
-            self.new[n.id] = self.add_all(parts, n)
-            return True
-        if at is not None and self.splittable(at) and tw.ndim == 2 and ta.ndim == 2:
-            # W^T @ y: W's rows are the contraction; y's rows are sliced to match.
-            rows = self.g[at].type.shape[0]
-            parts = []
-            for b in range(len(self.part(rows))):
-                wb = self.emit("permute", [self.block(at, b, rows, n)], {"dims": (1, 0)}, n)
-                parts.append(self.emit("matmul", [wb, self.rows_of(w, b, rows, n)], {}, n))
-            self.new[n.id] = self.add_all(parts, n)
-            return True
-        if self.splittable(a) and ta.ndim == 2 and tw.ndim == 2:
-            out = [self.emit("matmul", [blk, self.whole(w, n)], {}, n) for blk in self.blocks(a, n)]
-            self.blocked[n.id] = out
-            return True
-        return False
 
     def sum(self, n: Node) -> bool:
         (x,) = n.inputs
@@ -566,7 +522,9 @@ _ELEMENTWISE = _elementwise_ops()
 _RULES = {
     "index_select": _Splitter.index_select,
     "index_select_backward": _Splitter.index_select_backward,
-    "matmul": _Splitter.matmul,
+    "matmul": split_rules.matmul,
+    "cross_entropy": split_rules.cross_entropy,
+    "cross_entropy_backward": split_rules.cross_entropy_backward,
     "sum": _Splitter.sum,
     "found_inf": _Splitter.found_inf,
     "reshape": _Splitter.view,
