@@ -19,7 +19,7 @@ from .autodiff import differentiate, missing_loss
 from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
 from .dtypes import DType
 from .graph.builder import GraphBuilder
-from .graph.ir import ALIAS_OPS, Graph, resolve_view
+from .graph.ir import ALIAS_OPS, PLACED_OPS, Graph, resolve_view
 from .graph.verify import verify
 from .optim import Optimizer, apply_optimizer
 from .optim.accumulate import add_to_accumulators, mean_with_accumulators
@@ -394,6 +394,15 @@ def _assemble(
             place[r] = (new_buffer(graph.nodes[r].type.nbytes, "output", name), 0)
         t = graph.nodes[v].type
         outputs[name] = TensorSlot(place[r][0], t.shape, t.dtype, place[r][1])
+    # A placed concatenation's operands are written in place, each at its rows of its buffer.
+    for node in graph.nodes:
+        if node.op in PLACED_OPS:
+            buf, off = place[node.id]
+            row_bytes = node.type.nbytes // node.type.shape[0]
+            for i in node.inputs:
+                place[i] = (buf, off)
+                blocks.add(i)
+                off += graph[i].type.shape[0] * row_bytes
     pinned_bytes = sum(b.size for b in buffers)
 
     pool = [new_buffer(size, "intermediate") for size in plan.buffer_sizes]

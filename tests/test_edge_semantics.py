@@ -188,10 +188,11 @@ def test_value_over_the_storage_binding_limit_is_rejected_naming_it():
     limits = Limits(max_storage_buffer_binding_size=1024)
     b = GraphBuilder()
     x = b.input("x", (200,))  # 800 bytes: fits
-    y = F.exp(F.broadcast_to(x, (2, 200)))  # 1600 bytes: does not, and an output is not split
-    b.output("y", y)
+    y = F.broadcast_to(x, (2, 200))  # 1600 bytes: does not, nor do rows at aligned offsets
+    b.output("y", F.exp(y))
     with pytest.raises(
-        ValueError, match=rf"%{y.id} \(exp: f32\[2,200\]\) of 1600 bytes.*\b1024\b.*output"
+        ValueError,
+        match=rf"%{y.id} \(broadcast_to: f32\[2,200\]\) of 1600 bytes.*\b1024\b.*rows cannot",
     ):
         compile(b.build(), CompileOptions(), limits)
     b = GraphBuilder()

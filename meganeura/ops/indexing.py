@@ -14,6 +14,8 @@ IR ops (canonical attrs, normalized by the functions below; dims are non-negativ
   * ``row_block``: attrs ``start``, ``length``: rows ``[start, start + length)`` of dim 0,
     an alias of that byte range of its operand's buffer (``graph.ir.ALIAS_OPS``), made only
     by ``passes.split_bindings`` after differentiation (no gradient rule, no kernel).
+  * ``row_concat``: variadic, ``cat`` along dim 0 whose operands are written in place into
+    its buffer (``graph.ir.PLACED_OPS``; a graph output of ``passes.split_bindings``).
 
 Empty slices and empty operands are rejected when the graph is built: meganeura has no use
 for zero-size intermediate tensors, and an empty operand has no buffer to bind.
@@ -207,6 +209,12 @@ def _row_block_np(xs, a):
     return np.array(xs[0][a["start"] : a["start"] + a["length"]], copy=True)
 
 
+def _row_concat_type(types, attrs):
+    if any(t.ndim == 0 for t in types):
+        raise ShapeError("row_concat needs tensors of at least 1 dim")
+    return TensorType(cat_shape(types, 0), types[0].dtype)
+
+
 DEFS = [
     OpDef("slice", _slice_type, _slice_np, _slice_grad, arity=1),
     OpDef(
@@ -216,6 +224,9 @@ DEFS = [
     OpDef("cat", _cat_type, lambda xs, a: np.concatenate(xs, a["dim"]), _cat_grad),
     # Made after autodiff only (passes.split_bindings), so it needs no gradient rule.
     OpDef("row_block", _row_block_type, _row_block_np, differentiable=False, arity=1),
+    OpDef(
+        "row_concat", _row_concat_type, lambda xs, a: np.concatenate(xs, 0), differentiable=False
+    ),
     *gather.DEFS,
 ]
 

@@ -67,6 +67,7 @@ from ..dtypes import DType
 from ..graph.ir import (
     ALIAS_OPS,
     LEAF_OPS,
+    PLACED_OPS,
     VIEW_OPS,
     Graph,
     Node,
@@ -145,7 +146,7 @@ def check_bindings(graph: Graph, limit: int) -> None:
     needed = needed_nodes(graph)
     outputs = {v for _, v in graph.outputs}
     for n in graph.nodes:
-        if not needed[n.id] or n.op in LEAF_OPS or n.op in VIEW_OPS or n.op in ALIAS_OPS:
+        if not needed[n.id] or n.op in LEAF_OPS | VIEW_OPS | ALIAS_OPS | PLACED_OPS:
             continue
         own = () if OPS[n.op].writes else (n.id,)
         for v in (*reads(graph, n.id), *own):
@@ -208,23 +209,32 @@ class _Splitter:
         self.unflat: dict[int, list[int]] = {}
         self.aliases: dict[tuple[int, int], int] = {}
         self.consts: dict[tuple, int] = {}
-        # Per row count: its big values' row bytes, and those of the leaves bound at offsets.
+        self.output_roots = {resolve_view(graph, v) for _, v in graph.outputs}
+        self.placed: set[int] = set()
+        # Per row count: its big values' row bytes, and those of the values bound at offsets
+        # into one buffer (leaves, and outputs, whose blocks are written in place).
         self.by_rows: dict[int, tuple[list[int], list[int]]] = {}
         for v in sorted(big):
             t = graph[v].type
             sizes, aligned = self.by_rows.setdefault(t.shape[0], ([], []))
             sizes.append(t.nbytes // t.shape[0])
-            if graph[v].op in _STORAGE_LEAVES:
+            if graph[v].op in _STORAGE_LEAVES or v in self.output_roots:  # one buffer
                 aligned.append(t.nbytes // t.shape[0])
         self._parts: dict[int, tuple[tuple[int, int], ...]] = {}
 
-    def part(self, rows: int, row_bytes: int = 0) -> tuple[tuple[int, int], ...]:
+    def part(
+        self, rows: int, row_bytes: int = 0, aligned: bool = False
+    ) -> tuple[tuple[int, int], ...]:
         """The row blocks of values of ``rows`` rows, made on first use (a big value that
         nothing splits, such as a transpose folded into a matmul, needs none). ``row_bytes``
-        registers a row count no big value has (a matmul's output with its batch dims
-        flattened)."""
+        adds a value no big value of the graph stands for (a matmul's output with its batch
+        dims flattened), ``aligned`` when its blocks are placed in one buffer (an output)."""
         if rows not in self._parts:
-            sizes, aligned = self.by_rows.setdefault(rows, ([row_bytes], []))
+            sizes, offsets = self.by_rows.setdefault(rows, ([], []))
+            if row_bytes:
+                sizes.append(row_bytes)
+                offsets.extend([row_bytes] if aligned else [])
+            sizes, aligned = self.by_rows[rows]
             align = self.limits.min_storage_buffer_offset_alignment
             try:
                 self._parts[rows] = row_partition(rows, sizes, self.limit, align, aligned)
@@ -341,11 +351,33 @@ class _Splitter:
                 self.fallback(n)
         outputs = []
         for name, v in self.g.outputs:
-            if v not in self.new and (v not in self.blocked or v in self.big):
-                raise _refusal(self.g[v], None, self.limit)
-            outputs.append((name, self.whole(v, self.g[v])))
+            blocks = self.blocked.get(v, self.unflat.get(v))
+            if v in self.new or self.g[v].type.nbytes <= self.limit or blocks is None:
+                outputs.append((name, self.whole(v, self.g[v])))
+            else:
+                outputs.append((name, self.place(v, blocks)))
         kept = {n.id: self.new[n.id] for n in self.g.nodes if n.op in LEAF_OPS}
         return Graph(tuple(self.nodes), tuple(outputs)), kept
+
+    def place(self, v: int, blocks: list[int]) -> int:
+        """A big output made in row blocks: a ``row_concat`` whose buffer the blocks' kernels
+        write in place, each at its rows (offsets aligned, as the partition ensures)."""
+        align, off = self.limits.min_storage_buffer_offset_alignment, 0
+        for blk in blocks:
+            node = self.nodes[blk]
+            stored = node.op not in LEAF_OPS | VIEW_OPS | ALIAS_OPS | PLACED_OPS
+            if not stored or blk in self.placed or off % align:
+                why = (
+                    "its row blocks cannot be written in place into one output buffer (a "
+                    "block is a view, shared, or at an unaligned offset)"
+                )
+                raise _refusal(self.g[v], None, self.limit, why=why)
+            self.placed.add(blk)
+            off += node.type.nbytes
+        out = self.emit("row_concat", blocks, {}, self.g[v])
+        if self.nodes[out].type.shape != self.g[v].type.shape:  # kept flat: batch dims back
+            out = self.emit("reshape", [out], {"shape": self.g[v].type.shape}, self.g[v])
+        return out
 
     def copy(self, n: Node) -> None:
         ins = tuple(self.whole(i, n) for i in n.inputs)

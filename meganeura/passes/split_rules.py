@@ -91,7 +91,8 @@ def matmul(s, n: Node) -> bool:
         return False
     k, cols = ta.shape[-1], tb.shape[-1]
     split_m = A.rows is not None or c_big
-    ms = s.part(m, cols * tc.dtype.itemsize) if split_m else ((0, m),)
+    row_bytes, out = cols * tc.dtype.itemsize, n.id in s.output_roots
+    ms = s.part(m, row_bytes, aligned=out) if split_m else ((0, m),)
     ks = s.part(k) if A.t_rows is not None or B.rows is not None else ((0, k),)
     ns = s.part(cols) if B.t_rows is not None else ((0, cols),)
     last = 1 if flat else tc.ndim - 1

@@ -23,7 +23,7 @@ from ..codegen.wgsl.attention.lowering import key_value_fusible
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
 from ..codegen.wgsl.optim import lower_update_group
-from ..graph.ir import ALIAS_OPS, VIEW_OPS, Graph
+from ..graph.ir import ALIAS_OPS, PLACED_OPS, VIEW_OPS, Graph
 from ..ops import OPS
 from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
 from .planner import Interval
@@ -39,8 +39,9 @@ class Schedule:
     Attributes:
         dispatches: (node id, KernelSource) in execution order.
         root: node id -> id of the value whose storage it uses (itself unless a view).
-        pinned: root ids that own a buffer for the whole program (leaves, outputs, and the
-            ``row_block`` aliases of leaves, which live in their leaf's buffer).
+        pinned: root ids that own a buffer for the whole program (leaves, outputs, the
+            ``row_block`` aliases of leaves, which live in their leaf's buffer, and the
+            operands of a ``row_concat``, which live in its buffer).
         intervals: lifetimes of the other roots and of scratch, keyed by root id or
             (node id, scratch key).
         groups: the fusion groups lowered as one kernel each (empty without fusion).
@@ -75,6 +76,8 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
 
     # A row-block alias lives in its leaf's buffer, so it is pinned with it.
     pinned = {node.id for node in graph.nodes if node.op in PINNED_LEAVES or node.op in ALIAS_OPS}
+    # The operands of a placed concatenation live in its (output) buffer.
+    pinned.update(i for node in graph.nodes if node.op in PLACED_OPS for i in node.inputs)
     for name, v in graph.outputs:
         if graph.nodes[root[v]].op == "constant":
             raise ValueError(f"output {name!r} is a constant; it has no storage")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from ...graph.ir import ALIAS_OPS, LEAF_OPS, VIEW_OPS, Graph, resolve_view
+from ...graph.ir import ALIAS_OPS, LEAF_OPS, PLACED_OPS, VIEW_OPS, Graph, resolve_view
 from ...ops import OPS
 from ...ops.attention import BWD_K, BWD_Q, BWD_V, SDPA, STATS
 from ..kernel import KernelSource, Limits
@@ -156,8 +156,9 @@ def lower(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
         limits: the adapter's limits (grid folding, binding sizes, workgroup memory).
 
     Returns:
-        Kernels, possibly none: leaves, views (``reshape``, ``stop_gradient``) and row-block
-        aliases (``row_block``) need none, nor do nodes with zero elements to write.
+        Kernels, possibly none: leaves, views (``reshape``, ``stop_gradient``), row-block
+        aliases (``row_block``) and placed concatenations (``row_concat``) need none, nor do
+        nodes with zero elements to write.
 
     Raises:
         KeyError: for an op with no lowering.
@@ -167,6 +168,8 @@ def lower(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
     """
     node = graph[node_id]
     if node.op in LEAF_OPS or node.op in VIEW_OPS or node.op in ALIAS_OPS:
+        return []
+    if node.op in PLACED_OPS:  # its operands' kernels write it
         return []
     if node.op not in LOWERINGS:
         raise KeyError(f"no WGSL lowering for op {node.op!r} (node %{node_id})")
