@@ -15,13 +15,18 @@ Design:
     of a parameter, its gradient and its optimizer state line up. A block holds ``k`` rows,
     the largest count whose bytes fit ``limit`` for every big value of ``R`` rows and whose
     byte offset ``k * row_bytes`` is a multiple of ``min_storage_buffer_offset_alignment``
-    for each (the last block takes the rest).
+    for each value bound at offsets into one buffer (leaves, outputs); the last block takes
+    the rest. Partitions are made on first use.
   * A big leaf (parameter, state, input) keeps one buffer; its blocks are ``row_block``
     aliases (``graph.ir.ALIAS_OPS``): values of their own to code generation, no kernel,
     bound by the assembler as the byte range ``[start * row_bytes, end * row_bytes)`` of the
     leaf's buffer. Optimizer updates write the leaf through them.
   * A big intermediate never exists whole: each block is its own SSA value (so blocks need no
-    alignment, and the memory planner reuses their buffers as it does any value's).
+    alignment, and the memory planner reuses their buffers as it does any value's). One with
+    batch dims made by a matmul is kept as the row blocks of its 2-D flattening (``unflat``).
+  * A big graph output is a ``row_concat`` of its blocks (``graph.ir.PLACED_OPS``): no
+    kernel; the assembler places each block at its rows of the output's buffer, so the
+    blocks' kernels write the output in place.
   * Each op that reads or makes a big value is rewritten per block by a rule:
       - elementwise maps (``codegen.wgsl.elementwise.maps.FUSIBLE``: unary, binary, ``where``,
         ``cast``, ``clamp``, ``broadcast_to``): the op per block; operands that broadcast
@@ -32,25 +37,24 @@ Design:
       - ``index_select_backward`` (embedding backward, scatter-add): per block, the gradient
         rows of tokens outside the block are zeroed and the rest scattered into the block's
         rows: exact (each block adds the same terms in the same order, plus zeros);
-      - ``matmul`` with a 2-D big operand: ``x @ W^T`` (the tied LM head, ``F.linear``) per
-        block of W's rows, i.e. output columns, concatenated along the last dim; ``x @ W`` and
-        ``W^T @ y`` (contraction over W's rows, e.g. the head's input gradient) as a sum of
-        per-block products over column (row) slices of the other operand (float rounding
-        differs from the unsplit sum); ``A @ B`` with a big 2-D output (the head's weight
-        gradient ``dlogits^T @ h``) or a big row-split ``A`` per block of output rows;
+      - ``matmul``: tiled by the blocks of its operands and output (``split_rules``): the tied
+        LM head ``x @ W^T`` per block of W's rows (output columns, concatenated), contractions
+        over a split dim as sums of per-block products, a big output per block of its rows;
+      - ``cross_entropy`` and its backward over split logits (``split_rules``);
       - ``sum`` over a big value: per block, then added when dim 0 is reduced;
       - optimizer updates (``sgd_update``, ``sgd_momentum_update``, ``adam_update``) and
         ``accumulate``: one update per block on the ``row_block`` aliases of the parameter and
         state; ``found_inf`` (the non-finite guard) reads the blocks, in chunks that respect
         the binding count, summed;
-      - views: ``stop_gradient`` per block, ``reshape`` when it keeps dim 0.
+      - views: ``stop_gradient`` per block, ``reshape`` when it keeps dim 0 (or splits dim 0
+        of a 2-D value into batch dims, and back).
     A block-split value that some other op must read whole is concatenated (``cat`` along
     dim 0) when the result fits one binding.
   * Anything else raises ``BindingSplitError`` naming the tensor, its size, the limit and the
-    op that reads it: never a silently wrong program. Not split (today): big graph outputs
-    (logits larger than the limit, ``output_grads`` of a big parameter), losses and other
-    reductions of a big value (``cross_entropy`` of logits above the limit), ``gather``,
-    ``index_select`` along another dim, batched matmuls of a big operand, views that move dim 0.
+    op that reads it: never a silently wrong program. Not split (today): softmax, norms,
+    attention and reductions other than ``sum`` of a big value, ``gather``, ``index_select``
+    along another dim, batched matmuls with a big batched ``B``, views that move dim 0, rows
+    larger than the limit.
 
 ``compile`` reads the label checks (token-id range checks) from the graph before this pass,
 since the rewritten ``index_select``s read computed indices.
@@ -83,8 +87,9 @@ from .simplify import cse, dce
 _STORAGE_LEAVES = frozenset({"input", "parameter", "state"})
 _UPDATES = frozenset({"sgd_update", "sgd_momentum_update", "adam_update", "accumulate"})
 SUPPORTED = (
-    "elementwise maps, index_select/embedding along dim 0 and its backward, 2-D matmul/linear, "
-    "sum, optimizer updates, found_inf, stop_gradient, reshape keeping dim 0"
+    "elementwise maps, index_select/embedding along dim 0 and its backward, matmul/linear with "
+    "a 2-D big operand, cross_entropy and its backward, sum, optimizer updates, found_inf, "
+    "stop_gradient, reshape keeping dim 0"
 )
 
 
