@@ -19,7 +19,7 @@ from .autodiff import differentiate, missing_loss
 from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
 from .dtypes import DType
 from .graph.builder import GraphBuilder
-from .graph.ir import ALIAS_OPS, PLACED_OPS, Graph, resolve_view
+from .graph.ir import PLACED_OPS, SUBRANGE_OPS, Graph, resolve_view
 from .graph.verify import verify
 from .optim import Optimizer, apply_optimizer
 from .optim.accumulate import add_to_accumulators, mean_with_accumulators
@@ -382,7 +382,7 @@ def _assemble(
     # A row block of a leaf (split_bindings) is bound as its byte range of the leaf's buffer.
     blocks: set[int] = set()
     for node in graph.nodes:
-        if node.op in ALIAS_OPS:
+        if node.op in SUBRANGE_OPS:
             leaf = graph[resolve_view(graph, node.inputs[0])]
             buf, off = place[leaf.id]
             row_bytes = leaf.type.nbytes // leaf.type.shape[0]

@@ -12,7 +12,7 @@ IR ops (canonical attrs, normalized by the functions below; dims are non-negativ
   * ``cat``: variadic, attr ``dim``; operands agree on every other dim and on dtype.
   * ``gather``, ``index_select`` and their backward ops: see ``gather``.
   * ``row_block``: attrs ``start``, ``length``: rows ``[start, start + length)`` of dim 0,
-    an alias of that byte range of its operand's buffer (``graph.ir.ALIAS_OPS``), made only
+    an alias of that byte range of its operand's buffer (``graph.ir.SUBRANGE_OPS``), made only
     by ``passes.split_bindings`` after differentiation (no gradient rule, no kernel).
   * ``row_concat``: variadic, ``cat`` along dim 0 whose operands are written in place into
     its buffer (``graph.ir.PLACED_OPS``; a graph output of ``passes.split_bindings``).

@@ -18,7 +18,7 @@ Design:
     for each value bound at offsets into one buffer (leaves, outputs); the last block takes
     the rest. Partitions are made on first use.
   * A big leaf (parameter, state, input) keeps one buffer; its blocks are ``row_block``
-    aliases (``graph.ir.ALIAS_OPS``): values of their own to code generation, no kernel,
+    aliases (``graph.ir.SUBRANGE_OPS``): values of their own to code generation, no kernel,
     bound by the assembler as the byte range ``[start * row_bytes, end * row_bytes)`` of the
     leaf's buffer. Optimizer updates write the leaf through them.
   * A big intermediate never exists whole: each block is its own SSA value (so blocks need no
@@ -69,9 +69,9 @@ from collections.abc import Sequence
 from ..codegen.kernel import Limits
 from ..dtypes import DType
 from ..graph.ir import (
-    ALIAS_OPS,
     LEAF_OPS,
     PLACED_OPS,
+    SUBRANGE_OPS,
     VIEW_OPS,
     Graph,
     Node,
@@ -151,7 +151,7 @@ def check_bindings(graph: Graph, limit: int) -> None:
     needed = needed_nodes(graph)
     outputs = {v for _, v in graph.outputs}
     for n in graph.nodes:
-        if not needed[n.id] or n.op in LEAF_OPS | VIEW_OPS | ALIAS_OPS | PLACED_OPS:
+        if not needed[n.id] or n.op in LEAF_OPS | VIEW_OPS | SUBRANGE_OPS | PLACED_OPS:
             continue
         own = () if OPS[n.op].writes else (n.id,)
         for v in (*reads(graph, n.id), *own):
@@ -370,7 +370,7 @@ class _Splitter:
         align, off = self.limits.min_storage_buffer_offset_alignment, 0
         for blk in blocks:
             node = self.nodes[blk]
-            stored = node.op not in LEAF_OPS | VIEW_OPS | ALIAS_OPS | PLACED_OPS
+            stored = node.op not in LEAF_OPS | VIEW_OPS | SUBRANGE_OPS | PLACED_OPS
             if not stored or blk in self.placed or off % align:
                 why = (
                     "its row blocks cannot be written in place into one output buffer (a "

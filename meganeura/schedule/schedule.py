@@ -23,7 +23,7 @@ from ..codegen.wgsl.attention.lowering import key_value_fusible
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
 from ..codegen.wgsl.optim import lower_update_group
-from ..graph.ir import ALIAS_OPS, PLACED_OPS, VIEW_OPS, Graph
+from ..graph.ir import PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
 from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
 from .planner import Interval
@@ -75,7 +75,9 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         root[node.id] = root[node.inputs[0]] if node.op in VIEW_OPS else node.id
 
     # A row-block alias lives in its leaf's buffer, so it is pinned with it.
-    pinned = {node.id for node in graph.nodes if node.op in PINNED_LEAVES or node.op in ALIAS_OPS}
+    pinned = {
+        node.id for node in graph.nodes if node.op in PINNED_LEAVES or node.op in SUBRANGE_OPS
+    }
     # The operands of a placed concatenation live in its (output) buffer.
     pinned.update(i for node in graph.nodes if node.op in PLACED_OPS for i in node.inputs)
     for name, v in graph.outputs:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from ...graph.ir import ALIAS_OPS, LEAF_OPS, PLACED_OPS, VIEW_OPS, Graph, resolve_view
+from ...graph.ir import LEAF_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph, resolve_view
 from ...ops import OPS
 from ...ops.attention import BWD_K, BWD_Q, BWD_V, SDPA, STATS
 from ..kernel import KernelSource, Limits
@@ -167,7 +167,7 @@ def lower(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
         ValueError: also for an f16-stored value when ``limits.shader_f16`` is False.
     """
     node = graph[node_id]
-    if node.op in LEAF_OPS or node.op in VIEW_OPS or node.op in ALIAS_OPS:
+    if node.op in LEAF_OPS or node.op in VIEW_OPS or node.op in SUBRANGE_OPS:
         return []
     if node.op in PLACED_OPS:  # its operands' kernels write it
         return []
@@ -187,7 +187,7 @@ def reads(graph: Graph, node_id: int) -> tuple[int, ...]:
     and duplicates removed; effect ops include the param and state they update in place.
     """
     node = graph[node_id]
-    if node.op in LEAF_OPS or node.op in ALIAS_OPS:  # an alias is storage, as a leaf is
+    if node.op in LEAF_OPS or node.op in SUBRANGE_OPS:  # an alias is storage, as a leaf is
         return ()
     if node.op in VIEW_OPS:
         return (node.inputs[0],)
