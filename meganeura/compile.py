@@ -448,14 +448,15 @@ def _assemble(
     checks: dict[tuple, LabelCheck] = {}  # one per (input, bound, ignore_index)
     graph = unsplit or graph
     for node in graph.nodes:
-        # Class indices, token ids and gather/index_select indices fed by the host are
-        # range-checked before a step runs: out of range, the kernels would read zeros.
+        # Class indices, token ids and gather/index_select/index_copy_ indices fed by the host
+        # are range-checked before a step runs: out of range, the kernels would read zeros (or
+        # write nothing).
         target = bound = ignore = None
         if node.op == "cross_entropy" and graph.nodes[node.inputs[1]].type.dtype.is_integer:
             target = graph.nodes[resolve_view(graph, node.inputs[1])]
             bound = graph.nodes[node.inputs[0]].type.shape[1]
             ignore = node.attr("ignore_index")
-        elif node.op in ("gather", "index_select"):
+        elif node.op in ("gather", "index_select", "index_copy_"):
             target = graph.nodes[resolve_view(graph, node.inputs[1])]
             bound = graph.nodes[node.inputs[0]].type.shape[node.attr("dim")]
         if target is not None and target.op == "input":

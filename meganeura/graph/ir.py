@@ -8,7 +8,10 @@ graph cannot be constructed; ``verify`` re-checks these invariants for graphs ma
 Leaf ops: ``input`` (fed by the host each step), ``parameter`` (trainable, persistent),
 ``state`` (persistent, e.g. optimizer moments; zero-initialized), ``constant`` (a scalar
 baked into the program). Ops with effects (optimizer updates) write some of their inputs in
-place; they produce a token value of type u32[] that nothing reads.
+place; they produce a token value of type u32[] that nothing reads, except the in-place ops of
+``ALIAS_OPS`` (``index_copy_``): their value is the storage they wrote (operand 0's), a new
+*version* of it that later readers name, so program order orders the write before them. A
+graph may not read an older version of a storage after a newer one exists (``verify``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ LEAF_OPS = frozenset({"input", "parameter", "state", "constant"})
 # Ops whose value is their operand's storage reinterpreted (contiguous, row-major): no kernel.
 VIEW_OPS = frozenset({"reshape", "stop_gradient"})
 PERSISTENT_OPS = frozenset({"parameter", "state"})
+# In-place ops whose value is operand 0's storage after their write: they run a kernel (unlike
+# views) but own no buffer; readers of their value bind operand 0's buffer.
+ALIAS_OPS = frozenset({"index_copy_"})
 # Ops whose value is rows [start, start + length) of a leaf's storage, bound as that byte range
 # of the leaf's buffer (``passes.split_bindings``): no kernel, and unlike a view a value of its
 # own to code generation, which binds it in place of the (too large) leaf.
@@ -168,8 +174,17 @@ class Graph:
 
 def resolve_view(graph: Graph, vid: int) -> int:
     """The id of the value whose storage ``vid`` reads: ``vid`` itself, or for a view
-    (``VIEW_OPS``: ``reshape``, ``stop_gradient``) the value it reinterprets, followed through
-    chains of views. Scheduling, memory planning and code generation bind that value's buffer."""
+    (``VIEW_OPS``: ``reshape``, ``stop_gradient``) the value it reinterprets, and for an
+    in-place write (``ALIAS_OPS``) the value it wrote, followed through chains of both.
+    Scheduling, memory planning and code generation bind that value's buffer."""
+    while graph[vid].op in VIEW_OPS or graph[vid].op in ALIAS_OPS:
+        vid = graph[vid].inputs[0]
+    return vid
+
+
+def resolve_version(graph: Graph, vid: int) -> int:
+    """The version of a storage that ``vid`` reads: ``resolve_view`` through views only, so an
+    in-place write (``ALIAS_OPS``) is a version of its own."""
     while graph[vid].op in VIEW_OPS:
         vid = graph[vid].inputs[0]
     return vid

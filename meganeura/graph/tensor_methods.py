@@ -509,6 +509,10 @@ class TensorMethods:
     def index_select(self, dim: int, index):
         return _ops().index_select(self, dim, index)
 
+    def index_copy_(self, dim: int, index, source):
+        """In place on a Buffer's state (``ops.inplace``); returns the written storage."""
+        return _ops().index_copy_(self, dim, index, source)
+
     def new_full(self, size, fill_value, *, dtype=None, **kwargs):
         """``size`` filled with ``fill_value``, in this tensor's dtype unless ``dtype``."""
         t = self.builder.constant(fill_value, self.dtype if dtype is None else as_dtype(dtype))

@@ -3,12 +3,15 @@
 * node ids equal positions; inputs refer to earlier nodes (so no cycle can exist);
 * every op is known and its type rule reproduces the stored type;
 * leaf names are unique; outputs refer to existing nodes;
-* every ``input`` leaf is used (an unused input is almost always a wiring mistake).
+* every ``input`` leaf is used (an unused input is almost always a wiring mistake);
+* in-place writes that return their storage (``ALIAS_OPS``: ``index_copy_``) write a ``state``
+  leaf, and once a node writes a storage no later node or output reads an older version of it
+  (it would see the new values: program order is execution order).
 """
 
 from __future__ import annotations
 
-from .ir import LEAF_OPS, Graph
+from .ir import ALIAS_OPS, LEAF_OPS, VIEW_OPS, Graph, resolve_version, resolve_view
 from .printer import format_node
 
 
@@ -51,9 +54,43 @@ def verify(graph: Graph, allow_unused_inputs: bool = False) -> None:
         if not 0 <= j < len(graph.nodes):
             raise GraphError(f"output {name!r} refers to missing node %{j}")
         used[j] = True
+    _check_versions(graph)
     if not allow_unused_inputs:
         for n in graph.nodes:
             if n.op == "input" and not used[n.id]:
                 raise GraphError(
                     f"input {n.name!r} (%{n.id}: {n.type}, declared at {n.loc}) is never used"
                 )
+
+
+def _check_versions(graph: Graph) -> None:
+    """The in-place rules of the module docstring."""
+    if not any(n.op in ALIAS_OPS for n in graph.nodes):
+        return
+    latest: dict[int, int] = {}  # storage root -> id of its newest version
+
+    def check(vid: int, reader: str) -> None:
+        root = resolve_view(graph, vid)
+        newest = latest.get(root)
+        if newest is not None and resolve_version(graph, vid) != newest:
+            raise GraphError(
+                f"{reader} reads %{vid}, an older version of {graph[root].name or f'%{root}'} "
+                f"than %{newest} ({graph[newest].op}), which is already written in place; read "
+                f"the value {graph[newest].op} returned instead"
+            )
+
+    for n in graph.nodes:
+        if n.op in VIEW_OPS:
+            continue
+        for i in n.inputs:
+            check(i, format_node(n))
+        if n.op in ALIAS_OPS:
+            root = resolve_view(graph, n.inputs[0])
+            if graph[root].op != "state":
+                raise GraphError(
+                    f"{format_node(n)} writes %{root} ({graph[root].op}) in place; only a "
+                    "state leaf (a module Buffer) or an earlier in-place write of one may be"
+                )
+            latest[root] = n.id
+    for name, v in graph.outputs:
+        check(v, f"output {name!r}")

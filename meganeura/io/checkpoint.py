@@ -43,6 +43,7 @@ __all__ = [
     "load_checkpoint",
     "remove_stale_temporaries",
     "save_checkpoint",
+    "write_atomic",
 ]
 
 METADATA_KEY = "meganeura"
@@ -116,7 +117,19 @@ def save_checkpoint(
         {name: np.require(value, requirements="C") for name, value in tensors.items()},
         metadata={METADATA_KEY: meta_json},
     )
+    write_atomic(path, payload)
 
+
+def write_atomic(path: str | Path, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` atomically: a locked temporary file in the same directory,
+    flushed and fsync'ed, then ``os.replace``'d onto ``path`` (the module's invariants). Stale
+    temporaries of killed saves into that directory are removed first.
+
+    Raises:
+        OSError: the file cannot be written; an existing file at ``path`` is intact and the
+            temporary file is removed.
+    """
+    path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
     remove_stale_temporaries(directory)
     # Same directory as the target: os.replace is atomic only within one filesystem.

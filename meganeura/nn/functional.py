@@ -79,6 +79,7 @@ from ..ops.functional import (
     where,
 )
 from ..ops.gather import embedding, gather, index_select, one_hot, take_along_dim
+from ..ops.inplace import index_copy_
 from ..ops.indexing import (
     cat,
     chunk,
@@ -154,6 +155,7 @@ __all__ = [
     "gt",
     "huber_loss",
     "index",
+    "index_copy_",
     "index_select",
     "interpolate",
     "isneginf",

@@ -8,7 +8,8 @@ and dropout draws its seed from an input the caller feeds each run.
 Leaves: a Parameter is a ``parameter`` leaf; a Buffer a ``state`` leaf; a NumPy constant a
 ``state`` leaf named ``_constant.<k>`` whose value the trace records; a dropout seed a u32[]
 ``input`` named ``_seed.<k>``. Leaves are made on first use, so a parameter the forward never
-reads is not in the graph.
+reads is not in the graph. After an in-place write of a Buffer (``index_copy_``) the Buffer
+reads as the written value (``Trace.advance``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ class Trace:
         self._leaves[id(obj)] = t
         self.objects[name] = obj
         return t
+
+    def advance(self, old: Tensor, new: Tensor) -> None:
+        """Make the Buffer whose current graph value is ``old`` read as ``new`` from now on:
+        ``new`` is ``old``'s storage after an in-place write (``index_copy_``), so code that
+        reads the attribute again (``self.cache``) sees the write, as in PyTorch."""
+        for key, t in self._leaves.items():
+            if t.id == old.id:
+                self._leaves[key] = new
 
     def constant(self, value) -> Tensor:
         """A NumPy array as a constant tensor (float64 stored as f32, int64 as i32)."""

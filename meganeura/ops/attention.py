@@ -27,12 +27,23 @@ recompute the probabilities ``p = exp(s - lse)`` tile by tile, as FlashAttention
     is an input or a constant); a mask that is a trainable parameter is treated as a
     constant.
 
+A runtime key count (``kv_length``, decoding with a KV cache): the forward op takes a trailing
+i32 operand ``kv_length`` of shape [] or [B] after the optional mask, ``(q, k, v, mask?,
+kv_length?)``; keys ``j >= kv_length[b]`` of sequence b are masked and not read (the kernel's key
+loop stops there), and with ``is_causal`` the causal rule is aligned lower-right: query i of Lq
+sees keys ``j <= kv_length[b] - Lq + i`` (flash-attn's ``flash_attn_with_kvcache(cache_seqlens=)``;
+torch.nn.attention.bias.causal_lower_right when kv_length = Lk). Values are clamped to [0, Lk].
+It has no gradient (differentiating it raises ValueError): training does not need it.
+
 With ``dropout_p > 0`` the user function does not use these ops: it builds PyTorch's math
 reference from matmul, softmax (a masked softmax where masks or causality apply, giving the
 same zeros for fully masked rows) and ``dropout``, and autodiff differentiates that.
 
-``apply_rotary_emb(x [..., L, D])`` rotates the halves of the last dim (HF ``rotate_half``):
-``out = x cos + rotate_half(x) sin`` with angle ``pos * theta^(-2i/D)``, pos = offset + l.
+``apply_rotary_emb(x [..., L, D], offset?)`` rotates the halves of the last dim (HF
+``rotate_half``): ``out = x cos + rotate_half(x) sin`` with angle ``pos * theta^(-2i/D)``,
+pos = position_offset + offset + l, where the optional i32 operand ``offset`` is [] (or [1]),
+or [B] for x [B, ..., L, D]: one first position per batch row (batched decoding of
+left-padded prompts).
 Its gradient is the transposed rotation: the same op with ``inverse`` (sin negated).
 """
 
@@ -100,10 +111,22 @@ def _opt(types, n: int):
     return types[n] if len(types) == n + 1 else None
 
 
+def split_extras(types, n: int):
+    """(mask, kv_length) of the forward op's trailing operands after its ``n`` fixed ones:
+    a floating mask and/or, last, an integer kv_length (each optional)."""
+    extra = list(types[n:])
+    kvlen = extra.pop() if extra and not extra[-1].dtype.is_floating else None
+    if len(extra) > 1:
+        raise ShapeError(f"expects {n} operands, a mask and a kv_length, got {len(types)}")
+    return (extra[0] if extra else None), kvlen
+
+
 def _sdpa_type(types, attrs):
     _check_attrs(attrs)
-    mask = _opt(types, 3)
+    mask, kvlen = split_extras(types, 3)
     b, hq, _, lq, _, _, dv = attention_dims(*types[:3], mask)
+    if kvlen is not None and (kvlen.dtype is not DType.i32 or kvlen.shape not in ((), (b,))):
+        raise ShapeError(f"kv_length must be i32[] or i32[{b}], got {kvlen}")
     return TensorType((b, hq, lq, dv), types[0].dtype)
 
 
@@ -146,8 +169,9 @@ def _bwd_v_type(types, attrs):
 
 
 # ---- NumPy references (our semantics: fully masked rows are zero) ------------------------------
-def _scores(q, k, mask, attrs):
-    """(scores with -inf where masked, masked flags), both [B, Hq, Lq, Lk]; GQA repeats k."""
+def _scores(q, k, mask, attrs, kvlen=None):
+    """(scores with -inf where masked, masked flags), both [B, Hq, Lq, Lk]; GQA repeats k.
+    With ``kvlen`` (per sequence) keys past it are masked and causality is lower-right."""
     group = q.shape[1] // k.shape[1]
     s = q @ np.repeat(k, group, axis=1).swapaxes(-1, -2) * attrs["scale"]
     masked = np.zeros(s.shape, bool)
@@ -155,8 +179,15 @@ def _scores(q, k, mask, attrs):
         mask = np.broadcast_to(mask, s.shape)
         masked |= np.isneginf(mask)
         s = s + np.where(masked, 0, mask)
-    if attrs["is_causal"]:
-        lq, lk = s.shape[-2:]
+    lq, lk = s.shape[-2:]
+    if kvlen is not None:
+        n = np.clip(np.broadcast_to(np.asarray(kvlen, np.int64), (s.shape[0],)), 0, lk)
+        n = n[:, None, None, None]
+        masked |= np.arange(lk)[None, None, None, :] >= n
+        if attrs["is_causal"]:
+            last = n - lq + np.arange(lq)[None, None, :, None]
+            masked |= np.arange(lk)[None, None, None, :] > last
+    elif attrs["is_causal"]:
         masked |= np.arange(lk)[None, :] > np.arange(lq)[:, None]
     return np.where(masked, -np.inf, s), masked
 
@@ -174,8 +205,9 @@ def _softmax_rows(s, masked):
 
 
 def _sdpa_np(xs, attrs):
-    q, k, v = xs[:3]
-    s, masked = _scores(q, k, xs[3] if len(xs) > 3 else None, attrs)
+    q, k, v, *extra = xs
+    kvlen = extra.pop() if extra and not np.issubdtype(extra[-1].dtype, np.floating) else None
+    s, masked = _scores(q, k, extra[0] if extra else None, attrs, kvlen)
     p, _ = _softmax_rows(s, masked)
     return (p @ np.repeat(v, q.shape[1] // k.shape[1], axis=1)).astype(q.dtype)
 
@@ -226,6 +258,11 @@ def _bwd_v_np(xs, attrs):
 
 def _sdpa_grad(node, ins, out, g):
     q, k, v, *mask = ins
+    if mask and not mask[-1].dtype.is_floating:
+        raise ValueError(
+            f"{SDPA} %{node.id} at {node.loc or '?'}: attention with kv_length= has no gradient "
+            "(it serves decoding with a KV cache); differentiate an attention without it"
+        )
     b, a = q.builder, node.attr_dict
     stats = b.add(STATS, [q, k, out, g, *mask], a)
     dq = b.add(BWD_Q, [q, k, v, g, stats, *mask], a)
@@ -239,8 +276,10 @@ def _rope_type(types, attrs):
     x, *offset = types
     if x.ndim < 2 or not x.dtype.is_floating or x.shape[-1] % 2:
         raise ShapeError(f"expects a floating [..., L, D] tensor with D even, got {x}")
-    if offset and (offset[0].dtype is not DType.i32 or offset[0].shape not in ((), (1,))):
-        raise ShapeError(f"a position offset operand must be i32[] or i32[1], got {offset[0]}")
+    batch = ((x.shape[0],),) if x.ndim >= 3 else ()
+    if offset and (offset[0].dtype is not DType.i32 or offset[0].shape not in ((), (1,), *batch)):
+        want = f"i32[], i32[1] or i32[{x.shape[0]}] (one per batch row)" if batch else "i32[]"
+        raise ShapeError(f"a position offset operand must be {want}, got {offset[0]}")
     theta, start = attrs.get("theta"), attrs.get("position_offset")
     if not isinstance(theta, float) or not theta > 0 or not math.isfinite(theta):
         raise ShapeError(f"theta must be a positive finite float, got {theta!r}")
@@ -259,8 +298,13 @@ def rope_angles(length: int, dim: int, theta: float, offset: int) -> np.ndarray:
 
 def _rope_np(xs, attrs):
     x = xs[0]
-    offset = attrs["position_offset"] + (int(np.ravel(xs[1])[0]) if len(xs) > 1 else 0)
-    ang = rope_angles(x.shape[-2], x.shape[-1], attrs["theta"], offset)
+    offsets = np.ravel(xs[1]).astype(np.int64) if len(xs) > 1 else np.zeros(1, np.int64)
+    if offsets.size > 1:  # one first position per batch row
+        return np.stack(
+            [_rope_np([x[b : b + 1], offsets[b : b + 1]], attrs)[0] for b in range(x.shape[0])]
+        )
+    ang = rope_angles(x.shape[-2], x.shape[-1], attrs["theta"], attrs["position_offset"] +
+                      int(offsets[0]))  # fmt: skip
     cos, sin = np.cos(ang), np.sin(ang) * (-1.0 if attrs["inverse"] else 1.0)
     x1, x2 = np.split(x, 2, axis=-1)
     out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -340,6 +384,7 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    kv_length: Tensor | int | None = None,
     *,
     seed: Tensor | None = None,
 ) -> Tensor:
@@ -364,7 +409,10 @@ def scaled_dot_product_attention(
             entries are masked out; it receives no gradient) or bool, True where a query may
             attend (PyTorch's convention), which becomes ``where(mask, 0, -inf)`` in the
             graph. A query row with no True entry gives zeros (as PyTorch 2.13's CPU
-            kernels do; its math path gives NaN).
+            kernels do; its math path gives NaN). Or ``meganeura.nn.attention.
+            causal_lower_right(Lq, Lk)`` (torch.nn.attention.bias's): causal aligned
+            lower-right, query i sees keys j <= Lk - Lq + i, computed in the kernel (no mask
+            tensor; it is ``is_causal=True, kv_length=Lk``).
         dropout_p: probability of zeroing each attention probability, in [0, 1]; kept ones
             are scaled by ``1 / (1 - dropout_p)`` (1 gives zeros).
         is_causal: mask out keys j > i for query i (top-left aligned, as PyTorch). May be
@@ -372,6 +420,12 @@ def scaled_dot_product_attention(
         scale: score scale; default ``1 / sqrt(D)``.
         enable_gqa: allow Hq to be a multiple of Hkv (grouped-query attention); head h reads
             kv head ``h // (Hq // Hkv)``.
+        kv_length: the number of valid keys, an i32[] or i32[B] tensor (a graph input fed at
+            run time: decoding with a KV cache of Lk slots) or an int: keys j >= kv_length[b]
+            are masked and never read (the kernel's key loop stops there, so the work grows
+            with the position, not Lk), and ``is_causal`` aligns lower-right: query i sees
+            keys j <= kv_length[b] - Lq + i (flash-attn's ``cache_seqlens``). Values are
+            clamped to [0, Lk]. No gradient: differentiating the result raises ValueError.
         seed: u32[] tensor (usually a graph input fed a new value each step); required when
             ``0 < dropout_p < 1``.
 
@@ -380,7 +434,8 @@ def scaled_dot_product_attention(
 
     Raises:
         ValueError: for dropout_p outside [0, 1], a missing or non-u32[] seed with
-            0 < dropout_p < 1, or Hq != Hkv without enable_gqa.
+            0 < dropout_p < 1, Hq != Hkv without enable_gqa, kv_length with dropout_p > 0,
+            or causal_lower_right with is_causal or kv_length, or for the wrong Lq and Lk.
         GraphTypeError: for shapes or dtypes other than the above.
     """
     from ..graph.builder import GraphTypeError
@@ -396,6 +451,21 @@ def scaled_dot_product_attention(
             f"{SDPA}: dropout_p={dropout_p} needs seed=, a u32[] tensor (a graph input fed a "
             f"new value each step), got {seed!r}"
         )
+    from .attention_bias import CausalBias
+
+    if isinstance(attn_mask, CausalBias):
+        lq, lk = query.shape[-2], key.shape[-2]
+        shape = (attn_mask.seq_len_q, attn_mask.seq_len_kv)
+        if is_causal or kv_length is not None or shape != (lq, lk):
+            raise ValueError(
+                f"{SDPA}: {attn_mask!r} takes the place of is_causal and kv_length, for Lq={lq} "
+                f"and Lk={lk}; got is_causal={is_causal}, kv_length={kv_length!r}"
+            )
+        lower_right = attn_mask.lower_right
+        attn_mask, is_causal = None, True
+        kv_length = lk if lower_right else None
+    if kv_length is not None:
+        kv_length = _kv_length(query, kv_length, dropout_p)
     if attn_mask is not None and not isinstance(attn_mask, Tensor):
         attn_mask = query.builder._operand(SDPA, attn_mask)  # a NumPy mask while tracing
     if attn_mask is not None and attn_mask.dtype is DType.bool:
@@ -414,6 +484,7 @@ def scaled_dot_product_attention(
     d = query.shape[-1]
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d) if d else 1.0
     operands = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
+    operands += [kv_length] if kv_length is not None else []
     if dropout_p > 0.0:
         try:
             mask_type = None if attn_mask is None else attn_mask.type
@@ -427,6 +498,23 @@ def scaled_dot_product_attention(
     else:
         out = query.builder.add(SDPA, operands, {"is_causal": bool(is_causal), "scale": scale})
     return F.reshape(out, out.shape[1:]) if squeeze else out
+
+
+def _kv_length(query: Tensor, kv_length, dropout_p: float) -> Tensor:
+    """``kv_length`` as an i32[] or i32[B] tensor of the query's graph (an int becomes a
+    constant, i32[1] a scalar)."""
+    from . import functional as F
+
+    if dropout_p > 0.0:
+        raise ValueError(f"{SDPA}: kv_length is not supported with dropout_p > 0")
+    b = query.builder
+    if isinstance(kv_length, (int, np.integer)) and not isinstance(kv_length, bool):
+        return b.constant(int(kv_length), DType.i32)
+    if not isinstance(kv_length, Tensor):
+        kv_length = b._operand(SDPA, kv_length)
+    if kv_length.shape == (1,):
+        kv_length = F.reshape(kv_length, ())
+    return kv_length
 
 
 def apply_rotary_emb(
@@ -445,13 +533,16 @@ def apply_rotary_emb(
         x: f32 [..., L, D], D even (usually [B, H, L, D]).
         theta: the RoPE base (10000 for Llama 2, 100000 for SmolLM2).
         position_offset: the first position: an int, or an i32[] tensor fed at run time (for
-            decoding with a KV cache). Positions must stay below 2^31.
+            decoding with a KV cache), or an i32[B] tensor, one first position per batch
+            row b of x [B, ..., L, D] (batched decoding of left-padded prompts: row b's
+            positions are ``position_offset[b] + l``). Positions must stay below 2^31.
 
     Returns:
         f32 tensor of x's shape.
 
     Raises:
-        GraphTypeError: for odd D, a non-floating x, or an offset that is not i32[].
+        GraphTypeError: for odd D, a non-floating x, or an offset tensor that is not i32[],
+            i32[1] or i32[B].
     """
     attrs = {"theta": float(theta), "inverse": False, "position_offset": 0}
     if isinstance(position_offset, Tensor):

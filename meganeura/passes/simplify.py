@@ -79,10 +79,19 @@ def cse(graph: Graph) -> tuple[Graph, dict[int, int]]:
     return renumber(graph, keep, remap)
 
 
+def moves_only_unit_dims(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
+    """Whether ``permute(x, dims)`` of an ``x`` of ``shape`` keeps the order of every dim of
+    size > 1, so that the row-major element order is unchanged: the permute is a reshape."""
+    big = [d for d in dims if shape[d] != 1]
+    return big == sorted(big)
+
+
 def fold_permutes(graph: Graph) -> tuple[Graph, dict[int, int]]:
     """Compose ``permute(permute(x, a), b)`` into one permute of ``x``, or into ``x`` itself
-    when the composition is the identity (the backward of ``x @ W^T`` transposes a transpose).
-    The inner permute is left for ``dce`` to remove when nothing else reads it."""
+    when the composition is the identity (the backward of ``x @ W^T`` transposes a transpose),
+    and turn a permute that only moves size-1 dims (``[B, 1, H, D] -> [B, H, 1, D]`` of a
+    one-token decode step) into a reshape, a view with no kernel. The inner permute is left
+    for ``dce`` to remove when nothing else reads it."""
     from ..graph.ir import make_attrs
 
     nodes = list(graph.nodes)
@@ -92,15 +101,19 @@ def fold_permutes(graph: Graph) -> tuple[Graph, dict[int, int]]:
         if n.op != "permute":
             continue
         inner = nodes[remap.get(n.inputs[0], n.inputs[0])]
-        if inner.op != "permute":
-            continue
-        outer_dims, inner_dims = n.attr("dims"), inner.attr("dims")
-        dims = tuple(inner_dims[d] for d in outer_dims)
-        if dims == tuple(range(len(dims))):
-            remap[n.id] = inner.inputs[0]
-            keep[n.id] = False
-        else:
-            nodes[n.id] = dataclasses.replace(
+        if inner.op == "permute":
+            outer_dims, inner_dims = n.attr("dims"), inner.attr("dims")
+            dims = tuple(inner_dims[d] for d in outer_dims)
+            if dims == tuple(range(len(dims))):
+                remap[n.id] = inner.inputs[0]
+                keep[n.id] = False
+                continue
+            n = nodes[n.id] = dataclasses.replace(
                 n, inputs=(inner.inputs[0],), attrs=make_attrs({"dims": dims})
+            )
+            inner = nodes[remap.get(n.inputs[0], n.inputs[0])]
+        if moves_only_unit_dims(inner.type.shape, n.attr("dims")):
+            nodes[n.id] = dataclasses.replace(
+                n, op="reshape", attrs=make_attrs({"shape": n.type.shape})
             )
     return renumber(Graph(tuple(nodes), graph.outputs), keep, remap)

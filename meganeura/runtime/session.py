@@ -210,16 +210,18 @@ class Session:
 
         Args:
             feeds: every input by name, each an array of the slot's exact shape and NumPy dtype
-                (``np.bool_`` for bool inputs).
+                (``np.bool_`` for bool inputs); int64 arrays are accepted for int32 inputs
+                when every value fits int32 (InputError otherwise).
             fetch: output names to read back after the step (a single name may be a str).
 
         Returns:
             ``{name: array}`` for each fetched output, in the slot's shape and dtype.
 
         Raises:
-            InputError: an unknown, missing or mistyped feed, an out-of-range index (class
-                index, token id, gather index), or an unknown fetch name; raised before
-                anything is uploaded.
+            InputError: an unknown, missing or mistyped feed, an int64 value outside the
+                int32 range, an out-of-range index (class index, token id, gather or
+                index_copy_ index), or an unknown fetch name; raised before anything is
+                uploaded.
             KernelError: the recorded step fails validation (names the kernel when it can).
         """
         self._live()

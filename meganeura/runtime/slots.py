@@ -7,6 +7,7 @@ Invariants:
     call changes nothing on the GPU;
   * copy bounds are 4-byte aligned (``start`` down, ``length`` up), as copies and writes need;
   * ``bool`` slots are ``u32`` (0/1) on the GPU and ``np.bool_`` on the host;
+  * an int32 slot also takes int64 arrays whose values all fit int32 (narrowed on upload);
   * a slot whose ``host_dtype`` differs from its storage dtype (a parameter stored as f16 in
     the fast mode) is fed and read in ``host_dtype``: rounded to nearest on upload (a finite
     value beyond f16's range is rejected, never stored as inf) and widened exactly on read.
@@ -111,6 +112,8 @@ def checked(b: BoundSlot, value) -> np.ndarray:
             f"{want}, got {type(value).__name__} (use np.asarray(x, "
             f"dtype=np.{want}))"
         )
+    if value.dtype == np.int64 and want == np.int32:
+        value = narrow_int64(b, value)
     if value.dtype != want:
         raise InputError(
             f"{b.what()}: expected dtype {want}, got {value.dtype} (convert "
@@ -130,6 +133,26 @@ def checked(b: BoundSlot, value) -> np.ndarray:
             )
         return stored
     return np.ascontiguousarray(value)
+
+
+INT32 = np.iinfo(np.int32)
+
+
+def narrow_int64(b: BoundSlot, value: np.ndarray) -> np.ndarray:
+    """An int64 array fed to an i32 slot, as int32 (NumPy's default integer, what
+    ``np.arange`` gives, as ``nn.compiled`` accepts it), when every value fits.
+
+    Raises:
+        InputError: naming the slot and the first value outside the int32 range.
+    """
+    bad = (value < INT32.min) | (value > INT32.max)
+    if bad.any():
+        flat = int(np.argmax(bad.reshape(-1)))
+        raise InputError(
+            f"{b.what()}: int64 value {value.reshape(-1)[flat]} at flat position {flat} does "
+            f"not fit the slot's int32 (range [{INT32.min}, {INT32.max}])"
+        )
+    return value.astype(np.int32)
 
 
 def check_labels(program: Program, feeds: Mapping[str, np.ndarray]) -> None:

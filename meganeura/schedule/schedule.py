@@ -23,7 +23,7 @@ from ..codegen.wgsl.attention.lowering import key_value_fusible
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
 from ..codegen.wgsl.optim import lower_update_group
-from ..graph.ir import PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
+from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
 from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
 from .planner import Interval
@@ -72,7 +72,8 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
     needed = needed_nodes(graph)
     root: dict[int, int] = {}
     for node in graph.nodes:
-        root[node.id] = root[node.inputs[0]] if node.op in VIEW_OPS else node.id
+        aliases = node.op in VIEW_OPS or node.op in ALIAS_OPS  # index_copy_ writes operand 0
+        root[node.id] = root[node.inputs[0]] if aliases else node.id
 
     # A row-block alias lives in its leaf's buffer, so it is pinned with it.
     pinned = {

@@ -15,9 +15,16 @@ mask; causal grouped-query cross attention (Lq 5 < Lk 9); a mask with a fully ma
 Dv 3; dropout_p = 1 (zeros). The reference is PyTorch's math formula with the keep mask of
 ``meganeura.ops.dropout.keep_mask`` for the [B, Hq, Lq, Lk] probabilities.
 
+sdpa_kv_length (a runtime key count ``kv_length``, decoding with a KV cache; forward only, it
+has no gradient) samples: decode (Lq 1) and chunked prefill after a cache (Lq 4), B 2 with
+different lengths per sequence, GQA 9/3, D 64, causal (lower-right) and not, with a bool
+left-padding mask, a scalar length, lengths 0 and past Lk (clamped), and
+``causal_lower_right(Lq, Lk)`` as attn_mask. The reference is torch SDPA per sequence on the
+keys it keeps, with an explicit lower-right bool mask (a row with no key gives zeros).
+
 apply_rotary_emb samples: L 1, 3, 7, 129; D 2, 8, 64; theta 1e4 and 1e5 (SmolLM2); a far
-position offset (8000); a 3-d input; a run-time i32 offset. The reference is HF's
-``rotate_half`` formula in float64.
+position offset (8000); a 3-d input; a run-time i32 offset, one value or one per batch row.
+The reference is HF's ``rotate_half`` formula in float64.
 """
 
 from __future__ import annotations
@@ -161,6 +168,9 @@ def _sdpa_dropout_samples(rng):
 
 
 def _rope_ref(x, theta=10000.0, position_offset=0):
+    if isinstance(position_offset, torch.Tensor) and position_offset.numel() > 1:
+        rows = [_rope_ref(x[b : b + 1], theta, int(p)) for b, p in enumerate(position_offset)]
+        return torch.cat(rows)
     if isinstance(position_offset, torch.Tensor):
         position_offset = int(position_offset)
     length, dim = x.shape[-2:]
@@ -183,6 +193,67 @@ def _rope_samples(rng):
         s("offset_8000", (1, 2, 3, 64), position_offset=8000),
         s("3d", (2, 5, 8)),
         s("tensor_offset", (1, 2, 3, 8), 100000.0, np.array(37, np.int32)),
+        s("per_row_offset", (3, 2, 4, 64), 100000.0, np.array([0, 5, 9000], np.int32)),
+        s("per_row_offset_decode", (2, 3, 1, 8), 10000.0, np.array([7, 0], np.int32)),
+    ]
+
+
+# ---- attention with a runtime key count ---------------------------------------------------------
+def _sdpa_kv(q, k, v, kv_length, attn_mask=None, **kw):
+    if isinstance(kv_length, str):  # "lower_right": causal_lower_right as the mask
+        from meganeura.nn.attention import causal_lower_right
+
+        bias = causal_lower_right(q.shape[2], k.shape[2])
+        return scaled_dot_product_attention(q, k, v, bias, enable_gqa=True)
+    return scaled_dot_product_attention(q, k, v, attn_mask, kv_length=kv_length, **kw)
+
+
+def _sdpa_kv_ref(q, k, v, kv_length, attn_mask=None, is_causal=False, enable_gqa=False):
+    """torch SDPA per sequence on its first kv_length[b] keys, causal aligned lower-right
+    by an explicit bool mask; rows that see no key give zeros (our rule)."""
+    b, _, lq, _ = q.shape
+    lk = k.shape[2]
+    if isinstance(kv_length, str):
+        kv_length, is_causal = torch.tensor(lk), True
+    lengths = kv_length.reshape(-1).expand(b).clamp(0, lk)
+    rows = []
+    for i in range(b):
+        n = int(lengths[i])
+        keep = torch.ones(lq, n, dtype=torch.bool)
+        if is_causal:
+            keep = torch.arange(n)[None, :] <= n - lq + torch.arange(lq)[:, None]
+        if attn_mask is not None:
+            keep = keep & attn_mask.expand(b, q.shape[1], lq, lk)[i, :, :, :n]
+        keep = keep.expand(q.shape[1], lq, n)
+        full = ~keep.any(-1, keepdim=True)
+        if n == 0:
+            rows.append(torch.zeros_like(q[i]))
+            continue
+        out = TF.scaled_dot_product_attention(
+            q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], torch.where(full, True, keep),
+            enable_gqa=True,
+        )[0]
+        rows.append(torch.where(full, 0.0, out))
+    return torch.stack(rows)
+
+
+def _sdpa_kv_samples(rng):
+    def s(name, lq, lengths, lk=40, mask=None, **kw):
+        args = _qkv(rng, 2, 9, 3, lq, lk, 64) + (np.array(lengths, np.int32),)
+        kw = dict(kw, enable_gqa=True)
+        return Sample(args + ((mask,) if mask is not None else ()), kw, name)
+
+    pad = np.ones((2, 1, 1, 40), bool)
+    pad[0, ..., :3] = False  # sequence 0 is left-padded by 3 slots
+    return [
+        s("decode", 1, [17, 33]),
+        s("decode_causal", 1, [17, 40], is_causal=True),
+        s("prefill_chunk_causal", 4, [9, 30], is_causal=True),
+        s("prefill_chunk", 4, [9, 30]),
+        s("left_pad_causal", 4, [12, 30], mask=pad, is_causal=True),
+        s("scalar_length", 3, 21, is_causal=True),
+        s("zero_and_past_end", 2, [0, 55], lk=9, is_causal=True),
+        Sample(_qkv(rng, 2, 9, 3, 5, 12, 64) + ("lower_right",), {}, "causal_lower_right"),
     ]
 
 
@@ -202,4 +273,12 @@ ENTRIES = [
         ("matmul", "softmax", "amax", "isneginf", "arange", "dropout"),
     ),
     OpInfo("apply_rotary_emb", apply_rotary_emb, _rope_ref, _rope_samples, ("apply_rotary_emb",)),
+    OpInfo(
+        "sdpa_kv_length",
+        _sdpa_kv,
+        _sdpa_kv_ref,
+        _sdpa_kv_samples,
+        ("scaled_dot_product_attention",),
+        differentiable=False,
+    ),
 ]

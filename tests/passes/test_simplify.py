@@ -177,3 +177,28 @@ def test_fold_permutes_composes_and_cancels():
     got, _, _ = interpret(folded, xs)
     for name in ("a", "b"):
         assert np.array_equal(got[folded.output_dict[name]], want[g.output_dict[name]])
+
+
+def test_fold_permutes_turns_unit_dim_moves_into_reshapes():
+    import numpy as np
+
+    from meganeura.graph.builder import GraphBuilder
+    from meganeura.graph.interpret import interpret
+    from meganeura.ops import functional as F
+    from meganeura.passes import fold_permutes
+
+    b = GraphBuilder()
+    x = b.input("x", (2, 1, 3, 4))  # a one-token decode step's [B, S, H, D]
+    b.output("view", F.permute(x, (0, 2, 1, 3)) * 2.0)  # only the size-1 dim moves
+    b.output("copy", F.permute(x, (0, 1, 3, 2)))  # 3 and 4 swap: a real permute
+    g = b.build()
+    folded, _ = fold_permutes(g)
+    ops = {name: folded.nodes[folded.output_dict[name]] for name in ("view", "copy")}
+    view_src = folded.nodes[ops["view"].inputs[0]]
+    assert view_src.op == "reshape" and view_src.type.shape == (2, 3, 1, 4)
+    assert ops["copy"].op == "permute"
+    xs = {"x": np.arange(24, dtype=np.float32).reshape(2, 1, 3, 4)}
+    want, _, _ = interpret(g, xs)
+    got, _, _ = interpret(folded, xs)
+    for name in ("view", "copy"):
+        assert np.array_equal(got[folded.output_dict[name]], want[g.output_dict[name]])

@@ -153,6 +153,9 @@ def test_run_without_fetch_returns_empty_and_read_any_slot(session):
         pytest.param("mask", np.zeros(N, np.uint32), "bool", id="mask-uint32"),
         pytest.param("lr", 0.5, "float", id="lr-python_float"),
         pytest.param("y", np.zeros((3, 2), np.int32), "(2, 3)", id="y-transposed_shape"),
+        pytest.param("y", np.full((2, 3), 2**31, np.int64), "2147483648", id="y-int64_too_large"),
+        pytest.param("y", np.full((2, 3), -(2**31) - 1, np.int64), "int32", id="y-int64_too_small"),
+        pytest.param("x", np.zeros(N, np.int64), "float32", id="x-int64_for_float"),
     ],
 )
 def test_bad_feed_raises_before_any_upload(session, name, value, needle):
@@ -168,6 +171,23 @@ def test_bad_feed_raises_before_any_upload(session, name, value, needle):
     assert needle in str(info.value)
     for n, v in before.items():  # not even the valid feeds were uploaded
         np.testing.assert_array_equal(session.read(n), v)
+
+
+def test_int64_feed_of_an_int32_input_is_narrowed(session):
+    feeds = make_feeds()
+    wide = {**feeds, "y": feeds["y"].astype(np.int64)}
+    out = session.run(wide, fetch=["picked"])["picked"]
+    np.testing.assert_array_equal(out, feeds["y"].astype(np.float32) * 2)
+    np.testing.assert_array_equal(session.read("y"), feeds["y"])
+    assert session.read("y").dtype == np.int32
+
+
+def test_int64_feed_is_range_checked_after_narrowing(session):
+    from meganeura.runtime import InputError
+
+    feeds = {**make_feeds(), "y": np.array([[0, 1, 2], [3, 5, IGNORE]], np.int64)}
+    with pytest.raises(InputError, match="class index 5 at position \\(1, 1\\)"):
+        session.run(feeds)
 
 
 def test_missing_unknown_feeds_and_fetch(session):

@@ -50,6 +50,7 @@ from .indexing.copies import lower_cat, lower_pad, lower_slice, lower_slice_back
 from .indexing.gather import (
     lower_gather,
     lower_gather_backward,
+    lower_index_copy,
     lower_index_select,
     lower_index_select_backward,
 )
@@ -132,6 +133,7 @@ LOWERINGS: dict[str, Lowering] = {
     "gather_backward": lower_gather_backward,
     "index_select": lower_index_select,
     "index_select_backward": lower_index_select_backward,
+    "index_copy_": lower_index_copy,
     # optimizer updates (optim.py); update groups lower through optim.lower_update_group
     "sgd_update": lower_update,
     "sgd_momentum_update": lower_update,

@@ -22,6 +22,12 @@ end; masked entries get probability 0 through ``select``, masked scores use the 
 f32 as the running-max sentinel, and a row with no unmasked entry writes zeros (its stats row
 writes lse = 0). Reads are clamped into range, so padding lanes and rows compute on finite data
 and never store.
+
+A runtime key count (the forward's trailing i32 ``kv_length`` operand, [] or [B]): the kernel
+reads ``kvl = clamp(kv_length[b], 0, Lk)`` once per workgroup (uniform: one batch row per
+workgroup) and its key loop stops at ``kvl`` (or at the lower-right causal limit of the tile's
+last query, ``kvl - Lq + i + 1``), so keys past it are never read; entries past it are masked,
+and with ``is_causal`` query i sees keys ``j + Lq <= kvl + i`` (u32, no negative values).
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class _Kernel:
     mask_strides: tuple[int, int, int, int]
     scale: str
     causal: bool
+    kvlen: Src | None = None
 
     @property
     def accs(self) -> list[str]:
@@ -109,6 +116,23 @@ def _sum(terms: list[str]) -> str:
     return " + ".join(terms)
 
 
+def read_extras(kb: KernelBuilder, graph: Graph, extras) -> tuple[Src | None, Src | None]:
+    """(mask, kv_length) sources of an attention node's operands after its fixed ones: an
+    optional floating mask, then an optional i32 kv_length (the forward only)."""
+    extras = list(extras)
+    kvlen = None
+    if extras and not graph[extras[-1]].type.dtype.is_floating:
+        kvlen = kb.read(extras.pop(), "kvlen")
+    return (kb.read(extras[0], "mask") if extras else None), kvlen
+
+
+def kv_limit(kvlen: Src, lk: int) -> str:
+    """WGSL statement defining ``kvl``: the batch row's key count clamped to [0, Lk] (``b``
+    is the workgroup's batch row)."""
+    n = kvlen.at("b" if kvlen.type.shape else "0u")
+    return f"  let kvl = min(u32(max({n}, 0i)), {u(lk)});"
+
+
 def dims_of(graph: Graph, node, mode: str) -> Dims:
     """Problem sizes of attention node ``node`` lowered in ``mode`` (dkv: the key-gradient
     node)."""
@@ -142,11 +166,11 @@ def lower_flash(
     n_fixed = 2 + len(OPERANDS[mode])
     for name, vid in zip(OPERANDS[mode], ins[2:n_fixed], strict=True):
         src[name] = kb.read(vid, name)
-    mask = kb.read(ins[n_fixed], "mask") if len(ins) > n_fixed else None
+    mask, kvlen = read_extras(kb, graph, ins[n_fixed:])
     strides = broadcast_strides(mask.type.shape, (b, hq, lq, lk)) if mask else (0, 0, 0, 0)
     total, layout = shared_layout(mode, dims, plan)
     k = _Kernel(mode, dims, plan, layout, src, mask, strides,
-                f32_literal(node.attr("scale")), bool(node.attr("is_causal")))  # fmt: skip
+                f32_literal(node.attr("scale")), bool(node.attr("is_causal")), kvlen)  # fmt: skip
     outs = {"out": kb.write(node_id, "out")}
     if mode == "dkv":
         outs["dv"] = kb.write(value_node, "dv")
@@ -268,7 +292,19 @@ def _stream_loops(k: _Kernel) -> list[str]:
             "  }",
             "  }",
         ]
-    if k.causal:  # queries i see keys j <= i: stop after the tile's last query's keys
+    if k.kvlen is not None:  # keys j < kvl (and j + Lq <= kvl + i when causal) only
+        lines = [kv_limit(k.kvlen, lk)]
+        if k.causal:
+            lines += [
+                f"  let r_first = tile * {u(R)};",
+                f"  let r_last = min(r_first + {u(R)}, {u(k.n_rows)}) - 1u;",
+                f"  let one_head = r_first / {u(lq)} == r_last / {u(lq)};",
+                f"  let lim = i32(kvl) - {lq}i + i32(r_last % {u(lq)}) + 1i;",
+                "  let s_end = select(kvl, u32(clamp(lim, 0i, i32(kvl))), one_head);",
+            ]
+        else:
+            lines.append("  let s_end = kvl;")
+    elif k.causal:  # queries i see keys j <= i: stop after the tile's last query's keys
         lines = [
             f"  let r_first = tile * {u(R)};",
             f"  let r_last = min(r_first + {u(R)}, {u(k.n_rows)}) - 1u;",
@@ -290,7 +326,11 @@ def _entries(k: _Kernel) -> list[str]:
         lines.append(f"    let jj{j} = t + {u(T * j)};" if T > 1 else f"    let jj{j} = {u(j)};")
         lines.append(f"    let j{j} = s0 + jj{j};")
         conds = [f"j{j} < {u(k.n_stream)}"] if ragged else []
-        if k.causal:
+        if k.kvlen is not None:  # the forward only: rows are queries
+            conds = [f"j{j} < kvl"]
+            if k.causal:
+                conds.append(f"j{j} + {u(k.dims.lq)} <= kvl + ri")
+        elif k.causal:
             conds.append(f"j{j} <= ri" if k.query_rows else f"rowc <= j{j}")
         seg, regs = ("k", "q") if k.query_rows else ("q", "k")
         lines.append(f"    let a{j} = {k.entry(seg, j)};")

