@@ -228,12 +228,13 @@ class _Splitter:
         self._parts: dict[int, tuple[tuple[int, int], ...]] = {}
 
     def part(
-        self, rows: int, row_bytes: int = 0, aligned: bool = False
+        self, rows: int, row_bytes: int = 0, aligned: bool = False, value: Node | None = None
     ) -> tuple[tuple[int, int], ...]:
         """The row blocks of values of ``rows`` rows, made on first use (a big value that
         nothing splits, such as a transpose folded into a matmul, needs none). ``row_bytes``
         adds a value no big value of the graph stands for (a matmul's output with its batch
-        dims flattened), ``aligned`` when its blocks are placed in one buffer (an output)."""
+        dims flattened, ``value``), ``aligned`` when its blocks are placed in one buffer (an
+        output)."""
         if rows not in self._parts:
             sizes, offsets = self.by_rows.setdefault(rows, ([], []))
             if row_bytes:
@@ -246,11 +247,10 @@ class _Splitter:
             except ValueError as e:
                 v = next((v for v in sorted(self.big) if self.g[v].type.shape[0] == rows), None)
                 why = f"its rows cannot be split: {e}"
-                raise (
-                    BindingSplitError(f"{rows} rows: {why}")
-                    if v is None
-                    else _refusal(self.g[v], None, self.limit, why=why)
-                ) from None
+                named = value if v is None else self.g[v]
+                if named is None:  # pragma: no cover - every caller's rows have a value
+                    raise BindingSplitError(f"{rows} rows: {why}") from None
+                raise _refusal(named, None, self.limit, why=why) from None
         return self._parts[rows]
 
     # ---- emitting nodes ---------------------------------------------------------------------

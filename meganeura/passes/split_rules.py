@@ -85,14 +85,14 @@ def matmul(s, n: Node) -> bool:
     B = _operand(s, b, n)
     if A.rows is None and A.t_rows is None and B.rows is None and B.t_rows is None and not c_big:
         return False
-    if (A.rows is not None or c_big) and not (ta.ndim == 2 or flat):
-        return False
+    if (A.rows is not None or c_big) and not (tc.ndim == 2 or flat):
+        return False  # row blocks of C are blocks of its dim 0: M only when C is 2-D (or flat)
     if (B.rows is not None or B.t_rows is not None) and tb.ndim != 2:
         return False
     k, cols = ta.shape[-1], tb.shape[-1]
     split_m = A.rows is not None or c_big
     row_bytes, out = cols * tc.dtype.itemsize, n.id in s.output_roots
-    ms = s.part(m, row_bytes, aligned=out) if split_m else ((0, m),)
+    ms = s.part(m, row_bytes, aligned=out, value=n) if split_m else ((0, m),)
     ks = s.part(k) if A.t_rows is not None or B.rows is not None else ((0, k),)
     ns = s.part(cols) if B.t_rows is not None else ((0, cols),)
     last = 1 if flat else tc.ndim - 1

@@ -408,3 +408,57 @@ def test_outputs_above_the_limit_on_the_gpu(gpu_device):
     with Session(compile(b.build(), options, device_limits(gpu_device)), gpu_device) as s:
         s.write("w", w)
         np.testing.assert_allclose(s.run({}, ["y"])["y"], np.exp(w), rtol=2e-6)
+
+
+# ---- matmul tilings, each against the unsplit graph -------------------------------------------
+MATMUL_LIMIT = 4096  # w: 9600 bytes in blocks of 128 rows; every other value fits but y and out
+
+
+def _w(b):
+    return b.parameter("w", (300, 8))
+
+
+MATMULS = {
+    "x_wt": lambda b: b.input("x", (3, 8)) @ F.permute(_w(b), (1, 0)),
+    "x_w": lambda b: b.input("x", (3, 300)) @ _w(b),
+    "wt_y": lambda b: F.permute(_w(b), (1, 0)) @ b.input("y", (300, 6)),  # y is big too
+    "w_y_output": lambda b: _w(b) @ b.input("y", (8, 6)),  # a big output, written in place
+    "batched_x_wt": lambda b: b.input("x", (2, 1, 8)) @ F.permute(_w(b), (1, 0)),
+    "xt_w": lambda b: F.permute(b.input("x", (300, 3)), (1, 0)) @ _w(b),
+    "w_y_summed": lambda b: F.sum(_w(b) @ b.input("y", (8, 6)), 0),
+}
+
+
+def _matmul_case(name):
+    b = GraphBuilder()
+    b.output("out", MATMULS[name](b))
+    graph = b.build()
+    feeds = {
+        n.name: rng.normal(size=n.type.shape).astype(np.float32) for n in graph.leaves("input")
+    }
+    return graph, feeds, {"w": rng.normal(size=(300, 8)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("name", sorted(MATMULS))
+def test_matmul_tilings_match_unsplit_on_the_interpreter(name):
+    graph, feeds, params = _matmul_case(name)
+    split, _ = split_bindings(graph, Limits(max_storage_buffer_binding_size=MATMUL_LIMIT))
+    assert any(n.op == "row_block" for n in split.nodes)
+    want = interpret(graph, feeds, params, float64=True)[0][graph.outputs[0][1]]
+    got = interpret(split, feeds, params, float64=True)[0][split.outputs[0][1]]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(MATMULS))
+def test_matmul_tilings_on_the_gpu(name, gpu_device):
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    graph, feeds, params = _matmul_case(name)
+    want = interpret(graph, feeds, params, float64=True)[0][graph.outputs[0][1]]
+    options = CompileOptions(max_storage_binding_bytes=MATMUL_LIMIT)
+    with Session(compile(graph, options, device_limits(gpu_device)), gpu_device) as s:
+        s.write("w", params["w"])
+        got = s.run(feeds, ["out"])["out"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
