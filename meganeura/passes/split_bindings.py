@@ -80,6 +80,7 @@ from ..graph.ir import (
     resolve_view,
 )
 from ..ops import OPS
+from ..ops.registry import ShapeError
 from . import split_rules
 from .simplify import cse, dce
 
@@ -254,9 +255,23 @@ class _Splitter:
         return self._parts[rows]
 
     # ---- emitting nodes ---------------------------------------------------------------------
-    def emit(self, op: str, inputs: Sequence[int], attrs: dict, like: Node) -> int:
+    def emit(
+        self, op: str, inputs: Sequence[int], attrs: dict, like: Node, dtype: DType | None = None
+    ) -> int:
+        """Append ``op``; a copy of ``like``'s op (a block of it) is stored as ``like`` is,
+        else the result is typed by the op's rule (or ``dtype``)."""
         types = [self.nodes[i].type for i in inputs]
-        t = OPS[op].infer(types, attrs)
+        try:
+            t = OPS[op].infer(types, attrs)
+        except ShapeError:
+            # The fast mode's storage plan stores some operands as f16 while kernels compute
+            # in f32 (passes.precision): such an op is typed as computed.
+            t = OPS[op].infer([_computed(x) for x in types], attrs)
+        floating = t.dtype.is_floating and like.type.dtype.is_floating
+        if dtype is None and op == like.op and floating:
+            dtype = like.type.dtype
+        if dtype is not None:
+            t = TensorType(t.shape, dtype)
         node = Node(len(self.nodes), op, tuple(inputs), make_attrs(attrs), t, None, like.loc)
         self.nodes.append(dataclasses.replace(node, origin=like.origin))
         return node.id
@@ -294,10 +309,11 @@ class _Splitter:
             ]  # fmt: skip
         return ids[0]
 
-    def add_all(self, ids: list[int], like: Node) -> int:
+    def add_all(self, ids: list[int], like: Node, dtype: DType | None = None) -> int:
+        """The sum of ``ids`` in order; the last addition stored as ``dtype`` when given."""
         out = ids[0]
-        for i in ids[1:]:
-            out = self.emit("add", [out, i], {}, like)
+        for k, i in enumerate(ids[1:], 2):
+            out = self.emit("add", [out, i], {}, like, dtype if k == len(ids) else None)
         return out
 
     def slice(self, v_new: int, dim: int, start: int, end: int, like: Node) -> int:
@@ -542,6 +558,11 @@ class _Splitter:
         ]
         self.new[n.id] = self.add_all(checks, n)
         return True
+
+
+def _computed(t: TensorType) -> TensorType:
+    """``t`` as kernels compute it: f16 storage widened to f32."""
+    return TensorType(t.shape, DType.f32) if t.dtype is DType.f16 else t
 
 
 def mine_shape(ndim: int, n: int) -> tuple[int, ...]:

@@ -100,16 +100,20 @@ def matmul(s, n: Node) -> bool:
     for mi, mr in enumerate(ms):
         tiles = []
         for ni, nr in enumerate(ns):
+            # Partial products of a split contraction are kept f32 (fast mode stores the
+            # product as f16 once, after the sum).
+            partial = DType.f32 if len(ks) > 1 else None
             terms = [
                 s.emit(
                     "matmul",
                     [_piece(s, A, mr, kr, mi, ki, n), _piece(s, B, kr, nr, ki, ni, n)],
                     {},
                     n,
+                    partial,
                 )
                 for ki, kr in enumerate(ks)
             ]
-            tiles.append(s.add_all(terms, n))
+            tiles.append(s.add_all(terms, n, tc.dtype))
         rows_out.append(s.cat(tiles, last, n))
     if flat and split_m:
         s.unflat[n.id] = rows_out

@@ -462,3 +462,31 @@ def test_matmul_tilings_on_the_gpu(name, gpu_device):
         s.write("w", params["w"])
         got = s.run(feeds, ["out"])["out"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_fast_precision_training_split_matches_unsplit(gpu_device):
+    """f16 storage (passes.precision) mixes f16 and f32 operands: blocks are stored as the
+    values they split."""
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    if "shader-f16" not in gpu_device.features:
+        pytest.skip("the adapter has no shader-f16")
+    m = _model()
+    y = rng.integers(0, V, size=IDS.shape).astype(np.int32)
+    graph = mn.nn.trace(m, IDS, y, fn=lambda ids, y: {"loss": F.cross_entropy(m(ids), y)})
+    opt, results = AdamW(lr=0.01), []
+    for limit in (None, LIMIT):
+        options = CompileOptions(
+            loss="loss", optimizer=opt, precision="fast", max_storage_binding_bytes=limit
+        )
+        program = compile(graph, options, device_limits(gpu_device))
+        assert program.meta["precision"] == "fast"
+        with Session(program, gpu_device) as s:
+            s.load_state_dict({**{k: s.read(k) for k in program.state}, **_params(m)})
+            for i in range(3):
+                s.run({"ids": IDS, "y": y, HYPER_INPUT: opt.hyper(i, opt.lr)})
+            results.append({k: s.read(k) for k in program.parameters})
+    for k in results[0]:
+        np.testing.assert_allclose(results[1][k], results[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
