@@ -41,7 +41,8 @@ Design:
         LM head ``x @ W^T`` per block of W's rows (output columns, concatenated), contractions
         over a split dim as sums of per-block products, a big output per block of its rows;
       - ``cross_entropy`` and its backward over split logits (``split_rules``);
-      - ``sum`` over a big value: per block, then added when dim 0 is reduced;
+      - ops of rows (reductions, ``softmax``, ``log_softmax``, ``cumsum`` over dims other than
+        0): per block; ``sum`` over dim 0 too, as partial sums added in block order;
       - optimizer updates (``sgd_update``, ``sgd_momentum_update``, ``adam_update``) and
         ``accumulate``: one update per block on the ``row_block`` aliases of the parameter and
         state; ``found_inf`` (the non-finite guard) reads the blocks, in chunks that respect
@@ -51,10 +52,10 @@ Design:
     A block-split value that some other op must read whole is concatenated (``cat`` along
     dim 0) when the result fits one binding.
   * Anything else raises ``BindingSplitError`` naming the tensor, its size, the limit and the
-    op that reads it: never a silently wrong program. Not split (today): softmax, norms,
-    attention and reductions other than ``sum`` of a big value, ``gather``, ``index_select``
-    along another dim, batched matmuls with a big batched ``B``, views that move dim 0, rows
-    larger than the limit.
+    op that reads it: never a silently wrong program. Not split (today): norms, attention,
+    reductions other than ``sum`` over dim 0, softmax over dim 0, ``gather``,
+    ``index_select`` along another dim, batched matmuls with a big batched ``B``, views that
+    move dim 0, rows larger than the limit.
 
 ``compile`` reads the label checks (token-id range checks) from the graph before this pass,
 since the rewritten ``index_select``s read computed indices.
@@ -87,10 +88,13 @@ from .simplify import cse, dce
 # Leaves that own a buffer whose row ranges can be bound at offsets.
 _STORAGE_LEAVES = frozenset({"input", "parameter", "state"})
 _UPDATES = frozenset({"sgd_update", "sgd_momentum_update", "adam_update", "accumulate"})
+# Ops whose row i reads only row i of their operand when their dim(s) exclude 0.
+_REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "var", "logsumexp")
+_ROWWISE = frozenset({*_REDUCTIONS, "softmax", "log_softmax", "cumsum"})
 SUPPORTED = (
     "elementwise maps, index_select/embedding along dim 0 and its backward, matmul/linear with "
-    "a 2-D big operand, cross_entropy and its backward, sum, optimizer updates, found_inf, "
-    "stop_gradient, reshape keeping dim 0"
+    "a 2-D big operand, cross_entropy and its backward, reductions and softmax over dims but 0 "
+    "(sum over any), optimizer updates, found_inf, stop_gradient, reshape keeping dim 0"
 )
 
 
@@ -514,12 +518,17 @@ class _Splitter:
         ok = n.op == "permute" and n.attr("dims") == (1, 0)
         return n.inputs[0] if ok else None
 
-    def sum(self, n: Node) -> bool:
+    def rowwise(self, n: Node) -> bool:
+        """An op whose row ``i`` reads row ``i`` only (a reduction or softmax over other dims
+        than 0) per block; ``sum`` over dim 0 too, as partial sums added in block order."""
         (x,) = n.inputs
         if not self.splittable(x):
             return False
-        parts = [self.emit("sum", [blk], dict(n.attrs), n) for blk in self.blocks(x, n)]
-        if 0 in n.attr("dims"):  # partial sums of the blocks, added in block order
+        dims = n.attr("dims", (n.attr("dim"),))
+        if 0 in dims and n.op != "sum":
+            return False
+        parts = [self.emit(n.op, [blk], dict(n.attrs), n) for blk in self.blocks(x, n)]
+        if 0 in dims:
             self.new[n.id] = self.add_all(parts, n)
         else:
             self.blocked[n.id] = parts
@@ -583,7 +592,7 @@ _RULES = {
     "matmul": split_rules.matmul,
     "cross_entropy": split_rules.cross_entropy,
     "cross_entropy_backward": split_rules.cross_entropy_backward,
-    "sum": _Splitter.sum,
+    **{op: _Splitter.rowwise for op in _ROWWISE},
     "found_inf": _Splitter.found_inf,
     "reshape": _Splitter.view,
     "stop_gradient": _Splitter.view,

@@ -426,6 +426,10 @@ MATMULS = {
     "batched_x_wt": lambda b: b.input("x", (2, 1, 8)) @ F.permute(_w(b), (1, 0)),
     "xt_w": lambda b: F.permute(b.input("x", (300, 3)), (1, 0)) @ _w(b),
     "w_y_summed": lambda b: F.sum(_w(b) @ b.input("y", (8, 6)), 0),
+    # ops of rows: a softmax written in place as an output, a greedy argmax, log-sum-exp
+    "w_y_softmax": lambda b: F.softmax(_w(b) @ b.input("y", (8, 6)), 1),
+    "w_y_argmax": lambda b: F.argmax(_w(b) @ b.input("y", (8, 6)), 1),
+    "w_logsumexp": lambda b: F.logsumexp(_w(b), 1),
 }
 
 
@@ -447,6 +451,7 @@ def test_matmul_tilings_match_unsplit_on_the_interpreter(name):
     want = interpret(graph, feeds, params, float64=True)[0][graph.outputs[0][1]]
     got = interpret(split, feeds, params, float64=True)[0][split.outputs[0][1]]
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert got.dtype == want.dtype
 
 
 @pytest.mark.gpu
