@@ -188,3 +188,29 @@ def test_smollm2_360m_sized_embedding_runs_past_the_binding_limit(gpu_device):
     with torch.no_grad():
         want = ref(torch.from_numpy(ids)).logits.numpy()
     assert rel_l2(ours, want) <= 1e-5
+
+
+def test_a_cache_shorter_than_the_bucket_still_prefills_exactly(gpu_device):
+    from meganeura.models.generation import Generator
+
+    mn.manual_seed(8)
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    prompt = np.random.default_rng(9).integers(3, 96, 20).tolist()
+    short = Generator(model, max_length=24, buckets=(64,)).generate(prompt, 4, stop=[])
+    roomy = Generator(model, buckets=(64,)).generate(prompt, 4, stop=[])
+    assert short.sequences == roomy.sequences
+    with pytest.raises(ValueError, match="do not fit the cache's max_length 24"):
+        Generator(model, max_length=24).generate(prompt, 5, stop=[])
+
+
+def test_two_generators_on_one_model_do_not_reuse_each_others_cache(gpu_device):
+    from meganeura.models.generation import Generator
+
+    mn.manual_seed(10)
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    a, b = Generator(model, buckets=(8,)), Generator(model, buckets=(8,))
+    first = a.generate([5, 6, 7], 3, stop=[])
+    b.generate([40, 41, 42, 43, 44, 45], 6, stop=[])  # overwrites the slots a filled
+    turn = [5, 6, 7, *first.sequences[0], 9]
+    again = a.generate(turn, 4, stop=[])
+    assert again.sequences == Generator(model, buckets=(8,)).generate(turn, 4, stop=[]).sequences
