@@ -141,9 +141,8 @@ class _Merger:
                         if i != r or r == norm:
                             return None  # a member read through a view, or the norm by a map
                         parent[find(k)] = find(seg_of[r])
-            for i in g[a].inputs[1:]:
-                if resolve_view(g, i) in members:
-                    return None
+            if _bound(g, g[a].inputs[1]) in members:
+                return None
         segments: dict[int, list[int]] = {}
         for k in range(len(units)):
             segments.setdefault(find(k), []).append(k)
@@ -179,17 +178,24 @@ class _Merger:
         g, members = self.graph, set(group.members)
         external = set()
         for m in group.members:
-            ins = g[m].inputs
-            if g[m].op == "matmul":
-                from_a = ins[0] if group.norm is None else None
-                ins = (from_a, ins[1]) if from_a is not None else (ins[1],)
-            for i in ins:
-                r = resolve_view(g, i)
-                if g[r].op == "permute":  # a transposed weight is read in place
-                    r = resolve_view(g, g[r].inputs[0])
+            for i in g[m].inputs:
+                r = _bound(g, i) if g[m].op == "matmul" else resolve_view(g, i)
                 if r not in members and g[r].op != "constant":
                     external.add(r)
         return len(external) + len(group.outputs)
+
+
+def _bound(graph: Graph, vid: int) -> int:
+    """The value a matmul kernel binds for operand ``vid``: views resolved, and a transpose of
+    the last two dims read in place (``matmul.problem.fold_transpose``)."""
+    r = resolve_view(graph, vid)
+    node = graph[r]
+    if node.op == "permute":
+        dims = tuple(node.attr("dims"))
+        n = len(dims)
+        if n >= 2 and dims == tuple(range(n - 2)) + (n - 1, n - 2):
+            return resolve_view(graph, node.inputs[0])
+    return r
 
 
 def plan_matmul_groups(

@@ -336,3 +336,29 @@ def test_llama_decode_and_short_training_step_match_transformers(gpu_device):
     for name, g in grads.items():
         w = named[name].grad.numpy()
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * np.abs(w).max(), err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_fast_mode_reads_and_writes_f16_through_prologue_and_epilogue(gpu_device, norm):
+    from meganeura.training import compile_for
+    from meganeura.training.graph import device_limits
+
+    if not device_limits(gpu_device).shader_f16:
+        pytest.skip("the adapter lacks shader-f16: fast mode compiles strict here")
+    b = GraphBuilder()
+    x = b.input("x", (1, 2, 64))
+    w = b.parameter("ln.weight", (64,))
+    h = rms_norm(x, 64, w) if norm == "rms" else layer_norm(x, 64, w, b.parameter("ln.b", (64,)))
+    gate = F.linear(h, b.parameter("gate.weight", (96, 64)))
+    up = F.linear(h, b.parameter("up.weight", (96, 64)))
+    b.output("y", F.linear(silu(gate) * up, b.parameter("down.weight", (64, 96))))
+    graph = b.build()
+    feeds, params = _feeds(graph)
+    prog, sess = compile_for(graph, CompileOptions(precision="fast"), gpu_device)
+    assert prog.meta["precision"] == "fast" and len(prog.dispatches) == 2
+    assert "f16" in prog.dispatches[0].wgsl
+    sess.load_state_dict(params)
+    got = sess.run(feeds, ["y"])["y"]
+    want = interpret(graph, feeds, params)[0][graph.output_dict["y"]]
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
