@@ -145,7 +145,9 @@ def _norm_prologue(kb: KernelBuilder, norm: int, m: int, k: int, lines: list[str
 
     for r in range(m):
         at = lambda i, r=r: elem(x, f"{u(r * k)} + {i}")  # noqa: E731
-        lines.append(f"  var shift{r} = 0.0;\n  var mean{r} = 0.0;\n  var rstd{r} = 0.0;")
+        lines.append(f"  var rstd{r} = 0.0;")
+        if not rms:
+            lines.append(f"  var shift{r} = 0.0;\n  var mean{r} = 0.0;")
         lines.append("  {")
         lines.append("    var tot = 0.0;")
         if not rms:
@@ -158,7 +160,8 @@ def _norm_prologue(kb: KernelBuilder, norm: int, m: int, k: int, lines: list[str
             lines.append(f"    mean{r} = tot / {n};")
         lines.append("    var q = 0.0;")
         lines.append(f"    for (var i = lid; i < {u(k)}; i = i + {u(WG)}) {{")
-        lines.append(f"      let d = ({at('i')} - shift{r}) - mean{r};")
+        centred = f"({at('i')} - shift{r}) - mean{r}"
+        lines.append(f"      let d = {at('i') if rms else centred};")
         lines.append("      q = q + d * d;")
         lines.append("    }")
         reduce("q", "tot")
