@@ -6,11 +6,13 @@ constant inlining and transpose folding), resolves views (``reshape``, ``stop_gr
 the value whose buffer they share, and measures each value's lifetime in dispatch positions.
 
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
-pairs attention gradients); a group is lowered as one kernel
-(``codegen.wgsl.elementwise.fused``) at its last member's position, binding the group's
-external inputs and its stored outputs only, so lifetimes come from those bindings; the other
-members get no kernel and no storage. Optimizer updates are grouped likewise (``update_groups``):
-one kernel per group at its last member's position, over arenas that the assembler lays out.
+pairs attention gradients, and ``passes.fuse_matmul.plan_matmul_groups`` merges small-M matmuls
+sharing a left operand, with the norm producing it); a group is lowered as one kernel
+(``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``) at its last member's
+position, binding the group's external inputs and its stored outputs only, so lifetimes come
+from those bindings; the other members get no kernel and no storage. Optimizer updates are
+grouped likewise (``update_groups``): one kernel per group at its last member's position, over
+arenas that the assembler lays out.
 """
 
 from __future__ import annotations
