@@ -21,7 +21,7 @@ from meganeura.graph.builder import GraphBuilder
 from meganeura.graph.interpret import interpret
 from meganeura.graph.ir import Graph
 from meganeura.ops import functional as F
-from meganeura.ops.activation import silu
+from meganeura.ops.activation import gelu, silu
 from meganeura.ops.norm import layer_norm, rms_norm
 from meganeura.optim import HYPER_INPUT, SGD
 from meganeura.passes.fuse import plan_fusion
@@ -362,3 +362,15 @@ def test_fast_mode_reads_and_writes_f16_through_prologue_and_epilogue(gpu_device
     got = sess.run(feeds, ["y"])["y"]
     want = interpret(graph, feeds, params)[0][graph.output_dict["y"]]
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+def test_segments_with_different_epilogues_and_shared_helpers(gpu_device):
+    # sigmoid alone in one segment, silu (which calls the same helper) and gelu in others
+    b = GraphBuilder()
+    x = b.input("x", (3, 40))
+    r = b.input("r", (3, 24))
+    b.output("a", F.sigmoid(F.linear(x, b.parameter("a.weight", (16, 40)))))
+    b.output("s", silu(F.linear(x, b.parameter("s.weight", (24, 40)))) + r)
+    b.output("g", gelu(F.linear(x, b.parameter("g.weight", (8, 40)))))
+    _check(b.build(), gpu_device, kernels=1, exact=True)

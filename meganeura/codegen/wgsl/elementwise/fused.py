@@ -84,6 +84,7 @@ class GroupBody:
                 # (a + b) - b -> a), which is wrong for negative, inf and NaN inputs.
                 expr = f"({expr} + {OPAQUE_NEG_ZERO})"
             self.lets.append(f"let t{m} = {expr};")
+        self.helper_names = tuple(helpers)  # for kernels running several bodies
         self.helpers = helper_source(helpers)
 
     def operand(self, vid: int) -> str:

@@ -31,6 +31,7 @@ from ....passes.fuse_matmul import MatmulGroup
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src, check_numel, is_constant
 from ..core.literals import f32_literal, u
+from ..core.mathlib import helper_source
 from ..elementwise.fused import GroupBody
 from .plan import GEMV_MAX_M, WG, choose_plan
 from .problem import Operand, Problem, bind_operand, problem_of
@@ -238,7 +239,7 @@ def lower_matmul_group(graph: Graph, group: MatmulGroup, limits: Limits) -> list
         nbytes += sum(graph[i].type.nbytes for i in norm.inputs if not is_constant(graph, i))
     else:
         nbytes += first.a.src.type.nbytes
-    helpers = "".join(dict.fromkeys(b.helpers for b in bodies if b.helpers))
+    helpers = helper_source(dict.fromkeys(h for b in bodies for h in b.helper_names))
     red = _shared_floats(graph, group, limits) - (WG if group.norm is not None else 0)
     helpers = f"var<workgroup> red: array<f32, {red}>;\n" + helpers
     if group.norm is not None:
