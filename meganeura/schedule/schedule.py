@@ -6,11 +6,13 @@ constant inlining and transpose folding), resolves views (``reshape``, ``stop_gr
 the value whose buffer they share, and measures each value's lifetime in dispatch positions.
 
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
-pairs attention gradients); a group is lowered as one kernel
-(``codegen.wgsl.elementwise.fused``) at its last member's position, binding the group's
-external inputs and its stored outputs only, so lifetimes come from those bindings; the other
-members get no kernel and no storage. Optimizer updates are grouped likewise (``update_groups``):
-one kernel per group at its last member's position, over arenas that the assembler lays out.
+pairs attention gradients, and ``passes.fuse_matmul.plan_matmul_groups`` merges small-M matmuls
+sharing a left operand, with the norm producing it); a group is lowered as one kernel
+(``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``) at its last member's
+position, binding the group's external inputs and its stored outputs only, so lifetimes come
+from those bindings; the other members get no kernel and no storage. Optimizer updates are
+grouped likewise (``update_groups``): one kernel per group at its last member's position, over
+arenas that the assembler lays out.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from ..codegen.wgsl import lower, reads
 from ..codegen.wgsl.attention.lowering import key_value_fusible
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
+from ..codegen.wgsl.matmul.horizontal import NORM_MAX_K, gemv_key, group_fits, lower_matmul_group
 from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
 from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
+from ..passes.fuse_matmul import MatmulGroup, plan_matmul_groups
 from .planner import Interval
 from .update_groups import arena_roles, arena_value, plan_update_groups
 
@@ -53,7 +57,7 @@ class Schedule:
     root: dict[int, int]
     pinned: frozenset[int]
     intervals: tuple[Interval, ...]
-    groups: tuple[FusionGroup, ...] = ()
+    groups: tuple[FusionGroup | MatmulGroup, ...] = ()
     update_groups: tuple[UpdateGroup, ...] = ()
 
 
@@ -91,6 +95,15 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         kv = plan_attention_key_value(graph, needed, lambda n: key_value_fusible(graph, n, limits))
         bound = limits.max_storage_buffers_per_shader_stage
         fused = plan_fusion(graph, FUSIBLE, needed, max_bindings=bound)
+        fused = plan_matmul_groups(
+            graph,
+            fused,
+            needed,
+            lambda n: gemv_key(graph, n, limits),
+            max_bindings=bound,
+            norm_max_k=NORM_MAX_K,
+            accept=lambda g: group_fits(graph, g, limits),
+        )
         groups = tuple(sorted(fused + kv, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     dispatches = _lower_all(graph, needed, limits, groups, updates)
@@ -146,7 +159,7 @@ def _lower_all(
     graph: Graph,
     needed: list[bool],
     limits: Limits,
-    groups: tuple[FusionGroup, ...],
+    groups: tuple[FusionGroup | MatmulGroup, ...],
     updates: tuple[UpdateGroup, ...],
 ) -> list[tuple[int, KernelSource]]:
     group_of = {m: g for g in groups for m in g.members}
@@ -161,8 +174,12 @@ def _lower_all(
                 kernels = [lower_update_group(graph, ugroup, limits)] if is_sink else []
             elif group is None:
                 kernels = lower(graph, node.id, limits)
+            elif node.id != group.sink:
+                kernels = []
+            elif isinstance(group, MatmulGroup):
+                kernels = lower_matmul_group(graph, group, limits)
             else:
-                kernels = lower_group(graph, group, limits) if node.id == group.sink else []
+                kernels = lower_group(graph, group, limits)
             dispatches.extend((node.id, ks) for ks in kernels)
     return dispatches
 
