@@ -5,11 +5,12 @@ whose values reach an output or an effect, judged by what each kernel really bin
 constant inlining and transpose folding), resolves views (``reshape``, ``stop_gradient``) to
 the value whose buffer they share, and measures each value's lifetime in dispatch positions.
 
-With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
-pairs attention gradients); a group is lowered as one kernel
-(``codegen.wgsl.elementwise.fused``) at its last member's position, binding the group's
-external inputs and its stored outputs only, so lifetimes come from those bindings; the other
-members get no kernel and no storage. Optimizer updates are grouped likewise (``update_groups``):
+With fusion on, ``passes.fuse.plan_fusion`` groups nodes (``plan_attention_key_value`` pairs
+attention gradients, ``passes.rope_cache`` joins rotary embeddings and KV-cache writes); a
+group is lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``attention.rope_cache``)
+at its last member's position, binding the group's external inputs and its stored outputs
+only, so lifetimes come from those bindings; the other members get no kernel and no storage.
+Optimizer updates are grouped likewise (``update_groups``):
 one kernel per group at its last member's position, over arenas that the assembler lays out.
 """
 
@@ -20,12 +21,14 @@ from dataclasses import dataclass
 from ..codegen.kernel import ArenaRef, KernelSource, Limits, ScratchRef, UpdateGroup, ValueRef
 from ..codegen.wgsl import lower, reads
 from ..codegen.wgsl.attention.lowering import key_value_fusible
+from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
 from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import ALIAS_OPS, VIEW_OPS, Graph
 from ..ops import OPS
 from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
+from ..passes.rope_cache import ROPE, plan_rope_cache
 from .planner import Interval
 from .update_groups import arena_roles, arena_value, plan_update_groups
 
@@ -97,7 +100,8 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         kv = plan_attention_key_value(graph, needed, lambda n: key_value_fusible(graph, n, limits))
         bound = limits.max_storage_buffers_per_shader_stage
         fused = plan_fusion(graph, FUSIBLE, needed, max_bindings=bound)
-        groups = tuple(sorted(fused + kv, key=lambda g: g.sink))
+        rope = plan_rope_cache(graph, needed, max_bindings=bound)
+        groups = tuple(sorted(fused + kv + rope, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     dispatches = _lower_all(graph, needed, limits, groups, updates)
     clash = _arena_clashes(graph, dispatches, updates)
@@ -149,8 +153,12 @@ def _lower_all(
                 kernels = [lower_update_group(graph, ugroup, limits)] if is_sink else []
             elif group is None:
                 kernels = lower(graph, node.id, limits)
+            elif node.id != group.sink:
+                kernels = []
+            elif group.anchor is not None and graph[group.anchor].op == ROPE:
+                kernels = lower_rope_cache(graph, group, limits)
             else:
-                kernels = lower_group(graph, group, limits) if node.id == group.sink else []
+                kernels = lower_group(graph, group, limits)
             dispatches.extend((node.id, ks) for ks in kernels)
     return dispatches
 
