@@ -39,8 +39,18 @@ from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.layout import broadcast_strides
 from ..core.literals import NEG_INF_BITS, f32_literal, u
-from .plan import QUERY_ROW_MODES, Dims, Plan, accumulators, choose_plan, extents, shared_layout
+from .plan import (
+    QUERY_ROW_MODES,
+    Dims,
+    Plan,
+    Split,
+    accumulators,
+    choose_plan,
+    extents,
+    shared_layout,
+)
 
+PARTIALS = "partials"  # scratch key of split-key partial states
 LOWEST = f32_literal(-3.4028234663852886e38)  # running-max sentinel: below every finite score
 XYZW = "xyzw"
 # operand names after (q, k), per mode; an optional mask follows them
@@ -68,6 +78,7 @@ class _Kernel:
     scale: str
     causal: bool
     kvlen: Src | None = None
+    split: Split | None = None  # fwd only: this workgroup's key chunk, partials to scratch
 
     @property
     def accs(self) -> list[str]:
@@ -145,21 +156,35 @@ def dims_of(graph: Graph, node, mode: str) -> Dims:
 
 
 def lower_flash(
-    graph: Graph, node_id: int, limits: Limits, mode: str, value_node: int | None = None
+    graph: Graph,
+    node_id: int,
+    limits: Limits,
+    mode: str,
+    value_node: int | None = None,
+    split: Split | None = None,
 ) -> list[KernelSource]:
     """One dispatch of the flash kernel in ``mode`` for node ``node_id``; in ``dkv`` mode
     ``node_id`` is the key-gradient node and ``value_node`` its value-gradient sibling, whose
-    output the kernel writes too."""
+    output the kernel writes too.
+
+    With ``split`` (``fwd`` only, ``plan.choose_split``) the keys are cut into
+    ``split.chunks`` chunks of ``split.length``, one workgroup per (row tile, chunk); each
+    writes its rows' unnormalized partial state (running max m, sum l, output row) to the
+    scratch ``PARTIALS``, and ``decode.lower_merge``'s kernel combines them.
+    """
     node = graph[node_id]
     ins = node.inputs
     dims = dims_of(graph, node, mode)
     b, hkv, lq, lk, d, dv = dims.b, dims.hkv, dims.lq, dims.lk, dims.d, dims.dv
     hq = hkv * dims.group
-    plan = choose_plan(mode, dims, limits)
+    plan = choose_plan(mode, dims, limits) if split is None else split.plan
     n_rows = extents(mode, dims)[0]
     tiles = -(-n_rows // plan.rows)
     if node.type.numel == 0:
         return []
+    if split is not None and mode != "fwd":
+        raise ValueError(f"split keys are for the forward only, not {mode!r}")
+    chunks = 1 if split is None else split.chunks
 
     kb = KernelBuilder(graph, node, limits)
     src = {"q": kb.read(ins[0], "q"), "k": kb.read(ins[1], "k")}
@@ -170,14 +195,21 @@ def lower_flash(
     strides = broadcast_strides(mask.type.shape, (b, hq, lq, lk)) if mask else (0, 0, 0, 0)
     total, layout = shared_layout(mode, dims, plan)
     k = _Kernel(mode, dims, plan, layout, src, mask, strides,
-                f32_literal(node.attr("scale")), bool(node.attr("is_causal")), kvlen)  # fmt: skip
-    outs = {"out": kb.write(node_id, "out")}
+                f32_literal(node.attr("scale")), bool(node.attr("is_causal")), kvlen,
+                split)  # fmt: skip
+    if split is None:
+        outs = {"out": kb.write(node_id, "out")}
+    else:
+        count = b * hq * lq * chunks * (dv + 2)
+        outs = {"out": kb.scratch(PARTIALS, count, node.type.dtype, "part")}
     if mode == "dkv":
         outs["dv"] = kb.write(value_node, "dv")
 
-    lines = [
-        f"  let tile = wg % {u(tiles)};",
-        f"  let bh = wg / {u(tiles)};",
+    lines = [] if split is None else [f"  let chunk = wg % {u(chunks)};"]
+    wgt = "wg" if split is None else f"(wg / {u(chunks)})"
+    lines += [
+        f"  let tile = {wgt} % {u(tiles)};",
+        f"  let bh = {wgt} / {u(tiles)};",
         f"  let b = bh / {u(hkv)};",
         f"  let hk = bh % {u(hkv)};",
         f"  let t = lid % {u(plan.lanes)};" if plan.lanes > 1 else "  let t = 0u;",
@@ -194,8 +226,9 @@ def lower_flash(
     per_pair = {"fwd": d + dv, "stats": d, "dq": 2 * d + dv, "dk": 2 * d + dv, "dv": d + dv,
                 "dkv": 2 * d + 2 * dv}  # fmt: skip
     flops = 2 * b * hq * lq * lk * per_pair[mode] // (2 if k.causal else 1)
-    groups = b * hkv * tiles
-    return [kb.finish(mode, "\n".join(lines), plan.size, groups, helpers, flops=flops)]
+    groups = b * hkv * tiles * chunks
+    suffix = mode if split is None else f"{mode} split {chunks}x{split.length}"
+    return [kb.finish(suffix, "\n".join(lines), plan.size, groups, helpers, flops=flops)]
 
 
 def _row_registers(k: _Kernel) -> list[str]:
@@ -313,7 +346,13 @@ def _stream_loops(k: _Kernel) -> list[str]:
         ]
     else:
         lines = [f"  let s_end = {u(lk)};"]
-    return lines + [f"  for (var s0 = 0u; s0 < s_end; s0 = s0 + {u(BS)}) {{", *body, "  }"]
+    if k.split is not None:  # this workgroup's chunk of keys only
+        c = u(k.split.length)
+        lines += [f"  let s_begin = chunk * {c};", f"  let s_stop = min(s_end, s_begin + {c});"]
+        loop = f"  for (var s0 = s_begin; s0 < s_stop; s0 = s0 + {u(BS)}) {{"
+    else:
+        loop = f"  for (var s0 = 0u; s0 < s_end; s0 = s0 + {u(BS)}) {{"
+    return lines + [loop, *body, "  }"]
 
 
 def _entries(k: _Kernel) -> list[str]:
@@ -443,7 +482,15 @@ def _finish(k: _Kernel, kb: KernelBuilder, outs: dict[str, str]) -> list[str]:
     d, dv = k.dims.d, k.dims.dv
     out = outs["out"]
     lines = ["  if (live && t == 0u) {" if k.plan.lanes > 1 else "  if (live) {"]
-    if k.mode == "fwd":
+    if k.split is not None:  # unnormalized partial state: m, l, then the output row
+        n = dv + 2
+        lines += [
+            f"    let pb = (qrow * {u(k.split.chunks)} + chunk) * {u(n)};",
+            "    " + kb.store(out, "pb", "m"),
+            "    " + kb.store(out, "pb + 1u", "l"),
+        ]
+        lines += _store(kb, out, "pb + 2u", dv, k.dims.dv4)
+    elif k.mode == "fwd":
         lines += ["    let inv = select(0.0, 1.0 / l, l > 0.0);", f"    let ob = qrow * {u(dv)};"]
         lines += _store(kb, out, "ob", dv, k.dims.dv4, " * inv")
     elif k.mode == "stats":

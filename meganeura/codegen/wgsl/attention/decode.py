@@ -1,0 +1,74 @@
+"""Split-key forward attention for short query blocks (flash-decoding: Dao, Haziza, Massa and
+Sizov 2023): two dispatches.
+
+1. The lane kernel (``lane.lower_flash`` with a ``plan.Split``): one workgroup per (batch, kv
+   head, row tile, key chunk), every query row of the kv head's group in the tile; it keeps
+   the online-softmax state of each row over its chunk's keys (the runtime ``kv_length``, the
+   mask and the lower-right causal rule apply as in the plain kernel, so chunks past the last
+   key stream nothing) and writes ``(m, l, o[0..Dv))`` per (row, chunk) to scratch, ``o``
+   unnormalized.
+2. The merge (``lower_merge``): one thread per output element; with ``M = max_c m_c`` it forms
+   ``L = sum_c l_c exp(m_c - M)`` and ``out = (sum_c o_c exp(m_c - M)) / L`` over the chunks in
+   ascending order, a fixed order, so results do not depend on scheduling. A row with no
+   unmasked key (every chunk has ``l = 0``) writes zeros, as the plain kernel does; an empty
+   chunk holds ``m`` = the lowest finite f32, so its weight underflows to 0 beside any
+   nonempty chunk.
+"""
+
+from __future__ import annotations
+
+from ....graph.ir import Graph
+from ...kernel import KernelSource, Limits
+from ..core.builder import KernelBuilder
+from ..core.layout import WG
+from .lane import LOWEST, PARTIALS, dims_of, lower_flash
+from .plan import Split
+
+
+def lower_split(graph: Graph, node_id: int, limits: Limits, split: Split) -> list[KernelSource]:
+    """The partial kernel and the merge kernel of forward attention node ``node_id``."""
+    return lower_flash(graph, node_id, limits, "fwd", split=split) + [
+        lower_merge(graph, node_id, limits, split)
+    ]
+
+
+def lower_merge(graph: Graph, node_id: int, limits: Limits, split: Split) -> KernelSource:
+    """The second kernel: every chunk's partial state of each output row, combined in chunk
+    order (see the module docstring)."""
+    node = graph[node_id]
+    dims = dims_of(graph, node, "fwd")
+    dv, nc = dims.dv, split.chunks
+    rows = node.type.numel // dv
+    kb = KernelBuilder(graph, node, limits)
+    part = kb.scratch(PARTIALS, rows * nc * (dv + 2), node.type.dtype, "part")
+    out = kb.write(node_id, "out")
+    n = node.type.numel
+    stride = dv + 2
+
+    def at(index: str) -> str:
+        return kb.load(part, index)
+
+    lines = [
+        f"  let i = wg * {WG}u + lid;",
+        f"  if (i < {n}u) {{",
+        f"    let row = i / {dv}u;",
+        f"    let col = i % {dv}u;",
+        f"    let base = row * {nc * stride}u;",
+        f"    var mx = {LOWEST};",
+        f"    for (var c = 0u; c < {nc}u; c = c + 1u) {{",
+        f"      mx = max(mx, {at(f'base + c * {stride}u')});",
+        "    }",
+        "    var l = 0.0;",
+        "    var o = 0.0;",
+        f"    for (var c = 0u; c < {nc}u; c = c + 1u) {{",
+        f"      let pc = base + c * {stride}u;",
+        f"      let w = exp({at('pc')} - mx);",
+        f"      l = l + {at('pc + 1u')} * w;",
+        f"      o = o + {at('pc + 2u + col')} * w;",
+        "    }",
+        "    " + kb.store(out, "i", "o * select(0.0, 1.0 / l, l > 0.0)"),
+        "  }",
+    ]
+    groups = -(-n // WG)
+    nbytes = 4 * rows * nc * (dv + 2) + node.type.nbytes
+    return kb.finish(f"merge {nc}", "\n".join(lines), WG, groups, flops=4 * n * nc, nbytes=nbytes)
