@@ -54,18 +54,19 @@ def lower_merge(graph: Graph, node_id: int, limits: Limits, split: Split) -> Ker
         f"    let row = i / {dv}u;",
         f"    let col = i % {dv}u;",
         f"    let base = row * {nc * stride}u;",
-        f"    var mx = {LOWEST};",
-        f"    for (var c = 0u; c < {nc}u; c = c + 1u) {{",
-        f"      mx = max(mx, {at(f'base + c * {stride}u')});",
-        "    }",
-        "    var l = 0.0;",
-        "    var o = 0.0;",
-        f"    for (var c = 0u; c < {nc}u; c = c + 1u) {{",
-        f"      let pc = base + c * {stride}u;",
-        f"      let w = exp({at('pc')} - mx);",
-        f"      l = l + {at('pc + 1u')} * w;",
-        f"      o = o + {at('pc + 2u + col')} * w;",
-        "    }",
+    ]
+    # unrolled over the chunks (at most plan.SPLIT_MAX_CHUNKS): every load in flight at once
+    lines += [f"    let m{c} = {at(f'base + {c * stride}u')};" for c in range(nc)]
+    mx = LOWEST
+    for c in range(nc):
+        mx = f"max({mx}, m{c})"
+    lines.append(f"    let mx = {mx};")
+    lines += [f"    let w{c} = exp(m{c} - mx);" for c in range(nc)]
+    l_sum = " + ".join(f"{at(f'base + {c * stride + 1}u')} * w{c}" for c in range(nc))
+    o_sum = " + ".join(f"{at(f'base + {c * stride + 2}u + col')} * w{c}" for c in range(nc))
+    lines += [
+        f"    let l = {l_sum};",
+        f"    let o = {o_sum};",
         "    " + kb.store(out, "i", "o * select(0.0, 1.0 / l, l > 0.0)"),
         "  }",
     ]

@@ -263,9 +263,15 @@ def _row_registers(k: _Kernel) -> list[str]:
     return lines
 
 
-def _load_tile(k: _Kernel, seg: str, src: Src, row: str, n: int) -> list[str]:
+def _load_tile(
+    k: _Kernel, seg: str, src: Src, row: str, n: int, stores: list[str] | None = None
+) -> list[str]:
     """Cooperative copy of the current tile's segment ``seg`` (rows of ``n`` floats of
-    ``src``; ``row`` is the stream entry's row index in ``src``) into workgroup memory."""
+    ``src``; ``row`` is the stream entry's row index in ``src``) into workgroup memory.
+
+    With ``stores`` (split kernels: a chunk is a tile or a few) the copy is unrolled: the
+    returned statements load into registers and the workgroup-memory stores are appended to
+    ``stores``, for the caller to place after every segment's loads."""
     off, stride = k.layout[seg]
     last = u(k.n_stream - 1)
     step = u(k.plan.size)
@@ -279,20 +285,44 @@ def _load_tile(k: _Kernel, seg: str, src: Src, row: str, n: int) -> list[str]:
             "    }",
         ]
     width = -(-n // 4)
-    comps = []
-    for e in range(4):
-        if n % 4 == 0:
-            comps.append(src.at(f"base + {u(e)}"))
-        else:  # the row's last vec4 is partial: clamp the read, zero the value
-            load = src.at(f"min(base + {u(e)}, {u(src.type.numel - 1)})")
-            comps.append(f"select(0.0, {load}, c * 4u + {u(e)} < {u(n)})")
+
+    def vec4(base: str, c: str) -> str:
+        comps = []
+        for e in range(4):
+            if n % 4 == 0:
+                comps.append(src.at(f"{base} + {u(e)}"))
+            else:  # the row's last vec4 is partial: clamp the read, zero the value
+                load = src.at(f"min({base} + {u(e)}, {u(src.type.numel - 1)})")
+                comps.append(f"select(0.0, {load}, {c} * 4u + {u(e)} < {u(n)})")
+        return f"vec4<f32>({', '.join(comps)})"
+
+    total = k.plan.tile * width
+    if stores is not None:  # straight-line loads, all in flight at once
+        lines = []
+        for it in range(-(-total // k.plan.size)):
+            e, guarded = f"{seg}e{it}", (it + 1) * k.plan.size > total
+            first = f"lid + {u(it * k.plan.size)}"
+            mine = [
+                ("e", f"min({first}, {u(total - 1)})" if guarded else first),
+                ("rr", f"{e}e / {u(width)}"),
+                ("c", f"{e}e % {u(width)}"),
+                ("sr", f"min(s0 + {e}rr, {last})"),
+                ("base", f"({row.replace('sr', f'{e}sr')}) * {u(n)} + {e}c * 4u"),
+            ]
+            lines += [f"    let {e}{name} = {expr};" for name, expr in mine]
+            lines.append(f"    let {e}v = {vec4(f'{e}base', f'{e}c')};")
+            store = f"sh[{u(off)} + {e}rr * {u(stride)} + {e}c] = {e}v;"
+            stores.append(
+                f"    if ({first} < {u(total)}) {{ {store} }}" if guarded else f"    {store}"
+            )
+        return lines
     return [
-        f"    for (var e = lid; e < {u(k.plan.tile * width)}; e = e + {step}) {{",
+        f"    for (var e = lid; e < {u(total)}; e = e + {step}) {{",
         f"      let rr = e / {u(width)};",
         f"      let c = e % {u(width)};",
         f"      let sr = min(s0 + rr, {last});",
         f"      let base = ({row}) * {u(n)} + c * 4u;",
-        f"      sh[{u(off)} + rr * {u(stride)} + c] = vec4<f32>({', '.join(comps)});",
+        f"      sh[{u(off)} + rr * {u(stride)} + c] = {vec4('base', 'c')};",
         "    }",
     ]
 
@@ -303,9 +333,11 @@ def _stream_loops(k: _Kernel) -> list[str]:
     R, BS = k.plan.rows, k.plan.tile
     if k.query_rows:
         row = f"bh * {u(lk)} + sr"
-        loads = _load_tile(k, "k", k.src["k"], row, d)
+        stores = None if k.split is None else []
+        loads = _load_tile(k, "k", k.src["k"], row, d, stores)
         if k.mode in ("fwd", "dq"):
-            loads += _load_tile(k, "v", k.src["v"], row, dv)
+            loads += _load_tile(k, "v", k.src["v"], row, dv, stores)
+        loads += stores or []
     else:
         row = f"(bh * {u(G)} + hg) * {u(lq)} + sr"
         loads = _load_tile(k, "q", k.src["q"], row, d)
