@@ -108,6 +108,40 @@ def _make(graph, users, effects, out_roots, anchor, cand, max_bindings) -> Fusio
     return group
 
 
+def _group_of(graph, users, effects, out_roots, rots, copies, taken, max_bindings):
+    """The largest valid group of rotations ``rots`` with their cache writes and the values'
+    writes (see ``plan_rope_cache``), or None."""
+    own = []  # one cache write per rotation, reading the rotation directly
+    for rot in rots:
+        c = next((c for c in copies if c not in taken and graph[c].inputs[2] == rot), None)
+        if c is not None and graph[graph[c].inputs[0]].type.numel > 0:
+            own.append(c)
+    extra = []
+    if own:
+        index, dim = graph[own[0]].inputs[1], graph[own[0]].attr("dim")
+        extra = [
+            c
+            for c in copies
+            if c not in taken
+            and c not in own
+            and graph[c].inputs[1] == index
+            and graph[c].attr("dim") == dim
+            and graph[c].inputs[2] not in rots
+            and graph[graph[c].inputs[2]].type.numel > 0
+        ]
+    best = None
+    for base in (rots + own, rots):
+        best = _make(graph, users, effects, out_roots, rots[0], base, max_bindings)
+        if best is not None:
+            break
+    if best is None:
+        return None
+    for c in extra:  # the values' writes, one at a time, in program order
+        grown = _make(graph, users, effects, out_roots, rots[0], [*best.members, c], max_bindings)
+        best = grown or best
+    return best
+
+
 def plan_rope_cache(
     graph: Graph, needed: Sequence[bool], max_bindings: int | None = None
 ) -> tuple[FusionGroup, ...]:
@@ -118,7 +152,8 @@ def plan_rope_cache(
     (offset operand, head dim, dtype, attributes); the pair takes the ``index_copy_`` nodes
     reading either rotation, then the other ``index_copy_`` nodes with the same index operand
     and dim, one at a time in program order, each kept where the group stays valid. Where the
-    rotations with their copies break an invariant, the rotations alone are tried.
+    rotations with their copies break an invariant, the rotations alone are tried, then the
+    first rotation without its partner (with its own cache write).
 
     Args:
         graph: a verified graph.
@@ -148,35 +183,11 @@ def plan_rope_cache(
             ),
             None,
         )
-        rots = [r] if partner is None else [r, partner]
-        own = []  # one cache write per rotation, reading the rotation directly
-        for rot in rots:
-            c = next((c for c in copies if c not in taken and graph[c].inputs[2] == rot), None)
-            if c is not None and graph[graph[c].inputs[0]].type.numel > 0:
-                own.append(c)
-        extra = []
-        if own:
-            index, dim = graph[own[0]].inputs[1], graph[own[0]].attr("dim")
-            extra = [
-                c
-                for c in copies
-                if c not in taken
-                and c not in own
-                and graph[c].inputs[1] == index
-                and graph[c].attr("dim") == dim
-                and graph[c].inputs[2] not in rots
-                and graph[graph[c].inputs[2]].type.numel > 0
-            ]
-        best = None
-        for base in (rots + own, rots):
-            best = _make(graph, users, effects, out_roots, r, base, max_bindings)
+        tries = [[r, partner], [r]] if partner is not None else [[r]]
+        for rots in tries:  # with its partner, else alone (with its cache write)
+            best = _group_of(graph, users, effects, out_roots, rots, copies, taken, max_bindings)
             if best is not None:
+                groups.append(best)
+                taken.update(best.members)
                 break
-        if best is None:
-            continue
-        for c in extra:  # the values' writes, one at a time, in program order
-            grown = _make(graph, users, effects, out_roots, r, [*best.members, c], max_bindings)
-            best = grown or best
-        groups.append(best)
-        taken.update(best.members)
     return tuple(sorted(groups, key=lambda g: g.sink))
