@@ -174,3 +174,41 @@ def test_split_and_plain_kernels_agree(split, gpu_device):
     split(False)
     b, _, _ = _run("decode_lengths_per_sequence")
     assert np.abs(a - b).max() <= 1e-6 * np.abs(want).max()
+
+
+@pytest.mark.gpu
+def test_empty_chunks_ignore_whatever_their_scratch_held(split, gpu_device):
+    """Chunks past the last key store no output row; their scratch keeps what the buffer
+    held before (here NaN, from a value whose buffer the planner gives to the scratch) and
+    the merge must not let it in."""
+    from meganeura.compile import CompileOptions, compile
+    from meganeura.nn import functional as F
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    split(True)
+    b = GraphBuilder()
+    junk = b.input("junk", (4096,))
+    b.output("s", F.sum(junk * 2.0))  # junk * 2.0: an intermediate, dead before attention
+    q, k, v = (
+        b.input("q", (1, 4, 1, 16)),
+        b.input("k", (1, 2, 200, 16)),
+        b.input("v", (1, 2, 200, 16)),
+    )
+    n = b.input("n", (), DType.i32)
+    b.output(
+        "out", scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, kv_length=n)
+    )
+    graph = b.build()
+    program = compile(graph, CompileOptions(), device_limits(gpu_device))
+    (mul,) = [d for d in program.dispatches if d.name.endswith(" mul")]
+    (parts,) = [d for d in program.dispatches if " split " in d.name]
+    assert parts.bindings[-1] == mul.bindings[-1]  # the scratch reuses the NaN buffer
+    feeds = {name: rng.standard_normal(graph[graph.find(name).id].type.shape).astype(np.float32)
+             for name in "qkv"}  # fmt: skip
+    feeds |= {"junk": np.full(4096, np.nan, np.float32), "n": np.array(20, np.int32)}
+    with Session(program, gpu_device) as sess:
+        got = sess.run(feeds, ["out"])["out"]
+    want = _reference(feeds["q"], feeds["k"], feeds["v"], None, [20], True)
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()

@@ -6,10 +6,12 @@ Sizov 2023): two dispatches.
    the online-softmax state of each row over its chunk's keys (the runtime ``kv_length``, the
    mask and the lower-right causal rule apply as in the plain kernel, so chunks past the last
    key stream nothing) and writes ``(m, l, o[0..Dv))`` per (row, chunk) to scratch, ``o``
-   unnormalized.
+   unnormalized; a workgroup whose chunk lies past the last key it may see (most of a decoding
+   cache) stores only ``m`` = the lowest finite f32 and ``l = 0`` and returns at once.
 2. The merge (``lower_merge``): one thread per output element; with ``M = max_c m_c`` it forms
    ``L = sum_c l_c exp(m_c - M)`` and ``out = (sum_c o_c exp(m_c - M)) / L`` over the chunks in
-   ascending order, a fixed order, so results do not depend on scheduling. A row with no
+   ascending order (``o_c`` taken as 0 where ``l_c = 0``: an empty chunk's row is not
+   written), a fixed order, so results do not depend on scheduling. A row with no
    unmasked key (every chunk has ``l = 0``) writes zeros, as the plain kernel does; an empty
    chunk holds ``m`` = the lowest finite f32, so its weight underflows to 0 beside any
    nonempty chunk.
@@ -62,8 +64,14 @@ def lower_merge(graph: Graph, node_id: int, limits: Limits, split: Split) -> Ker
         mx = f"max({mx}, m{c})"
     lines.append(f"    let mx = {mx};")
     lines += [f"    let w{c} = exp(m{c} - mx);" for c in range(nc)]
-    l_sum = " + ".join(f"{at(f'base + {c * stride + 1}u')} * w{c}" for c in range(nc))
-    o_sum = " + ".join(f"{at(f'base + {c * stride + 2}u + col')} * w{c}" for c in range(nc))
+    lines += [f"    let l{c} = {at(f'base + {c * stride + 1}u')};" for c in range(nc)]
+    # an empty chunk (l = 0) stores no output row: select, never multiply, what it holds
+    lines += [
+        f"    let o{c} = select(0.0, {at(f'base + {c * stride + 2}u + col')}, l{c} > 0.0);"
+        for c in range(nc)
+    ]
+    l_sum = " + ".join(f"l{c} * w{c}" for c in range(nc))
+    o_sum = " + ".join(f"o{c} * w{c}" for c in range(nc))
     lines += [
         f"    let l = {l_sum};",
         f"    let o = {o_sum};",

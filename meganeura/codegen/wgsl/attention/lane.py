@@ -79,6 +79,8 @@ class _Kernel:
     causal: bool
     kvlen: Src | None = None
     split: Split | None = None  # fwd only: this workgroup's key chunk, partials to scratch
+    kb: KernelBuilder | None = None  # with split: stores of empty chunks' states to ``out``
+    out: str = ""
 
     @property
     def accs(self) -> list[str]:
@@ -194,14 +196,14 @@ def lower_flash(
     mask, kvlen = read_extras(kb, graph, ins[n_fixed:])
     strides = broadcast_strides(mask.type.shape, (b, hq, lq, lk)) if mask else (0, 0, 0, 0)
     total, layout = shared_layout(mode, dims, plan)
-    k = _Kernel(mode, dims, plan, layout, src, mask, strides,
-                f32_literal(node.attr("scale")), bool(node.attr("is_causal")), kvlen,
-                split)  # fmt: skip
     if split is None:
         outs = {"out": kb.write(node_id, "out")}
     else:
         count = b * hq * lq * chunks * (dv + 2)
         outs = {"out": kb.scratch(PARTIALS, count, node.type.dtype, "part")}
+    k = _Kernel(mode, dims, plan, layout, src, mask, strides,
+                f32_literal(node.attr("scale")), bool(node.attr("is_causal")), kvlen,
+                split, kb, outs["out"])  # fmt: skip
     if mode == "dkv":
         outs["dv"] = kb.write(value_node, "dv")
 
@@ -381,6 +383,18 @@ def _stream_loops(k: _Kernel) -> list[str]:
     if k.split is not None:  # this workgroup's chunk of keys only
         c = u(k.split.length)
         lines += [f"  let s_begin = chunk * {c};", f"  let s_stop = min(s_end, s_begin + {c});"]
+        # a chunk past the last key (decoding: most of the cache) stores only an empty state
+        # (m lowest, l = 0; the merge ignores its output row) and leaves; s_stop is uniform
+        lines += [
+            "  if (s_begin >= s_stop) {",
+            "    if (live && t == 0u) {" if k.plan.lanes > 1 else "    if (live) {",
+            f"      let pb = (qrow * {u(k.split.chunks)} + chunk) * {u(k.dims.dv + 2)};",
+            f"      {k.kb.store(k.out, 'pb', LOWEST)}",
+            f"      {k.kb.store(k.out, 'pb + 1u', '0.0')}",
+            "    }",
+            "    return;",
+            "  }",
+        ]
         loop = f"  for (var s0 = s_begin; s0 < s_stop; s0 = s0 + {u(BS)}) {{"
     else:
         loop = f"  for (var s0 = 0u; s0 < s_end; s0 = s0 + {u(BS)}) {{"
