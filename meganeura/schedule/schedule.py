@@ -25,7 +25,7 @@ from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
 from ..codegen.wgsl.optim import lower_update_group
-from ..graph.ir import ALIAS_OPS, VIEW_OPS, Graph
+from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
 from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
 from ..passes.rope_cache import ROPE, plan_rope_cache
@@ -42,7 +42,9 @@ class Schedule:
     Attributes:
         dispatches: (node id, KernelSource) in execution order.
         root: node id -> id of the value whose storage it uses (itself unless a view).
-        pinned: root ids that own a buffer for the whole program.
+        pinned: root ids that own a buffer for the whole program (leaves, outputs, the
+            ``row_block`` aliases of leaves, which live in their leaf's buffer, and the
+            operands of a ``row_concat``, which live in its buffer).
         intervals: lifetimes of the other roots and of scratch, keyed by root id or
             (node id, scratch key).
         groups: the fusion groups lowered as one kernel each (empty without fusion).
@@ -70,26 +72,18 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
     Raises:
         ValueError: when an output is a constant (it has no storage to read back).
     """
-    n = len(graph.nodes)
-    needed = [False] * n
-    for _, v in graph.outputs:
-        needed[v] = True
-    for node in graph.nodes:
-        if node.op in OPS and OPS[node.op].writes:
-            needed[node.id] = True
-    for node in reversed(graph.nodes):
-        if not needed[node.id]:
-            continue
-        operands = node.inputs if node.op in VIEW_OPS else reads(graph, node.id)
-        for i in operands:
-            needed[i] = True
-
+    needed = needed_nodes(graph)
     root: dict[int, int] = {}
     for node in graph.nodes:
         aliases = node.op in VIEW_OPS or node.op in ALIAS_OPS  # index_copy_ writes operand 0
         root[node.id] = root[node.inputs[0]] if aliases else node.id
 
-    pinned = {node.id for node in graph.nodes if node.op in PINNED_LEAVES}
+    # A row-block alias lives in its leaf's buffer, so it is pinned with it.
+    pinned = {
+        node.id for node in graph.nodes if node.op in PINNED_LEAVES or node.op in SUBRANGE_OPS
+    }
+    # The operands of a placed concatenation live in its (output) buffer.
+    pinned.update(i for node in graph.nodes if node.op in PLACED_OPS for i in node.inputs)
     for name, v in graph.outputs:
         if graph.nodes[root[v]].op == "constant":
             raise ValueError(f"output {name!r} is a constant; it has no storage")
@@ -132,6 +126,24 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             last[key] = pos
     intervals = tuple(Interval(k, sizes[k], first[k], last[k]) for k in first)
     return Schedule(tuple(dispatches), root, frozenset(pinned), intervals, groups, updates)
+
+
+def needed_nodes(graph: Graph) -> list[bool]:
+    """Per node id, whether its value is bound by a kernel that reaches an output or an effect
+    (judged by what each kernel really binds: ``codegen.wgsl.reads``)."""
+    needed = [False] * len(graph.nodes)
+    for _, v in graph.outputs:
+        needed[v] = True
+    for node in graph.nodes:
+        if node.op in OPS and OPS[node.op].writes:
+            needed[node.id] = True
+    for node in reversed(graph.nodes):
+        if not needed[node.id]:
+            continue
+        operands = node.inputs if node.op in VIEW_OPS else reads(graph, node.id)
+        for i in operands:
+            needed[i] = True
+    return needed
 
 
 def _lower_all(
