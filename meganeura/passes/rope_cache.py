@@ -30,8 +30,8 @@ dispatches):
     write);
   * no op with in-place effects other than the members lies between the first and the last
     member, so the operands read at the kernel's position hold the values the members saw;
-  * no member reads the storage a member writes (a cache, or a stored rotation), so the
-    threads of the kernel never race on one buffer;
+  * no member reads the storage a member writes (a cache, or a stored rotation), and no two
+    members write one storage, so the threads of the kernel never race on one buffer;
   * with ``max_bindings``, the kernel binds at most that many storage buffers.
 """
 
@@ -76,6 +76,8 @@ def _valid(graph: Graph, users, effects, members: tuple[int, ...], outputs) -> b
     if any(first < e < last and e not in mset for e in effects):
         return False
     written = {resolve_view(graph, o) for o in outputs}
+    if len(written) < len(outputs):  # two writes of one cache: program order would decide
+        return False
     for m in members:
         if any(r not in mset and r < last for r in _readers(graph, users, m)):
             return False

@@ -109,6 +109,20 @@ def test_the_binding_bound_shrinks_the_group(bound, ops):
     assert [_ops(graph, g) for g in groups] == ([ops] if ops else [])
 
 
+def test_two_writes_of_one_cache_stay_apart():
+    # the values written into the keys' cache at the same slots: the later write must win,
+    # which one kernel could not promise
+    b = GraphBuilder()
+    k, v = b.input("k", (1, 2, 3, 8)), b.input("v", (1, 2, 3, 8))
+    off, slots = b.input("off", (), DType.i32), b.input("slots", (3,), DType.i32)
+    kc = b.state("kc", (1, 2, 16, 8))
+    keys = F.index_copy_(kc, 2, slots, apply_rotary_emb(k, 1e4, off))
+    b.output("keys", F.index_copy_(keys, 2, slots, v))
+    graph = b.build()
+    (group,) = plan_rope_cache(graph, _needed(graph))
+    assert _ops(graph, group) == ["apply_rotary_emb", "index_copy_"]
+
+
 def test_rotations_of_different_offsets_are_not_paired():
     b = GraphBuilder()
     x = b.input("x", (1, 2, 3, 8))
