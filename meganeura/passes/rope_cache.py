@@ -18,8 +18,8 @@ never see a fused op; the scheduler lowers the group at its last member's positi
 Invariants of every group returned (each check is conservative; a rejected group only costs
 dispatches):
   * one or two needed ``apply_rotary_emb`` nodes with the same offset operand (or none), the
-    same ``theta``, ``position_offset`` and ``inverse`` and the same head dim D, nonzero
-    elements; optionally ``index_copy_`` nodes whose source is one of those rotations (one
+    same ``theta``, ``position_offset`` and ``inverse`` and the same head dim D (any dtypes),
+    nonzero elements; optionally ``index_copy_`` nodes whose source is one of those rotations (one
     copy per rotation) and further ``index_copy_`` nodes with the same index operand and dim
     whose source is computed outside the group (the values);
   * at least two members;
@@ -48,10 +48,12 @@ ROPE = "apply_rotary_emb"
 
 
 def _rope_key(graph: Graph, nid: int) -> tuple:
-    """What two rotations must share to be computed by one kernel."""
+    """What two rotations must share to be computed by one kernel (not the dtype: the kernel
+    computes in f32 and each load and store converts, so fast mode's f16 queries pair with
+    keys kept f32 for their f32 cache)."""
     n = graph[nid]
     offset = resolve_view(graph, n.inputs[1]) if len(n.inputs) > 1 else None
-    return (offset, n.type.shape[-1], n.type.dtype, n.attrs)
+    return (offset, n.type.shape[-1], n.attrs)
 
 
 def rope_cache_bindings(graph: Graph, group: FusionGroup) -> int:
@@ -151,7 +153,7 @@ def plan_rope_cache(
     results (see the module docstring for the invariants).
 
     Greedy, in program order: each needed rotation pairs with the next one of the same key
-    (offset operand, head dim, dtype, attributes); the pair takes the ``index_copy_`` nodes
+    (offset operand, head dim, attributes); the pair takes the ``index_copy_`` nodes
     reading either rotation, then the other ``index_copy_`` nodes with the same index operand
     and dim, one at a time in program order, each kept where the group stays valid. Where the
     rotations with their copies break an invariant, the rotations alone are tried, then the

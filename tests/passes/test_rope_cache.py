@@ -191,8 +191,8 @@ def _feeds(per_row, values_index="same"):
     return feeds
 
 
-def _run(device, graph, feeds, state, fuse=True):
-    program = compile(graph, CompileOptions(fuse=fuse), device_limits(device))
+def _run(device, graph, feeds, state, fuse=True, precision="strict"):
+    program = compile(graph, CompileOptions(fuse=fuse, precision=precision), device_limits(device))
     fetch = [name for name, _ in graph.outputs]
     with Session(program, device) as sess:
         sess.load_state_dict(state)
@@ -227,6 +227,22 @@ def test_fused_step_matches_the_interpreter_and_the_unfused_program(per_row, sto
     assert np.array_equal(got["keys"][:, :, untouched], state["kc"][:, :, untouched])
     assert np.array_equal(got["values"][:, :, [4, 11, 7]], feeds["v"])
     assert np.array_equal(got2["values"][:, :, [4, 11, 7]], feeds["v"])  # kept from step 1
+
+
+@pytest.mark.gpu
+def test_fast_mode_pairs_f16_queries_with_f32_keys(gpu_device):
+    """Fast mode stores q_rot as f16 and keeps the keys f32 (their cache is f32): still one
+    kernel, each load and store converting."""
+    if not device_limits(gpu_device).shader_f16:
+        pytest.skip("the adapter lacks shader-f16")
+    graph = _graph()
+    feeds = _feeds(True)
+    state = {n: rng.standard_normal((B, HKV, S, D)).astype(np.float32) for n in ("kc", "vc")}
+    got, _, names = _run(gpu_device, graph, feeds, state, precision="fast")
+    assert names == ["rope_cache"]
+    values, _, _ = interpret(graph, feeds, None, state)
+    for name, v in graph.outputs:
+        np.testing.assert_allclose(got[name], values[v], rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.gpu
