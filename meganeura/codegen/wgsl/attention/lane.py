@@ -42,6 +42,7 @@ from ..core.layout import broadcast_strides
 from ..core.literals import NEG_INF_BITS, f32_literal, u
 from .plan import (
     QUERY_ROW_MODES,
+    SPLIT_MAX_LQ,
     Dims,
     Plan,
     Split,
@@ -272,7 +273,7 @@ def _load_tile(
     """Cooperative copy of the current tile's segment ``seg`` (rows of ``n`` floats of
     ``src``; ``row`` is the stream entry's row index in ``src``) into workgroup memory.
 
-    With ``stores`` (split kernels: a chunk is a tile or a few) the copy is unrolled: the
+    With ``stores`` (forwards of short query blocks) the copy is unrolled: the
     returned statements load into registers and the workgroup-memory stores are appended to
     ``stores``, for the caller to place after every segment's loads."""
     off, stride = k.layout[seg]
@@ -338,7 +339,9 @@ def _stream_loops(k: _Kernel) -> list[str]:
     R, BS = k.plan.rows, k.plan.tile
     if k.query_rows:
         row = f"bh * {u(lk)} + sr"
-        stores = None if k.split is None else []
+        # short query blocks (decoding) wait on each tile's loads: issue them all at once
+        short = k.mode == "fwd" and k.dims.lq <= SPLIT_MAX_LQ
+        stores = [] if short else None
         loads = _load_tile(k, "k", k.src["k"], row, d, stores)
         if k.mode in ("fwd", "dq"):
             loads += _load_tile(k, "v", k.src["v"], row, dv, stores)
