@@ -6,13 +6,14 @@ constant inlining and transpose folding), resolves views (``reshape``, ``stop_gr
 the value whose buffer they share, and measures each value's lifetime in dispatch positions.
 
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
-pairs attention gradients, and ``passes.fuse_matmul.plan_matmul_groups`` merges small-M matmuls
-sharing a left operand, with the norm producing it); a group is lowered as one kernel
-(``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``) at its last member's
-position, binding the group's external inputs and its stored outputs only, so lifetimes come
-from those bindings; the other members get no kernel and no storage. Optimizer updates are
-grouped likewise (``update_groups``): one kernel per group at its last member's position, over
-arenas that the assembler lays out.
+pairs attention gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges small-M matmuls
+sharing a left operand, with the norm producing it, and ``passes.rope_cache`` joins rotary
+embeddings and KV-cache writes); a group is lowered as one kernel
+(``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
+``attention.rope_cache``) at its last member's position, binding the group's external inputs
+and its stored outputs only, so lifetimes come from those bindings; the other members get no
+kernel and no storage. Optimizer updates are grouped likewise (``update_groups``): one kernel
+per group at its last member's position, over arenas that the assembler lays out.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from ..codegen.kernel import ArenaRef, KernelSource, Limits, ScratchRef, UpdateGroup, ValueRef
 from ..codegen.wgsl import lower, reads
 from ..codegen.wgsl.attention.lowering import key_value_fusible
+from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
 from ..codegen.wgsl.matmul.horizontal import NORM_MAX_K, gemv_key, group_fits, lower_matmul_group
@@ -30,6 +32,7 @@ from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
 from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
 from ..passes.fuse_matmul import MatmulGroup, plan_matmul_groups
+from ..passes.rope_cache import ROPE, plan_rope_cache
 from .planner import Interval
 from .update_groups import arena_roles, arena_value, plan_update_groups
 
@@ -104,7 +107,8 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             norm_max_k=NORM_MAX_K,
             accept=lambda g: group_fits(graph, g, limits),
         )
-        groups = tuple(sorted(fused + kv, key=lambda g: g.sink))
+        rope = plan_rope_cache(graph, needed, max_bindings=bound)
+        groups = tuple(sorted(fused + kv + rope, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     dispatches = _lower_all(graph, needed, limits, groups, updates)
     clash = _arena_clashes(graph, dispatches, updates)
@@ -178,6 +182,8 @@ def _lower_all(
                 kernels = []
             elif isinstance(group, MatmulGroup):
                 kernels = lower_matmul_group(graph, group, limits)
+            elif group.anchor is not None and graph[group.anchor].op == ROPE:
+                kernels = lower_rope_cache(graph, group, limits)
             else:
                 kernels = lower_group(graph, group, limits)
             dispatches.extend((node.id, ks) for ks in kernels)

@@ -15,15 +15,20 @@ from ....graph.ir import Graph
 from ....ops.attention import BWD_K, SDPA
 from ...kernel import KernelSource, Limits
 from .block import lower_block
+from .decode import lower_split
 from .lane import dims_of, lower_flash
-from .plan import choose_block_plan, fuses_key_value
+from .plan import choose_block_plan, choose_split, fuses_key_value
 
 
 def lower_attention(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[KernelSource]:
-    """The register-tiled kernel (``block``) when a block plan fits the adapter,
-    else the lane kernel (``lane``); ``plan.BLOCK_OVERRIDE`` forces
-    either."""
+    """The forward of a short query block over several tiles of keys (``plan.choose_split``):
+    the split-key lane kernel and its merge (``decode``). Otherwise the register-tiled kernel
+    (``block``) when a block plan fits the adapter, else the lane kernel (``lane``);
+    ``plan.BLOCK_OVERRIDE`` forces either."""
     dims = dims_of(graph, graph[node_id], mode)
+    split = choose_split(dims, limits) if mode == "fwd" else None
+    if split is not None:
+        return lower_split(graph, node_id, limits, split)
     plan = choose_block_plan(mode, dims, limits)
     if plan is None:
         return lower_flash(graph, node_id, limits, mode)
