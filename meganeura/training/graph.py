@@ -39,6 +39,7 @@ def device_limits(device) -> Limits:
         max_storage_buffers_per_shader_stage=device.max_storage_buffers_per_shader_stage,
         shader_f16="shader-f16" in device.features,
         subgroups="subgroup" in device.features,
+        cpu=str(device.info.get("adapter_type", "")).upper() == "CPU",
     )
 
 
