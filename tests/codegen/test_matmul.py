@@ -145,7 +145,7 @@ def test_cpu_plan_choice():
 
     cpu = Limits(max_workgroup_storage_size=32768, cpu=True)
     gpu = Limits(max_workgroup_storage_size=49152)  # the H200
-    assert matmul.choose_plan(1, 576, 49152, 1, "nt", cpu) == Plan("gemv", lanes=8)
+    assert matmul.choose_plan(1, 576, 49152, 1, "nt", cpu) == Plan("gemv", lanes=16)
     assert matmul.choose_plan(4, 576, 1536, 1, "nn", cpu) == Plan("gemv", lanes=64)
     assert matmul.choose_plan(128, 576, 1536, 1, "nt", cpu).name == "128x128x8/np"
     assert matmul.choose_plan(16, 576, 1536, 1, "nt", cpu).name == "64x128x16/np"

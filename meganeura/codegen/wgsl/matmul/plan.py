@@ -213,7 +213,7 @@ def heuristic_plan(m: int, k: int, n: int, batch: int = 1) -> Plan:
 
 # CPU adapters (llvmpipe): see cpu_plan. Gemv lanes per column when B is stored [N, K]
 # (layouts "nt", "tt"), K slices per workgroup when it is stored [K, N].
-CPU_GEMV_LANES = {"nt": 8, "tt": 8, "nn": 64, "tn": 64}
+CPU_GEMV_LANES = {"nt": 16, "tt": 16, "nn": 64, "tn": 64}
 CPU_TILINGS = (LARGE, TILINGS["64x128x16"], TILINGS["128x64x16"])
 
 
