@@ -40,6 +40,7 @@ def device_limits(device) -> Limits:
         max_buffer_size=device.max_buffer_size,
         shader_f16="shader-f16" in device.features,
         subgroups="subgroup" in device.features,
+        cpu=str(device.info.get("adapter_type", "")).upper() == "CPU",
     )
 
 

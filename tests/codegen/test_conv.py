@@ -110,6 +110,17 @@ def test_split_plan_keeps_whole_k_steps_and_covers_k():
     assert plan_splits(Gemm(64, 147, 50176, 1), SMALL, limits)[0] > 1
 
 
+def test_cpu_adapter_never_splits_and_takes_large_tiles():
+    from meganeura.codegen.wgsl.conv.gemm import choose_tiling
+
+    cpu = Limits(cpu=True)
+    for m, n, k in [(64, 147, 50176), (8, 8, 100000), (1, 1, 511)]:
+        assert plan_splits(Gemm(m, n, k, 1), SMALL, cpu) == (1, -(-k // SMALL.bk) * SMALL.bk)
+    assert choose_tiling(Gemm(128, 256, 64, 1), cpu=True) is LARGE
+    assert choose_tiling(Gemm(128, 256, 64, 1)) is SMALL  # 2 tiles: too few for a GPU
+    assert choose_tiling(Gemm(16, 4096, 64, 1), cpu=True) is NARROW
+
+
 @pytest.mark.gpu
 def test_pooling_and_conv_with_folded_grids():
     """A tiny per-dimension workgroup limit forces every kernel's grid to fold into 2-D/3-D."""

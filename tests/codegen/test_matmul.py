@@ -138,6 +138,37 @@ def test_heuristic():
     assert choose_tiling(1024, 1024, 64, batch=8) is LARGE
 
 
+def test_cpu_plan_choice():
+    """On a CPU adapter (Limits.cpu): gemv with the CPU lanes, tiles padding least, never
+    split or prefetched; on a GPU the choice is the heuristic's / TUNED's as before."""
+    from meganeura.codegen.kernel import Limits
+
+    cpu = Limits(max_workgroup_storage_size=32768, cpu=True)
+    gpu = Limits(max_workgroup_storage_size=49152)  # the H200
+    assert matmul.choose_plan(1, 576, 49152, 1, "nt", cpu) == Plan("gemv", lanes=16)
+    assert matmul.choose_plan(4, 576, 1536, 1, "nn", cpu) == Plan("gemv", lanes=64)
+    assert matmul.choose_plan(128, 576, 1536, 1, "nt", cpu).name == "128x128x8/np"
+    assert matmul.choose_plan(16, 576, 1536, 1, "nt", cpu).name == "64x128x16/np"
+    assert matmul.choose_plan(1500, 384, 64, 1, "nn", cpu).name == "128x64x16/np"
+    assert matmul.choose_plan(512, 4096, 512, 1, "nn", cpu).name == "128x128x8/np"
+    for (m, k, n, layout), name in matmul.TUNED.items():
+        assert matmul.choose_plan(m, k, n, 1, layout, gpu) == parse_plan(name)
+    assert matmul.choose_plan(4096, 4096, 4096, 1, "nn", gpu) == heuristic_plan(4096, 4096, 4096)
+
+
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize(
+    "m,k,n", [(1, 576, 260), (5, 37, 131), (16, 520, 68), (131, 44, 129), (300, 37, 65)]
+)
+def test_cpu_plans_match_float64(m, k, n, layout):
+    """The plans cpu_plan picks (lavapipe's), run on the test device with Limits.cpu set."""
+    import dataclasses
+
+    limits = dataclasses.replace(device_limits(), cpu=True)
+    graph, inputs, want, y = _product(m, k, n, layout)
+    _assert_close(run(graph, inputs, limits=limits).values[y], want, k)
+
+
 def test_plan_names_round_trip():
     for name in [*TILED, "gemv32", "gemv8/s4", "128x128x16/s2/np"]:
         assert parse_plan(name).name == name

@@ -78,13 +78,15 @@ NARROW = Tiling(4, 64, 4, 4, 8)
 THREADS = 256
 
 
-def choose_tiling(g: Gemm) -> Tiling:
+def choose_tiling(g: Gemm, cpu: bool = False) -> Tiling:
     """128x128 tiles only when there are enough of them to keep a large GPU busy (the matmul
-    measurement); 16-row tiles when M <= 16."""
+    measurement), or on a CPU adapter (``Limits.cpu``, where the work counts, not filling a
+    GPU: ``matmul.plan.cpu_plan``) whenever M and N reach 128; 16-row tiles when M <= 16."""
     if g.m <= NARROW.bm:
         return NARROW
     tiles = -(-g.m // LARGE.bm) * -(-g.n // LARGE.bn) * g.groups
-    return LARGE if g.m >= 128 and g.n >= 128 and tiles >= LARGE_MIN_TILES else SMALL
+    enough = cpu or tiles >= LARGE_MIN_TILES
+    return LARGE if g.m >= 128 and g.n >= 128 and enough else SMALL
 
 
 @dataclass(frozen=True)
@@ -127,12 +129,13 @@ class Output:
 
 
 def plan_splits(g: Gemm, t: Tiling, limits) -> tuple[int, int]:
-    """(splits, K per split, a multiple of ``t.bk``)."""
+    """(splits, K per split, a multiple of ``t.bk``); never split on a CPU adapter
+    (``Limits.cpu``: the partials and second dispatch are pure overhead there)."""
     if g.k == 0:
         return 1, t.bk
     tiles = -(-g.m // t.bm) * -(-g.n // t.bn) * g.groups
     splits = 1
-    if tiles < TARGET_GROUPS and g.k >= 2 * MIN_SPLIT_K:
+    if tiles < TARGET_GROUPS and g.k >= 2 * MIN_SPLIT_K and not limits.cpu:
         splits = min(-(-TARGET_GROUPS // tiles), g.k // MIN_SPLIT_K, MAX_SPLITS)
         numel = max(g.m * g.n * g.groups, 1)
         cap = min(MAX_SCRATCH, limits.max_storage_buffer_binding_size) // (4 * numel)
@@ -148,7 +151,7 @@ def emit_gemm(
     """The dispatch(es) computing C into the node's output. ``kb`` holds A's and B's
     bindings; this binds the output (or split-K scratch, keyed by ``suffix``) and the bias.
     Kernel names end in ``gemm{suffix}`` and ``sum_splits{suffix}``."""
-    t = choose_tiling(g)
+    t = choose_tiling(g, kb.limits.cpu)
     splits, per = plan_splits(g, t, kb.limits)
     tiles_m, tiles_n = -(-g.m // t.bm), -(-g.n // t.bn)
     key = f"partials{suffix}"

@@ -2,9 +2,10 @@
 
 A ``Plan`` names one way to run a product (``"128x128x8/d2"``, ``"64x64x16/s8"``,
 ``"gemv16"``; ``parse_plan`` gives the grammar). ``choose_plan`` picks it per shape:
-``force_plan`` (benchmark sweeps) overrides everything; then ``tuned.TUNED``, the measured
-best plan per (M, K, N, layout), which ``bench/matmul_sweep.py`` prints for pasting there;
-then ``heuristic_plan``, documented on the function. A tiled plan that needs more workgroup
+``force_plan`` (benchmark sweeps) overrides everything; on a CPU adapter (``Limits.cpu``:
+llvmpipe, CI's lavapipe) ``cpu_plan``; then ``tuned.TUNED``, the measured best plan per
+(M, K, N, layout) on the H200, which ``bench/matmul_sweep.py`` prints for pasting there; then
+``heuristic_plan``, documented on the function. A tiled plan that needs more workgroup
 memory than the adapter has falls back to one buffer, then to the small tile.
 """
 
@@ -210,12 +211,43 @@ def heuristic_plan(m: int, k: int, n: int, batch: int = 1) -> Plan:
     return Plan("tiled", SMALL, split_for(tiles(SMALL), k))
 
 
+# CPU adapters (llvmpipe): see cpu_plan. Gemv lanes per column when B is stored [N, K]
+# (layouts "nt", "tt"), K slices per workgroup when it is stored [K, N].
+CPU_GEMV_LANES = {"nt": 16, "tt": 16, "nn": 64, "tn": 64}
+CPU_TILINGS = (LARGE, TILINGS["64x128x16"], TILINGS["128x64x16"])
+
+
+def cpu_plan(m: int, k: int, n: int, layout: str = "nn") -> Plan:
+    """The plan on a CPU adapter (``Limits.cpu``: Mesa's llvmpipe, which CI's lavapipe is).
+
+    llvmpipe runs a workgroup on one CPU thread, its invocations as 8-wide SIMD lanes in a
+    loop; every storage or workgroup-memory load is a per-lane scalar loop (Mesa 22.3) and a
+    barrier switches coroutines per 8 lanes, while a handful of threads (one per core) share
+    the workgroups. So what counts is the work, not how many workgroups fill a GPU: no split-K
+    (its partial sums and second dispatch are pure overhead), no register prefetch (a second
+    workgroup buffer and more live registers), and of the tiles with the most outputs per
+    thread (128x128x8, 64x128x16, 128x64x16) the one padding M x N least (ties: 128x128).
+    M <= 8: gemv with ``CPU_GEMV_LANES[layout]`` lanes. Measured with bench/cpu_matmul.py
+    (lavapipe, Mesa 22.3, LLVM 15, 2 cores).
+    """
+    if m <= GEMV_MAX_M:
+        return Plan("gemv", lanes=CPU_GEMV_LANES.get(layout, 32))
+
+    def padded(t: Tiling) -> int:
+        return -(-m // t.bm) * t.bm * -(-n // t.bn) * t.bn
+
+    return Plan("tiled", min(CPU_TILINGS, key=padded), prefetch=False)
+
+
 def choose_plan(m: int, k: int, n: int, batch: int, layout: str, limits: Limits) -> Plan:
     """The plan for one product (see the module docstring for the order of sources)."""
     if _forced:
         return parse_plan(_forced[0])
-    name = TUNED.get((m, k, n, layout)) if batch == 1 else None
-    plan = parse_plan(name) if name else heuristic_plan(m, k, n, batch)
+    if limits.cpu:
+        plan = cpu_plan(m, k, n, layout)
+    else:
+        name = TUNED.get((m, k, n, layout)) if batch == 1 else None
+        plan = parse_plan(name) if name else heuristic_plan(m, k, n, batch)
     if plan.kernel == "tiled":
         # WebGPU guarantees only 16 KiB of workgroup memory: drop the second buffer, then
         # fall back to the small tile, where the adapter has less.
