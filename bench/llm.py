@@ -262,8 +262,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out-name", default="llm_h200")
     ap.add_argument("--profile", help="write the decode program's per-kernel profile here")
+    ap.add_argument(
+        "--no-split-attention",
+        action="store_true",
+        help="decode attention in one kernel per kv head (no split over keys), for an A/B",
+    )
     args = ap.parse_args()
     torch, dev = torch_setup()
+    if args.no_split_attention:
+        from meganeura.codegen.wgsl.attention import plan
+
+        plan.SPLIT_OVERRIDE = False
 
     def sync():
         if dev == "cuda":
