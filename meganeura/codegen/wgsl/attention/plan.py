@@ -149,6 +149,11 @@ SPLIT_MAX_CHUNKS = 64  # the merge reads every chunk's state per output element
 # True forces the split wherever it can run (at least two chunks), False forbids it; None
 # chooses by ``choose_split``'s rule. Tests and benchmarks compare both ways through this.
 SPLIT_OVERRIDE: bool | None = None
+# Keys (the cache length, kv_length being a runtime value) from which a split pays. Measured on
+# the H200 (bench/llm.py, SmolLM2-135M greedy decode, 512-slot cache, ~45 keys attended): 1.55
+# ms/token split (the merge kernel 39 us a layer) against 1.30 unsplit. Until the merge is
+# cheaper, only very long caches split.
+SPLIT_MIN_KEYS = 8192
 
 
 @dataclass(frozen=True)
@@ -164,7 +169,8 @@ class Split:
 def choose_split(dims: Dims, limits: Limits) -> Split | None:
     """The key split of a forward (``fwd``) with short query blocks, or None for the plain
     lane kernel: when Lq <= ``SPLIT_MAX_LQ``, the plain kernel has fewer than
-    ``SPLIT_BELOW_GROUPS`` workgroups and the keys fill at least two tiles
+    ``SPLIT_BELOW_GROUPS`` workgroups, there are at least ``SPLIT_MIN_KEYS`` keys and they fill
+    at least two tiles
     (``SPLIT_OVERRIDE`` forces or forbids it). Chunks are whole tiles, about
     ``SPLIT_TARGET_GROUPS`` workgroups in all, at most ``SPLIT_MAX_CHUNKS``."""
     if SPLIT_OVERRIDE is False:
@@ -175,7 +181,9 @@ def choose_split(dims: Dims, limits: Limits) -> Split | None:
     tiles = -(-lk // plan.tile)
     if tiles < 2:
         return None
-    if SPLIT_OVERRIDE is None and (dims.lq > SPLIT_MAX_LQ or groups >= SPLIT_BELOW_GROUPS):
+    if SPLIT_OVERRIDE is None and (
+        dims.lq > SPLIT_MAX_LQ or groups >= SPLIT_BELOW_GROUPS or lk < SPLIT_MIN_KEYS
+    ):
         return None
     chunks = min(tiles, SPLIT_MAX_CHUNKS, max(2, -(-SPLIT_TARGET_GROUPS // groups)))
     length = -(-tiles // chunks) * plan.tile
