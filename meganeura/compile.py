@@ -1,5 +1,6 @@
 """The pipeline in one place: graph -> (differentiate -> apply_optimizer) -> simplify ->
-(narrow_storage, fast mode) -> schedule -> plan_memory -> lower to WGSL -> Program.
+(narrow_storage, fast mode) -> split_bindings (tensors over one storage binding, in row
+blocks) -> schedule -> plan_memory -> lower to WGSL -> Program.
 
 Every stage is a pure function; ``compile`` only strings them together, times each stage and
 assembles the Program's buffer table. Nothing here touches a GPU: adapter limits come in as
@@ -8,6 +9,7 @@ a ``Limits`` value (``Session`` users get them from ``meganeura.runtime.get_devi
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -17,13 +19,14 @@ from .autodiff import differentiate, missing_loss
 from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
 from .dtypes import DType
 from .graph.builder import GraphBuilder
-from .graph.ir import Graph, resolve_view
+from .graph.ir import PLACED_OPS, SUBRANGE_OPS, Graph, resolve_view
 from .graph.verify import verify
 from .optim import Optimizer, apply_optimizer
 from .optim.accumulate import add_to_accumulators, mean_with_accumulators
 from .optim.guard import GUARD_MODES, defer_update_stats
 from .passes import cse, dce, fold_permutes
 from .passes.precision import narrow_storage
+from .passes.split_bindings import split_bindings
 from .schedule.planner import plan_memory
 from .schedule.program import (
     BufferSpec,
@@ -82,6 +85,12 @@ class CompileOptions:
             state ``<statistic>.pending`` and the last micro-batch's program commits them, so
             the caller must share those states between the programs and compile both with the
             guard.
+        max_storage_binding_bytes: the most bytes one kernel may bind as one storage buffer;
+            None: the adapter's ``max_storage_buffer_binding_size`` (``Limits``). A smaller
+            value makes ``passes.split_bindings`` split smaller tensors (tests use it); a
+            larger one than the adapter's is refused by ``compile``. Tensors above the limit
+            (up to the adapter's ``max_buffer_size``) are bound in row blocks
+            (docs/bindings.md).
     """
 
     loss: str | None = None
@@ -95,6 +104,7 @@ class CompileOptions:
     accumulation_steps: int = 1
     accumulate_grads: bool = False
     nonfinite_guard: str | None = None
+    max_storage_binding_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in ("strict", "fast"):
@@ -108,6 +118,11 @@ class CompileOptions:
             raise ValueError(
                 "accumulate_grads compiles a micro-batch without an update or gradient outputs; "
                 "leave optimizer None and output_grads False"
+            )
+        m = self.max_storage_binding_bytes
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 4 or m % 4):
+            raise ValueError(
+                f"max_storage_binding_bytes must be None or a positive multiple of 4, got {m!r}"
             )
         if self.nonfinite_guard is not None and self.nonfinite_guard not in GUARD_MODES:
             raise ValueError(
@@ -214,8 +229,8 @@ def compile(
     Returns:
         A Program whose ``meta["compile_seconds"]`` holds wall seconds per stage, in order:
         ``graph`` (only when given), ``autodiff`` (backward + optimizer, 0 for inference),
-        ``passes`` (fold_permutes, dce, cse), ``codegen`` (schedule + lowering to WGSL),
-        ``plan_memory``,
+        ``passes`` (fold_permutes, dce, cse, split_bindings), ``codegen`` (schedule + lowering
+        to WGSL), ``plan_memory``,
         ``assemble`` (buffer table and dispatches); ``meta`` also holds the options.
 
         ``meta["precision"]`` is the precision compiled (``"strict"`` or ``"fast"``) and
@@ -225,13 +240,17 @@ def compile(
         GraphError: when ``graph`` breaks an IR invariant (a cycle, a mis-typed node, an
             unknown op: ``graph.verify``); graphs reach ``compile`` without the builder too.
         ValueError: for inconsistent options (a ``loss`` that names no output: the message
-            lists the outputs), or a tensor larger than one storage binding.
+            lists the outputs, a ``max_storage_binding_bytes`` above the adapter's), or a
+            tensor larger than one buffer (``Limits.max_buffer_size``).
+        BindingSplitError: (a ValueError) a tensor larger than one storage binding that an
+            op reading it cannot split into row blocks (``passes.split_bindings``; the message
+            names the tensor, its size, the limit and the op).
 
     Warns:
         PrecisionFallbackWarning: ``precision="fast"`` without ``limits.shader_f16``.
     """
     options = options or CompileOptions()
-    limits = limits or Limits()
+    limits = binding_limits(limits or Limits(), options)
     times: dict[str, float] = {} if graph_seconds is None else {"graph": float(graph_seconds)}
     t0 = time.perf_counter()
     verify(graph, allow_unused_inputs=True)  # an unverified graph gave KeyErrors or wrong values
@@ -251,6 +270,9 @@ def compile(
         )
         precision = "strict"
     graph, narrowed = storage_plan(graph, master, options, precision)
+    unsplit = graph  # label checks read the token ids the split index_selects clamp
+    graph, kept = split_bindings(graph, limits)
+    narrowed = frozenset(kept[i] for i in narrowed if i in kept)
     times["passes"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -262,18 +284,36 @@ def compile(
     times["plan_memory"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    program = _assemble(graph, sched, plan, limits, narrowed)
+    program = _assemble(graph, sched, plan, limits, narrowed, unsplit)
     times["assemble"] = time.perf_counter() - t
     meta = dict(program.meta)
     meta["precision"] = precision
     meta["precision_requested"] = options.precision
     meta["compile_seconds"] = times
     meta["num_nodes"] = len(graph.nodes)
+    meta["max_storage_binding_bytes"] = limits.max_storage_buffer_binding_size
     if options.optimizer is not None:
         meta["optimizer"] = options.optimizer.config()
         meta["max_grad_norm"] = options.max_grad_norm
         meta["nonfinite_guard"] = options.nonfinite_guard
     return program.replace(meta=meta)
+
+
+def binding_limits(limits: Limits, options: CompileOptions) -> Limits:
+    """``limits`` with ``options.max_storage_binding_bytes`` as the storage binding limit.
+
+    Raises:
+        ValueError: the option exceeds the adapter's ``max_storage_buffer_binding_size``.
+    """
+    want = options.max_storage_binding_bytes
+    if want is None:
+        return limits
+    if want > limits.max_storage_buffer_binding_size:
+        raise ValueError(
+            f"max_storage_binding_bytes={want:,} exceeds the adapter's "
+            f"max_storage_buffer_binding_size of {limits.max_storage_buffer_binding_size:,}"
+        )
+    return dataclasses.replace(limits, max_storage_buffer_binding_size=want)
 
 
 def simplify_program(graph: Graph, master: frozenset[int]) -> tuple[Graph, frozenset[int]]:
@@ -298,17 +338,20 @@ def storage_plan(
     return narrow_storage(graph, master, parameters=parameters)
 
 
-def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -> Program:
+def _assemble(
+    graph: Graph, sched, plan, limits: Limits, narrowed=frozenset(), unsplit: Graph | None = None
+) -> Program:
     buffers: list[BufferSpec] = []
     place: dict[int, tuple[int, int]] = {}  # pinned root -> (buffer, byte offset)
     slots = {"input": {}, "parameter": {}, "state": {}}
     outputs: dict[str, TensorSlot] = {}
 
     def new_buffer(size: int, role, name=None) -> int:
-        if size > limits.max_storage_buffer_binding_size:
+        # A buffer may exceed one binding (split_bindings binds row blocks of it), not this.
+        if size > limits.max_buffer_size:
             raise ValueError(
-                f"tensor {name or 'intermediate'} needs {size} bytes, more than the adapter's "
-                f"largest storage binding ({limits.max_storage_buffer_binding_size} bytes)"
+                f"tensor {name or 'intermediate'} needs {size:,} bytes, more than the adapter's "
+                f"largest buffer ({limits.max_buffer_size:,} bytes, max_buffer_size)"
             )
         buffers.append(BufferSpec(len(buffers), max(4, (size + 3) // 4 * 4), role, name))
         return len(buffers) - 1
@@ -336,12 +379,30 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
             slots[node.op][node.name] = TensorSlot(
                 b, node.type.shape, node.type.dtype, off, host_dtype=host
             )
+    # A row block of a leaf (split_bindings) is bound as its byte range of the leaf's buffer.
+    blocks: set[int] = set()
+    for node in graph.nodes:
+        if node.op in SUBRANGE_OPS:
+            leaf = graph[resolve_view(graph, node.inputs[0])]
+            buf, off = place[leaf.id]
+            row_bytes = leaf.type.nbytes // leaf.type.shape[0]
+            place[node.id] = (buf, off + node.attr("start") * row_bytes)
+            blocks.add(node.id)
     for name, v in graph.outputs:
         r = sched.root[v]
         if r not in place:
             place[r] = (new_buffer(graph.nodes[r].type.nbytes, "output", name), 0)
         t = graph.nodes[v].type
         outputs[name] = TensorSlot(place[r][0], t.shape, t.dtype, place[r][1])
+    # A placed concatenation's operands are written in place, each at its rows of its buffer.
+    for node in graph.nodes:
+        if node.op in PLACED_OPS:
+            buf, off = place[node.id]
+            row_bytes = node.type.nbytes // node.type.shape[0]
+            for i in node.inputs:
+                place[i] = (buf, off)
+                blocks.add(i)
+                off += graph[i].type.shape[0] * row_bytes
     pinned_bytes = sum(b.size for b in buffers)
 
     pool = [new_buffer(size, "intermediate") for size in plan.buffer_sizes]
@@ -356,7 +417,8 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
                     buf, off = place[r]
                     # a value in an arena is bound as its own sub-range, whole buffers whole
                     size = max(4, (graph.nodes[r].type.nbytes + 3) // 4 * 4)
-                    spans.append((buf, off, size if buf in arena_buffers else 0))
+                    own = buf in arena_buffers or r in blocks
+                    spans.append((buf, off, size if own else 0))
                 else:
                     spans.append((pool[plan.assignment[r]], 0, 0))
             elif isinstance(bnd, ArenaRef):
@@ -384,17 +446,18 @@ def _assemble(graph: Graph, sched, plan, limits: Limits, narrowed=frozenset()) -
         )
 
     checks: dict[tuple, LabelCheck] = {}  # one per (input, bound, ignore_index)
+    graph = unsplit or graph
     for node in graph.nodes:
         # Class indices, token ids and gather/index_select/index_copy_ indices fed by the host
         # are range-checked before a step runs: out of range, the kernels would read zeros (or
         # write nothing).
         target = bound = ignore = None
         if node.op == "cross_entropy" and graph.nodes[node.inputs[1]].type.dtype.is_integer:
-            target = graph.nodes[sched.root[node.inputs[1]]]
+            target = graph.nodes[resolve_view(graph, node.inputs[1])]
             bound = graph.nodes[node.inputs[0]].type.shape[1]
             ignore = node.attr("ignore_index")
         elif node.op in ("gather", "index_select", "index_copy_"):
-            target = graph.nodes[sched.root[node.inputs[1]]]
+            target = graph.nodes[resolve_view(graph, node.inputs[1])]
             bound = graph.nodes[node.inputs[0]].type.shape[node.attr("dim")]
         if target is not None and target.op == "input":
             op = node.origin or node.op  # embedding, not the index_select it lowers to

@@ -30,6 +30,8 @@ class Limits:
     # A binding of part of a buffer must start at a multiple of this many bytes.
     min_storage_buffer_offset_alignment: int = 256
     max_storage_buffers_per_shader_stage: int = 8
+    # One buffer may be larger than one binding of it (passes.split_bindings binds row blocks).
+    max_buffer_size: int = 268435456
     # The adapter is a CPU (Mesa's llvmpipe / lavapipe, WebGPU adapter type "CPU"): it runs a
     # workgroup's invocations as SIMD lanes in loops, where workgroup memory, barriers and
     # per-lane loads cost far more than on a GPU, so some kernels pick other plans there.

@@ -2,8 +2,9 @@
 
 ``interpret`` evaluates every node with its op's NumPy reference. Ops with effects
 (optimizer updates) write their new values into the ``parameters``/``state`` dicts passed in
-(copies are made first, so the caller's arrays are never mutated); ``index_copy_`` writes the
-state leaf it updates (through earlier writes of it) and its value is the updated array. With ``float64=True``
+(copies are made first, so the caller's arrays are never mutated); an update of a
+``row_block`` of a leaf writes those rows of the leaf; ``index_copy_`` writes the state leaf it
+updates (through earlier writes of it) and its value is the updated array. With ``float64=True``
 floating values are computed in float64, for gradient checks.
 """
 
@@ -62,9 +63,17 @@ def interpret(
             if d.writes:
                 new = d.reference(args, n.attr_dict)
                 for pos, value in zip(d.writes, new):
-                    leaf = graph.nodes[resolve_view(graph, n.inputs[pos])]
+                    leaf, rows = graph.nodes[resolve_view(graph, n.inputs[pos])], None
+                    if leaf.op == "row_block":  # an update of rows of a leaf (split_bindings)
+                        start = leaf.attr("start")
+                        rows = slice(start, start + leaf.attr("length"))
+                        leaf = graph.nodes[leaf.inputs[0]]
                     target = params if leaf.op == "parameter" else st
-                    target[leaf.name] = np.asarray(value, leaf.type.dtype.numpy)
+                    value = np.asarray(value, leaf.type.dtype.numpy)
+                    if rows is not None:
+                        block, value = value, np.array(target[leaf.name], copy=True)
+                        value[rows] = block
+                    target[leaf.name] = value
                 # an in-place write returning its storage (index_copy_) has its new value
                 v = new[0] if n.op in ALIAS_OPS else np.zeros((), np.uint32)
             elif (

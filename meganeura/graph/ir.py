@@ -62,6 +62,13 @@ PERSISTENT_OPS = frozenset({"parameter", "state"})
 # In-place ops whose value is operand 0's storage after their write: they run a kernel (unlike
 # views) but own no buffer; readers of their value bind operand 0's buffer.
 ALIAS_OPS = frozenset({"index_copy_"})
+# Ops whose value is rows [start, start + length) of a leaf's storage, bound as that byte range
+# of the leaf's buffer (``passes.split_bindings``): no kernel, and unlike a view a value of its
+# own to code generation, which binds it in place of the (too large) leaf.
+SUBRANGE_OPS = frozenset({"row_block"})
+# Ops whose buffer holds their operands, each at its row offset (``passes.split_bindings``): no
+# kernel; the operands' kernels write their rows of it in place (a concatenation elided).
+PLACED_OPS = frozenset({"row_concat"})
 
 
 @dataclass(frozen=True)

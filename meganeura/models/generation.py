@@ -137,6 +137,7 @@ class Generator:
         self.model = model
         self.forward = CompiledModule(model, precision=precision, device=device)
         self._chains: dict = {}  # compiled greedy_step programs
+        self._token = object()  # marks the model's cache as written by this generator
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         self.max_length = max_length
         self.buckets = tuple(sorted(buckets or PREFILL_BUCKETS))
@@ -212,7 +213,10 @@ class Generator:
         for c0 in range(0, n, chunk):
             part = [s[c0 : c0 + chunk] for s in suffixes]
             m = len(part[0])
-            size = bucket_for(m, self.buckets)
+            # The padded chunk must fit the cache: its slots past the end would not be
+            # written, and the attended length would clip (a cache shorter than a bucket).
+            room = self.model.cache_shape[1] - (start + c0)
+            size = min(bucket_for(m, self.buckets), room)
             ids = np.zeros((len(part), size), np.int32)
             ids[:, :m] = part
             keep = np.asarray([m - 1], np.int32)  # runtime: no program per real length
@@ -262,8 +266,10 @@ class Generator:
         longest = max(lengths)
         common = self._common_prefix(prompts)
         pad = np.asarray([longest - n for n in lengths], np.int32)
-        if not self._ensure_cache(batch, int(pad.max()) + longest + max_new_tokens):
-            common = 0  # reallocated: nothing is held any more
+        kept = self._ensure_cache(batch, int(pad.max()) + longest + max_new_tokens)
+        if not kept or self.model.__dict__.get("_cache_owner") is not self._token:
+            common = 0  # reallocated, or another generator wrote the model's cache since
+        object.__setattr__(self.model, "_cache_owner", self._token)
         if common == 0:
             self.pad = pad if pad.any() else None
             suffixes = [[0] * int(k) + ids for k, ids in zip(pad, prompts)]

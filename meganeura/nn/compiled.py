@@ -376,9 +376,12 @@ class CompiledModule:
         max_programs: compiled signatures kept (default ``DEFAULT_MAX_PROGRAMS``, 32); the
             least recently called one is closed, freeing its GPU memory, when a new one
             would exceed it. None keeps every one.
+        max_storage_binding_bytes: ``CompileOptions.max_storage_binding_bytes`` (None: the
+            adapter's limit); tensors above it are bound in row blocks (docs/bindings.md).
 
     Raises:
-        ValueError: ``max_programs`` is not an int >= 1 or None.
+        ValueError: ``max_programs`` is not an int >= 1 or None, or
+            ``max_storage_binding_bytes`` is not a positive multiple of 4 or None.
     """
 
     def __init__(
@@ -388,9 +391,15 @@ class CompiledModule:
         fuse: bool = True,
         device=None,
         max_programs: int | None = DEFAULT_MAX_PROGRAMS,
+        max_storage_binding_bytes: int | None = None,
     ):
         self.module = module
-        self.options = CompileOptions(precision=precision, fuse=fuse, shared_parameters=True)
+        self.options = CompileOptions(
+            precision=precision,
+            fuse=fuse,
+            shared_parameters=True,
+            max_storage_binding_bytes=max_storage_binding_bytes,
+        )
         self.device = device
         self.max_programs = check_max_programs(max_programs)
         self._cache: ProgramCache = ProgramCache()
@@ -472,13 +481,13 @@ def compile(target, *args, **kwargs):  # noqa: A001 - meganeura.compile
 
     ``compile(graph, options=None, limits=None)`` is ``meganeura.compile.compile`` (returns a
     Program). ``compile(model, *example_inputs, precision="strict", fuse=True, device=None,
-    max_programs=32)`` returns a :class:`CompiledModule`; with example inputs (positional, as
-    ``forward`` takes them) that signature is compiled now.
+    max_programs=32, max_storage_binding_bytes=None)`` returns a :class:`CompiledModule`; with
+    example inputs (positional, as ``forward`` takes them) that signature is compiled now.
     """
     from .module import Module
 
     if isinstance(target, Module):
-        names = ("precision", "fuse", "device", "max_programs")
+        names = ("precision", "fuse", "device", "max_programs", "max_storage_binding_bytes")
         opts = {k: kwargs.pop(k) for k in names if k in kwargs}
         if kwargs:
             raise TypeError(f"compile(model, ...): unknown options {sorted(kwargs)}")

@@ -11,6 +11,11 @@ IR ops (canonical attrs, normalized by the functions below; dims are non-negativ
     Its gradient is ``pad`` with the pairs negated: exact for any mix of signs.
   * ``cat``: variadic, attr ``dim``; operands agree on every other dim and on dtype.
   * ``gather``, ``index_select`` and their backward ops: see ``gather``.
+  * ``row_block``: attrs ``start``, ``length``: rows ``[start, start + length)`` of dim 0,
+    an alias of that byte range of its operand's buffer (``graph.ir.SUBRANGE_OPS``), made only
+    by ``passes.split_bindings`` after differentiation (no gradient rule, no kernel).
+  * ``row_concat``: variadic, ``cat`` along dim 0 whose operands are written in place into
+    its buffer (``graph.ir.PLACED_OPS``; a graph output of ``passes.split_bindings``).
 
 Empty slices and empty operands are rejected when the graph is built: meganeura has no use
 for zero-size intermediate tensors, and an empty operand has no buffer to bind.
@@ -186,6 +191,30 @@ def _cat_grad(node, i, o, g):
     return tuple(out)
 
 
+# ---- row_block --------------------------------------------------------------------------------
+def _row_block_type(types, attrs):
+    (x,) = types
+    start, length = attrs["start"], attrs["length"]
+    if x.ndim < 1:
+        raise ShapeError(f"row_block needs a tensor of at least 1 dim, got {x}")
+    if not (isinstance(start, int) and isinstance(length, int)):
+        raise ShapeError(f"start and length must be ints, got {start!r} and {length!r}")
+    if start < 0 or length < 1 or start + length > x.shape[0]:
+        raise ShapeError(f"rows [{start}, {start + length}) are not within dim 0 of {x}")
+    return TensorType((length,) + x.shape[1:], x.dtype)
+
+
+def _row_block_np(xs, a):
+    # A copy: the interpreter writes effect ops' results back into the leaf (``interpret``).
+    return np.array(xs[0][a["start"] : a["start"] + a["length"]], copy=True)
+
+
+def _row_concat_type(types, attrs):
+    if any(t.ndim == 0 for t in types):
+        raise ShapeError("row_concat needs tensors of at least 1 dim")
+    return TensorType(cat_shape(types, 0), types[0].dtype)
+
+
 DEFS = [
     OpDef("slice", _slice_type, _slice_np, _slice_grad, arity=1),
     OpDef(
@@ -193,6 +222,11 @@ DEFS = [
     ),
     OpDef("pad", _pad_type, _pad_np, _pad_grad, arity=1),
     OpDef("cat", _cat_type, lambda xs, a: np.concatenate(xs, a["dim"]), _cat_grad),
+    # Made after autodiff only (passes.split_bindings), so it needs no gradient rule.
+    OpDef("row_block", _row_block_type, _row_block_np, differentiable=False, arity=1),
+    OpDef(
+        "row_concat", _row_concat_type, lambda xs, a: np.concatenate(xs, 0), differentiable=False
+    ),
     *gather.DEFS,
 ]
 

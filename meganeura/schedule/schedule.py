@@ -6,11 +6,14 @@ constant inlining and transpose folding), resolves views (``reshape``, ``stop_gr
 the value whose buffer they share, and measures each value's lifetime in dispatch positions.
 
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
-pairs attention gradients); a group is lowered as one kernel
-(``codegen.wgsl.elementwise.fused``) at its last member's position, binding the group's
-external inputs and its stored outputs only, so lifetimes come from those bindings; the other
-members get no kernel and no storage. Optimizer updates are grouped likewise (``update_groups``):
-one kernel per group at its last member's position, over arenas that the assembler lays out.
+pairs attention gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges small-M matmuls
+sharing a left operand, with the norm producing it, and ``passes.rope_cache`` joins rotary
+embeddings and KV-cache writes); a group is lowered as one kernel
+(``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
+``attention.rope_cache``) at its last member's position, binding the group's external inputs
+and its stored outputs only, so lifetimes come from those bindings; the other members get no
+kernel and no storage. Optimizer updates are grouped likewise (``update_groups``): one kernel
+per group at its last member's position, over arenas that the assembler lays out.
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ from dataclasses import dataclass
 from ..codegen.kernel import ArenaRef, KernelSource, Limits, ScratchRef, UpdateGroup, ValueRef
 from ..codegen.wgsl import lower, reads
 from ..codegen.wgsl.attention.lowering import key_value_fusible
+from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
+from ..codegen.wgsl.matmul.horizontal import NORM_MAX_K, gemv_key, group_fits, lower_matmul_group
 from ..codegen.wgsl.optim import lower_update_group
-from ..graph.ir import ALIAS_OPS, VIEW_OPS, Graph
+from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
 from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
+from ..passes.fuse_matmul import MatmulGroup, plan_matmul_groups
+from ..passes.rope_cache import ROPE, plan_rope_cache
 from .planner import Interval
 from .update_groups import arena_roles, arena_value, plan_update_groups
 
@@ -39,7 +46,9 @@ class Schedule:
     Attributes:
         dispatches: (node id, KernelSource) in execution order.
         root: node id -> id of the value whose storage it uses (itself unless a view).
-        pinned: root ids that own a buffer for the whole program.
+        pinned: root ids that own a buffer for the whole program (leaves, outputs, the
+            ``row_block`` aliases of leaves, which live in their leaf's buffer, and the
+            operands of a ``row_concat``, which live in its buffer).
         intervals: lifetimes of the other roots and of scratch, keyed by root id or
             (node id, scratch key).
         groups: the fusion groups lowered as one kernel each (empty without fusion).
@@ -51,7 +60,7 @@ class Schedule:
     root: dict[int, int]
     pinned: frozenset[int]
     intervals: tuple[Interval, ...]
-    groups: tuple[FusionGroup, ...] = ()
+    groups: tuple[FusionGroup | MatmulGroup, ...] = ()
     update_groups: tuple[UpdateGroup, ...] = ()
 
 
@@ -67,26 +76,18 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
     Raises:
         ValueError: when an output is a constant (it has no storage to read back).
     """
-    n = len(graph.nodes)
-    needed = [False] * n
-    for _, v in graph.outputs:
-        needed[v] = True
-    for node in graph.nodes:
-        if node.op in OPS and OPS[node.op].writes:
-            needed[node.id] = True
-    for node in reversed(graph.nodes):
-        if not needed[node.id]:
-            continue
-        operands = node.inputs if node.op in VIEW_OPS else reads(graph, node.id)
-        for i in operands:
-            needed[i] = True
-
+    needed = needed_nodes(graph)
     root: dict[int, int] = {}
     for node in graph.nodes:
         aliases = node.op in VIEW_OPS or node.op in ALIAS_OPS  # index_copy_ writes operand 0
         root[node.id] = root[node.inputs[0]] if aliases else node.id
 
-    pinned = {node.id for node in graph.nodes if node.op in PINNED_LEAVES}
+    # A row-block alias lives in its leaf's buffer, so it is pinned with it.
+    pinned = {
+        node.id for node in graph.nodes if node.op in PINNED_LEAVES or node.op in SUBRANGE_OPS
+    }
+    # The operands of a placed concatenation live in its (output) buffer.
+    pinned.update(i for node in graph.nodes if node.op in PLACED_OPS for i in node.inputs)
     for name, v in graph.outputs:
         if graph.nodes[root[v]].op == "constant":
             raise ValueError(f"output {name!r} is a constant; it has no storage")
@@ -97,7 +98,17 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         kv = plan_attention_key_value(graph, needed, lambda n: key_value_fusible(graph, n, limits))
         bound = limits.max_storage_buffers_per_shader_stage
         fused = plan_fusion(graph, FUSIBLE, needed, max_bindings=bound)
-        groups = tuple(sorted(fused + kv, key=lambda g: g.sink))
+        fused = plan_matmul_groups(
+            graph,
+            fused,
+            needed,
+            lambda n: gemv_key(graph, n, limits),
+            max_bindings=bound,
+            norm_max_k=NORM_MAX_K,
+            accept=lambda g: group_fits(graph, g, limits),
+        )
+        rope = plan_rope_cache(graph, needed, max_bindings=bound)
+        groups = tuple(sorted(fused + kv + rope, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     dispatches = _lower_all(graph, needed, limits, groups, updates)
     clash = _arena_clashes(graph, dispatches, updates)
@@ -130,11 +141,29 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
     return Schedule(tuple(dispatches), root, frozenset(pinned), intervals, groups, updates)
 
 
+def needed_nodes(graph: Graph) -> list[bool]:
+    """Per node id, whether its value is bound by a kernel that reaches an output or an effect
+    (judged by what each kernel really binds: ``codegen.wgsl.reads``)."""
+    needed = [False] * len(graph.nodes)
+    for _, v in graph.outputs:
+        needed[v] = True
+    for node in graph.nodes:
+        if node.op in OPS and OPS[node.op].writes:
+            needed[node.id] = True
+    for node in reversed(graph.nodes):
+        if not needed[node.id]:
+            continue
+        operands = node.inputs if node.op in VIEW_OPS else reads(graph, node.id)
+        for i in operands:
+            needed[i] = True
+    return needed
+
+
 def _lower_all(
     graph: Graph,
     needed: list[bool],
     limits: Limits,
-    groups: tuple[FusionGroup, ...],
+    groups: tuple[FusionGroup | MatmulGroup, ...],
     updates: tuple[UpdateGroup, ...],
 ) -> list[tuple[int, KernelSource]]:
     group_of = {m: g for g in groups for m in g.members}
@@ -149,8 +178,14 @@ def _lower_all(
                 kernels = [lower_update_group(graph, ugroup, limits)] if is_sink else []
             elif group is None:
                 kernels = lower(graph, node.id, limits)
+            elif node.id != group.sink:
+                kernels = []
+            elif isinstance(group, MatmulGroup):
+                kernels = lower_matmul_group(graph, group, limits)
+            elif group.anchor is not None and graph[group.anchor].op == ROPE:
+                kernels = lower_rope_cache(graph, group, limits)
             else:
-                kernels = lower_group(graph, group, limits) if node.id == group.sink else []
+                kernels = lower_group(graph, group, limits)
             dispatches.extend((node.id, ks) for ks in kernels)
     return dispatches
 

@@ -27,7 +27,7 @@ Invariants:
 from __future__ import annotations
 
 from ..codegen.kernel import MAX_ELEMENTS, Limits, UpdateGroup
-from ..graph.ir import LEAF_OPS, VIEW_OPS, Graph, resolve_view
+from ..graph.ir import LEAF_OPS, SUBRANGE_OPS, VIEW_OPS, Graph, resolve_view
 from ..ops import OPS
 
 UPDATE_OPS = frozenset({"sgd_update", "sgd_momentum_update", "adam_update"})
@@ -66,6 +66,8 @@ def plan_update_groups(
     runs: list[list[int]] = [[]]
     for node in graph.nodes:
         if not needed[node.id] or node.op in LEAF_OPS or node.op in VIEW_OPS:
+            continue
+        if node.op in SUBRANGE_OPS:  # storage, not a kernel: it does not break a run of updates
             continue
         if node.op not in OPS:
             continue

@@ -37,6 +37,7 @@ def device_limits(device) -> Limits:
         max_storage_buffer_binding_size=device.max_storage_buffer_binding_size,
         min_storage_buffer_offset_alignment=device.min_storage_buffer_offset_alignment,
         max_storage_buffers_per_shader_stage=device.max_storage_buffers_per_shader_stage,
+        max_buffer_size=device.max_buffer_size,
         shader_f16="shader-f16" in device.features,
         subgroups="subgroup" in device.features,
         cpu=str(device.info.get("adapter_type", "")).upper() == "CPU",

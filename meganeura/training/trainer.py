@@ -106,6 +106,8 @@ class Trainer:
         check_finite: also check every floating batch array on the host before a step runs
             and raise ``NonFiniteError`` naming the input (one NumPy pass over the batch;
             off by default).
+        max_storage_binding_bytes: ``CompileOptions.max_storage_binding_bytes`` (None: the
+            adapter's limit); larger tensors are bound in row blocks (docs/bindings.md).
 
     Attributes:
         max_programs: compiled programs kept (class default ``DEFAULT_MAX_PROGRAMS``, 32; at
@@ -143,6 +145,7 @@ class Trainer:
         device=None,
         on_nonfinite: str = "raise",
         check_finite: bool = False,
+        max_storage_binding_bytes: int | None = None,
     ) -> None:
         if not isinstance(model, Module):
             raise TypeError(f"Trainer trains an nn.Module or a Graph, got {type(model).__name__}")
@@ -171,6 +174,7 @@ class Trainer:
             shared_parameters=True,
             accumulation_steps=accumulation_steps,
             nonfinite_guard=on_nonfinite,
+            max_storage_binding_bytes=max_storage_binding_bytes,
         )
         self._fn = bind_model(loss_fn, model)
         self.step_count = 0

@@ -169,3 +169,48 @@ def test_generator_continues_a_conversation_from_its_cache(gpu_device):
         gen.generate([5], 2, temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match=r"token ids outside \[0, 96\)"):
         gen.generate([5, 96], 2)
+
+
+def test_smollm2_360m_sized_embedding_runs_past_the_binding_limit(gpu_device):
+    """SmolLM2-360M's tied 49152 x 960 f32 embedding (188 MB) is larger than one storage
+    binding on lavapipe (128 MiB): split across bindings, the logits still match transformers
+    (two of the 32 layers, to keep the test short; the layers' tensors are small)."""
+    from dataclasses import replace
+
+    from meganeura.models.llama import SMOLLM2_360M
+
+    mn.manual_seed(7)
+    model = LlamaForCausalLM(replace(SMOLLM2_360M, num_hidden_layers=2))
+    assert model.model.embed_tokens.weight.numel() * 4 > 2**27
+    ids = np.asarray([[1, 504, 3458, 282, 4649, 314]])
+    ours = model(ids)
+    ref = torch_model(model.config, model.state_dict())
+    with torch.no_grad():
+        want = ref(torch.from_numpy(ids)).logits.numpy()
+    assert rel_l2(ours, want) <= 1e-5
+
+
+def test_a_cache_shorter_than_the_bucket_still_prefills_exactly(gpu_device):
+    from meganeura.models.generation import Generator
+
+    mn.manual_seed(8)
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    prompt = np.random.default_rng(9).integers(3, 96, 20).tolist()
+    short = Generator(model, max_length=24, buckets=(64,)).generate(prompt, 4, stop=[])
+    roomy = Generator(model, buckets=(64,)).generate(prompt, 4, stop=[])
+    assert short.sequences == roomy.sequences
+    with pytest.raises(ValueError, match="do not fit the cache's max_length 24"):
+        Generator(model, max_length=24).generate(prompt, 5, stop=[])
+
+
+def test_two_generators_on_one_model_do_not_reuse_each_others_cache(gpu_device):
+    from meganeura.models.generation import Generator
+
+    mn.manual_seed(10)
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    a, b = Generator(model, buckets=(8,)), Generator(model, buckets=(8,))
+    first = a.generate([5, 6, 7], 3, stop=[])
+    b.generate([40, 41, 42, 43, 44, 45], 6, stop=[])  # overwrites the slots a filled
+    turn = [5, 6, 7, *first.sequences[0], 9]
+    again = a.generate(turn, 4, stop=[])
+    assert again.sequences == Generator(model, buckets=(8,)).generate(turn, 4, stop=[]).sequences

@@ -124,7 +124,7 @@ def test_resume_is_bit_identical(gpu_device, tmp_path):
     [
         ({"x": np.zeros((BATCH, 19), np.float32)}, "'x'"),
         ({"x": np.zeros((BATCH, SIZES[0]), np.float64)}, "'x'"),
-        ({"y": np.zeros(BATCH, np.int64)}, "'y'"),
+        ({"y": np.full(BATCH, 2**40, np.int64)}, "'y'"),  # int64 must fit int32
         ({"y": np.full(BATCH, SIZES[-1], np.int32)}, "'y'"),
         ({"y": np.full(BATCH, -1, np.int32)}, "'y'"),
     ],

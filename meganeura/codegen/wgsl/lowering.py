@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from ...graph.ir import LEAF_OPS, VIEW_OPS, Graph, resolve_view
+from ...graph.ir import LEAF_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph, resolve_view
 from ...ops import OPS
 from ...ops.attention import BWD_K, BWD_Q, BWD_V, SDPA, STATS
 from ..kernel import KernelSource, Limits
@@ -56,6 +56,7 @@ from .indexing.gather import (
 )
 from .matmul.lowering import lower_matmul
 from .matmul.problem import matmul_operands
+from .matmul.quantized import lower_quantized_linear, lower_quantized_linear_backward
 from .norm.lowering import (
     lower_norm,
     lower_norm_backward,
@@ -107,6 +108,8 @@ LOWERINGS: dict[str, Lowering] = {
     "batch_norm_update_stats_into": lower_update_stats_into,
     # matmul (matmul/)
     "matmul": lower_matmul,
+    "quantized_linear": lower_quantized_linear,
+    "quantized_linear_backward": lower_quantized_linear_backward,
     # attention and rotary embedding (attention/)
     SDPA: partial(lower_attention, mode="fwd"),
     STATS: partial(lower_attention, mode="stats"),
@@ -158,8 +161,9 @@ def lower(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
         limits: the adapter's limits (grid folding, binding sizes, workgroup memory).
 
     Returns:
-        Kernels, possibly none: leaves and views (``reshape``, ``stop_gradient``) need none,
-        nor do nodes with zero elements to write.
+        Kernels, possibly none: leaves, views (``reshape``, ``stop_gradient``), row-block
+        aliases (``row_block``) and placed concatenations (``row_concat``) need none, nor do
+        nodes with zero elements to write.
 
     Raises:
         KeyError: for an op with no lowering.
@@ -168,7 +172,9 @@ def lower(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
         ValueError: also for an f16-stored value when ``limits.shader_f16`` is False.
     """
     node = graph[node_id]
-    if node.op in LEAF_OPS or node.op in VIEW_OPS:
+    if node.op in LEAF_OPS or node.op in VIEW_OPS or node.op in SUBRANGE_OPS:
+        return []
+    if node.op in PLACED_OPS:  # its operands' kernels write it
         return []
     if node.op not in LOWERINGS:
         raise KeyError(f"no WGSL lowering for op {node.op!r} (node %{node_id})")
@@ -186,7 +192,7 @@ def reads(graph: Graph, node_id: int) -> tuple[int, ...]:
     and duplicates removed; effect ops include the param and state they update in place.
     """
     node = graph[node_id]
-    if node.op in LEAF_OPS:
+    if node.op in LEAF_OPS or node.op in SUBRANGE_OPS:  # an alias is storage, as a leaf is
         return ()
     if node.op in VIEW_OPS:
         return (node.inputs[0],)

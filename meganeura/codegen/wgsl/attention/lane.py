@@ -26,8 +26,9 @@ and never store.
 A runtime key count (the forward's trailing i32 ``kv_length`` operand, [] or [B]): the kernel
 reads ``kvl = clamp(kv_length[b], 0, Lk)`` once per workgroup (uniform: one batch row per
 workgroup) and its key loop stops at ``kvl`` (or at the lower-right causal limit of the tile's
-last query, ``kvl - Lq + i + 1``), so keys past it are never read; entries past it are masked,
-and with ``is_causal`` query i sees keys ``j + Lq <= kvl + i`` (u32, no negative values).
+last query, ``kvl - Lq + i + 1``); tile loads clamp to key ``kvl - 1``, so keys past it are
+never read, whatever they hold; entries past it are masked, and with ``is_causal`` query i
+sees keys ``j + Lq <= kvl + i`` (u32, no negative values).
 """
 
 from __future__ import annotations
@@ -39,8 +40,19 @@ from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.layout import broadcast_strides
 from ..core.literals import NEG_INF_BITS, f32_literal, u
-from .plan import QUERY_ROW_MODES, Dims, Plan, accumulators, choose_plan, extents, shared_layout
+from .plan import (
+    QUERY_ROW_MODES,
+    SPLIT_MAX_LQ,
+    Dims,
+    Plan,
+    Split,
+    accumulators,
+    choose_plan,
+    extents,
+    shared_layout,
+)
 
+PARTIALS = "partials"  # scratch key of split-key partial states
 LOWEST = f32_literal(-3.4028234663852886e38)  # running-max sentinel: below every finite score
 XYZW = "xyzw"
 # operand names after (q, k), per mode; an optional mask follows them
@@ -68,6 +80,9 @@ class _Kernel:
     scale: str
     causal: bool
     kvlen: Src | None = None
+    split: Split | None = None  # fwd only: this workgroup's key chunk, partials to scratch
+    kb: KernelBuilder | None = None  # with split: stores of empty chunks' states to ``out``
+    out: str = ""
 
     @property
     def accs(self) -> list[str]:
@@ -145,21 +160,35 @@ def dims_of(graph: Graph, node, mode: str) -> Dims:
 
 
 def lower_flash(
-    graph: Graph, node_id: int, limits: Limits, mode: str, value_node: int | None = None
+    graph: Graph,
+    node_id: int,
+    limits: Limits,
+    mode: str,
+    value_node: int | None = None,
+    split: Split | None = None,
 ) -> list[KernelSource]:
     """One dispatch of the flash kernel in ``mode`` for node ``node_id``; in ``dkv`` mode
     ``node_id`` is the key-gradient node and ``value_node`` its value-gradient sibling, whose
-    output the kernel writes too."""
+    output the kernel writes too.
+
+    With ``split`` (``fwd`` only, ``plan.choose_split``) the keys are cut into
+    ``split.chunks`` chunks of ``split.length``, one workgroup per (row tile, chunk); each
+    writes its rows' unnormalized partial state (running max m, sum l, output row) to the
+    scratch ``PARTIALS``, and ``decode.lower_merge``'s kernel combines them.
+    """
     node = graph[node_id]
     ins = node.inputs
     dims = dims_of(graph, node, mode)
     b, hkv, lq, lk, d, dv = dims.b, dims.hkv, dims.lq, dims.lk, dims.d, dims.dv
     hq = hkv * dims.group
-    plan = choose_plan(mode, dims, limits)
+    plan = choose_plan(mode, dims, limits) if split is None else split.plan
     n_rows = extents(mode, dims)[0]
     tiles = -(-n_rows // plan.rows)
     if node.type.numel == 0:
         return []
+    if split is not None and mode != "fwd":
+        raise ValueError(f"split keys are for the forward only, not {mode!r}")
+    chunks = 1 if split is None else split.chunks
 
     kb = KernelBuilder(graph, node, limits)
     src = {"q": kb.read(ins[0], "q"), "k": kb.read(ins[1], "k")}
@@ -169,15 +198,22 @@ def lower_flash(
     mask, kvlen = read_extras(kb, graph, ins[n_fixed:])
     strides = broadcast_strides(mask.type.shape, (b, hq, lq, lk)) if mask else (0, 0, 0, 0)
     total, layout = shared_layout(mode, dims, plan)
+    if split is None:
+        outs = {"out": kb.write(node_id, "out")}
+    else:
+        count = b * hq * lq * chunks * (dv + 2)
+        outs = {"out": kb.scratch(PARTIALS, count, node.type.dtype, "part")}
     k = _Kernel(mode, dims, plan, layout, src, mask, strides,
-                f32_literal(node.attr("scale")), bool(node.attr("is_causal")), kvlen)  # fmt: skip
-    outs = {"out": kb.write(node_id, "out")}
+                f32_literal(node.attr("scale")), bool(node.attr("is_causal")), kvlen,
+                split, kb, outs["out"])  # fmt: skip
     if mode == "dkv":
         outs["dv"] = kb.write(value_node, "dv")
 
-    lines = [
-        f"  let tile = wg % {u(tiles)};",
-        f"  let bh = wg / {u(tiles)};",
+    lines = [] if split is None else [f"  let chunk = wg % {u(chunks)};"]
+    wgt = "wg" if split is None else f"(wg / {u(chunks)})"
+    lines += [
+        f"  let tile = {wgt} % {u(tiles)};",
+        f"  let bh = {wgt} / {u(tiles)};",
         f"  let b = bh / {u(hkv)};",
         f"  let hk = bh % {u(hkv)};",
         f"  let t = lid % {u(plan.lanes)};" if plan.lanes > 1 else "  let t = 0u;",
@@ -194,8 +230,9 @@ def lower_flash(
     per_pair = {"fwd": d + dv, "stats": d, "dq": 2 * d + dv, "dk": 2 * d + dv, "dv": d + dv,
                 "dkv": 2 * d + 2 * dv}  # fmt: skip
     flops = 2 * b * hq * lq * lk * per_pair[mode] // (2 if k.causal else 1)
-    groups = b * hkv * tiles
-    return [kb.finish(mode, "\n".join(lines), plan.size, groups, helpers, flops=flops)]
+    groups = b * hkv * tiles * chunks
+    suffix = mode if split is None else f"{mode} split {chunks}x{split.length}"
+    return [kb.finish(suffix, "\n".join(lines), plan.size, groups, helpers, flops=flops)]
 
 
 def _row_registers(k: _Kernel) -> list[str]:
@@ -230,11 +267,19 @@ def _row_registers(k: _Kernel) -> list[str]:
     return lines
 
 
-def _load_tile(k: _Kernel, seg: str, src: Src, row: str, n: int) -> list[str]:
+def _load_tile(
+    k: _Kernel, seg: str, src: Src, row: str, n: int, stores: list[str] | None = None
+) -> list[str]:
     """Cooperative copy of the current tile's segment ``seg`` (rows of ``n`` floats of
-    ``src``; ``row`` is the stream entry's row index in ``src``) into workgroup memory."""
+    ``src``; ``row`` is the stream entry's row index in ``src``) into workgroup memory.
+
+    With ``stores`` (forwards of short query blocks) the copy is unrolled: the
+    returned statements load into registers and the workgroup-memory stores are appended to
+    ``stores``, for the caller to place after every segment's loads."""
     off, stride = k.layout[seg]
-    last = u(k.n_stream - 1)
+    # with a runtime key count, reads stop at the last kept key (kvl >= 1 inside the loop), so
+    # the tile's entries past it repeat finite data (0 * NaN in a stale slot would be NaN)
+    last = "kvl - 1u" if k.kvlen is not None else u(k.n_stream - 1)
     step = u(k.plan.size)
     if seg == "st":
         return [
@@ -246,20 +291,44 @@ def _load_tile(k: _Kernel, seg: str, src: Src, row: str, n: int) -> list[str]:
             "    }",
         ]
     width = -(-n // 4)
-    comps = []
-    for e in range(4):
-        if n % 4 == 0:
-            comps.append(src.at(f"base + {u(e)}"))
-        else:  # the row's last vec4 is partial: clamp the read, zero the value
-            load = src.at(f"min(base + {u(e)}, {u(src.type.numel - 1)})")
-            comps.append(f"select(0.0, {load}, c * 4u + {u(e)} < {u(n)})")
+
+    def vec4(base: str, c: str) -> str:
+        comps = []
+        for e in range(4):
+            if n % 4 == 0:
+                comps.append(src.at(f"{base} + {u(e)}"))
+            else:  # the row's last vec4 is partial: clamp the read, zero the value
+                load = src.at(f"min({base} + {u(e)}, {u(src.type.numel - 1)})")
+                comps.append(f"select(0.0, {load}, {c} * 4u + {u(e)} < {u(n)})")
+        return f"vec4<f32>({', '.join(comps)})"
+
+    total = k.plan.tile * width
+    if stores is not None:  # straight-line loads, all in flight at once
+        lines = []
+        for it in range(-(-total // k.plan.size)):
+            e, guarded = f"{seg}e{it}", (it + 1) * k.plan.size > total
+            first = f"lid + {u(it * k.plan.size)}"
+            mine = [
+                ("e", f"min({first}, {u(total - 1)})" if guarded else first),
+                ("rr", f"{e}e / {u(width)}"),
+                ("c", f"{e}e % {u(width)}"),
+                ("sr", f"min(s0 + {e}rr, {last})"),
+                ("base", f"({row.replace('sr', f'{e}sr')}) * {u(n)} + {e}c * 4u"),
+            ]
+            lines += [f"    let {e}{name} = {expr};" for name, expr in mine]
+            lines.append(f"    let {e}v = {vec4(f'{e}base', f'{e}c')};")
+            store = f"sh[{u(off)} + {e}rr * {u(stride)} + {e}c] = {e}v;"
+            stores.append(
+                f"    if ({first} < {u(total)}) {{ {store} }}" if guarded else f"    {store}"
+            )
+        return lines
     return [
-        f"    for (var e = lid; e < {u(k.plan.tile * width)}; e = e + {step}) {{",
+        f"    for (var e = lid; e < {u(total)}; e = e + {step}) {{",
         f"      let rr = e / {u(width)};",
         f"      let c = e % {u(width)};",
         f"      let sr = min(s0 + rr, {last});",
         f"      let base = ({row}) * {u(n)} + c * 4u;",
-        f"      sh[{u(off)} + rr * {u(stride)} + c] = vec4<f32>({', '.join(comps)});",
+        f"      sh[{u(off)} + rr * {u(stride)} + c] = {vec4('base', 'c')};",
         "    }",
     ]
 
@@ -270,9 +339,13 @@ def _stream_loops(k: _Kernel) -> list[str]:
     R, BS = k.plan.rows, k.plan.tile
     if k.query_rows:
         row = f"bh * {u(lk)} + sr"
-        loads = _load_tile(k, "k", k.src["k"], row, d)
+        # short query blocks (decoding) wait on each tile's loads: issue them all at once
+        short = k.mode == "fwd" and k.dims.lq <= SPLIT_MAX_LQ
+        stores = [] if short else None
+        loads = _load_tile(k, "k", k.src["k"], row, d, stores)
         if k.mode in ("fwd", "dq"):
-            loads += _load_tile(k, "v", k.src["v"], row, dv)
+            loads += _load_tile(k, "v", k.src["v"], row, dv, stores)
+        loads += stores or []
     else:
         row = f"(bh * {u(G)} + hg) * {u(lq)} + sr"
         loads = _load_tile(k, "q", k.src["q"], row, d)
@@ -313,7 +386,25 @@ def _stream_loops(k: _Kernel) -> list[str]:
         ]
     else:
         lines = [f"  let s_end = {u(lk)};"]
-    return lines + [f"  for (var s0 = 0u; s0 < s_end; s0 = s0 + {u(BS)}) {{", *body, "  }"]
+    if k.split is not None:  # this workgroup's chunk of keys only
+        c = u(k.split.length)
+        lines += [f"  let s_begin = chunk * {c};", f"  let s_stop = min(s_end, s_begin + {c});"]
+        # a chunk past the last key (decoding: most of the cache) stores only an empty state
+        # (m lowest, l = 0; the merge ignores its output row) and leaves; s_stop is uniform
+        lines += [
+            "  if (s_begin >= s_stop) {",
+            "    if (live && t == 0u) {" if k.plan.lanes > 1 else "    if (live) {",
+            f"      let pb = (qrow * {u(k.split.chunks)} + chunk) * {u(k.dims.dv + 2)};",
+            f"      {k.kb.store(k.out, 'pb', LOWEST)}",
+            f"      {k.kb.store(k.out, 'pb + 1u', '0.0')}",
+            "    }",
+            "    return;",
+            "  }",
+        ]
+        loop = f"  for (var s0 = s_begin; s0 < s_stop; s0 = s0 + {u(BS)}) {{"
+    else:
+        loop = f"  for (var s0 = 0u; s0 < s_end; s0 = s0 + {u(BS)}) {{"
+    return lines + [loop, *body, "  }"]
 
 
 def _entries(k: _Kernel) -> list[str]:
@@ -443,7 +534,15 @@ def _finish(k: _Kernel, kb: KernelBuilder, outs: dict[str, str]) -> list[str]:
     d, dv = k.dims.d, k.dims.dv
     out = outs["out"]
     lines = ["  if (live && t == 0u) {" if k.plan.lanes > 1 else "  if (live) {"]
-    if k.mode == "fwd":
+    if k.split is not None:  # unnormalized partial state: m, l, then the output row
+        n = dv + 2
+        lines += [
+            f"    let pb = (qrow * {u(k.split.chunks)} + chunk) * {u(n)};",
+            "    " + kb.store(out, "pb", "m"),
+            "    " + kb.store(out, "pb + 1u", "l"),
+        ]
+        lines += _store(kb, out, "pb + 2u", dv, k.dims.dv4)
+    elif k.mode == "fwd":
         lines += ["    let inv = select(0.0, 1.0 / l, l > 0.0);", f"    let ob = qrow * {u(dv)};"]
         lines += _store(kb, out, "ob", dv, k.dims.dv4, " * inv")
     elif k.mode == "stats":

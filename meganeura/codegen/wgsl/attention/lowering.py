@@ -15,25 +15,24 @@ from ....graph.ir import Graph
 from ....ops.attention import BWD_K, SDPA
 from ...kernel import KernelSource, Limits
 from .block import lower_block
+from .decode import lower_split
 from .lane import dims_of, lower_flash
-from .plan import choose_block_plan, fuses_key_value
+from .plan import choose_block_plan, choose_split, fuses_key_value
 
 
 def lower_attention(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[KernelSource]:
-    """The register-tiled kernel (``block``) when a block plan fits the adapter and the node
-    has no runtime key count (``kv_length``), else the lane kernel (``lane``);
-    ``plan.BLOCK_OVERRIDE`` forces either (but not the block kernel with ``kv_length``)."""
+    """The forward of a short query block over several tiles of keys (``plan.choose_split``):
+    the split-key lane kernel and its merge (``decode``). Otherwise the register-tiled kernel
+    (``block``) when a block plan fits the adapter, else the lane kernel (``lane``);
+    ``plan.BLOCK_OVERRIDE`` forces either."""
     dims = dims_of(graph, graph[node_id], mode)
+    split = choose_split(dims, limits) if mode == "fwd" else None
+    if split is not None:
+        return lower_split(graph, node_id, limits, split)
     plan = choose_block_plan(mode, dims, limits)
-    if plan is None or has_kv_length(graph, node_id):
+    if plan is None:
         return lower_flash(graph, node_id, limits, mode)
     return lower_block(graph, node_id, limits, mode, dims, plan)
-
-
-def has_kv_length(graph: Graph, node_id: int) -> bool:
-    """Whether attention node ``node_id`` has a runtime key count (a trailing i32 operand);
-    only the lane kernel reads one, so such nodes always run it."""
-    return not graph[graph[node_id].inputs[-1]].type.dtype.is_floating
 
 
 KEY_VALUE = f"{SDPA}_backward_key_value"  # the op token of dkv kernels' names (profiles)

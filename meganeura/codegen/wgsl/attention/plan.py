@@ -137,6 +137,51 @@ def choose_plan(mode: str, dims: Dims, limits: Limits) -> Plan:
         lanes //= 2
 
 
+# ---- split keys for short query blocks (flash-decoding): decode.py ----------------------------
+# A decode step has G * Lq query rows per kv head: one row tile, so the plain lane kernel runs
+# B * Hkv workgroups (3 for SmolLM2), each streaming every key. Splitting the keys into chunks,
+# one workgroup per chunk, then merging the chunks' partial softmax states in a second kernel
+# (Dao et al. 2023, "Flash-Decoding for long-context inference") fills the GPU.
+SPLIT_MAX_LQ = 8  # query rows per head up to which the forward may split its keys
+SPLIT_BELOW_GROUPS = 64  # split only when the plain kernel has fewer workgroups than this
+SPLIT_TARGET_GROUPS = 256  # chunks per row tile: about this many workgroups in all
+SPLIT_MAX_CHUNKS = 64  # the merge reads every chunk's state per output element
+# True forces the split wherever it can run (at least two chunks), False forbids it; None
+# chooses by ``choose_split``'s rule. Tests and benchmarks compare both ways through this.
+SPLIT_OVERRIDE: bool | None = None
+
+
+@dataclass(frozen=True)
+class Split:
+    """The keys of a forward cut into ``chunks`` chunks of ``length`` (a multiple of the
+    plan's tile), one workgroup per (row tile, chunk), with the lane kernel's ``plan``."""
+
+    plan: Plan
+    chunks: int
+    length: int
+
+
+def choose_split(dims: Dims, limits: Limits) -> Split | None:
+    """The key split of a forward (``fwd``) with short query blocks, or None for the plain
+    lane kernel: when Lq <= ``SPLIT_MAX_LQ``, the plain kernel has fewer than
+    ``SPLIT_BELOW_GROUPS`` workgroups and the keys fill at least two tiles
+    (``SPLIT_OVERRIDE`` forces or forbids it). Chunks are whole tiles, about
+    ``SPLIT_TARGET_GROUPS`` workgroups in all, at most ``SPLIT_MAX_CHUNKS``."""
+    if SPLIT_OVERRIDE is False:
+        return None
+    plan = choose_plan("fwd", dims, limits)
+    n_rows, lk = extents("fwd", dims)
+    groups = dims.b * dims.hkv * -(-n_rows // plan.rows)
+    tiles = -(-lk // plan.tile)
+    if tiles < 2:
+        return None
+    if SPLIT_OVERRIDE is None and (dims.lq > SPLIT_MAX_LQ or groups >= SPLIT_BELOW_GROUPS):
+        return None
+    chunks = min(tiles, SPLIT_MAX_CHUNKS, max(2, -(-SPLIT_TARGET_GROUPS // groups)))
+    length = -(-tiles // chunks) * plan.tile
+    return Split(plan, -(-lk // length), length)
+
+
 # ---- register-tiled ("block") kernels: block.py ------------------------------------------
 # (rows, tile, row_threads, lanes) in order of preference. Each thread owns 4 rows
 # (rows = 4 * row_threads) and tile / lanes stream entries of the score tile, and 4 rows by

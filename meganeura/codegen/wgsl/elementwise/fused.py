@@ -50,14 +50,21 @@ class GroupBody:
     Args:
         graph: the graph.
         group: the fusion group.
+        anchors: the members whose values the caller supplies (``compute``'s ``anchor``);
+            default the group's anchor. A horizontal matmul segment supplies several.
     """
 
-    def __init__(self, graph: Graph, group: FusionGroup) -> None:
+    def __init__(
+        self, graph: Graph, group: FusionGroup, anchors: tuple[int, ...] | None = None
+    ) -> None:
         self.graph, self.group = graph, group
+        if anchors is None:
+            anchors = () if group.anchor is None else (group.anchor,)
+        self.anchors = anchors
         members = set(group.members)
         self.operand_ids: list[int] = []
         for m in group.members:
-            if m != group.anchor:
+            if m not in anchors:
                 for i in graph[m].inputs:
                     if i not in members and i not in self.operand_ids:
                         self.operand_ids.append(i)
@@ -66,7 +73,7 @@ class GroupBody:
         helpers: dict[str, None] = {}
         self.lets: list[str] = []
         for m in group.members:
-            if m == group.anchor:
+            if m in anchors:
                 continue
             names = [f"t{i}" if i in members else self.operand(i) for i in graph[m].inputs]
             expr, used = node_expr(graph, graph[m], names)
@@ -77,6 +84,7 @@ class GroupBody:
                 # (a + b) - b -> a), which is wrong for negative, inf and NaN inputs.
                 expr = f"({expr} + {OPAQUE_NEG_ZERO})"
             self.lets.append(f"let t{m} = {expr};")
+        self.helper_names = tuple(helpers)  # for kernels running several bodies
         self.helpers = helper_source(helpers)
 
     def operand(self, vid: int) -> str:
@@ -99,11 +107,13 @@ class GroupBody:
         cshape, (ident, cst) = coalesce(shape, [contiguous_strides(shape), st])
         return flat if cst == ident else strided_index(flat, cshape, cst)
 
-    def compute(self, loads: list[str], anchor: str | None = None) -> str:
-        """Statements defining every member from the operand expressions ``loads``."""
+    def compute(self, loads: list[str], anchor: str | list[str] | None = None) -> str:
+        """Statements defining every member from the operand expressions ``loads`` and the
+        anchors' values ``anchor`` (one expression per anchor, or one for a single anchor)."""
         lets = [f"let x{k} = {v};" for k, v in enumerate(loads)]
         if anchor is not None:
-            lets.append(f"let t{self.group.anchor} = {anchor};")
+            values = [anchor] if isinstance(anchor, str) else anchor
+            lets += [f"let t{a} = {v};" for a, v in zip(self.anchors, values, strict=True)]
         return " ".join(lets + self.lets)
 
     def stores(self, flat: str, kb: KernelBuilder) -> str:

@@ -187,16 +187,17 @@ def problem_of(graph: Graph, node_id: int) -> Problem:
 def bind_operands(kb: KernelBuilder, p: Problem, vec_a: bool, vec_b: bool) -> Problem:
     """Bind A then B; ``vec_*`` asks for a vec4 binding, given only if the value is unbound
     (a value read as both A and B, or also by the epilogue, keeps its first binding)."""
-    out = []
-    for op, want, name in ((p.a, vec_a, "a"), (p.b, vec_b, "b")):
-        if want and not kb.is_bound(op.value) and not is_constant(kb.graph, op.value):
-            var = kb.read_vec4(op.value, name)
-            out.append(replace(op, src=Src(op.src.type, name=var), vec=True))
-            continue
-        src = kb.read(op.value, name)
-        vec = src.name is not None and kb.element_type(src.name).startswith("vec4")
-        out.append(replace(op, src=src, vec=vec))
-    return replace(p, a=out[0], b=out[1])
+    return replace(p, a=bind_operand(kb, p.a, vec_a, "a"), b=bind_operand(kb, p.b, vec_b, "b"))
+
+
+def bind_operand(kb: KernelBuilder, op: Operand, vec: bool, name: str) -> Operand:
+    """Bind one operand (``bind_operands``): as vec4 when asked and the value is unbound."""
+    if vec and not kb.is_bound(op.value) and not is_constant(kb.graph, op.value):
+        var = kb.read_vec4(op.value, name)
+        return replace(op, src=Src(op.src.type, name=var), vec=True)
+    src = kb.read(op.value, name)
+    is_vec = src.name is not None and kb.element_type(src.name).startswith("vec4")
+    return replace(op, src=src, vec=is_vec)
 
 
 # (binding variable, flat output index, value expression) -> the WGSL statement storing it

@@ -1,0 +1,276 @@
+"""Matmul groups: several matmuls reading one left operand, and the norm producing it, in one
+kernel (``codegen.wgsl.matmul.horizontal``).
+
+``plan_matmul_groups`` runs after ``fuse.plan_fusion`` and merges its matmul-anchored groups
+(and bare matmuls) that read the same left operand ``x`` through the same strides:
+``x @ Wq.mT``, ``x @ Wk.mT``, ``x @ Wv.mT`` become one dispatch writing three outputs, each
+through its own epilogue. Epilogues that read one another (``silu(x @ Wg.mT) * (x @ Wu.mT)``)
+put their matmuls in one *segment*: the same threads compute both products for the same
+output element, so the epilogue reads both accumulators and the gate activation is never
+stored. When ``x`` is a ``rms_norm`` or ``layer_norm`` over its last dim read by nothing but
+the group's matmuls, the norm joins the group as a *prologue*: every workgroup recomputes
+the rows' statistics and normalizes ``x`` as it loads it, and the normalized value is never
+stored. Which matmuls qualify (the small-M ``gemv`` kernel, one dispatch, weights stored
+[N, K]) is the kernel's choice, passed in as ``key``.
+
+Invariants of every ``MatmulGroup`` (each check conservative; a rejected merge keeps the
+groups ``plan_fusion`` made):
+  * two or more matmuls, or one matmul and a norm prologue; every member is needed;
+  * the matmuls share ``key`` (the bound left operand, its strides, M and K);
+  * a segment's matmuls have one output shape; each epilogue member broadcasts to it; a
+    member reads other members only directly (not through views), and only members of its
+    own segment, or the norm as a matmul's left operand; no right operand is a member;
+  * every node outside the group reading a member (through views) comes after the group's
+    last member, where the kernel runs; the norm has no such reader and is no graph output;
+  * no op with in-place effects lies between the first and the last member;
+  * with ``max_bindings``, the kernel binds at most that many storage buffers (external
+    inputs, views resolved and constants inlined, plus stored members).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+from ..graph.ir import VIEW_OPS, Graph, resolve_view
+from ..ops import OPS
+from .fuse import FusionGroup
+
+NORM_OPS = ("rms_norm", "layer_norm")
+
+
+@dataclass(frozen=True)
+class MatmulSegment:
+    """Matmuls one set of threads computes element by element, and their epilogue.
+
+    Attributes:
+        anchors: the matmuls, in program order; they share an output shape.
+        epilogue: elementwise members computed from the products, in program order.
+        outputs: anchors and epilogue members the kernel stores, in program order.
+    """
+
+    anchors: tuple[int, ...]
+    epilogue: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    def as_fusion_group(self, shape: tuple[int, ...]) -> FusionGroup:
+        """The segment as a ``FusionGroup`` (for ``GroupBody``), anchored on its first matmul."""
+        members = tuple(sorted(self.anchors + self.epilogue))
+        return FusionGroup(members, self.outputs, shape, self.anchors[0])
+
+
+@dataclass(frozen=True)
+class MatmulGroup:
+    """Matmuls sharing a left operand, computed by one kernel.
+
+    Attributes:
+        members: every node the kernel computes, in program order.
+        outputs: members the kernel stores.
+        segments: in program order of their first matmul.
+        norm: the ``rms_norm`` / ``layer_norm`` node computed in the prologue, or None.
+    """
+
+    members: tuple[int, ...]
+    outputs: tuple[int, ...]
+    segments: tuple[MatmulSegment, ...]
+    norm: int | None = None
+
+    @property
+    def sink(self) -> int:
+        """The last member: the kernel runs at its position."""
+        return self.members[-1]
+
+    @property
+    def anchor(self) -> int:
+        """The first matmul (names the kernel)."""
+        return self.segments[0].anchors[0]
+
+
+def _readers(graph: Graph, users: list[list[int]], vid: int) -> list[int]:
+    out = []
+    for u in users[vid]:
+        out.extend(_readers(graph, users, u) if graph[u].op in VIEW_OPS else [u])
+    return out
+
+
+class _Merger:
+    def __init__(
+        self,
+        graph: Graph,
+        needed: Sequence[bool],
+        max_bindings: int | None,
+        accept: Callable[[MatmulGroup], bool],
+    ) -> None:
+        self.graph, self.needed, self.max_bindings = graph, needed, max_bindings
+        self.accept = accept
+        self.users = graph.users()
+        self.out_roots = {resolve_view(graph, v) for _, v in graph.outputs}
+        self.effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
+
+    def readers(self, vid: int) -> list[int]:
+        return _readers(self.graph, self.users, vid)
+
+    def stored(self, members: set[int], m: int) -> bool:
+        return m in self.out_roots or any(r not in members for r in self.readers(m))
+
+    def build(
+        self, units: list[tuple[int, tuple[int, ...]]], norm: int | None
+    ) -> MatmulGroup | None:
+        """The group of ``units`` ((matmul, epilogue members) each) and ``norm``, or None when
+        an invariant of the module docstring fails."""
+        g = self.graph
+        members = {a for a, _ in units} | {m for _, e in units for m in e}
+        if norm is not None:
+            members.add(norm)
+        seg_of = {}  # member -> index of its unit's segment (union-find over units)
+        parent = list(range(len(units)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                i = parent[i]
+            return i
+
+        for k, (a, e) in enumerate(units):
+            for m in (a, *e):
+                seg_of[m] = k
+        for k, (a, e) in enumerate(units):
+            for m in e:
+                for i in g[m].inputs:
+                    r = resolve_view(g, i)
+                    if r in members:
+                        if i != r or r == norm:
+                            return None  # a member read through a view, or the norm by a map
+                        parent[find(k)] = find(seg_of[r])
+            if _bound(g, g[a].inputs[1]) in members:
+                return None
+        segments: dict[int, list[int]] = {}
+        for k in range(len(units)):
+            segments.setdefault(find(k), []).append(k)
+        last, first = max(members), min(members)
+        if any(first < e < last for e in self.effects):
+            return None
+        if norm is not None and (norm in self.out_roots or any(
+            r not in members for r in self.readers(norm)
+        )):  # fmt: skip
+            return None
+        stored = {m for m in members if m != norm and self.stored(members, m)}
+        for m in members:
+            if any(r not in members and r < last for r in self.readers(m)):
+                return None
+        out = []
+        for ks in segments.values():
+            anchors = tuple(sorted(units[k][0] for k in ks))
+            shape = g[anchors[0]].type.shape
+            if any(g[a].type.shape != shape for a in anchors):
+                return None
+            epi = tuple(sorted(m for k in ks for m in units[k][1]))
+            if any(m in stored and g[m].type.shape != shape for m in epi):
+                return None
+            outs = tuple(m for m in sorted(anchors + epi) if m in stored)
+            out.append(MatmulSegment(anchors, epi, outs))
+        out.sort(key=lambda s: s.anchors[0])
+        group = MatmulGroup(tuple(sorted(members)), tuple(sorted(stored)), tuple(out), norm)
+        if self.max_bindings is not None and self.bindings(group) > self.max_bindings:
+            return None
+        return group if self.accept(group) else None
+
+    def bindings(self, group: MatmulGroup) -> int:
+        g, members = self.graph, set(group.members)
+        external = set()
+        for m in group.members:
+            for i in g[m].inputs:
+                r = _bound(g, i) if g[m].op == "matmul" else resolve_view(g, i)
+                if r not in members and g[r].op != "constant":
+                    external.add(r)
+        return len(external) + len(group.outputs)
+
+
+def _bound(graph: Graph, vid: int) -> int:
+    """The value a matmul kernel binds for operand ``vid``: views resolved, and a transpose of
+    the last two dims read in place (``matmul.problem.fold_transpose``)."""
+    r = resolve_view(graph, vid)
+    node = graph[r]
+    if node.op == "permute":
+        dims = tuple(node.attr("dims"))
+        n = len(dims)
+        if n >= 2 and dims == tuple(range(n - 2)) + (n - 1, n - 2):
+            return resolve_view(graph, node.inputs[0])
+    return r
+
+
+def plan_matmul_groups(
+    graph: Graph,
+    groups: Sequence[FusionGroup],
+    needed: Sequence[bool],
+    key: Callable[[int], Hashable | None],
+    max_bindings: int | None = None,
+    norm_max_k: int = 0,
+    accept: Callable[[MatmulGroup], bool] = lambda _: True,
+) -> tuple[FusionGroup | MatmulGroup, ...]:
+    """Merge matmuls sharing a left operand, with their epilogues and the norm producing the
+    operand, into ``MatmulGroup``s (the invariants are in the module docstring).
+
+    Greedy, in program order per key: each matmul joins the open group of its key when the
+    merged group stays valid, else opens a new one; then a group whose left operand is a
+    last-dim ``rms_norm`` / ``layer_norm`` of at most ``norm_max_k`` elements per row absorbs
+    it when still valid.
+
+    Args:
+        graph: a verified graph.
+        groups: ``plan_fusion``'s groups (matmul anchors become units with their epilogue).
+        needed: per node, whether it gets kernels.
+        key: matmul node id -> a key equal for matmuls one kernel can compute together
+            (``horizontal.gemv_key``: the bound left operand, strides, M, K), None when the
+            matmul cannot join a group; the left operand's value id must be ``key[0]``.
+        max_bindings: the adapter's storage-buffer limit per kernel (None: no bound).
+        norm_max_k: the longest norm row absorbed as a prologue (0: none).
+        accept: the kernel's last word on a group (``horizontal.group_fits``: workgroup
+            memory).
+
+    Returns:
+        ``groups`` less those merged, plus the new ``MatmulGroup``s, ordered by last member.
+    """
+    merger = _Merger(graph, needed, max_bindings, accept)
+    epilogue_of = {
+        grp.anchor: tuple(m for m in grp.members if m != grp.anchor)
+        for grp in groups
+        if grp.anchor is not None and graph[grp.anchor].op == "matmul"
+    }
+    buckets: dict[Hashable, list[list[tuple[int, tuple[int, ...]]]]] = {}
+    for node in graph.nodes:
+        if node.op != "matmul" or not needed[node.id]:
+            continue
+        k = key(node.id)
+        if k is None:
+            continue
+        unit = (node.id, epilogue_of.get(node.id, ()))
+        runs = buckets.setdefault(k, [])
+        if runs and merger.build(runs[-1] + [unit], None) is not None:
+            runs[-1].append(unit)
+        else:
+            runs.append([unit])
+    merged: list[MatmulGroup] = []
+    for k, runs in buckets.items():
+        for units in runs:
+            group = None
+            if _prologue_ok(graph, k, needed, norm_max_k):  # type: ignore[arg-type]
+                group = merger.build(units, resolve_view(graph, k[0]))  # type: ignore[index]
+            if group is None and len(units) > 1:
+                group = merger.build(units, None)
+            if group is not None:
+                merged.append(group)
+    taken = {m for grp in merged for m in grp.members}
+    kept = [grp for grp in groups if not taken.intersection(grp.members)]
+    return tuple(sorted([*kept, *merged], key=lambda grp: grp.sink))
+
+
+def _prologue_ok(graph: Graph, key: tuple, needed: Sequence[bool], max_k: int) -> bool:
+    """Whether the left operand of ``key`` ((value, row stride, column stride, M, K)) is a
+    needed norm over rows of its last dim, of K <= ``max_k`` elements, read as M contiguous
+    rows of K."""
+    value, rows, cols, m, k = key
+    nid = resolve_view(graph, value)
+    node = graph[nid]
+    if node.op not in NORM_OPS or not needed[nid] or node.attr("normalized_ndim") != 1:
+        return False
+    return node.type.shape[-1] == k == rows and cols == 1 and node.type.numel == m * k <= m * max_k
