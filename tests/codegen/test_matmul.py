@@ -84,7 +84,17 @@ def test_gemv_plans(m, k, n, layout, plan):
     _assert_close(got, want, k)
 
 
-@pytest.mark.parametrize("plan", ["64x64x16/s4", "128x128x8", "gemv32/s2"], indirect=True)
+@pytest.mark.parametrize("plan", ["simd8", "simd16", "simd32", "simd64"], indirect=True)
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize("m,k,n", [(1, 7, 5), (1, 576, 260), (36, 520, 68), (131, 44, 129)])
+def test_simd_plans(m, k, n, layout, plan):
+    """The CPU kernel (one subgroup per workgroup, A rows broadcast) on ragged shapes; vec4
+    loads along K in "nt" where K % 4 == 0, scalar loads elsewhere."""
+    graph, inputs, want, y = _product(m, k, n, layout)
+    _assert_close(run(graph, inputs).values[y], want, k)
+
+
+@pytest.mark.parametrize("plan", ["64x64x16/s4", "128x128x8", "gemv32/s2", "simd16"], indirect=True)
 def test_batched_plans(plan):
     m = 5 if plan.startswith("gemv") else 70
     for layout in ("nn", "tt"):
@@ -143,8 +153,11 @@ def test_cpu_plan_choice():
     split or prefetched; on a GPU the choice is the heuristic's / TUNED's as before."""
     from meganeura.codegen.kernel import Limits
 
+    sub = Limits(max_workgroup_storage_size=32768, cpu=True, subgroups=True)
+    assert matmul.choose_plan(1, 576, 49152, 1, "nt", sub).name == "simd8"
+    assert matmul.choose_plan(128, 576, 1536, 1, "nt", sub).name == "simd16"
     cpu = Limits(max_workgroup_storage_size=32768, cpu=True)
-    gpu = Limits(max_workgroup_storage_size=49152)  # the H200
+    gpu = Limits(max_workgroup_storage_size=49152, subgroups=True)  # the H200
     assert matmul.choose_plan(1, 576, 49152, 1, "nt", cpu) == Plan("gemv", lanes=16)
     assert matmul.choose_plan(4, 576, 1536, 1, "nn", cpu) == Plan("gemv", lanes=64)
     assert matmul.choose_plan(128, 576, 1536, 1, "nt", cpu).name == "128x128x8/np"
@@ -164,15 +177,16 @@ def test_cpu_plans_match_float64(m, k, n, layout):
     """The plans cpu_plan picks (lavapipe's), run on the test device with Limits.cpu set."""
     import dataclasses
 
-    limits = dataclasses.replace(device_limits(), cpu=True)
-    graph, inputs, want, y = _product(m, k, n, layout)
-    _assert_close(run(graph, inputs, limits=limits).values[y], want, k)
+    for subgroups in (False, True):
+        limits = dataclasses.replace(device_limits(), cpu=True, subgroups=subgroups)
+        graph, inputs, want, y = _product(m, k, n, layout)
+        _assert_close(run(graph, inputs, limits=limits).values[y], want, k)
 
 
 def test_plan_names_round_trip():
-    for name in [*TILED, "gemv32", "gemv8/s4", "128x128x16/s2/np"]:
+    for name in [*TILED, "gemv32", "gemv8/s4", "128x128x16/s2/np", "simd16"]:
         assert parse_plan(name).name == name
-    for bad in ["gemv3", "96x96x8", "128x128x8/x"]:
+    for bad in ["gemv3", "96x96x8", "128x128x8/x", "simd12", "simd16/s2"]:
         with pytest.raises(ValueError):
             parse_plan(bad)
 
@@ -194,14 +208,16 @@ def test_vec4_bindings_only_where_aligned():
         assert ks[0].wgsl.count("array<vec4<f32>>") == vec
 
 
-@pytest.mark.parametrize("plan", ["64x64x16/s3", "gemv32/s2", "128x64x16"], indirect=True)
+@pytest.mark.parametrize(
+    "plan", ["64x64x16/s3", "gemv32/s2", "128x64x16", "simd16", "simd8"], indirect=True
+)
 def test_fused_epilogue_with_operand_reread(plan, gpu_device):
     """A bias + relu + residual epilogue reading A itself (through the real compiler with
     fusion on): A keeps one binding; with split-K the epilogue runs in the summing dispatch."""
     from meganeura.compile import CompileOptions
     from meganeura.training import compile_for
 
-    m = 4 if plan.startswith("gemv") else 40
+    m = 4 if plan.startswith("gemv") or plan == "simd8" else 40
     b = GraphBuilder()
     x = b.input("x", (m, 64))
     w = b.parameter("w", (64, 64))

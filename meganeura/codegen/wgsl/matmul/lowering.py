@@ -27,6 +27,7 @@ from ..elementwise.maps import lower_fill
 from .gemv import emit_gemv
 from .plan import GEMV_MAX_M, MAX_SCRATCH, WG, choose_plan
 from .problem import Epilogue, Problem, Store, problem_of
+from .simd import SIMD, emit_simd
 from .tiled import emit_tiled
 
 
@@ -55,7 +56,7 @@ def lower_matmul(
         raise ValueError(f"gemv plan for M = {p.m} > {GEMV_MAX_M} (%{node_id})")
     step = plan.tiling.bk if plan.kernel == "tiled" else 16
     splits, chunk = _splits(plan.splits, p, step, limits)
-    emit = emit_gemv if plan.kernel == "gemv" else emit_tiled
+    emit = {"gemv": emit_gemv, "simd": emit_simd}.get(plan.kernel, emit_tiled)
     kb = KernelBuilder(graph, node, limits)
     total = p.nb * p.m * p.n
     if splits == 1:
@@ -76,7 +77,11 @@ def lower_matmul(
     else:
         helpers += epilogue.helpers
         nbytes, flops = nbytes + epilogue.nbytes, flops + epilogue.flops
-    main = kb.finish("", body, WG, groups, helpers, flops=flops, nbytes=nbytes)
+    if plan.kernel == "simd":
+        extra = ", @builtin(subgroup_size) sgs: u32"
+        main = kb.finish("", body, SIMD, groups, helpers, flops, nbytes, extra_args=extra)
+    else:
+        main = kb.finish("", body, WG, groups, helpers, flops=flops, nbytes=nbytes)
     if splits == 1:
         return [main]
     return [main, _sum_splits(graph, node_id, limits, splits, total, p.n, epilogue)]

@@ -70,11 +70,11 @@ class Plan:
     """How one matmul runs.
 
     Attributes:
-        kernel: ``"tiled"`` or ``"gemv"``.
+        kernel: ``"tiled"``, ``"gemv"`` or ``"simd"`` (CPU adapters, ``simd.py``).
         tiling: the tiled kernel's tiling (None for gemv).
         splits: K chunks (1: no split-K).
-        lanes: gemv only: threads sharing one output column's K (W stored [N, K]) or the
-            number of K slices per workgroup (W stored [K, N]).
+        lanes: gemv: threads sharing one output column's K (W stored [N, K]) or the
+            number of K slices per workgroup (W stored [K, N]); simd: rows per workgroup.
         prefetch: tiled only: register prefetch + double-buffered workgroup tiles.
         deep: tiled with prefetch only: two register sets, so each K step's loads are issued
             two steps before they are stored (in flight over two multiplies instead of one).
@@ -89,7 +89,7 @@ class Plan:
 
     @property
     def name(self) -> str:
-        base = self.tiling.name if self.kernel == "tiled" else f"gemv{self.lanes}"
+        base = self.tiling.name if self.kernel == "tiled" else f"{self.kernel}{self.lanes}"
         return (
             base
             + (f"/s{self.splits}" if self.splits > 1 else "")
@@ -100,12 +100,17 @@ class Plan:
 
 def parse_plan(name: str) -> Plan:
     """``"128x128x8"``, ``"64x64x16/s4"``, ``"128x128x8/np"`` (no prefetch), ``"128x128x8/d2"``
-    (two-deep prefetch), ``"gemv32/s2"``.
+    (two-deep prefetch), ``"gemv32/s2"``, ``"simd16"`` (CPU kernel, 16 rows per workgroup).
 
     Raises:
         ValueError: for a name outside that grammar or a tiling not in ``TILINGS``.
     """
     m = re.fullmatch(r"(gemv(\d+)|\d+x\d+x\d+)(?:/s(\d+))?(/np|/d2)?", name)
+    simd = re.fullmatch(r"simd(\d+)", name)
+    if simd is not None:
+        if int(simd.group(1)) not in (8, 16, 32, 64):
+            raise ValueError(f"simd rows must be 8, 16, 32 or 64: {name!r}")
+        return Plan("simd", None, lanes=int(simd.group(1)))
     if m is None:
         raise ValueError(f"bad matmul plan name {name!r}")
     splits = int(m.group(3) or 1)
@@ -160,6 +165,8 @@ def force_plan(name: str | None) -> None:
 
 def groups_of(plan: Plan, m: int, n: int, batch: int = 1) -> int:
     """Workgroups of the plan's main dispatch."""
+    if plan.kernel == "simd":
+        return -(-m // plan.lanes) * -(-n // 16) * batch
     if plan.kernel == "gemv":
         return -(-n // gemv_cols(plan.lanes, True)) * batch * plan.splits
     t = plan.tiling
@@ -214,10 +221,11 @@ def heuristic_plan(m: int, k: int, n: int, batch: int = 1) -> Plan:
 # CPU adapters (llvmpipe): see cpu_plan. Gemv lanes per column when B is stored [N, K]
 # (layouts "nt", "tt"), K slices per workgroup when it is stored [K, N].
 CPU_GEMV_LANES = {"nt": 16, "tt": 16, "nn": 64, "tn": 64}
+CPU_SIMD_ROWS = 16
 CPU_TILINGS = (LARGE, TILINGS["64x128x16"], TILINGS["128x64x16"])
 
 
-def cpu_plan(m: int, k: int, n: int, layout: str = "nn") -> Plan:
+def cpu_plan(m: int, k: int, n: int, layout: str = "nn", subgroups: bool = False) -> Plan:
     """The plan on a CPU adapter (``Limits.cpu``: Mesa's llvmpipe, which CI's lavapipe is).
 
     llvmpipe runs a workgroup on one CPU thread, its invocations as 8-wide SIMD lanes in a
@@ -227,9 +235,14 @@ def cpu_plan(m: int, k: int, n: int, layout: str = "nn") -> Plan:
     (its partial sums and second dispatch are pure overhead), no register prefetch (a second
     workgroup buffer and more live registers), and of the tiles with the most outputs per
     thread (128x128x8, 64x128x16, 128x64x16) the one padding M x N least (ties: 128x128).
-    M <= 8: gemv with ``CPU_GEMV_LANES[layout]`` lanes. Measured with bench/cpu_matmul.py
-    (lavapipe, Mesa 22.3, LLVM 15, 2 cores).
+    With subgroups every product takes the ``simd`` kernel (``simd.py``: no workgroup memory,
+    no barrier; 3-17x faster there than the tiled kernel, 2x than gemv), 8 rows per workgroup
+    for M <= 8, else ``CPU_SIMD_ROWS``. Without: M <= 8 gemv with ``CPU_GEMV_LANES[layout]``
+    lanes, else the tiled kernel as above. Measured with bench/cpu_matmul.py (lavapipe, Mesa
+    22.3, LLVM 15, 2 cores).
     """
+    if subgroups:
+        return Plan("simd", lanes=8 if m <= 8 else CPU_SIMD_ROWS)
     if m <= GEMV_MAX_M:
         return Plan("gemv", lanes=CPU_GEMV_LANES.get(layout, 32))
 
@@ -244,7 +257,7 @@ def choose_plan(m: int, k: int, n: int, batch: int, layout: str, limits: Limits)
     if _forced:
         return parse_plan(_forced[0])
     if limits.cpu:
-        plan = cpu_plan(m, k, n, layout)
+        plan = cpu_plan(m, k, n, layout, limits.subgroups)
     else:
         name = TUNED.get((m, k, n, layout)) if batch == 1 else None
         plan = parse_plan(name) if name else heuristic_plan(m, k, n, batch)
