@@ -9,8 +9,9 @@ machine. ``--plan NAME`` forces a plan
 
 Measured 2026-12-02 on the 2-core CI-class machine (lavapipe, Mesa 22.3.6, LLVM 15, AVX2), wall
 ms median of 7, before -> after the CPU plans (``matmul.plan.cpu_plan``, the ``simd`` kernel):
-linear16 39.1 -> 1.9, linear128 80.5 -> 15.7, square512 68.4 -> 27.2, gemv_head 57.3 -> 20.0,
-gemv_gate 3.5 -> 1.0, gemv_nn 9.3 -> 2.3, dw_tn 86.1 -> 22.0.
+linear16 39.1 -> 1.9, linear128 80.5 -> 15.7, square512 68.4 -> 27.2, dw_tn 86.1 -> 22.0; M <= 8
+keeps gemv (horizontal fusion needs it), where ``--plan simd8`` gave gemv_head 57.3 -> 20.0,
+gemv_gate 3.5 -> 1.0, gemv_nn 9.3 -> 2.3.
 
 Usage: python bench/cpu_matmul.py [--repeats 5] [--plan 64x64x16/np] [--only gemv]
 """

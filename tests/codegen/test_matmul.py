@@ -154,7 +154,7 @@ def test_cpu_plan_choice():
     from meganeura.codegen.kernel import Limits
 
     sub = Limits(max_workgroup_storage_size=32768, cpu=True, subgroups=True)
-    assert matmul.choose_plan(1, 576, 49152, 1, "nt", sub).name == "simd8"
+    assert matmul.choose_plan(1, 576, 49152, 1, "nt", sub).name == "gemv16"
     assert matmul.choose_plan(128, 576, 1536, 1, "nt", sub).name == "simd16"
     cpu = Limits(max_workgroup_storage_size=32768, cpu=True)
     gpu = Limits(max_workgroup_storage_size=49152, subgroups=True)  # the H200

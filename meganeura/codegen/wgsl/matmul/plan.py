@@ -235,16 +235,17 @@ def cpu_plan(m: int, k: int, n: int, layout: str = "nn", subgroups: bool = False
     (its partial sums and second dispatch are pure overhead), no register prefetch (a second
     workgroup buffer and more live registers), and of the tiles with the most outputs per
     thread (128x128x8, 64x128x16, 128x64x16) the one padding M x N least (ties: 128x128).
-    With subgroups every product takes the ``simd`` kernel (``simd.py``: no workgroup memory,
-    no barrier; 3-17x faster there than the tiled kernel, 2x than gemv), 8 rows per workgroup
-    for M <= 8, else ``CPU_SIMD_ROWS``. Without: M <= 8 gemv with ``CPU_GEMV_LANES[layout]``
-    lanes, else the tiled kernel as above. Measured with bench/cpu_matmul.py (lavapipe, Mesa
-    22.3, LLVM 15, 2 cores).
+    M <= 8: gemv with ``CPU_GEMV_LANES[layout]`` lanes (``simd8`` ran the decode products 2-4x
+    faster on lavapipe, but horizontal matmul fusion, ``horizontal.py``, joins gemv plans only).
+    Larger products with subgroups: the ``simd`` kernel (``simd.py``: no workgroup memory, no
+    barrier; 2.5-20x faster there than the tiled kernel), ``CPU_SIMD_ROWS`` rows per workgroup;
+    without subgroups the tiled kernel as above. Measured with bench/cpu_matmul.py (lavapipe,
+    Mesa 22.3, LLVM 15, 2 cores).
     """
-    if subgroups:
-        return Plan("simd", lanes=8 if m <= 8 else CPU_SIMD_ROWS)
     if m <= GEMV_MAX_M:
         return Plan("gemv", lanes=CPU_GEMV_LANES.get(layout, 32))
+    if subgroups:
+        return Plan("simd", lanes=CPU_SIMD_ROWS)
 
     def padded(t: Tiling) -> int:
         return -(-m // t.bm) * t.bm * -(-n // t.bn) * t.bn
