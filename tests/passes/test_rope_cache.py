@@ -102,6 +102,13 @@ def test_a_reader_before_the_last_member_keeps_that_rotation_out():
         (4, ["apply_rotary_emb", "index_copy_"]),  # k's alone: k off slots, kc
         (3, None),
     ],
+    ids=[
+        "8-both_ropes_both_writes",
+        "7-both_ropes_key_write",
+        "5-both_ropes",
+        "4-key_rope_write",
+        "3-none",
+    ],
 )
 def test_the_binding_bound_shrinks_the_group(bound, ops):
     graph = _graph()
