@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import result, stats, torch_setup, write  # noqa: E402
+from bench.common import result, stats, timeit, torch_setup, write  # noqa: E402
 
 PROMPT = [504, 2455, 282, 1029, 314]
 NEW_TOKENS = 32
@@ -56,19 +56,6 @@ def torch_model(model, torch, dev):
     ref = transformers.LlamaForCausalLM(cfg).eval()
     ref.load_state_dict({k: torch.from_numpy(v) for k, v in model.state_dict().items()})
     return ref.to(dev)
-
-
-def wall(fn, sync, warmup: int, repeats: int) -> dict:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    return stats(times)
 
 
 def bench_decode(model, ref, torch, dev, sync, args, rows):
@@ -116,8 +103,8 @@ def _torch_decode(mode, m, kw, ids, seqs, ours_tok, ours_ttft, sync, args, rows)
         t0 = time.perf_counter()
         want = run(NEW_TOKENS)
         first_call = time.perf_counter() - t0
-        one = wall(lambda run=run: run(1), sync, args.warmup, args.repeats)
-        full = wall(lambda run=run: run(NEW_TOKENS), sync, args.warmup, args.repeats)
+        one = timeit(lambda run=run: run(1), sync, args.warmup, args.repeats)
+        full = timeit(lambda run=run: run(NEW_TOKENS), sync, args.warmup, args.repeats)
     torch_tok = (full["median"] - one["median"]) / (NEW_TOKENS - 1)
     same = want[0, len(PROMPT) :].tolist() == seqs
     rows.append(
@@ -157,12 +144,12 @@ def bench_prefill(model, ref, torch, dev, sync, args, rows):
     t0 = time.perf_counter()
     ours()
     first_call = time.perf_counter() - t0  # a bucket miss: trace, compile, pipelines, run
-    mine = wall(ours, lambda: None, args.warmup, args.repeats)
+    mine = timeit(ours, lambda: None, args.warmup, args.repeats)
     entry = fwd.cache_info().entries[0]
     miss = entry.trace_seconds + entry.compile_seconds + entry.setup_seconds
     t_ids = torch.from_numpy(ids.astype(np.int64)).to(dev)
     with torch.no_grad():
-        theirs = wall(lambda: ref(t_ids, use_cache=True, logits_to_keep=1), sync, 3, args.repeats)
+        theirs = timeit(lambda: ref(t_ids, use_cache=True, logits_to_keep=1), sync, 3, args.repeats)
     rows.append(
         result(
             f"w1_smollm2_prefill_seq{seq}_vs_eager",
@@ -186,7 +173,7 @@ def bench_train(model, ref, torch, dev, sync, args, rows):
     ids = (np.arange(seq, dtype=np.int32) % vocab)[None]
     labels = ((np.arange(seq) + 1) % vocab).astype(np.int32)[None]
     tr = mn.Trainer(model, mn.optim.AdamW(lr=1e-5), lm_loss)
-    mine = wall(lambda: tr.step(ids, labels), lambda: None, args.warmup, args.repeats)
+    mine = timeit(lambda: tr.step(ids, labels), lambda: None, args.warmup, args.repeats)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-5)
     t_ids = torch.from_numpy(ids.astype(np.int64)).to(dev)
     t_lab = torch.from_numpy(labels.astype(np.int64)).to(dev)
@@ -200,7 +187,7 @@ def bench_train(model, ref, torch, dev, sync, args, rows):
         opt.step()
         return loss.item()
 
-    theirs = wall(step, sync, 3, args.repeats)
+    theirs = timeit(step, sync, 3, args.repeats)
     rows.append(
         result(
             f"w1_smollm2_train_step_seq{seq}_vs_eager",
