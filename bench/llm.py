@@ -71,6 +71,23 @@ def bench_decode(model, ref, torch, dev, sync, args, rows):
             per_token.append(out.decode_seconds * 1e3 / (len(out.sequences[0]) - 1))
         seqs = out.sequences[0]
     ours_tok, ours_ttft = stats(per_token), stats(ttft)
+    # The same without chaining: one decode call per token, its id read back (a round trip).
+    plain = Generator(model, buckets=(16, 128), chain=False)
+    unchained = []
+    for i in range(args.warmup + args.repeats):
+        plain.reset()
+        out = plain.generate(PROMPT, NEW_TOKENS, stop=[])
+        if i >= args.warmup:
+            unchained.append(out.decode_seconds * 1e3 / (len(out.sequences[0]) - 1))
+    rows.append(
+        {
+            "case": "w1_smollm2_decode_ms_per_token_one_call_per_token",
+            "metric": "ms",
+            "ours": stats(unchained)["median"],
+            "ours_min": stats(unchained)["min"],
+            "same_tokens": out.sequences[0] == seqs,
+        }
+    )
     if args.profile:
         session = next(iter(gen._chains.values())).session  # the greedy_step program
         table = session.profile({}, repeats=5).table()

@@ -121,6 +121,9 @@ class Generator:
         buckets: prefill lengths to compile.
         precision: ``"strict"`` (f32) or ``"fast"`` (``CompileOptions.precision``).
         device: a runtime Device (default: the default device).
+        chain: greedy decoding submits ``greedy_step`` programs back to back (default);
+            False runs one decode call per token, reading its token id back each time
+            (for comparison).
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class Generator:
         buckets=None,
         precision: str = "strict",
         device=None,
+        chain: bool = True,
     ):
         from ..nn.compiled import CompiledModule
 
@@ -138,6 +142,7 @@ class Generator:
         self.forward = CompiledModule(model, precision=precision, device=device)
         self._chains: dict = {}  # compiled greedy_step programs
         self._token = object()  # marks the model's cache as written by this generator
+        self.chain = chain
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         self.max_length = max_length
         self.buckets = tuple(sorted(buckets or PREFILL_BUCKETS))
@@ -315,7 +320,7 @@ class Generator:
         decode_start = time.perf_counter()
         finished = accept(first)
         remaining = max_new_tokens - 1
-        if greedy and not finished and remaining:
+        if greedy and self.chain and not finished and remaining:
             self._chained(first, slot, remaining, accept, streamer is not None)
         else:
             tokens = first
@@ -324,8 +329,11 @@ class Generator:
                 out = self._run(feed, slot, 1, greedy)
                 slot += 1
                 self.cached += batch == 1
-                logits = np.asarray(out).reshape(batch, -1)
-                tokens = sample(logits, temperature, top_k, top_p, rng)
+                if greedy:  # the decode program returned the argmax ids
+                    tokens = np.asarray(out, np.int64).reshape(batch)
+                else:
+                    logits = np.asarray(out).reshape(batch, -1)
+                    tokens = sample(logits, temperature, top_k, top_p, rng)
                 finished = accept(tokens)
                 remaining -= 1
         decode_seconds = time.perf_counter() - decode_start

@@ -137,6 +137,8 @@ def test_batched_left_padded_generation_equals_one_prompt_at_a_time(gpu_device):
     ]
     together = Generator(model, buckets=(8, 16)).generate(prompts, 7, stop=[])
     assert together.sequences == alone
+    unchained = Generator(model, buckets=(8, 16), chain=False).generate(prompts, 7, stop=[])
+    assert unchained.sequences == alone  # one decode call per token, ids read back each time
     assert together.finish_reasons == ["length"] * 3
     # and each equals greedy decoding by full recompute in transformers
     ref = torch_model(model.config, model.state_dict())
