@@ -283,6 +283,7 @@ class Generator:
         start = common
         greedy = temperature == 0
         rng = np.random.default_rng(seed)
+        self.history, self.cached = [], 0  # a prefill that fails leaves nothing to reuse
         out = self._prefill(suffixes, start, greedy)
         slot = start + len(suffixes[0])
         self.history = [list(p) for p in prompts]
