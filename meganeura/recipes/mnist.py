@@ -251,30 +251,10 @@ def _meta(cfg, epoch, rng, losses, mean, std) -> dict:
 
 def _plot(losses, samples_per_epoch: int, path: Path) -> bool:
     """Loss curve from ``[step, loss]`` pairs, with a running mean over one epoch's samples."""
-    try:
-        import matplotlib
+    from .plotting import plot_losses
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = np.array([p[0] for p in losses]) + 1
-    values = np.array([p[1] for p in losses])
-    ax.plot(steps, values, lw=0.6, alpha=0.5, label="every few steps")
-    w = max(1, samples_per_epoch)
-    if len(values) >= w > 1:
-        smooth = np.convolve(values, np.ones(w) / w, mode="valid")
-        ax.plot(steps[w - 1 :], smooth, lw=1.5, label=f"mean of {w}")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy")
-    ax.set_yscale("log")
-    ax.set_title("meganeura: MNIST MLP 784-128-10, AdamW")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    title = "meganeura: MNIST MLP 784-128-10, AdamW"
+    return plot_losses(losses, path, title, window=max(1, samples_per_epoch))
 
 
 def load_model(checkpoint: str) -> tuple[MLP, dict]:

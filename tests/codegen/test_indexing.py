@@ -332,3 +332,27 @@ def test_backward_ops_gradient_is_their_adjoint(op):
     vals, _, _ = interpret(graph, feeds, float64=True)
     bt_r = vals[grads[g.id]]
     np.testing.assert_allclose(np.sum(feeds["g"] * bt_r), vals[loss.id], rtol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [0, 1, 2], ids=lambda d: f"dim{d}")
+def test_index_copy_along_each_dim_writes_the_state(dim):
+    """``index_copy_`` of a state along each dim (collapsed [B, C, A] with B or A of 1), then a
+    read of the written value, against the NumPy interpreter; repeated rows excluded (their
+    winner is unspecified)."""
+    from meganeura.ops.inplace import index_copy_
+
+    shape = (5, 6, 7)
+    index = np.array([4, 0, 2], np.int32)
+    b = GraphBuilder()
+    cache = b.state("cache", shape)
+    pos = b.input("pos", (3,), DType.i32)
+    src_shape = shape[:dim] + (3,) + shape[dim + 1 :]
+    src = b.input("src", src_shape)
+    b.output("y", index_copy_(cache, dim, pos, src) * 2.0)
+    start = rng.standard_normal(shape).astype(np.float32)
+    feeds = {"pos": index, "src": rng.standard_normal(src_shape).astype(np.float32)}
+    got = check(b.build(), feeds, state={"cache": start})
+    want = start.copy()
+    np.moveaxis(want, dim, 0)[index] = np.moveaxis(feeds["src"], dim, 0)
+    np.testing.assert_array_equal(got.state["cache"], want)

@@ -16,6 +16,7 @@ from meganeura.graph.builder import GraphBuilder
 from meganeura.graph.ir import VIEW_OPS
 from meganeura.ops import OPS
 from meganeura.ops import functional as F
+from meganeura.ops.inplace import index_copy_
 
 
 def every_op_graph():
@@ -58,6 +59,9 @@ def every_op_graph():
     gated = b.add("guard_clip", [clip, skipped, reset, loss, found], {"sticky": True})
     b.add("guard_count", [skipped, gated, reset])
     b.output("neg", -F.sub(x, x))
+    # an in-place write of a state that a later kernel reads (the KV cache)
+    written = index_copy_(b.state("cache", (3, 70)), 0, b.input("pos", (2,), DType.i32), x[:2])
+    b.output("cache_sum", F.sum(written, 1))
     return b.build_unverified()
 
 
@@ -130,6 +134,23 @@ def test_reads():
     assert reads(graph, z.id) == (x.id,)
     assert reads(graph, mm.id) == (x.id, w.id)
     assert lower(graph, r.id, Limits()) == [] and lower(graph, x.id, Limits()) == []
+
+
+def test_reads_of_an_in_place_write_bind_the_state():
+    b = GraphBuilder()
+    cache = b.state("cache", (4, 3))
+    pos, src = b.input("pos", (1,), DType.i32), b.input("src", (1, 3))
+    w = index_copy_(cache, 0, pos, src)
+    y = F.reshape(w, (3, 4)) * 2.0
+    graph = b.build_unverified()
+    assert reads(graph, w.id) == (cache.id, pos.id, src.id)
+    assert reads(graph, y.id) == (cache.id,)  # the written value is the state's buffer
+    (ks,) = lower(graph, w.id, Limits())
+    assert [(r.node, r.write) for r in ks.bindings] == [
+        (cache.id, True),
+        (pos.id, False),
+        (src.id, False),
+    ]
 
 
 def test_too_many_elements_is_a_value_error_naming_the_node():

@@ -92,3 +92,20 @@ def test_real_training_step_gradients_match_torch_float64(smollm2, gpu_device):
             continue
         assert float(np.sum(g * w) / (gn * wn)) >= 0.999, name
         assert abs(gn / wn - 1) <= 0.01, name
+
+
+@needs_weights
+def test_quantized_weights_stay_within_their_own_error(smollm2, gpu_device):
+    """Q4_1 keeps the file's blocks (the values the f32 path dequantized): equal to float32
+    noise. Q8_0 requantizes those values to 8 bits (each weight within half a step, 1/254 of
+    its block's largest magnitude): logits within 2% relative L2, the same top-1 tokens."""
+    model, _ = smollm2
+    ids = np.asarray([[1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 669, 28, 2]])
+    want = model(ids)
+    for qtype, bound in (("q4_1", 1e-5), ("q8_0", 2e-2)):
+        q = LlamaForCausalLM.from_pretrained(MODEL_PATH, weights=qtype)
+        got = q(ids)
+        assert rel_l2(got, want) <= bound, qtype
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9, qtype
+        matrices = {n for n, p in q.named_parameters() if p.ndim == 2}
+        assert matrices == {"model.embed_tokens.weight"}, qtype  # the rest are packed buffers

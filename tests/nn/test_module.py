@@ -221,3 +221,17 @@ def test_state_dict_of_an_uninitialized_model_names_the_tensor():
         m = Net()
     with pytest.raises(UninitializedParameterError, match="'embed.weight'"):
         m.state_dict()
+
+
+def test_replacing_a_submodule_or_parameter_keeps_its_place_as_torch():
+    ours = mn.nn.Sequential(mn.nn.Linear(4, 3), mn.nn.ReLU(), mn.nn.Linear(3, 2))
+    theirs = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    setattr(ours, "0", mn.nn.Linear(4, 3, bias=False))
+    setattr(theirs, "0", torch.nn.Linear(4, 3, bias=False))
+    assert isinstance(ours[0], mn.nn.Linear) and ours[0].bias is None
+    assert (
+        list(ours.state_dict()) == list(theirs.state_dict()) == ["0.weight", "2.weight", "2.bias"]
+    )
+    lin = mn.nn.Linear(2, 2)
+    lin.weight = Parameter(np.ones((2, 2), np.float32))
+    assert list(lin.state_dict()) == ["weight", "bias"]

@@ -88,6 +88,7 @@ FAMILIES = (
     "distance",
     "attention",
     "loss",
+    "quantized",
 )
 
 

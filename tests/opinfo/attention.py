@@ -18,9 +18,10 @@ Dv 3; dropout_p = 1 (zeros). The reference is PyTorch's math formula with the ke
 sdpa_kv_length (a runtime key count ``kv_length``, decoding with a KV cache; forward only, it
 has no gradient) samples: decode (Lq 1) and chunked prefill after a cache (Lq 4), B 2 with
 different lengths per sequence, GQA 9/3, D 64, causal (lower-right) and not, with a bool
-left-padding mask, a scalar length, lengths 0 and past Lk (clamped), and
-``causal_lower_right(Lq, Lk)`` as attn_mask. The reference is torch SDPA per sequence on the
-keys it keeps, with an explicit lower-right bool mask (a row with no key gives zeros).
+left-padding mask or an additive per-head mask with -inf padding, a scalar length, lengths 0
+and past Lk (clamped), and ``causal_lower_right(Lq, Lk)`` as attn_mask. The reference is torch
+SDPA per sequence on the keys it keeps, with an explicit lower-right mask (a row with no key
+gives zeros).
 
 apply_rotary_emb samples: L 1, 3, 7, 129; D 2, 8, 64; theta 1e4 and 1e5 (SmolLM2); a far
 position offset (8000); a 3-d input; a run-time i32 offset, one value or one per batch row.
@@ -222,16 +223,22 @@ def _sdpa_kv_ref(q, k, v, kv_length, attn_mask=None, is_causal=False, enable_gqa
         keep = torch.ones(lq, n, dtype=torch.bool)
         if is_causal:
             keep = torch.arange(n)[None, :] <= n - lq + torch.arange(lq)[:, None]
+        add = torch.zeros(q.shape[1], lq, n, dtype=q.dtype)
         if attn_mask is not None:
-            keep = keep & attn_mask.expand(b, q.shape[1], lq, lk)[i, :, :, :n]
+            m = attn_mask.expand(b, q.shape[1], lq, lk)[i, :, :, :n]
+            if m.dtype == torch.bool:
+                keep = keep & m
+            else:  # additive: -inf entries are masked, the others added
+                keep = keep & ~torch.isneginf(m)
+                add = torch.where(torch.isneginf(m), 0.0, m)
         keep = keep.expand(q.shape[1], lq, n)
         full = ~keep.any(-1, keepdim=True)
         if n == 0:
             rows.append(torch.zeros_like(q[i]))
             continue
+        bias = torch.where(keep | full, add, -torch.inf)
         out = TF.scaled_dot_product_attention(
-            q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], torch.where(full, True, keep),
-            enable_gqa=True,
+            q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], bias, enable_gqa=True
         )[0]
         rows.append(torch.where(full, 0.0, out))
     return torch.stack(rows)
@@ -245,12 +252,15 @@ def _sdpa_kv_samples(rng):
 
     pad = np.ones((2, 1, 1, 40), bool)
     pad[0, ..., :3] = False  # sequence 0 is left-padded by 3 slots
+    additive = rng.standard_normal((2, 9, 4, 40))
+    additive[1, ..., :2] = -np.inf  # sequence 1 is left-padded by 2 slots
     return [
         s("decode", 1, [17, 33]),
         s("decode_causal", 1, [17, 40], is_causal=True),
         s("prefill_chunk_causal", 4, [9, 30], is_causal=True),
         s("prefill_chunk", 4, [9, 30]),
         s("left_pad_causal", 4, [12, 30], mask=pad, is_causal=True),
+        s("additive_mask_causal", 4, [12, 30], mask=additive, is_causal=True),
         s("scalar_length", 3, 21, is_causal=True),
         s("zero_and_past_end", 2, [0, 55], lk=9, is_causal=True),
         Sample(_qkv(rng, 2, 9, 3, 5, 12, 64) + ("lower_right",), {}, "causal_lower_right"),

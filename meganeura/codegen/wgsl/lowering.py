@@ -56,6 +56,7 @@ from .indexing.gather import (
 )
 from .matmul.lowering import lower_matmul
 from .matmul.problem import matmul_operands
+from .matmul.quantized import lower_quantized_linear, lower_quantized_linear_backward
 from .norm.lowering import (
     lower_norm,
     lower_norm_backward,
@@ -107,6 +108,8 @@ LOWERINGS: dict[str, Lowering] = {
     "batch_norm_update_stats_into": lower_update_stats_into,
     # matmul (matmul/)
     "matmul": lower_matmul,
+    "quantized_linear": lower_quantized_linear,
+    "quantized_linear_backward": lower_quantized_linear_backward,
     # attention and rotary embedding (attention/)
     SDPA: partial(lower_attention, mode="fwd"),
     STATS: partial(lower_attention, mode="stats"),

@@ -51,6 +51,7 @@ from .pooling import (
     MaxPool1d,
     MaxPool2d,
 )
+from .quantized import QuantizedLinear, quantize_linears
 from .sparse import Embedding
 from .transformer import (
     Transformer,
@@ -105,6 +106,7 @@ __all__ = [
     "NLLLoss",
     "NonDynamicallyQuantizableLinear",
     "PReLU",
+    "QuantizedLinear",
     "RMSNorm",
     "ReLU",
     "ReLU6",
@@ -127,4 +129,5 @@ __all__ = [
     "Upsample",
     "UpsamplingBilinear2d",
     "UpsamplingNearest2d",
+    "quantize_linears",
 ]

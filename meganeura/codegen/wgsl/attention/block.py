@@ -18,7 +18,8 @@ Scores are kept in the log2 domain: ``z = (q . k) * scale * log2(e) + mask * log
 ``p = exp2(z - m)`` (the same numbers as ``exp(s - m)``, one multiply cheaper; FlashAttention-2,
 Dao 2023, Algorithm 1). The forward's running max is row-uniform (lanes exchange partial
 maxima each tile); ``stats`` keeps a max and sum per thread and merges them at the end.
-Masking, fully masked rows and clamped reads follow ``lane`` exactly.
+Masking, fully masked rows, clamped reads and the forward's runtime key count (``kv_length``:
+the key loop stops at ``kvl``, lower-right causality) follow ``lane`` exactly.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.layout import broadcast_strides
 from ..core.literals import f32_literal, u
-from .lane import LOWEST, NEG_INF_BITS, OPERANDS, XYZW, stride_sum
+from .lane import LOWEST, NEG_INF_BITS, OPERANDS, XYZW, kv_limit, read_extras, stride_sum
 from .plan import QUERY_ROW_MODES, BlockPlan, Dims, block_layout, extents
 
 LOG2E = f32_literal(1.0 / math.log(2.0))
@@ -40,8 +41,8 @@ LN2 = f32_literal(math.log(2.0))
 class _Block:
     """Emits the statements of one block kernel into ``self.lines``."""
 
-    def __init__(self, kb, mode, dims: Dims, plan: BlockPlan, src, mask, strides, attrs):
-        self.kb, self.mode, self.dims, self.plan = kb, mode, dims, plan
+    def __init__(self, kb, mode, dims: Dims, plan: BlockPlan, src, mask, strides, attrs, kvlen):
+        self.kb, self.mode, self.dims, self.plan, self.kvlen = kb, mode, dims, plan, kvlen
         self.src, self.mask, self.mstrides = src, mask, strides
         self.total, self.layout = block_layout(mode, dims, plan)
         self.scale, self.scale_nat, self.causal = attrs
@@ -59,9 +60,9 @@ class _Block:
         return self.layout[seg][1]
 
     # ---- cooperative copies ------------------------------------------------------------------
-    def copy(self, seg: str, src: Src, row: str, n: int, count: int, first: str, last: int):
+    def copy(self, seg: str, src: Src, row: str, n: int, count: int, first: str, last: int | str):
         """Copy ``count`` rows (``n`` floats each; row ``sr`` of ``src`` starts at ``row``)
-        from ``first`` on, clamped to ``last``, into segment ``seg``."""
+        from ``first`` on, clamped to ``last`` (an int or a u32 expression), into ``seg``."""
         n4 = -(-n // 4)
         comps = []
         for e in range(4):
@@ -74,7 +75,7 @@ class _Block:
             f"  for (var e = lid; e < {u(count * n4)}; e = e + {u(self.plan.size)}) {{",
             f"    let rr = e / {u(n4)};",
             f"    let c = e % {u(n4)};",
-            f"    let sr = min({first} + rr, {u(last)});",
+            f"    let sr = min({first} + rr, {u(last) if isinstance(last, int) else last});",
             f"    let base = ({row}) * {u(n)} + c * 4u;",
             f"    sh[{u(self.off(seg))} + rr * {u(self.stride(seg))} + c] = "
             f"vec4<f32>({', '.join(comps)});",
@@ -160,7 +161,11 @@ class _Block:
         for r in range(4):
             for j in range(NJ):
                 conds = [f"sj{j} < {u(self.n_stream)}"] if ragged else []
-                if self.causal:
+                if self.kvlen is not None:  # the forward only: rows are queries
+                    conds = [f"sj{j} < kvl"]
+                    if self.causal:
+                        conds.append(f"sj{j} + {u(self.dims.lq)} <= kvl + ri{r}")
+                elif self.causal:
                     conds.append(f"sj{j} <= ri{r}" if self.qrows else f"kj{r} <= sj{j}")
                 z = f"s{r}_{j} * {self.scale}"
                 if self.mask is not None:
@@ -223,7 +228,7 @@ def lower_block(
     n_fixed = 2 + len(OPERANDS[mode])
     for name, vid in zip(OPERANDS[mode], ins[2:n_fixed], strict=True):
         src[name] = kb.read(vid, name)
-    mask = kb.read(ins[n_fixed], "mask") if len(ins) > n_fixed else None
+    mask, kvlen = read_extras(kb, graph, ins[n_fixed:])
     d, lq, lk, G = dims.d, dims.lq, dims.lk, dims.group
     hq = dims.hkv * G
     strides = broadcast_strides(mask.type.shape, (dims.b, hq, lq, lk)) if mask else (0,) * 4
@@ -237,6 +242,7 @@ def lower_block(
         mask,
         strides,
         (scale2, f32_literal(node.attr("scale")), bool(node.attr("is_causal"))),
+        kvlen,
     )
     outs = {"out": kb.write(node_id, "out")}
     if mode == "dkv":
@@ -315,7 +321,19 @@ def lower_block(
 
     # the stream loop
     if k.qrows:
-        if k.causal:
+        if kvlen is not None:  # keys j < kvl (lower-right causal: j + Lq <= kvl + i) only
+            k.emit(kv_limit(kvlen, lk))
+            if k.causal:
+                k.emit(
+                    f"  let r_first = tile * {u(R)};",
+                    f"  let r_last = min(r_first + {u(R)}, {u(k.n_rows)}) - 1u;",
+                    f"  let one_head = r_first / {u(lq)} == r_last / {u(lq)};",
+                    f"  let lim = i32(kvl) - {lq}i + i32(r_last % {u(lq)}) + 1i;",
+                    "  let s_end = select(kvl, u32(clamp(lim, 0i, i32(kvl))), one_head);",
+                )
+            else:
+                k.emit("  let s_end = kvl;")
+        elif k.causal:
             k.emit(
                 f"  let r_first = tile * {u(R)};",
                 f"  let r_last = min(r_first + {u(R)}, {u(k.n_rows)}) - 1u;",
@@ -326,9 +344,10 @@ def lower_block(
             k.emit(f"  let s_end = {u(lk)};")
         k.emit(f"  for (var s0 = 0u; s0 < s_end; s0 = s0 + {u(BS)}) {{", "  workgroupBarrier();")
         row = f"bh * {u(lk)} + sr"
-        k.copy("b", src["k"], row, d, BS, "s0", lk - 1)
+        last = "kvl - 1u" if kvlen is not None else lk - 1  # never past the last kept key
+        k.copy("b", src["k"], row, d, BS, "s0", last)
         if mode == "fwd":
-            k.copy("c", src["v"], row, dims.dv, BS, "s0", lk - 1)
+            k.copy("c", src["v"], row, dims.dv, BS, "s0", last)
         if mode == "dq":
             k.copy("b2", src["v"], row, dims.dv, BS, "s0", lk - 1)
     else:

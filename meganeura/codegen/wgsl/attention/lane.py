@@ -26,8 +26,9 @@ and never store.
 A runtime key count (the forward's trailing i32 ``kv_length`` operand, [] or [B]): the kernel
 reads ``kvl = clamp(kv_length[b], 0, Lk)`` once per workgroup (uniform: one batch row per
 workgroup) and its key loop stops at ``kvl`` (or at the lower-right causal limit of the tile's
-last query, ``kvl - Lq + i + 1``), so keys past it are never read; entries past it are masked,
-and with ``is_causal`` query i sees keys ``j + Lq <= kvl + i`` (u32, no negative values).
+last query, ``kvl - Lq + i + 1``); tile loads clamp to key ``kvl - 1``, so keys past it are
+never read, whatever they hold; entries past it are masked, and with ``is_causal`` query i
+sees keys ``j + Lq <= kvl + i`` (u32, no negative values).
 """
 
 from __future__ import annotations
@@ -234,7 +235,9 @@ def _load_tile(k: _Kernel, seg: str, src: Src, row: str, n: int) -> list[str]:
     """Cooperative copy of the current tile's segment ``seg`` (rows of ``n`` floats of
     ``src``; ``row`` is the stream entry's row index in ``src``) into workgroup memory."""
     off, stride = k.layout[seg]
-    last = u(k.n_stream - 1)
+    # with a runtime key count, reads stop at the last kept key (kvl >= 1 inside the loop), so
+    # the tile's entries past it repeat finite data (0 * NaN in a stale slot would be NaN)
+    last = "kvl - 1u" if k.kvlen is not None else u(k.n_stream - 1)
     step = u(k.plan.size)
     if seg == "st":
         return [

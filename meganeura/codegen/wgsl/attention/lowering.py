@@ -20,20 +20,14 @@ from .plan import choose_block_plan, fuses_key_value
 
 
 def lower_attention(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[KernelSource]:
-    """The register-tiled kernel (``block``) when a block plan fits the adapter and the node
-    has no runtime key count (``kv_length``), else the lane kernel (``lane``);
-    ``plan.BLOCK_OVERRIDE`` forces either (but not the block kernel with ``kv_length``)."""
+    """The register-tiled kernel (``block``) when a block plan fits the adapter,
+    else the lane kernel (``lane``); ``plan.BLOCK_OVERRIDE`` forces
+    either."""
     dims = dims_of(graph, graph[node_id], mode)
     plan = choose_block_plan(mode, dims, limits)
-    if plan is None or has_kv_length(graph, node_id):
+    if plan is None:
         return lower_flash(graph, node_id, limits, mode)
     return lower_block(graph, node_id, limits, mode, dims, plan)
-
-
-def has_kv_length(graph: Graph, node_id: int) -> bool:
-    """Whether attention node ``node_id`` has a runtime key count (a trailing i32 operand);
-    only the lane kernel reads one, so such nodes always run it."""
-    return not graph[graph[node_id].inputs[-1]].type.dtype.is_floating
 
 
 KEY_VALUE = f"{SDPA}_backward_key_value"  # the op token of dkv kernels' names (profiles)
