@@ -466,52 +466,6 @@ class _Splitter:
         self.blocked[n.id] = out
         return True
 
-    def index_select(self, n: Node) -> bool:
-        x, idx = n.inputs
-        if n.attr("dim") != 0 or not self.splittable(x) or n.id in self.big:
-            return False
-        rows = self.g[x].type.shape[0]
-        ids, dt = self.whole(idx, n), self.g[idx].type.dtype
-        out = None
-        for b, (start, end) in enumerate(self.part(rows)):
-            local = self.emit("clamp", [ids], {"min": start, "max": end - 1}, n)
-            if start:
-                local = self.emit("sub", [local, self.const(start, dt)], {}, n)
-            sel = self.emit("index_select", [self.block(x, b, rows, n), local], {"dim": 0}, n)
-            if out is None:
-                out = sel
-                continue
-            # Later blocks override: a token in block b has idx >= start_b and < start_(b+1).
-            mine = self.emit("greater_equal", [ids, self.const(start, dt)], {}, n)
-            shape = mine_shape(self.nodes[sel].type.ndim, self.g[idx].type.shape[0])
-            mine = self.emit("reshape", [mine], {"shape": shape}, n)
-            out = self.emit("where", [mine, sel, out], {}, n)
-        self.new[n.id] = out
-        return True
-
-    def index_select_backward(self, n: Node) -> bool:
-        g, idx = n.inputs
-        if n.attr("dim") != 0 or n.id not in self.big or self.splittable(g):
-            return False
-        rows = n.type.shape[0]
-        grad, ids, dt = self.whole(g, n), self.whole(idx, n), self.g[idx].type.dtype
-        zero = self.const(0.0, self.g[g].type.dtype)
-        shape = mine_shape(self.g[g].type.ndim, self.g[idx].type.shape[0])
-        out = []
-        for start, end in self.part(rows):
-            lo = self.emit("greater_equal", [ids, self.const(start, dt)], {}, n)
-            hi = self.emit("less", [ids, self.const(end, dt)], {}, n)
-            mine = self.emit("logical_and", [lo, hi], {}, n)
-            mine = self.emit("reshape", [mine], {"shape": shape}, n)
-            part = self.emit("where", [mine, grad, zero], {}, n)
-            local = self.emit("clamp", [ids], {"min": start, "max": end - 1}, n)
-            if start:
-                local = self.emit("sub", [local, self.const(start, dt)], {}, n)
-            attrs = {"dim": 0, "size": end - start}
-            out.append(self.emit("index_select_backward", [part, local], attrs, n))
-        self.blocked[n.id] = out
-        return True
-
     def transposed(self, v: int) -> int | None:
         """The old id of ``x`` when old value ``v`` is ``permute(x, (1, 0))``, else None."""
         n = self.g[v]
@@ -574,11 +528,6 @@ def _computed(t: TensorType) -> TensorType:
     return TensorType(t.shape, DType.f32) if t.dtype is DType.f16 else t
 
 
-def mine_shape(ndim: int, n: int) -> tuple[int, ...]:
-    """Shape of a per-index mask broadcast over an ``ndim``-d gather result: ``[n, 1, ...]``."""
-    return (n,) + (1,) * (ndim - 1)
-
-
 def _elementwise_ops() -> frozenset[str]:
     from ..codegen.wgsl.elementwise.maps import FUSIBLE
 
@@ -587,8 +536,8 @@ def _elementwise_ops() -> frozenset[str]:
 
 _ELEMENTWISE = _elementwise_ops()
 _RULES = {
-    "index_select": _Splitter.index_select,
-    "index_select_backward": _Splitter.index_select_backward,
+    "index_select": split_rules.index_select,
+    "index_select_backward": split_rules.index_select_backward,
     "matmul": split_rules.matmul,
     "cross_entropy": split_rules.cross_entropy,
     "cross_entropy_backward": split_rules.cross_entropy_backward,

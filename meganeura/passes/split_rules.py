@@ -1,5 +1,6 @@
-"""Rules of ``split_bindings`` for matmul and cross-entropy: ops whose row blocks are not
-those of one operand (see ``split_bindings``'s module docstring for the design).
+"""Rules of ``split_bindings`` for gathers, matmul and cross-entropy: ops whose row blocks are
+not those of one operand (see ``split_bindings``'s module docstring for the design; each rule
+returns True when it rewrote node ``n``).
 
 ``matmul(A [M, K], B [K, N]) -> C [M, N]`` is tiled by up to three partitions: ``M`` when A
 is split into row blocks or C is big (C is then made in row blocks), ``K`` when A is the
@@ -175,3 +176,57 @@ def cross_entropy_backward(s, n: Node) -> bool:
         )
     s.blocked[n.id] = out
     return True
+
+
+def index_select(s, n: Node) -> bool:
+    x, idx = n.inputs
+    if n.attr("dim") != 0 or not s.splittable(x) or n.id in s.big:
+        return False
+    rows = s.g[x].type.shape[0]
+    ids, dt = s.whole(idx, n), s.g[idx].type.dtype
+    out = None
+    for b, (start, end) in enumerate(s.part(rows)):
+        local = s.emit("clamp", [ids], {"min": start, "max": end - 1}, n)
+        if start:
+            local = s.emit("sub", [local, s.const(start, dt)], {}, n)
+        sel = s.emit("index_select", [s.block(x, b, rows, n), local], {"dim": 0}, n)
+        if out is None:
+            out = sel
+            continue
+        # Later blocks override: a token in block b has idx >= start_b and < start_(b+1).
+        mine = s.emit("greater_equal", [ids, s.const(start, dt)], {}, n)
+        shape = _mine_shape(s.nodes[sel].type.ndim, s.g[idx].type.shape[0])
+        mine = s.emit("reshape", [mine], {"shape": shape}, n)
+        out = s.emit("where", [mine, sel, out], {}, n)
+    s.new[n.id] = out
+    return True
+
+
+def index_select_backward(s, n: Node) -> bool:
+    g, idx = n.inputs
+    if n.attr("dim") != 0 or n.id not in s.big or s.splittable(g):
+        return False
+    rows = n.type.shape[0]
+    grad, ids, dt = s.whole(g, n), s.whole(idx, n), s.g[idx].type.dtype
+    gt = s.g[g].type.dtype
+    zero = s.const(0.0, DType.f32 if gt is DType.f16 else gt)  # constants are computed types
+    shape = _mine_shape(s.g[g].type.ndim, s.g[idx].type.shape[0])
+    out = []
+    for start, end in s.part(rows):
+        lo = s.emit("greater_equal", [ids, s.const(start, dt)], {}, n)
+        hi = s.emit("less", [ids, s.const(end, dt)], {}, n)
+        mine = s.emit("logical_and", [lo, hi], {}, n)
+        mine = s.emit("reshape", [mine], {"shape": shape}, n)
+        part = s.emit("where", [mine, grad, zero], {}, n)
+        local = s.emit("clamp", [ids], {"min": start, "max": end - 1}, n)
+        if start:
+            local = s.emit("sub", [local, s.const(start, dt)], {}, n)
+        attrs = {"dim": 0, "size": end - start}
+        out.append(s.emit("index_select_backward", [part, local], attrs, n))
+    s.blocked[n.id] = out
+    return True
+
+
+def _mine_shape(ndim: int, n: int) -> tuple[int, ...]:
+    """Shape of a per-index mask broadcast over an ``ndim``-d gather result: ``[n, 1, ...]``."""
+    return (n,) + (1,) * (ndim - 1)
