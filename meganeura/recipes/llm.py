@@ -67,8 +67,14 @@ def add_commands(sub) -> None:
     f.add_argument("--log-every", type=int, default=5, help="read the loss back every N steps")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    f.add_argument("--precision", choices=["strict", "fast"], default="strict")
+    _precision_flag(f)
     f.set_defaults(handler=cmd_finetune)
+
+
+def _precision_flag(p) -> None:
+    from ..cli import _precision_flag as flag  # one definition of --precision for every command
+
+    flag(p)
 
 
 def _model_flags(p) -> None:
@@ -92,12 +98,7 @@ def _model_flags(p) -> None:
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampler")
-    p.add_argument(
-        "--precision",
-        choices=["strict", "fast"],
-        default="strict",
-        help="strict f32, or fast: f16 storage with f32 accumulation (needs shader-f16)",
-    )
+    _precision_flag(p)
 
 
 def load_model(path, adapter=None, weights="f32"):
