@@ -179,7 +179,8 @@ def test_resample_rejects_tones_above_the_new_nyquist():
 
 
 @pytest.mark.parametrize(
-    "orig_sr,target_sr,n", [(22050, 16000, 4001), (16000, 22050, 999), (48000, 16000, 3001)]
+    "orig_sr,target_sr,n",
+    [(22050, 16000, 4001), (16000, 22050, 999), (48000, 16000, 3001), (8000, 16000, 1001)],
 )
 def test_resample_matches_scipy_resample_poly(orig_sr, target_sr, n):
     signal = pytest.importorskip("scipy.signal")
@@ -196,6 +197,13 @@ def test_resample_matches_scipy_resample_poly(orig_sr, target_sr, n):
     np.testing.assert_allclose(
         resample(x, orig_sr, target_sr), signal.resample_poly(x, up, down, window=h), atol=1e-6
     )
+
+
+def test_resample_in_row_blocks_gives_the_same_samples(monkeypatch):
+    x = rng.standard_normal(3000)
+    whole = resample(x, 22050, 16000)
+    monkeypatch.setattr(audio, "_WINDOW_FLOATS", 1000)  # a few rows of windows at a time
+    np.testing.assert_allclose(resample(x, 22050, 16000), whole, rtol=0, atol=1e-7)
 
 
 def test_resample_edge_cases():
@@ -268,6 +276,17 @@ def test_float_and_extensible_wavs(tmp_path):
     samples, rate = read_wav(tmp_path / "ext24.wav")
     assert rate == 8000
     np.testing.assert_array_equal(samples, (ints / 2.0**23).astype(np.float32))
+
+
+def test_truncated_wav_keeps_its_whole_frames(tmp_path):
+    ints = np.arange(-50, 50).reshape(50, 2) * 300
+    _write_wav(tmp_path / "a.wav", ints, 2, 16000)
+    raw = (tmp_path / "a.wav").read_bytes()
+    (tmp_path / "cut.wav").write_bytes(raw[:-3])  # the data chunk claims 3 bytes more than it has
+    samples, _ = read_wav(tmp_path / "cut.wav")
+    np.testing.assert_array_equal(samples, (ints[:49] / 32768.0).astype(np.float32))
+    _write_riff(tmp_path / "f32.wav", 3, 2, 16000, 32, np.ones(7, "<f4").tobytes())
+    assert read_wav(tmp_path / "f32.wav")[0].shape == (3, 2)
 
 
 def test_load_audio_resamples_to_16k(tmp_path):
