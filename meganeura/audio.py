@@ -207,9 +207,10 @@ def resample(
     upsampled rate is ``h[i] = w[i] * sinc(rolloff * (i - H) / max(up, down))``, ``H =
     zero_crossings * max(up, down)``, ``w`` a Kaiser window of ``2H + 1`` taps, scaled to a DC
     gain of ``up`` (``scipy.signal.firwin``'s design); output sample ``n`` is
-    ``sum_m x[m] * h[H + n * down - m * up]`` (zero-phase, zeros beyond the ends), computed one
-    polyphase branch at a time. Sources: J. O. Smith, "Digital Audio Resampling Home Page"
-    (ccrma.stanford.edu/~jos/resample); scipy.signal.resample_poly.
+    ``sum_m x[m] * h[H + n * down - m * up]`` (zero-phase, zeros beyond the ends), its
+    polyphase branches computed as blocks of one matrix product. Sources: J. O. Smith,
+    "Digital Audio Resampling Home Page" (ccrma.stanford.edu/~jos/resample);
+    scipy.signal.resample_poly.
 
     Args:
         audio: float ``[samples]``.
@@ -298,7 +299,9 @@ def pad_or_trim(audio: np.ndarray, length: int = N_SAMPLES, *, axis: int = -1) -
     audio = np.asarray(audio)
     n = audio.shape[axis]
     if n > length:
-        return np.take(audio, np.arange(length), axis=axis)
+        index = [slice(None)] * audio.ndim
+        index[axis] = slice(0, length)
+        return audio[tuple(index)]
     if n < length:
         widths = [(0, 0)] * audio.ndim
         widths[axis] = (0, length - n)

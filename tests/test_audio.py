@@ -154,6 +154,10 @@ def test_pad_or_trim():
     assert pad_or_trim(x).shape == (480000,) and pad_or_trim(x).dtype == np.float32
     batch = np.ones((2, 5))
     np.testing.assert_array_equal(pad_or_trim(batch, 3, axis=0), [[1] * 5, [1] * 5, [0] * 5])
+    np.testing.assert_array_equal(pad_or_trim(batch, 1, axis=0), [[1] * 5])
+    np.testing.assert_array_equal(
+        pad_or_trim(np.arange(12).reshape(3, 4), 2), [[0, 1], [4, 5], [8, 9]]
+    )
 
 
 # ---- resampling ----
