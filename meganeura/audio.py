@@ -60,6 +60,7 @@ _ROLLOFF = 0.9475937167399596
 _BETA = 14.769656459379492
 
 _WINDOW_FLOATS = 1 << 21  # resample copies input windows 16 MB at a time
+_STFT_FRAMES = 4096  # log_mel_spectrogram transforms frames 13 MB of spectra at a time
 
 _WAVE_FORMAT_PCM = 0x0001
 _WAVE_FORMAT_IEEE_FLOAT = 0x0003
@@ -409,9 +410,12 @@ def log_mel_spectrogram(
     x = np.pad(x, n_fft // 2, mode="reflect")
     frames = np.lib.stride_tricks.sliding_window_view(x, n_fft)[::hop_length][:-1]
     window = 0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(n_fft) / n_fft)  # periodic Hann
-    spectrum = np.fft.rfft(frames * window, axis=-1)
-    power = spectrum.real**2 + spectrum.imag**2  # [frames, 1 + n_fft // 2]
-    mel = mel_filters(sr, n_fft, n_mels, dtype=np.float64) @ power.T
+    filters = mel_filters(sr, n_fft, n_mels, dtype=np.float64)
+    mel = np.empty((n_mels, frames.shape[0]))
+    step = _STFT_FRAMES  # an hour of audio would need 2.3 GB of spectra at once
+    for i in range(0, frames.shape[0], step):
+        spectrum = np.fft.rfft(frames[i : i + step] * window, axis=-1)
+        mel[:, i : i + step] = filters @ (spectrum.real**2 + spectrum.imag**2).T
     log_spec = np.log10(np.maximum(mel, 1e-10))
     log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
     return ((log_spec + 4.0) / 4.0).astype(np.float32)

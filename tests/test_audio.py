@@ -139,6 +139,13 @@ def test_log_mel_spectrogram_any_length_matches_torch_float64(n_mels):
     np.testing.assert_allclose(padded, log_mel_spectrogram(np.pad(x, (0, 1000)), n_mels=n_mels))
 
 
+def test_log_mel_spectrogram_in_frame_blocks_gives_the_same_values(monkeypatch):
+    x = (0.3 * rng.standard_normal(5000)).astype(np.float32)
+    whole = log_mel_spectrogram(x)
+    monkeypatch.setattr(audio, "_STFT_FRAMES", 7)  # 31 frames in blocks of 7
+    np.testing.assert_allclose(log_mel_spectrogram(x), whole, rtol=0, atol=1e-7)
+
+
 def test_log_mel_spectrogram_rejects_bad_input():
     with pytest.raises(ValueError, match="1-D"):
         log_mel_spectrogram(np.zeros((2, 1000)))
