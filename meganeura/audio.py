@@ -8,9 +8,10 @@ Invariants:
     * ``load_audio`` returns float32 mono in [-1, 1] at the requested rate; integer PCM of width
       ``w`` bytes is scaled by ``2 ** (8 * w - 1)`` (8-bit is unsigned with offset 128), as
       ffmpeg, libsndfile and Whisper's ``load_audio`` do.
-    * ``log_mel_spectrogram`` is Whisper's (openai/whisper ``whisper/audio.py``) and equal to
-      transformers' ``WhisperFeatureExtractor`` within 1e-5; the arithmetic runs in float64 and
-      the result is cast to float32 once.
+    * ``log_mel_spectrogram`` is Whisper's (openai/whisper ``whisper/audio.py``); the arithmetic
+      runs in float64 and the result is cast to float32 once. It equals transformers'
+      ``WhisperFeatureExtractor`` within 1e-5 on its float64 NumPy path; its default path
+      (torch float32 STFT) is up to ~4e-5 off in low-power bins by its own rounding.
     * ``resample`` is a zero-phase polyphase FIR (Kaiser-windowed sinc) with
       ``scipy.signal.resample_poly``'s alignment and zero padding at the ends: with
       ``zero_crossings=10, rolloff=1.0, beta=5.0`` it is ``resample_poly(x, up, down)``.
@@ -173,7 +174,7 @@ def _decode(path: Path, data: bytes, channels: int, width: int, *, is_float: boo
 
 
 def load_audio(path: str | os.PathLike, sr: int = SAMPLE_RATE) -> np.ndarray:
-    """Read a WAV file as float32 mono at ``sr`` Hz, as Whisper's ``load_audio`` (ffmpeg) does.
+    """Read a WAV file as float32 mono at ``sr`` Hz (Whisper's ``load_audio`` calls ffmpeg).
 
     Channels are averaged; the signal is then resampled with ``resample`` when the file's rate
     differs (espeak-ng writes 22050 Hz, Whisper takes 16000).
