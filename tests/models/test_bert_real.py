@@ -141,7 +141,7 @@ def test_minilm_similarity_ranks_bread_over_horse(minilm, embeddings, gpu_device
 
 
 @needs_weights
-def test_embed_cli_prints_embeddings_and_similarity(minilm, capsys, gpu_device):
+def test_embed_cli_prints_embeddings_and_similarity(minilm, tmp_path, capsys, gpu_device):
     assert main(["embed", FOOD, BREAD, HORSE, "--batch-size", "4"]) == 0
     out, err = capsys.readouterr()
     lines = out.splitlines()
@@ -152,8 +152,10 @@ def test_embed_cli_prints_embeddings_and_similarity(minilm, capsys, gpu_device):
     assert row[2] == pytest.approx(0.2474, abs=1e-3)
     assert "3 texts in" in err and "sentences/s" in err
 
-    assert main(["embed", FOOD, BREAD, "--json", "--batch-size", "4"]) == 0
+    (tmp_path / "texts.txt").write_text(f"{FOOD}\n\n{BREAD}\n", encoding="utf-8")
+    assert main(["embed", "--file", str(tmp_path / "texts.txt"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
+    assert data["texts"] == [FOOD, BREAD]  # the blank line skipped
     enc, _, _ = minilm
     np.testing.assert_allclose(data["embeddings"], enc.encode([FOOD, BREAD]), atol=1e-6)
     assert data["similarity"][0][1] == pytest.approx(0.7553, abs=1e-3)
