@@ -84,7 +84,8 @@ def cmd_embed(args) -> int:
     sys.stdout.flush()
     print(
         f"{len(texts)} texts in {seconds:.2f} s, {len(texts) / seconds:.1f} sentences/s "
-        f"(including {info.currsize} programs compiled: {compile_s:.2f} s of trace, compile and "
+        f"(including {info.currsize} program{'s' * (info.currsize != 1)} compiled: "
+        f"{compile_s:.2f} s of trace, compile and "
         "pipeline setup, plus the driver's shader compile at their first run)",
         file=sys.stderr,
     )
