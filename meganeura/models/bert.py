@@ -73,9 +73,7 @@ class BertConfig:
             raise ConfigError(f"config.json has model_type {kind!r}; this module builds 'bert'")
         pos = d.get("position_embedding_type", "absolute")
         if pos != "absolute":
-            raise ConfigError(
-                f"position_embedding_type {pos!r} is not supported (only 'absolute')"
-            )
+            raise ConfigError(f"position_embedding_type {pos!r} is not supported (only 'absolute')")
         return cls.from_dict(d)
 
 

@@ -220,7 +220,7 @@ def test_sentence_encoder_step_matches_torch(reference, gpu_device):
     got_loss, got_grads = tr.step(ids, mask, labels, return_grads=True)
     assert abs(got_loss - loss) <= 1e-5 * abs(loss), (got_loss, loss)
     worst_cos, worst_norm = check_gradients(got_grads, grads, 0.999, 0.01)
-    new = {k: v for k, v in enc.state_dict().items()}
+    new = enc.state_dict()
     step_err = 0.0
     for k, v in after.items():
         # The weights after the step (a zero-initialized key bias stays at rounding level).
