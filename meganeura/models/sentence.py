@@ -83,7 +83,6 @@ class SentenceEncoder(nn.Module):
         object.__setattr__(self, "tokenizer", tokenizer)
         object.__setattr__(self, "max_seq_length", int(max_seq_length))
         object.__setattr__(self, "precision", precision)
-        object.__setattr__(self, "_programs", None)
 
     def forward(self, input_ids, attention_mask, normalize: bool = True):
         h = self.bert(input_ids, attention_mask=attention_mask)["last_hidden_state"]
@@ -179,13 +178,18 @@ class SentenceEncoder(nn.Module):
     @property
     def programs(self):
         """The :class:`~meganeura.nn.compiled.CompiledModule` that runs :meth:`forward`, one
-        program per (rows, length) bucket, every one kept (``cache_info()`` lists them)."""
-        if self._programs is None:
-            from ..nn.compiled import CompiledModule
+        program per (rows, length) bucket, every one kept (``cache_info()`` lists them), in
+        this encoder's precision. It is also what ``encoder(ids, mask)`` calls (the module's
+        own compile cache, which ``copy.deepcopy`` leaves behind)."""
+        from ..nn.compiled import CompiledModule
 
-            programs = CompiledModule(self, precision=self.precision, max_programs=None)
-            object.__setattr__(self, "_programs", programs)
-        return self._programs
+        c = self.__dict__.get("_compiled")
+        if c is None or c.max_programs is not None or c.options.precision != self.precision:
+            if c is not None:
+                c.cache_clear()
+            c = CompiledModule(self, precision=self.precision, max_programs=None)
+            object.__setattr__(self, "_compiled", c)
+        return c
 
     def similarity(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
         """Cosine similarity matrix float32 [N, N] of the texts' normalized embeddings."""
