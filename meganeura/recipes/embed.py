@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 SHOWN = 6  # values of each embedding printed
+LLM_EXTRA = "pip install 'meganeura[llm]'"  # the extra that brings tokenizers
 
 
 def add_commands(sub) -> None:
@@ -101,7 +102,7 @@ def load_encoder(path, precision: str = "strict"):
     try:
         return SentenceEncoder.from_pretrained(path, precision=precision)
     except ImportError as e:
-        raise SystemExit(f"{e}\n(embed needs the tokenizers package: pip install tokenizers)")
+        raise SystemExit(f"{e}\n(embed needs the tokenizers package: {LLM_EXTRA})") from None
     except (FileNotFoundError, ValueError, StateDictError) as e:
         raise SystemExit(str(e)) from None
 

