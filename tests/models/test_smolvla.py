@@ -8,6 +8,8 @@ float32 weights and inputs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -173,11 +175,13 @@ def test_train_step_matches_torch(gpu_device, precision):
 @pytest.mark.gpu
 def test_sampling_forms_agree(gpu_device):
     """The 10-step Euler loop as one unrolled program, as one program per step chained on
-    the GPU and as the host loop: the same actions, and torch's loop's."""
-    ours, ref = _pair()
-    noise, _, kv, _ = _inputs(seed=3)
-    times = sampling_timesteps(SMOLVLA_TINY, BATCH)
-    assert times.shape == (10, BATCH, 2 * SMOLVLA_TINY.hidden_size)
+    the GPU and as the host loop: the same actions, and torch's loop's. Two layers (one self,
+    one cross): the unrolled program holds 10 copies of the expert."""
+    cfg = dataclasses.replace(SMOLVLA_TINY, num_hidden_layers=2)
+    ours, ref = _pair(cfg)
+    noise, _, kv, _ = _inputs(cfg, seed=3)
+    times = sampling_timesteps(cfg, BATCH)
+    assert times.shape == (10, BATCH, 2 * cfg.hidden_size)
     with torch.no_grad():
         want = ref.sample_actions(*t64(noise, times, kv)).numpy()
     got = {}
