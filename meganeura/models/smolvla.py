@@ -381,7 +381,7 @@ def sampling_timesteps(cfg: SmolVLAConfig, batch: int, num_steps: int | None = N
     """f32 [S, batch, 2H]: the embedded time of each Euler step (same for every sample)."""
     times = flow_timesteps(num_steps or cfg.num_steps)
     emb = timestep_embedding(times, 2 * cfg.hidden_size, cfg.min_period, cfg.max_period)
-    return np.ascontiguousarray(np.broadcast_to(emb[:, None], (len(times), batch, emb.shape[-1])))
+    return np.repeat(emb[:, None], batch, axis=1)
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -447,7 +447,16 @@ class FlowMatchingSampler:
         self.forward = CompiledModule(model, precision=precision, device=device)
         self.device = device
         self._programs: dict = {}
-        self.compile_seconds = 0.0
+        self._compile_seconds = 0.0
+
+    @property
+    def compile_seconds(self) -> float:
+        """Trace + compile seconds of the current program ("host": of every forward)."""
+        if self.mode == "host":
+            return sum(
+                e.trace_seconds + e.compile_seconds for e in self.forward.cache_info().entries
+            )
+        return self._compile_seconds
 
     def _runner(self, key, fn, args):
         from ..nn.compiled import ProgramRunner, trace_call
@@ -457,7 +466,7 @@ class FlowMatchingSampler:
         if runner is None:
             traced = trace_call(self.model, fn, args, {})
             runner = ProgramRunner(traced, self.options, self.device)
-            self.compile_seconds = traced.seconds + runner.compile_seconds
+            self._compile_seconds = traced.seconds + runner.compile_seconds
             for old in self._programs.values():  # one signature at a time
                 old.session.close()
             self._programs = {key: runner}
