@@ -25,7 +25,9 @@ CFG = UNetConfig(base_channels=8, channel_mult=(1, 2, 4), num_groups=4)
 LR = 1e-3
 
 
-@pytest.mark.parametrize(("cfg", "count"), [(SMALL, 5_294_080), (TINY, 1_326_080)])
+@pytest.mark.parametrize(
+    ("cfg", "count"), [(SMALL, 5_294_080), (TINY, 1_326_080)], ids=["small", "tiny"]
+)
 def test_published_parameter_counts(cfg, count):
     with init.empty_weights():
         model = UNet(cfg)
