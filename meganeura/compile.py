@@ -94,8 +94,9 @@ class CompileOptions:
             (docs/bindings.md).
         fold_batch_norm: in programs without a backward pass, fold each eval-mode
             BatchNorm that follows a convolution into a per-channel scale and shift of the
-            convolution's output, which the following elementwise kernel computes
-            (``passes.fold_batch_norm``); False keeps the BatchNorm kernels.
+            convolution's output, which the kernel of the following elementwise ops (ReLU,
+            residual add) computes (``passes.fold_batch_norm``); False keeps the BatchNorm
+            kernels.
     """
 
     loss: str | None = None

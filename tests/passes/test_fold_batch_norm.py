@@ -68,9 +68,15 @@ def test_fold_removes_batch_norm_and_keeps_values(into, bias, affine):
     folded, ids = fold_batch_norm(traced.graph, into)
     assert _count(folded, "batch_norm") == 0
     assert _count(folded, "conv2d") == 1
-    # the weight form moves the bias into the conv; the output form leaves a bias-free conv
+    # the weight form gives the conv a bias; the output form leaves the conv as it was
     conv = next(n for n in folded.nodes if n.op == "conv2d")
-    assert len(conv.inputs) == (3 if into == "weight" else 2)
+    assert len(conv.inputs) == (3 if into == "weight" or bias else 2)
+    if into == "output":  # what remains of the BatchNorm is elementwise: it fuses with ReLU
+        from meganeura.codegen.wgsl.elementwise.maps import FUSIBLE
+
+        skip = ("reshape", "parameter", "state", "constant")
+        after = [n for n in folded.nodes if n.id > conv.id and n.op not in skip]
+        assert {n.op for n in after} <= FUSIBLE, {n.op for n in after}
     (want,), (got,) = _run(traced, traced.graph, x), _run(traced, folded, x)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     bn = next(n.id for n in traced.graph.nodes if n.op == "batch_norm")
