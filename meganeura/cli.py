@@ -95,6 +95,8 @@ def cmd_train_resnet(args) -> int:
 
     if args.log_every < 1:
         raise SystemExit(f"--log-every must be >= 1, got {args.log_every}")
+    if args.resume:
+        raise SystemExit("train resnet: --resume is not supported yet (train mnist has it)")
     cfg = ResNetTrainConfig(
         arch=args.arch,
         width=args.width,
