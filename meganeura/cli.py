@@ -95,8 +95,6 @@ def cmd_train_resnet(args) -> int:
 
     if args.log_every < 1:
         raise SystemExit(f"--log-every must be >= 1, got {args.log_every}")
-    if args.resume:
-        raise SystemExit("train resnet: --resume is not supported yet (train mnist has it)")
     cfg = ResNetTrainConfig(
         arch=args.arch,
         width=args.width,
@@ -116,7 +114,8 @@ def cmd_train_resnet(args) -> int:
     )
     dev = _device(args)
     print(f"device: {dev.name}")
-    print(format_train(train(cfg, device=dev, progress=not args.no_progress)))
+    s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
+    print(format_train(s))
     return 0
 
 

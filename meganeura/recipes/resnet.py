@@ -37,7 +37,7 @@ from ..data.images import (
     split,
 )
 from ..data.mnist import iterate_batches, num_batches
-from ..io.checkpoint import CheckpointError, load_checkpoint
+from ..io.checkpoint import CheckpointError, check_count, check_rng_state, load_checkpoint
 from ..models.resnet import CONFIGS, ResNet, ResNetConfig
 from ..nn import functional as F
 from ..nn.compiled import CompiledModule
@@ -124,14 +124,48 @@ def _accuracy(model: ResNet, run: CompiledModule, ds: ImageDataset, batch: int) 
     return acc
 
 
+def _resume_meta(path: str, cfg: ResNetTrainConfig, classes) -> dict:
+    """The recipe's metadata of a checkpoint, checked before the trainer loads anything.
+
+    Raises:
+        CheckpointError: not this recipe's for ``cfg``'s architecture, width and classes, or
+            an epoch or data RNG state that is missing or malformed.
+    """
+    _, meta = load_checkpoint(path)
+    want = {"model": "resnet", "arch": cfg.arch, "width": cfg.width, "classes": list(classes)}
+    got = {k: meta.get(k) for k in want}
+    if got != want:
+        raise CheckpointError(
+            f"{path}: holds {got}; this run trains {want} (pass the --arch, --width and "
+            "--data it was trained with)"
+        )
+    check_count(path, meta, "epoch", "the epochs done")
+    check_rng_state(path, meta, "data_rng", np.random.default_rng().bit_generator)
+    return meta
+
+
 def train(
-    cfg: ResNetTrainConfig, device=None, progress: bool = True, max_steps: int | None = None
+    cfg: ResNetTrainConfig,
+    resume: str | None = None,
+    device=None,
+    progress: bool = True,
+    max_steps: int | None = None,
 ) -> dict:
     """Run the recipe; returns a summary (accuracies, losses, paths, seconds).
+
+    Args:
+        cfg: settings.
+        resume: a checkpoint of this recipe to continue from: parameters, optimizer state,
+            step counter, RNGs, epoch, losses and accuracies (``Trainer.load``); the run then
+            continues bit-identically to the one that saved.
+        device: runtime Device (default device when None).
+        progress: show the tqdm bar.
+        max_steps: stop after this many optimizer steps in total (tests use it).
 
     Raises:
         ValueError: an unknown ``cfg.arch``; an ImageFolder without images.
         FileNotFoundError: ``cfg.data`` is not a folder.
+        CheckpointError: a ``resume`` checkpoint that does not fit (nothing is loaded).
     """
     train_ds, test_ds, pre = load_data(cfg)
     classes = train_ds.classes
@@ -162,9 +196,15 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "checkpoint.safetensors"
     data_rng = np.random.default_rng(cfg.seed + 1)
-    losses, accuracy, seen = [], [], 0
+    epoch0, losses, accuracy, seen = 0, [], [], 0
+    if resume:
+        meta = _resume_meta(resume, cfg, classes)
+        trainer.load(resume)  # parameters, optimizer state, step counter, global RNG
+        data_rng.bit_generator.state = meta["data_rng"]
+        epoch0 = meta["epoch"]
+        losses, accuracy = list(meta.get("losses", [])), list(meta.get("accuracy", []))
     t_start = time.perf_counter()
-    for epoch in range(cfg.epochs):
+    for epoch in range(epoch0, cfg.epochs):
         bar = tqdm(
             iterate_batches(len(train_ds.y), batch, data_rng),
             total=steps_per_epoch,
@@ -184,7 +224,7 @@ def train(
                 break
         bar.close()
         accuracy.append([epoch + 1, _accuracy(model, run, test_ds, batch)])
-        meta = _meta(cfg, classes, pre, epoch + 1, losses, accuracy)
+        meta = _meta(cfg, classes, pre, epoch + 1, losses, accuracy, data_rng)
         trainer.save(ckpt, meta)
         if max_steps is not None and trainer.step_count >= max_steps:
             break
@@ -212,8 +252,9 @@ def train(
     return summary
 
 
-def _meta(cfg, classes, pre, epoch, losses, accuracy) -> dict:
+def _meta(cfg, classes, pre, epoch, losses, accuracy, data_rng) -> dict:
     return {
+        "data_rng": data_rng.bit_generator.state,
         "model": "resnet",
         "arch": cfg.arch,
         "width": cfg.width,

@@ -1,6 +1,6 @@
 """``meganeura train resnet`` on a tiny synthetic ImageFolder, then ``meganeura classify`` with
-its checkpoint and with a bare state dict (GPU; lavapipe on CI); the image preprocessing and the
-embedded digits on the host."""
+its checkpoint and with a bare state dict, and a resumed run equal to an uninterrupted one (GPU;
+lavapipe on CI); the image preprocessing and the embedded digits on the host."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from safetensors.numpy import save_file
 
 from meganeura.cli import main
 from meganeura.data.images import IMAGENET_MEAN, IMAGENET_STD, load_digits, preprocess
-from meganeura.io.checkpoint import load_checkpoint
+from meganeura.io.checkpoint import CheckpointError, load_checkpoint
 from meganeura.models.resnet import resnet
-from meganeura.recipes.resnet import infer_config
+from meganeura.recipes.resnet import ResNetTrainConfig, infer_config, train
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -78,6 +78,35 @@ def test_cli_train_resnet_then_classify(gpu_device, tmp_path, capsys):
     assert main([*args, "--top-k", "1"]) == 0
     rows = _classify_lines(capsys.readouterr().out)
     assert len(rows) == 1 and rows[0][1] in ("azure", "crimson")
+
+
+@pytest.mark.gpu
+def test_resume_continues_bit_identically(gpu_device, tmp_path):
+    data = str(_image_folder(tmp_path / "images"))
+
+    def run(out, epochs, resume=None):
+        cfg = ResNetTrainConfig(
+            width=8, image_size=64, epochs=epochs, batch_size=4, log_every=1, data=data, out=out
+        )
+        return train(cfg, resume=resume, device=gpu_device, progress=False)
+
+    full = run(str(tmp_path / "a"), 2)
+    run(str(tmp_path / "b"), 1)
+    with pytest.raises(CheckpointError, match="pass the --arch, --width and --data"):
+        train(
+            ResNetTrainConfig(width=16, epochs=2, data=data, out=str(tmp_path / "c")),
+            resume=str(tmp_path / "b" / "checkpoint.safetensors"),
+            device=gpu_device,
+            progress=False,
+        )
+    resumed = run(str(tmp_path / "b"), 2, str(tmp_path / "b" / "checkpoint.safetensors"))
+    assert resumed["steps"] == full["steps"] == 2
+    assert resumed["losses"] == full["losses"] and resumed["accuracy"] == full["accuracy"]
+    a, _ = load_checkpoint(full["checkpoint"])
+    b, _ = load_checkpoint(resumed["checkpoint"])
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
 def test_preprocess_is_torchvisions_eval_transform():
