@@ -305,8 +305,8 @@ def test_fold_batch_norm_keeps_eval_outputs(gpu_device):
 
 def test_resnet_gates_fast(gpu_device):
     # Worst parameter on lavapipe: layer2.1.bn2.bias (a sum of f16-stored gradients), cosine
-    # 0.992. The width-4 bottleneck net misses this gate (layer1.0.bn2.weight: cosine 0.987,
-    # norm 23% off): 4-channel layers, whose BatchNorm weight gradients nearly cancel.
+    # 0.992. The width-4 bottleneck net missed this gate with these inputs (layer1.0.bn2.weight:
+    # cosine 0.987, norm 23% off) and passed with others (0.9973): 4-channel layers.
     theirs, ours = make_pair(CONFIGS["resnet18_w8"], seed=5)
     x, y = batch()
     ours.eval(), theirs.eval()
