@@ -120,11 +120,16 @@ def cmd_train_resnet(args) -> int:
 
 
 def cmd_classify(args) -> int:
+    from .io.checkpoint import CheckpointError
     from .recipes.resnet import classify, format_classify
 
-    r = classify(
-        args.images, args.checkpoint, args.top_k, args.labels, _device(args), args.precision
-    )
+    try:
+        r = classify(
+            args.images, args.checkpoint, args.top_k, args.labels, _device(args), args.precision
+        )
+    except (OSError, ValueError, ImportError, CheckpointError) as e:
+        print(f"meganeura classify: {e}", file=sys.stderr)
+        return 2
     print(format_classify(r))
     return 0
 

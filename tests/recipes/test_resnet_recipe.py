@@ -78,6 +78,9 @@ def test_cli_train_resnet_then_classify(gpu_device, tmp_path, capsys):
     assert main([*args, "--top-k", "1"]) == 0
     rows = _classify_lines(capsys.readouterr().out)
     assert len(rows) == 1 and rows[0][1] in ("azure", "crimson")
+    missing = str(tmp_path / "missing.png")
+    assert main(["classify", missing, "--checkpoint", str(ckpt)]) == 2
+    assert capsys.readouterr().err == f"meganeura classify: no image file {missing!r}\n"
 
 
 @pytest.mark.gpu
