@@ -186,9 +186,9 @@ class WhisperAttention(nn.Module):
         self.num_heads, self.head_dim = heads, d // heads
         self.is_causal, self.is_cross = causal, cross
         self.attn_implementation = "sdpa"  # static: set by WhisperForConditionalGeneration
-        self.q_proj = nn.Linear(d, d)
-        self.k_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)  # HF's order: k, v, q, out
         self.v_proj = nn.Linear(d, d)
+        self.q_proj = nn.Linear(d, d)
         self.out_proj = nn.Linear(d, d)
         self.register_buffer("key_cache", None, persistent=False)
         self.register_buffer("value_cache", None, persistent=False)
