@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 import time
 
+import numpy as np
+
 SEGMENT_SECONDS = 30
 SAMPLE_RATE = 16000
 
@@ -48,6 +50,25 @@ def _attention(choice: str, device) -> str:
     return "eager" if device.adapter.info.get("adapter_type") == "CPU" else "sdpa"
 
 
+def segment_features(segment, n_mels: int, frames: int) -> np.ndarray:
+    """Log-mel features f32 [n_mels, frames] of up to 30 s of 16 kHz audio, zero-padded to
+    30 s first (as openai/whisper's ``pad_or_trim`` and transformers' feature extractor do,
+    so the floor of ``log_mel_spectrogram``, 8 below the chunk's maximum, is the same).
+
+    Raises:
+        ImportError: ``meganeura.audio`` is missing.
+    """
+    from ..audio import log_mel_spectrogram
+
+    padded = np.zeros(SEGMENT_SECONDS * SAMPLE_RATE, np.float32)
+    segment = np.asarray(segment, np.float32)[: len(padded)]
+    padded[: len(segment)] = segment
+    mel = np.asarray(log_mel_spectrogram(padded, n_mels=n_mels), np.float32)[:, :frames]
+    if mel.shape[1] < frames:
+        mel = np.pad(mel, ((0, 0), (0, frames - mel.shape[1])), constant_values=mel.min())
+    return mel
+
+
 def cmd_transcribe(args, out=None) -> int:
     from ..cli import _device
     from ..models.whisper import WhisperForConditionalGeneration
@@ -55,7 +76,7 @@ def cmd_transcribe(args, out=None) -> int:
 
     out = out or sys.stdout
     try:
-        from ..audio import load_audio, log_mel_spectrogram
+        from ..audio import load_audio
     except ImportError as e:
         raise SystemExit(f"the log-mel front end meganeura.audio is not available: {e}") from None
     device = _device(args)
@@ -78,9 +99,8 @@ def cmd_transcribe(args, out=None) -> int:
     texts, tokens, prefill, decode = [], 0, 0.0, 0.0
     t1 = time.perf_counter()
     for start in range(0, max(len(audio), 1), step):
-        features = log_mel_spectrogram(
-            audio[start : start + step], n_mels=model.config.num_mel_bins
-        )
+        cfg = model.config
+        features = segment_features(audio[start : start + step], cfg.num_mel_bins, cfg.input_frames)
         result = greedy_decode(model, features, args.max_new_tokens, device=device)
         texts.append(result.text)
         tokens += len(result.tokens)
