@@ -1,0 +1,85 @@
+"""Where the time of SmolLM2-135M's prefill and training step goes (H200 profiling aid).
+
+Compiles the prefill program (128 tokens, cache filled, last token out) and the training step
+(seq 128, AdamW) of a randomly initialized SmolLM2-135M, then prints for each: the dispatch
+count, the host-timed ``Session.run`` (median of 10 after 3 warm-ups, inputs fed), and the GPU
+time per kernel from timestamp queries grouped by op and the 25 longest dispatches.
+
+Usage: python bench/llm_profile.py [--parts prefill,train] [--quick] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import timeit  # noqa: E402
+
+
+def report(name: str, session, feeds: dict, fetch: tuple, out) -> None:
+    t = timeit(lambda: session.run(feeds, fetch), lambda: None, 3, 10)
+    prof = session.profile(feeds, repeats=3)
+    out.write(
+        f"== {name}: {len(session.program.dispatches)} dispatches, Session.run median "
+        f"{t['median']:.3f} ms (min {t['min']:.3f}); GPU sum {prof.step_ns() / 1e6:.3f} ms, "
+        f"span {prof.span_ns() / 1e6:.3f} ms\n"
+    )
+    out.write(prof.table(by="op") + "\n")
+    rows = prof.stats("dispatch")[:25]
+    for k in rows:
+        out.write(f"  {k.name[:90]:90s} {k.total_ns / prof.repeats / 1e3:9.1f} us\n")
+    out.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="prefill,train")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    import meganeura as mn
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
+    from meganeura.nn.compiled import CompiledModule
+
+    mn.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, vocab_size=4096) if args.quick else LlamaConfig()
+    model = LlamaForCausalLM(cfg)
+    seq = 16 if args.quick else 128
+    out = open(args.out, "w") if args.out else sys.stdout
+    parts = args.parts.split(",")
+    if "prefill" in parts:
+        ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq), np.int32)
+        model.setup_cache(1, 512)
+        fwd = CompiledModule(model)
+        pos = np.asarray(0, np.int32)
+        fwd(ids, cache_position=pos, logits_to_keep=1, greedy=True)
+        t = timeit(
+            lambda: fwd(ids, cache_position=pos, logits_to_keep=1, greedy=True),
+            lambda: None,
+            3,
+            10,
+        )
+        out.write(f"prefill module call median {t['median']:.3f} ms\n")
+        runner = fwd.cache_info().entries[0].runner
+        feeds = {n: runner.session.read(n) for n in runner.program.inputs}
+        report("prefill", runner.session, feeds, tuple(runner.program.outputs), out)
+    if "train" in parts:
+        ids = (np.arange(seq, dtype=np.int32) % cfg.vocab_size)[None]
+        labels = ((np.arange(seq) + 1) % cfg.vocab_size).astype(np.int32)[None]
+        tr = mn.Trainer(model, mn.optim.AdamW(lr=1e-5), lm_loss)
+        tr.step(ids, labels)
+        t = timeit(lambda: tr.step(ids, labels), lambda: None, 3, 10)
+        out.write(f"train Trainer.step median {t['median']:.3f} ms\n")
+        prog = next(iter(tr._cache.values()))
+        runner = prog.entry.runner
+        feeds = {n: runner.session.read(n) for n in runner.program.inputs}
+        report("train", runner.session, feeds, tuple(runner.program.outputs), out)
+
+
+if __name__ == "__main__":
+    main()
