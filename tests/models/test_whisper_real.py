@@ -21,7 +21,8 @@ from meganeura.io.ctranslate2 import load_ctranslate2
 from meganeura.models.whisper import WhisperConfig
 from meganeura.models.whisper_decoding import default_model_path
 
-pytestmark = pytest.mark.gpu
+# One worker runs both tests (--dist loadgroup), so the module fixture transcribes once.
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("whisper-real")]
 
 SENTENCE = "Please open the window, it is very warm in this room."
 
