@@ -1,4 +1,4 @@
-"""Command line: ``meganeura info | train mnist | predict | profile mnist | generate | chat``.
+"""Command line: ``meganeura info|train|predict|profile|generate|chat|finetune|embed``.
 
 This is the only place that reads environment variables (``MEGANEURA_ADAPTER``: a substring
 of the adapter to use, e.g. ``nvidia`` or ``llvmpipe``). The runtime only sets one Vulkan
@@ -241,9 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--trace", help="trace file to write (default runs/profile/mnist-MODE.json)")
     f.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
 
-    from .recipes import llm, transcribe
+    from .recipes import embed, llm, transcribe
 
     llm.add_commands(sub)
+    embed.add_commands(sub)
     transcribe.add_commands(sub)
     return p
 

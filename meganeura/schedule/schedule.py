@@ -10,10 +10,11 @@ pairs attention gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges smal
 sharing a left operand, with the norm producing it, and ``passes.rope_cache`` joins rotary
 embeddings and KV-cache writes, and in a decode step the attention reading them); a group is
 lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
-``attention.rope_cache``, ``attention.rope_attention``) at its last member's position, binding the group's external inputs
-and its stored outputs only, so lifetimes come from those bindings; the other members get no
-kernel and no storage. Optimizer updates are grouped likewise (``update_groups``): one kernel
-per group at its last member's position, over arenas that the assembler lays out.
+``attention.rope_cache``, ``attention.rope_attention``) at its last member's position,
+binding the group's external inputs and its stored outputs only, so lifetimes come from those
+bindings; the other members get no kernel and no storage. Optimizer updates are grouped
+likewise (``update_groups``): one kernel per group at its last member's position, over arenas
+that the assembler lays out.
 """
 
 from __future__ import annotations
