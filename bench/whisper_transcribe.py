@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--wav", help="audio to transcribe (default: espeak-ng's SENTENCE)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--attention", nargs="+", default=["eager", "sdpa"])
+    p.add_argument("--precision", choices=["strict", "fast"], default="strict")
     args = p.parse_args()
 
     from meganeura.audio import load_audio
@@ -54,14 +55,14 @@ def main() -> None:
         model = WhisperForConditionalGeneration.from_pretrained(attn_implementation=attn)
         load = time.perf_counter() - t0
         t0 = time.perf_counter()
-        first = greedy_decode(model, feats)
+        first = greedy_decode(model, feats, precision=args.precision)
         cold = time.perf_counter() - t0
         info = model._decoder_runner.cache_info()
         compiled = sum(e.trace_seconds + e.compile_seconds + e.setup_seconds for e in info.entries)
         warm = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            r = greedy_decode(model, feats)
+            r = greedy_decode(model, feats, precision=args.precision)
             warm.append((time.perf_counter() - t0, r.prefill_seconds, r.decode_seconds))
         best = min(warm)
         n = len(r.tokens)
@@ -70,8 +71,9 @@ def main() -> None:
         enc_err = _rel(first.encoder_last_hidden_state, ref[0])
         logit_err = _rel(first.first_logits, ref[1])
         print(
-            f"{attn}: load {load:.1f} s; first call {cold:.1f} s ({compiled:.1f} s trace + "
-            f"compile + pipelines); warm {best[0]:.2f} s (prefill {best[1]:.2f} s, {n} tokens "
+            f"{attn} {args.precision}: load {load:.1f} s; first call {cold:.1f} s "
+            f"({compiled:.1f} s trace + compile + pipelines); warm {best[0]:.2f} s "
+            f"(prefill {best[1]:.2f} s, {n} tokens "
             f"{best[2]:.2f} s = {best[2] / max(n - 1, 1) * 1e3:.0f} ms/token); real-time factor "
             f"{best[0] / seconds:.2f}; vs transformers: encoder {enc_err:.1e}, first logits "
             f"{logit_err:.1e}; text {r.text!r}"

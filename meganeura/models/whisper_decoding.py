@@ -142,18 +142,19 @@ def default_prompt(model) -> list[int]:
     return ids
 
 
-def _runner(model, device):
+def _runner(model, device, precision: str):
     from ..nn.compiled import CompiledModule
 
     run = model.__dict__.get("_decoder_runner")
-    if run is None or (device is not None and run.device is not device):
-        run = CompiledModule(model, device=device)
+    stale = run is None or run.options.precision != precision
+    if stale or (device is not None and run.device is not device):
+        run = CompiledModule(model, precision=precision, device=device)
         object.__setattr__(model, "_decoder_runner", run)
     return run
 
 
 def greedy_decode(
-    model, input_features, max_new_tokens: int = 224, prompt=None, device=None
+    model, input_features, max_new_tokens: int = 224, prompt=None, device=None, precision="strict"
 ) -> Transcription:
     """Greedy transcription of one segment (see the module docstring).
 
@@ -164,6 +165,8 @@ def greedy_decode(
         max_new_tokens: most tokens generated (capped by the decoder's positions).
         prompt: token ids to start from (default: :func:`default_prompt`).
         device: a runtime Device (default: the default device).
+        precision: ``"strict"`` (f32) or ``"fast"`` (f16 activations, f32 accumulation;
+            ``CompileOptions.precision``).
 
     Raises:
         ValueError: features of the wrong shape or a batch > 1, or a prompt that leaves
@@ -182,7 +185,7 @@ def greedy_decode(
     steps = min(int(max_new_tokens), cfg.max_target_positions - len(prompt))
     if steps < 1:
         raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room to generate")
-    run = _runner(model, device)
+    run = _runner(model, device, precision)
     model.setup_cache(1, cfg.max_target_positions)
     suppress = tuple(sorted(set(cfg.suppress_tokens)))
     first = tuple(sorted(set(cfg.suppress_tokens) | set(cfg.begin_suppress_tokens)))

@@ -41,6 +41,9 @@ def add_commands(sub) -> None:
         "CPU adapters such as lavapipe), auto: eager on CPU adapters, else sdpa",
     )
     t.add_argument("--max-new-tokens", type=int, default=224, help="per 30 s segment (default 224)")
+    from ..cli import _precision_flag  # one definition of --precision for every command
+
+    _precision_flag(t)
     t.set_defaults(handler=cmd_transcribe)
 
 
@@ -101,7 +104,9 @@ def cmd_transcribe(args, out=None) -> int:
     for start in range(0, max(len(audio), 1), step):
         cfg = model.config
         features = segment_features(audio[start : start + step], cfg.num_mel_bins, cfg.input_frames)
-        result = greedy_decode(model, features, args.max_new_tokens, device=device)
+        result = greedy_decode(
+            model, features, args.max_new_tokens, device=device, precision=args.precision
+        )
         texts.append(result.text)
         tokens += len(result.tokens)
         prefill += result.prefill_seconds

@@ -77,6 +77,15 @@ def test_forward_matches_transformers(attn, gpu_device):
     assert rel_l2(out["encoder_last_hidden_state"], want.encoder_last_hidden_state) <= 1e-4
     assert rel_l2(out["logits"], want.logits) <= 1e-4
     assert list(model.state_dict()) == list(ref.state_dict())  # HF's names, HF's order
+    if attn == "sdpa":  # fast mode (f16 storage, f32 accumulation): workloads.md's fast gates
+        fast = mn.compile(model, precision="fast")(feats, ids)
+        assert rel_l2(fast, want.logits) <= 1e-2
+        labels = torch.from_numpy(ids[:, ::-1].copy()).reshape(-1)
+        loss = torch.nn.functional.cross_entropy(want.logits.reshape(-1, 96), labels).item()
+        fast_loss = torch.nn.functional.cross_entropy(
+            torch.from_numpy(fast).double().reshape(-1, 96), labels
+        ).item()
+        assert abs(fast_loss - loss) <= 0.01 * abs(loss)
 
 
 def test_training_step_gradients_and_update_match_torch_float64(gpu_device):
