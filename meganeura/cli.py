@@ -301,10 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--trace", help="trace file to write (default runs/profile/mnist-MODE.json)")
     f.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
 
-    from .recipes import embed, llm
+    from .recipes import embed, llm, transcribe
 
     llm.add_commands(sub)
     embed.add_commands(sub)
+    transcribe.add_commands(sub)
     return p
 
 
