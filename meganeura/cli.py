@@ -1,4 +1,5 @@
-"""Command line: ``meganeura info|train|predict|classify|profile|generate|chat|finetune|embed``.
+"""Command line: ``meganeura info|train|predict|classify|profile|generate|chat|finetune|embed|
+transcribe``.
 
 This is the only place that reads environment variables (``MEGANEURA_ADAPTER``: a substring
 of the adapter to use, e.g. ``nvidia`` or ``llvmpipe``). The runtime only sets one Vulkan
