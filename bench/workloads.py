@@ -63,7 +63,11 @@ def parse(argv=None):
     ap.add_argument("--cell", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--allow-cpu-compile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--allow-cpu-compile",
+        action="store_true",
+        help="run torch.compile modes on the CPU too (tests the code path; default: skipped)",
+    )
     args = ap.parse_args(argv)
     if args.repeats is None:
         args.repeats = 2 if args.quick else 10

@@ -45,9 +45,18 @@ def compile_grads(model, loss_fn, args: tuple, precision: str):
     def fn(*batch):
         return {"loss": loss_fn(model, *batch)}
 
+    from meganeura.nn.parameter import Parameter
+
     traced = trace_call(model, fn, args, {})
+    trainable = tuple(  # as Trainer: frozen parameters (Whisper's positions) get no gradient
+        n for n, o in traced.trace.objects.items() if isinstance(o, Parameter) and o.requires_grad
+    )
     options = CompileOptions(
-        loss="loss", output_grads=True, precision=precision, shared_parameters=True
+        loss="loss",
+        output_grads=True,
+        trainable=trainable,
+        precision=precision,
+        shared_parameters=True,
     )
     runner = ProgramRunner(traced, options)
     _, _, arrays = flatten_arguments(fn, args, {})

@@ -93,6 +93,7 @@ def child(cell: str, args, env: dict, compile_only: bool = False) -> dict:
     cmd += ["--repeats", str(args.repeats), "--warmup", str(args.warmup)]
     cmd += ["--quick"] * args.quick + ["--profile"] * bool(args.profile and cell.endswith(":ours"))
     cmd += ["--compile-only"] * compile_only
+    cmd += ["--allow-cpu-compile"] * bool(args.allow_cpu_compile)
     t = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -119,7 +120,7 @@ def _child_args(cell, args, compile_only):
         warmup=args.warmup,
         profile=bool(args.profile and cell.endswith(":ours")),
         compile_only=compile_only,
-        allow_cpu_compile=False,
+        allow_cpu_compile=args.allow_cpu_compile,
     )
 
 

@@ -77,12 +77,14 @@ class ResNet50(Workload):
         return 10 if quick else 1000
 
     def cases(self, quick):
-        b4 = 2 if quick else 4  # quick: batch 2 under the same case names (CPU time)
+        # quick: 32 x 32 images; layer4 is then 1 x 1, so train-mode BatchNorm there sees
+        # batch values per channel: with 2 its normalization is ill-conditioned (gradients
+        # that differ by rounding, cos 0.25), with 4 the gates pass
         return [
-            Case("fwd_b4", "fwd", {"batch": b4}),
+            Case("fwd_b4", "fwd", {"batch": 4}),
             Case("fwd_b1", "fwd", {"batch": 1}),
-            Case("train_b4", "train", {"batch": b4}),
-            Case("fwdbwd_b4", "fwdbwd", {"batch": b4}),
+            Case("train_b4", "train", {"batch": 4}),
+            Case("fwdbwd_b4", "fwdbwd", {"batch": 4}),
         ]
 
     def build_ours(self, case, quick):
@@ -107,7 +109,7 @@ class ResNet50(Workload):
         return m.train() if case.trains else m.eval()
 
     def batch(self, case, quick):
-        side = 16 if quick else 224
+        side = 32 if quick else 224
         n = case.params["batch"]
         x = sin_input((n, 3, side, side), 1.0)
         if case.kind == "fwd":

@@ -36,6 +36,9 @@ QUICK = dict(
     encoder_ffn_dim=64,
     num_mel_bins=8,
     max_source_positions=16,
+    decoder_layers=1,
+    decoder_attention_heads=2,
+    decoder_ffn_dim=64,
 )
 HEAD = 64
 
@@ -91,7 +94,7 @@ class Whisper(Workload):
         import transformers
         from torch import nn
 
-        cfg = transformers.WhisperConfig(**self.sizes(quick), decoder_layers=1)
+        cfg = transformers.WhisperConfig(**self.sizes(quick))
         enc = transformers.WhisperForConditionalGeneration(cfg).get_encoder()
         if not case.trains:
             return enc.eval()
