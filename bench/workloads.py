@@ -57,6 +57,18 @@ def parse(argv=None):
     ap.add_argument("--out", type=Path, default=None, help="result file (default: by machine)")
     ap.add_argument("--fresh", action="store_true", help="replace the result file, not merge")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per child")
+    ap.add_argument(
+        "--skip-done",
+        action="store_true",
+        help="skip cells the result file already has for every requested mode (resume)",
+    )
+    ap.add_argument(
+        "--stop-after",
+        type=float,
+        default=None,
+        help="minutes: start no new cell after this (a GPU session's budget); rerun with "
+        "--skip-done to continue",
+    )
     ap.add_argument("--dry-run", action="store_true", help="list the configurations and estimate")
     ap.add_argument("--plot", action="store_true", help="only draw the chart from the JSON")
     # child options
@@ -119,7 +131,14 @@ def header(args) -> dict:
 
 
 def run(args) -> Path:
+    from bench.workloads_lib.runner import done_cells
+
     items = plan(args)
+    if args.skip_done:
+        want = {(wl.id, c.name, p): m for wl, c, p, m in items if c is not None}
+        done = done_cells(result_path(args), want)
+        items = [it for it in items if it[1] is None or (it[0].id, it[1].name, it[2]) not in done]
+        print(f"--skip-done: {len(done)} cells already measured", flush=True)
     est = estimate_seconds(items, args)
     n = sum(1 + len(m) for _, c, _, m in items if c is not None)
     print(f"{n} configurations, estimated {est / 60:.0f} min on the H200", flush=True)
@@ -131,6 +150,9 @@ def run(args) -> Path:
     t0 = time.perf_counter()
     first = True
     for wl, case, p, modes in items:
+        if args.stop_after is not None and time.perf_counter() - t0 > 60 * args.stop_after:
+            print(f"--stop-after {args.stop_after} min reached; rerun with --skip-done", flush=True)
+            break
         if case is None:
             rows = [R.missing_row(wl, p)]
             print(f"{wl.id} {wl.title}: not available ({p})", flush=True)
@@ -138,7 +160,7 @@ def run(args) -> Path:
             from bench.workloads_lib.runner import run_config
 
             docs = run_config(wl, case, p, modes, args, lambda s: print(s, flush=True))
-            rows = R.rows_for(wl, case, p, docs)
+            rows = R.rows_for(wl, case, p, docs, args.quick)
             if args.profile:
                 prof = R.write_profiles(
                     path.parent / f"workloads_{args.machine}_profiles", wl, case, p, docs

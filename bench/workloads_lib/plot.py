@@ -29,7 +29,8 @@ def plot(result_path: Path, png: Path) -> Path:
         if key not in cells:
             cells.append(key)
     modes = [m for m in COLORS if any(r.get("mode") == m for r in rows)]
-    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(cells) * max(len(modes), 1) / 2), 5))
+    width_in = min(max(8.0, 0.22 * len(cells) * max(len(modes), 1)), 32.0)
+    fig, ax = plt.subplots(figsize=(width_in, 6))
     width = 0.8 / max(len(modes), 1)
     for j, mode in enumerate(modes):
         for i, key in enumerate(cells):

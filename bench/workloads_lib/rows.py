@@ -20,7 +20,7 @@ def _tflops(flops, ms):
     return flops / (ms * 1e-3) / 1e12 if flops and ms else None
 
 
-def rows_for(wl, case, precision, docs: dict) -> list[dict]:
+def rows_for(wl, case, precision, docs: dict, quick: bool = False) -> list[dict]:
     """One row per PyTorch mode and metric of the cell, plus compile-time rows (metric "s")."""
     ours = docs.get("ours", {})
     if "error" in ours:
@@ -67,7 +67,13 @@ def rows_for(wl, case, precision, docs: dict) -> list[dict]:
                 "torch_warm": doc.get("warm_first_call_s"),
             }
             row["ours_stages"] = ours.get("stages")
-            paper = _paper(wl, case, precision, mode)
+            prof = ours.get("profile") or {}
+            if "top" in prof and metric == "ms":
+                row["ours_profile"] = {
+                    k: prof[k] for k in ("gpu_ms", "span_ms", "wall_ms", "host_share", "dispatches")
+                }
+                row["ours_profile"]["top"] = prof["top"][:5]
+            paper = None if quick else _paper(wl, case, precision, mode)
             if paper is not None and metric == "ms":
                 row["paper_torch_ms"] = paper
             for k in ("skipped", "error"):
@@ -94,6 +100,7 @@ def rows_for(wl, case, precision, docs: dict) -> list[dict]:
                         "cell": case.name,
                         "precision": precision,
                         "mode": mode,
+                        "paper_torch_first_s": _paper_first(wl, case, precision, mode, when, quick),
                         "note": "first call: ours trace + compile + Session setup + first run "
                         "(driver shader compile); torch the first compiled call, "
                         f"{'fresh' if when == 'cold' else 'reused'} caches",
@@ -111,6 +118,14 @@ def _paper(wl, case, precision, mode):
         if entry and entry[0] == case.name:
             return entry[1] if mode == "eager" else entry[2]
     return None
+
+
+def _paper_first(wl, case, precision, mode, when, quick):
+    """workloads.md's first compiled training step (s), beside the cold compile of that cell."""
+    train = wl.paper.get("train")
+    if quick or when != "cold" or mode != "compile" or precision != "strict":
+        return None
+    return wl.paper.get("first_s") if train and train[0] == case.name else None
 
 
 def missing_row(wl, reason: str) -> dict:

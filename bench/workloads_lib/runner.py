@@ -50,7 +50,33 @@ def plan(args) -> list[tuple]:
                 continue
             for p in args.precision:
                 out.append((wl, case, p, modes_for(p, args.modes)))
-    return out
+    return sorted(out, key=priority)
+
+
+def priority(item) -> tuple:
+    """Run order: unavailable workloads first (no cost), then strict before fast, and in each
+    the workloads.md headline cells (the forward and training step the paper's table gives)
+    before the other cases, so a run stopped by ``--stop-after`` has the table's core."""
+    wl, case, p, _ = item
+    if case is None:
+        return (0, 0, 0, wl.id)
+    headline = case.name in {v[0] for k, v in wl.paper.items() if k in ("fwd", "train")}
+    return (1, p != "strict", not headline, wl.id)
+
+
+def done_cells(path: Path, modes_by_cell: dict) -> set:
+    """(workload, case, precision) whose rows in the result file at ``path`` cover every
+    requested mode without an error (``--skip-done``)."""
+    if not path.exists():
+        return set()
+    import json
+
+    seen: dict = {}
+    for r in json.loads(path.read_text()).get("results", []):
+        if r.get("metric") in ("n/a", "s") or r.get("gate") == "ERROR" or "torch_error" in r:
+            continue
+        seen.setdefault((r["workload"], r["cell"], r["precision"]), set()).add(r["mode"])
+    return {k for k, modes in seen.items() if set(modes_by_cell.get(k, ())) <= modes}
 
 
 def _selects(entry: str, wid: str, name: str) -> bool:

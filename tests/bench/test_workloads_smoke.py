@@ -75,3 +75,53 @@ def test_workloads_smoke_rows_carry_gate_figures_and_memory(results):
         )
         assert r["peak_bytes"]["ours"] > 0 and r["flops"] > 0
     assert results["protocol"]["quick"] is True
+
+
+def test_workloads_table_and_chart_from_the_smoke_results(results, tmp_path):
+    from bench.workloads_lib.plot import plot
+    from bench.workloads_lib.table import markdown, summary
+
+    path = tmp_path / "workloads_smoke.json"
+    path.write_text(json.dumps(results))
+    text = markdown(path)
+    assert "| w5 fwd_small_b2 | fast | PASS |" in text
+    s = summary(results["results"])
+    assert s["strict_inference_cells"] >= 2 and s["median_training_gap"] > 0
+    png = plot(path, tmp_path / "speedup.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_deterministic_weights_are_full_rank_with_fan_in_scale():
+    import numpy as np
+
+    from bench.workloads_lib.weights import param_value, sin_tensor
+
+    w = param_value("layers.0.mlp.up_proj.weight", (64, 64))
+    assert w.dtype == np.float32 and np.linalg.matrix_rank(w.astype(np.float64)) == 64
+    assert abs(w.std() * np.sqrt(64) - 1.0) < 0.05  # std 1/sqrt(fan_in)
+    assert np.array_equal(w, param_value("layers.0.mlp.up_proj.weight", (64, 64)))
+    assert not np.array_equal(w, param_value("layers.1.mlp.up_proj.weight", (64, 64)))
+    # workloads.md's linear phase alone: rank 2, which the quadratic term avoids
+    j = np.arange(64 * 64)
+    assert np.linalg.matrix_rank(np.sin(0.01 * j + 1.0).reshape(64, 64)) == 2
+    assert sin_tensor((3,), "x").tolist() == sin_tensor((3,), "x").tolist()
+
+
+def test_gates_fail_on_a_wrong_gradient_and_skip_vanishing_ones():
+    import numpy as np
+
+    from bench.workloads_lib import gates
+
+    th = gates.thresholds("w3", "strict")
+    rng = np.random.default_rng(0)
+    ref = {"a": rng.normal(size=10), "b": rng.normal(size=5), "c": np.full(3, 1e-7)}
+    ok = gates.backward_gate(th, {k: v * (1 + 1e-5) for k, v in ref.items()}, ref)
+    assert ok["pass"] and ok["grads_checked"] == 2 and ok["grads_skipped"] == 1
+    bad = dict(ref, b=ref["b"][::-1].copy())  # a permuted gradient: same norm, wrong direction
+    res = gates.backward_gate(th, bad, ref)
+    assert not res["pass"] and res["grads_failing"] == ["b"] and res["grad_norm_rel_max"] < 1e-12
+    fwd = gates.forward_gate(th, np.ones(4) * (1 + 2e-4), np.ones(4))
+    assert not fwd["pass"] and abs(fwd["fwd_rel_l2"] - 2e-4) < 1e-9
+    assert gates.forward_gate(gates.thresholds("w3", "fast"), np.ones(4) * 1.002, np.ones(4))[
+        "pass"
+    ]
