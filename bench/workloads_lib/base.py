@@ -52,7 +52,8 @@ class Workload:
     id = "w0"
     name = "base"
     title = ""
-    #: state-dict names whose values are kept (fixed positions), not replaced by sin weights
+    #: state-dict names whose values are kept (fixed positions), not replaced by sin weights,
+    #: and which are frozen on both sides
     fixed: tuple[str, ...] = ()
     #: PyTorch figures on the H200 from workloads.md (ms; first compiled step in s)
     paper: dict = {}
@@ -112,6 +113,9 @@ class Workload:
                 )
             load[k] = torch.from_numpy(np.ascontiguousarray(src)).to(v.dtype)
         m.load_state_dict(load, strict=False)
+        for name, p in m.named_parameters():
+            if name in self.fixed:  # frozen on our side too: no gradient, no update
+                p.requires_grad_(False)
         return m
 
     # ---------------------------------------------------------------- data

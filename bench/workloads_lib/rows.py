@@ -67,6 +67,7 @@ def rows_for(wl, case, precision, docs: dict, quick: bool = False) -> list[dict]
                 "torch_warm": doc.get("warm_first_call_s"),
             }
             row["ours_stages"] = ours.get("stages")
+            row["ours_precision"] = ours.get("precision_compiled")
             prof = ours.get("profile") or {}
             if "top" in prof and metric == "ms":
                 row["ours_profile"] = {

@@ -1,5 +1,14 @@
 """W1: SmolLM2-135M (Llama decoder), ``meganeura.models.llama`` against transformers'
-``LlamaForCausalLM`` with the same config (``docs/workloads.md``)."""
+``LlamaForCausalLM`` with the same config (``docs/workloads.md``).
+
+Cases: ``fwd_seq128`` (batch 1 x 128 tokens, full logits, no KV cache); ``fwd_seq1`` (the
+"single-token forward" read as the same call on one token, no cache: workloads.md does not say
+which; greedy decode below covers the cached step); ``decode32`` (greedy 32 tokens from the
+prompt ids with the KV cache: ms per token after the first, and time to first token; ours
+``Generator``, torch ``generate``: eager with a dynamic cache, the compile modes with a static
+cache and transformers' own ``CompileConfig``); ``train_seq128`` (SGD lr 1e-5, cross-entropy on
+labels (i+1) % vocab) and ``fwdbwd_seq128``.
+"""
 
 from __future__ import annotations
 

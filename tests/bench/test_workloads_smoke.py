@@ -125,3 +125,19 @@ def test_gates_fail_on_a_wrong_gradient_and_skip_vanishing_ones():
     assert gates.forward_gate(gates.thresholds("w3", "fast"), np.ones(4) * 1.002, np.ones(4))[
         "pass"
     ]
+
+
+def test_result_file_merges_runs_and_resume_skips_measured_cells(results, tmp_path):
+    from bench.workloads_lib.rows import merge_write
+    from bench.workloads_lib.runner import done_cells
+
+    rows = [r for r in results["results"] if r["metric"] != "n/a"]
+    path = tmp_path / "w.json"
+    merge_write(path, rows[1:], {"machine": {}}, fresh=True)
+    merge_write(path, rows[:2], {"machine": {}}, fresh=False)  # row 1 replaced, row 0 added
+    doc = json.loads(path.read_text())
+    assert [r["case"] for r in doc["results"]] == [r["case"] for r in rows[2:] + rows[:2]]
+    first = rows[0]
+    key = (first["workload"], first["cell"], first["precision"])
+    assert key in done_cells(path, {key: ["eager"]})
+    assert key not in done_cells(path, {key: ["eager", "compile"]})
