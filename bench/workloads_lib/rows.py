@@ -93,7 +93,7 @@ def rows_for(wl, case, precision, docs: dict, quick: bool = False) -> list[dict]
                         "metric": "s",
                         "ours": o,
                         "torch": t,
-                        "speedup": t / o if o and t else None,
+                        "speedup": t / o if o and t and gate == "PASS" else None,
                         "gate": gate,
                         "gate_figures": {},
                         "peak_bytes": None,

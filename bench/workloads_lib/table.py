@@ -65,6 +65,42 @@ def summary(rows) -> dict:
     }
 
 
+def _compile_table(rows) -> list[str]:
+    """Seconds to the first result, cold and warm caches: ours against torch.compile (default
+    mode and reduce-overhead), with workloads.md's first compiled training step."""
+    by: dict = {}
+    for r in rows:
+        if r.get("metric") != "s":
+            continue
+        when = "cold" if "_compile_cold_" in r["case"] else "warm"
+        key = (r["workload"], r["cell"], r["precision"])
+        d = by.setdefault(key, {})
+        d[f"ours_{when}"] = r.get("ours")
+        d[f"{r['mode']}_{when}"] = r.get("torch")
+        if r.get("paper_torch_first_s") is not None:
+            d["paper"] = r["paper_torch_first_s"]
+    if not by:
+        return []
+    out = [
+        "",
+        "First call, s (ours: trace + compile + Session setup + first run with the driver's "
+        "shader compile; torch: the first compiled call), cold caches / warm caches:",
+        "",
+        "| cell | prec | ours | torch.compile | reduce-overhead | paper first compiled step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (w, c, p), d in by.items():
+
+        def pair(k, d=d):
+            return f"{_ms(d.get(k + '_cold'))} / {_ms(d.get(k + '_warm'))}"
+
+        out.append(
+            f"| {w} {c} | {p} | {pair('ours')} | {pair('compile')} | {pair('reduce_overhead')} "
+            f"| {_ms(d.get('paper'))} |"
+        )
+    return out
+
+
 def markdown(path: Path) -> str:
     """A markdown section: one line per cell (workload, case, precision, metric) with our time,
     each PyTorch mode's time and speedup, the gate, peak memory and compile times."""
@@ -119,6 +155,7 @@ def markdown(path: Path) -> str:
             + f" | {paper} | {_mib(peak.get('ours'))} / {_mib(torch_peak)} | "
             f"{'-' if tf is None else f'{tf:.3g}'} | {first} |"
         )
+    lines += _compile_table(rows)
     s = summary(rows)
     lines += [
         "",
