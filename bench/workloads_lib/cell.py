@@ -281,6 +281,7 @@ def run_torch(wl, case, precision, mode, args) -> dict:
         doc["metrics"] = {"ms": stats(timed(side["run"], sync, args.warmup, args.repeats))}
     doc["peak_bytes"] = int(torch.cuda.max_memory_allocated()) if dev == "cuda" else None
     doc["device"] = dev
+    doc["torch_model"] = f"{type(m).__module__}.{type(m).__name__}"
     return doc
 
 

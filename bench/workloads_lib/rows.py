@@ -24,7 +24,7 @@ def rows_for(wl, case, precision, docs: dict, quick: bool = False) -> list[dict]
     """One row per PyTorch mode and metric of the cell, plus compile-time rows (metric "s")."""
     ours = docs.get("ours", {})
     if "error" in ours:
-        gate, figs = "ERROR", {"error": ours["error"]}
+        gate, figs = "ERROR", {"error": ours["error"], "traceback": ours.get("traceback")}
     else:
         gate, figs = ours.get("gate", "ERROR"), ours.get("gate_figures", {})
     out = []
@@ -77,9 +77,9 @@ def rows_for(wl, case, precision, docs: dict, quick: bool = False) -> list[dict]
             paper = None if quick else _paper(wl, case, precision, mode)
             if paper is not None and metric == "ms":
                 row["paper_torch_ms"] = paper
-            for k in ("skipped", "error"):
+            for k in ("skipped", "error", "traceback", "torch_model"):
                 if k in doc:
-                    row[f"torch_{k}"] = doc[k]
+                    row[k if k == "torch_model" else f"torch_{k}"] = doc[k]
             out.append(row)
         if mode in ("compile", "reduce_overhead") and "first_call_s" in doc:
             for when in ("cold", "warm"):

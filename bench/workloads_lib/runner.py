@@ -197,7 +197,8 @@ def _line(cell, doc) -> str:
     if "skipped" in doc:
         return f"{cell:48s} skipped: {doc['skipped']}"
     if "error" in doc:
-        return f"{cell:48s} ERROR {doc['error'][:300]}"
+        tb = doc.get("traceback", "").strip().splitlines()[-6:]
+        return f"{cell:48s} ERROR {doc['error'][:300]}" + "".join(f"\n    {x}" for x in tb)
     nan = float("nan")
     ms = doc.get("metrics", {})
     m = next(iter(ms.values()), {})
