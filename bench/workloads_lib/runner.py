@@ -56,12 +56,13 @@ def plan(args) -> list[tuple]:
 def priority(item) -> tuple:
     """Run order: unavailable workloads first (no cost), then strict before fast, and in each
     the workloads.md headline cells (the forward and training step the paper's table gives)
-    before the other cases, so a run stopped by ``--stop-after`` has the table's core."""
+    before the other cases, the Adam variants of the training step last, so a run stopped by
+    ``--stop-after`` has the table's core."""
     wl, case, p, _ = item
     if case is None:
         return (0, 0, 0, wl.id)
     headline = case.name in {v[0] for k, v in wl.paper.items() if k in ("fwd", "train")}
-    return (1, p != "strict", not headline, wl.id)
+    return (1, p != "strict", not headline, case.name.startswith("train_adam"), wl.id)
 
 
 def done_cells(path: Path, modes_by_cell: dict) -> set:

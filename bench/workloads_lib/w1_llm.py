@@ -49,6 +49,7 @@ class SmolLM2(Workload):
             Case(f"decode{NEW_TOKENS}", "decode", {"new_tokens": 8 if quick else NEW_TOKENS}),
             Case(f"train_seq{seq}", "train", {"seq": seq}),
             Case(f"fwdbwd_seq{seq}", "fwdbwd", {"seq": seq}),
+            Case(f"train_adam_seq{seq}", "train", {"seq": seq}, ("adam", 1e-5)),
         ]
 
     def build_ours(self, case, quick):

@@ -162,6 +162,7 @@ class SmolVLA(Workload):
             Case("fwd_chunk1", "fwd", {"chunk": 1}),
             Case(f"train_chunk{chunk}", "train", {"chunk": chunk}),
             Case(f"fwdbwd_chunk{chunk}", "fwdbwd", {"chunk": chunk}),
+            Case(f"train_adam_chunk{chunk}", "train", {"chunk": chunk}, ("adam", 1e-5)),
         ]
 
     def build_ours(self, case, quick):

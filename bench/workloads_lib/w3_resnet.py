@@ -85,6 +85,7 @@ class ResNet50(Workload):
             Case("fwd_b1", "fwd", {"batch": 1}),
             Case("train_b4", "train", {"batch": 4}),
             Case("fwdbwd_b4", "fwdbwd", {"batch": 4}),
+            Case("train_adam_b4", "train", {"batch": 4}, ("adam", 1e-5)),
         ]
 
     def build_ours(self, case, quick):

@@ -66,7 +66,12 @@ class Whisper(Workload):
         return QUICK if quick else FULL
 
     def cases(self, quick):
-        return [Case("fwd", "fwd"), Case("train", "train"), Case("fwdbwd", "fwdbwd")]
+        return [
+            Case("fwd", "fwd"),
+            Case("train", "train"),
+            Case("fwdbwd", "fwdbwd"),
+            Case("train_adam", "train", {}, ("adam", 1e-5)),
+        ]
 
     def build_ours(self, case, quick):
         import meganeura as mn
