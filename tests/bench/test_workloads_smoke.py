@@ -19,6 +19,10 @@ from bench.workloads import main
 from bench.workloads_lib.registry import WORKLOADS
 from bench.workloads_lib.rows import KEYS
 
+# one worker runs every test here under `make test` (--dist loadgroup): the module-scoped
+# results fixture, the expensive part, then runs once
+pytestmark = pytest.mark.xdist_group("bench_workloads")
+
 SMOKE = [
     "w1:fwd_seq16",
     "w1:train_seq16",
