@@ -231,7 +231,7 @@ def run_ours(wl, case, precision, args) -> dict:
     if args.profile and "profile" in side:
         try:
             session, feeds = side["profile"]()
-            wall = doc["metrics"]["ms"]["median"]
+            wall = next(iter(doc["metrics"].values()))["median"]  # ms, or ms per token
             doc["profile"] = profile_text(session, feeds, wall)
         except Exception as e:  # noqa: BLE001 - lavapipe may lack timestamp queries
             doc["profile"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

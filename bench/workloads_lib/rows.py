@@ -69,7 +69,7 @@ def rows_for(wl, case, precision, docs: dict, quick: bool = False) -> list[dict]
             row["ours_stages"] = ours.get("stages")
             row["ours_precision"] = ours.get("precision_compiled")
             prof = ours.get("profile") or {}
-            if "top" in prof and metric == "ms":
+            if "top" in prof and metric in ("ms", "ms_per_token"):
                 row["ours_profile"] = {
                     k: prof[k] for k in ("gpu_ms", "span_ms", "wall_ms", "host_share", "dispatches")
                 }
@@ -182,13 +182,14 @@ def write_profiles(folder: Path, wl, case, precision, docs: dict) -> Path | None
     """The per-kernel profile of a cell where ours is slower than the best PyTorch mode."""
     ours = docs.get("ours", {})
     prof = ours.get("profile")
-    mine = (ours.get("metrics") or {}).get("ms")
+    metric = next(iter(ours.get("metrics") or {}), None)  # "ms", or "ms_per_token" (decode)
+    mine = (ours.get("metrics") or {}).get(metric)
     if not prof or not mine or "text" not in prof:
         return None
     best = [
-        (d["metrics"]["ms"]["median"], m)
+        (d["metrics"][metric]["median"], m)
         for m, d in docs.items()
-        if m != "ours" and "ms" in (d.get("metrics") or {})
+        if m != "ours" and metric in (d.get("metrics") or {})
     ]
     if not best or min(best)[0] >= mine["median"]:
         return None
@@ -196,7 +197,7 @@ def write_profiles(folder: Path, wl, case, precision, docs: dict) -> Path | None
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{wl.id}_{wl.name}_{case.name}_{precision}.txt"
     path.write_text(
-        f"{wl.title} {case.name} {precision}: ours {mine['median']:.3f} ms, best PyTorch "
-        f"{mode} {t:.3f} ms ({t / mine['median']:.2f}x)\n{prof['text']}\n"
+        f"{wl.title} {case.name} {precision}: ours {mine['median']:.3f} {metric}, best PyTorch "
+        f"{mode} {t:.3f} ({t / mine['median']:.2f}x)\n{prof['text']}\n"
     )
     return path
