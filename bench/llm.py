@@ -18,6 +18,9 @@ random initialization of the same config (speed does not depend on the values). 
 model loads the same state dict. Writes ``bench/results/<out-name>.json`` (default
 ``llm_h200``).
 
+  * ``decode_ab`` (not in the default parts): greedy decode with the decode attention fused
+    with its rotations and cache writes against the two kernels apart, interleaved.
+
 Usage: python bench/llm.py [--parts decode,prefill,train] [--compile] [--quick] [--repeats 10]
 """
 
@@ -144,6 +147,50 @@ def _torch_decode(mode, m, kw, ids, seqs, ours_tok, ours_ttft, sync, args, rows)
             ours_min=ours_ttft["min"],
         )
     )
+
+
+def bench_decode_ab(model, ref, torch, dev, sync, args, rows):
+    """Greedy decode with the decode attention fused with its rotations and cache writes
+    (``rope_attention``) against the two kernels apart, interleaved run by run in one process
+    so that the machine's drift hits both alike."""
+    import meganeura.schedule.schedule as sched
+    from meganeura.models.generation import Generator
+
+    gens = {"fused": Generator(model, buckets=(16, 128))}
+    gens["fused"].generate(PROMPT, NEW_TOKENS, stop=[])  # compiles its programs
+    keep = sched.attach_attention
+    sched.attach_attention = lambda graph, groups, *a, **k: tuple(groups)
+    try:
+        gens["separate"] = Generator(model, buckets=(16, 128))
+        gens["separate"].generate(PROMPT, NEW_TOKENS, stop=[])
+    finally:
+        sched.attach_attention = keep
+    per_token: dict[str, list[float]] = {k: [] for k in gens}
+    tokens = {}
+    for i in range(args.warmup + args.repeats):
+        for name, gen in gens.items():
+            gen.reset()
+            out = gen.generate(PROMPT, NEW_TOKENS, stop=[])
+            tokens[name] = out.sequences[0]
+            if i >= args.warmup:
+                per_token[name].append(out.decode_seconds * 1e3 / (len(out.sequences[0]) - 1))
+    for name in gens:
+        s = stats(per_token[name])
+        session = next(iter(gens[name]._chains.values())).session
+        rows.append(
+            {
+                "case": f"w1_smollm2_decode_ms_per_token_rope_attention_{name}",
+                "metric": "ms",
+                "ours": s["median"],
+                "ours_min": s["min"],
+                "dispatches": len(session.program.dispatches),
+                "same_tokens": tokens[name] == tokens["fused"],
+            }
+        )
+        print(f"decode {name}: {s['median']:.3f} ms/token (min {s['min']:.3f})", flush=True)
+        if args.profile:
+            with open(f"{args.profile}.{name}", "w") as f:
+                f.write(session.profile({}, repeats=5).table(by="op") + "\n")
 
 
 def bench_prefill(model, ref, torch, dev, sync, args, rows):
@@ -288,6 +335,7 @@ def main() -> None:
     parts = args.parts.split(",")
     benches = (
         ("decode", bench_decode),
+        ("decode_ab", bench_decode_ab),
         ("prefill", bench_prefill),
         ("train", bench_train),
         ("quant", bench_quant),

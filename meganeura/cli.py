@@ -1,4 +1,4 @@
-"""Command line: ``meganeura info | train mnist | predict | profile mnist | generate | chat``.
+"""Command line: ``meganeura info|train|predict|classify|profile|generate|chat|finetune|embed``.
 
 This is the only place that reads environment variables (``MEGANEURA_ADAPTER``: a substring
 of the adapter to use, e.g. ``nvidia`` or ``llvmpipe``). The runtime only sets one Vulkan
@@ -39,6 +39,8 @@ def _precision_flag(p) -> None:
 
 
 def cmd_train(args) -> int:
+    if args.job == "resnet":
+        return cmd_train_resnet(args)
     from .recipes.mnist import MnistConfig, train
 
     cfg = MnistConfig(
@@ -52,7 +54,7 @@ def cmd_train(args) -> int:
         hidden=args.hidden,
         seed=args.seed,
         data=args.data,
-        out=args.out,
+        out=args.out or "runs/mnist",
         log_every=args.log_every,
         precision=args.precision,
     )
@@ -85,6 +87,50 @@ def cmd_train(args) -> int:
     if "loss_plot" in s:
         print(f"loss curve: {s['loss_plot']}")
     print(f"test accuracy: {100 * s['test_accuracy']:.2f}%")
+    return 0
+
+
+def cmd_train_resnet(args) -> int:
+    from .recipes.resnet import ResNetTrainConfig, format_train, train
+
+    if args.log_every < 1:
+        raise SystemExit(f"--log-every must be >= 1, got {args.log_every}")
+    cfg = ResNetTrainConfig(
+        arch=args.arch,
+        width=args.width,
+        image_size=args.image_size,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        schedule=args.schedule,
+        warmup_steps=args.warmup_steps,
+        max_grad_norm=args.max_grad_norm,
+        seed=args.seed,
+        data=args.data,
+        out=args.out or "runs/resnet",
+        log_every=args.log_every,
+        precision=args.precision,
+    )
+    dev = _device(args)
+    print(f"device: {dev.name}")
+    s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
+    print(format_train(s))
+    return 0
+
+
+def cmd_classify(args) -> int:
+    from .io.checkpoint import CheckpointError
+    from .recipes.resnet import classify, format_classify
+
+    try:
+        r = classify(
+            args.images, args.checkpoint, args.top_k, args.labels, _device(args), args.precision
+        )
+    except (OSError, ValueError, ImportError, CheckpointError) as e:
+        print(f"meganeura classify: {e}", file=sys.stderr)
+        return 2
+    print(format_classify(r))
     return 0
 
 
@@ -170,11 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser(
         "train",
-        help="train the MNIST MLP with AdamW, evaluate it, write a checkpoint and loss curve, "
-        "and print throughput, memory and compile time",
+        help="train the MNIST MLP (mnist) or a ResNet on an image folder (resnet) with AdamW, "
+        "evaluate, write a checkpoint and curves, and print throughput",
     )
-    t.add_argument("job", choices=["mnist"], help="the job to run")
-    t.add_argument("--data", help="folder of MNIST IDX files (default: embedded 5k subset)")
+    t.add_argument("job", choices=["mnist", "resnet"], help="the job to run")
+    t.add_argument(
+        "--data",
+        help="mnist: folder of MNIST IDX files; resnet: an ImageFolder (one subfolder of "
+        "images per class); default: the embedded 5k MNIST subset",
+    )
     t.add_argument("--epochs", type=int, default=10)
     t.add_argument("--batch-size", type=int, default=64)
     t.add_argument("--lr", type=float, default=1e-3)
@@ -187,7 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--log-every", type=int, default=10, help="read the loss back every N steps (default 10)"
     )
-    t.add_argument("--out", default="runs/mnist", help="folder for checkpoint and loss curve")
+    t.add_argument("--arch", default="resnet18", help="resnet: resnet18, 34, 50 or 101")
+    t.add_argument("--width", type=int, default=64, help="resnet: first stage's channels")
+    t.add_argument("--image-size", type=int, default=32, help="resnet: image side in pixels")
+    t.add_argument("--out", help="folder for checkpoint and curves (default runs/JOB)")
     t.add_argument("--resume", help="checkpoint to continue from")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     _precision_flag(t)
@@ -198,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--count", type=int, default=10, help="predictions to print")
     r.add_argument("--json", action="store_true", help="also print the result as JSON")
     _precision_flag(r)
+
+    c = sub.add_parser("classify", help="print the top classes of images with a ResNet checkpoint")
+    c.add_argument("images", nargs="+", help="image files (Pillow reads them)")
+    c.add_argument("--checkpoint", required=True, help="from train resnet, or a state dict")
+    c.add_argument("--top-k", type=int, default=5)
+    c.add_argument("--labels", help="text file of class names, one per line")
+    _precision_flag(c)
 
     f = sub.add_parser(
         "profile",
@@ -241,15 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--trace", help="trace file to write (default runs/profile/mnist-MODE.json)")
     f.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
 
-    from .recipes import llm
+    from .recipes import embed, llm
 
     llm.add_commands(sub)
+    embed.add_commands(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"info": cmd_info, "train": cmd_train, "predict": cmd_predict}
+    handlers["classify"] = cmd_classify
     handler = getattr(args, "handler", None) or {**handlers, "profile": cmd_profile}[args.command]
     return handler(args)
 

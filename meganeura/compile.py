@@ -25,6 +25,7 @@ from .optim import Optimizer, apply_optimizer
 from .optim.accumulate import add_to_accumulators, mean_with_accumulators
 from .optim.guard import GUARD_MODES, defer_update_stats
 from .passes import cse, dce, fold_permutes
+from .passes.fold_batch_norm import fold_batch_norm
 from .passes.precision import narrow_storage
 from .passes.split_bindings import split_bindings
 from .schedule.planner import plan_memory
@@ -91,6 +92,11 @@ class CompileOptions:
             larger one than the adapter's is refused by ``compile``. Tensors above the limit
             (up to the adapter's ``max_buffer_size``) are bound in row blocks
             (docs/bindings.md).
+        fold_batch_norm: in programs without a backward pass, fold each eval-mode
+            BatchNorm that follows a convolution into a per-channel scale and shift of the
+            convolution's output, which the kernel of the following elementwise ops (ReLU,
+            residual add) computes (``passes.fold_batch_norm``); False keeps the BatchNorm
+            kernels.
     """
 
     loss: str | None = None
@@ -105,6 +111,7 @@ class CompileOptions:
     accumulate_grads: bool = False
     nonfinite_guard: str | None = None
     max_storage_binding_bytes: int | None = None
+    fold_batch_norm: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in ("strict", "fast"):
@@ -229,8 +236,8 @@ def compile(
     Returns:
         A Program whose ``meta["compile_seconds"]`` holds wall seconds per stage, in order:
         ``graph`` (only when given), ``autodiff`` (backward + optimizer, 0 for inference),
-        ``passes`` (fold_permutes, dce, cse, split_bindings), ``codegen`` (schedule + lowering
-        to WGSL), ``plan_memory``,
+        ``passes`` (fold_batch_norm, fold_permutes, dce, cse, split_bindings), ``codegen``
+        (schedule + lowering to WGSL), ``plan_memory``,
         ``assemble`` (buffer table and dispatches); ``meta`` also holds the options.
 
         ``meta["precision"]`` is the precision compiled (``"strict"`` or ``"fast"``) and
@@ -260,6 +267,8 @@ def compile(
     times["autodiff"] = time.perf_counter() - t0
 
     t = time.perf_counter()
+    if options.fold_batch_norm and not options.differentiates:
+        graph = fold_batch_norm(graph)[0]
     graph, master = simplify_program(graph, master)
     precision = options.precision
     if precision == "fast" and not limits.shader_f16:

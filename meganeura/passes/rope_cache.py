@@ -37,10 +37,11 @@ dispatches):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from ..graph.ir import Graph, resolve_view
+from ..graph.ir import Graph, resolve_version, resolve_view
 from ..ops import OPS
+from ..ops.attention import SDPA
 from ..ops.inplace import INDEX_COPY
 from .fuse import FusionGroup, _readers
 
@@ -195,3 +196,105 @@ def plan_rope_cache(
                 taken.update(best.members)
                 break
     return tuple(sorted(groups, key=lambda g: g.sink))
+
+
+def attach_attention(
+    graph: Graph,
+    groups: Sequence[FusionGroup],
+    needed: Sequence[bool],
+    fusible: Callable[[int], bool],
+    max_bindings: int | None = None,
+) -> tuple[FusionGroup, ...]:
+    """Extend decode-step groups of ``plan_rope_cache`` with the attention that reads them,
+    for one kernel (``codegen.wgsl.attention.rope_attention``) to do all five nodes.
+
+    A group qualifies when it is exactly a query rotation, a key rotation, the key's cache
+    write and a value cache write at the same slots, and one needed
+    ``scaled_dot_product_attention`` reads (through views only) the rotated queries, the key
+    cache version and the value cache version written by the group, with both rotations
+    read by nothing else and the head dim a multiple of 8. ``fusible(attention)`` says whether
+    the adapter's plan gives the attention one lane-kernel row tile per (batch, kv head) (no
+    block kernel, no key split): the kernel's workgroup then reads only the cache rows it
+    writes. As for the groups themselves, no op with in-place effects may lie between the first
+    member and the attention, nothing outside the group may read a member before the
+    attention, and the attention's other operands (mask, key count) are not written by the
+    group.
+
+    Returns:
+        ``groups`` with the qualifying ones grown by their attention (the new sink); outputs
+        the two cache writes and the attention; sorted by sink.
+    """
+    users = graph.users()
+    effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
+    out_roots = {resolve_view(graph, v) for _, v in graph.outputs}
+    taken = {m for g in groups for m in g.members}
+    out = []
+    for g in groups:
+        grown = _with_attention(graph, users, effects, out_roots, g, needed, fusible, taken)
+        if grown is not None and (
+            max_bindings is None or _attention_bindings(graph, grown) <= max_bindings
+        ):
+            g = grown
+        out.append(g)
+    return tuple(sorted(out, key=lambda g: g.sink))
+
+
+def _with_attention(graph, users, effects, out_roots, group, needed, fusible, taken):
+    members = group.members
+    ropes = [m for m in members if graph[m].op == ROPE]
+    copies = [m for m in members if graph[m].op == INDEX_COPY]
+    if len(ropes) != 2 or len(copies) != 2 or len(members) != 4:
+        return None
+    kcopy = [c for c in copies if graph[c].inputs[2] in ropes]
+    if len(kcopy) != 1:
+        return None
+    kcopy = kcopy[0]
+    vcopy = next(c for c in copies if c != kcopy)
+    krope = graph[kcopy].inputs[2]
+    qrope = next(r for r in ropes if r != krope)
+    if qrope in out_roots or krope in out_roots:
+        return None
+    if _readers(graph, users, krope) != [kcopy]:
+        return None
+    readers = _readers(graph, users, qrope)
+    if len(readers) != 1:
+        return None
+    att = readers[0]
+    node = graph[att]
+    if node.op != SDPA or not needed[att] or att in taken or att < members[-1]:
+        return None
+    if resolve_version(graph, node.inputs[0]) != qrope:
+        return None
+    if resolve_version(graph, node.inputs[1]) != kcopy:
+        return None
+    if resolve_version(graph, node.inputs[2]) != vcopy:
+        return None
+    if graph[qrope].type.shape[-1] % 8 or not fusible(att):
+        return None
+    new = (*members, att)
+    mset = set(new)
+    if any(members[0] < e < att and e not in mset for e in effects):
+        return None
+    for m in new[:-1]:
+        if any(r not in mset and r < att for r in _readers(graph, users, m)):
+            return None
+    written = {resolve_view(graph, c) for c in copies}
+    if any(resolve_view(graph, i) in written for i in node.inputs[3:]):
+        return None
+    return FusionGroup(new, (kcopy, vcopy, att), node.type.shape, ropes[0])
+
+
+def _attention_bindings(graph: Graph, group: FusionGroup) -> int:
+    """Storage buffers the fused kernel binds: the rotations' operands, the values, the
+    slots, the two caches, the attention's mask and key count, and its output."""
+    members = set(group.members)
+    bound = set()
+    for m in group.members:
+        for i in graph[m].inputs:
+            if i in members:
+                continue
+            r = resolve_view(graph, i)
+            if graph[r].op != "constant" and r not in members:
+                bound.add(r)
+    bound.add(group.sink)
+    return len(bound)

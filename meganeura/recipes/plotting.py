@@ -1,5 +1,5 @@
-"""The loss curve every training recipe writes (``loss.png``), with matplotlib (the ``plot``
-extra) when it is installed."""
+"""The loss curve every training recipe writes (``loss.png``) and other curves (the ResNet
+recipe's ``accuracy.png``), with matplotlib (the ``plot`` extra) when it is installed."""
 
 from __future__ import annotations
 
@@ -31,6 +31,28 @@ def plot_losses(losses, path: Path, title: str, window: int = 1) -> bool:
     ax.set_yscale("log")
     ax.set_title(title)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_curve(points, path: Path, title: str, xlabel: str, ylabel: str) -> bool:
+    """Plot ``[x, y]`` pairs (an accuracy per epoch, say) with markers; write a PNG to
+    ``path``. Returns False (writing nothing) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -8,12 +8,13 @@ the value whose buffer they share, and measures each value's lifetime in dispatc
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
 pairs attention gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges small-M matmuls
 sharing a left operand, with the norm producing it, and ``passes.rope_cache`` joins rotary
-embeddings and KV-cache writes); a group is lowered as one kernel
-(``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
-``attention.rope_cache``) at its last member's position, binding the group's external inputs
-and its stored outputs only, so lifetimes come from those bindings; the other members get no
-kernel and no storage. Optimizer updates are grouped likewise (``update_groups``): one kernel
-per group at its last member's position, over arenas that the assembler lays out.
+embeddings and KV-cache writes, and in a decode step the attention reading them); a group is
+lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
+``attention.rope_cache``, ``attention.rope_attention``) at its last member's position,
+binding the group's external inputs and its stored outputs only, so lifetimes come from those
+bindings; the other members get no kernel and no storage. Optimizer updates are grouped
+likewise (``update_groups``): one kernel per group at its last member's position, over arenas
+that the assembler lays out.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 
 from ..codegen.kernel import ArenaRef, KernelSource, Limits, ScratchRef, UpdateGroup, ValueRef
 from ..codegen.wgsl import lower, reads
-from ..codegen.wgsl.attention.lowering import key_value_fusible
+from ..codegen.wgsl.attention.lowering import key_value_fusible, rope_attention_fusible
+from ..codegen.wgsl.attention.rope_attention import lower_rope_attention
 from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
@@ -30,9 +32,10 @@ from ..codegen.wgsl.matmul.horizontal import NORM_MAX_K, gemv_key, group_fits, l
 from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
+from ..ops.attention import SDPA
 from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
 from ..passes.fuse_matmul import MatmulGroup, plan_matmul_groups
-from ..passes.rope_cache import ROPE, plan_rope_cache
+from ..passes.rope_cache import ROPE, attach_attention, plan_rope_cache
 from .planner import Interval
 from .update_groups import arena_roles, arena_value, plan_update_groups
 
@@ -108,6 +111,13 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             accept=lambda g: group_fits(graph, g, limits),
         )
         rope = plan_rope_cache(graph, needed, max_bindings=bound)
+        rope = attach_attention(
+            graph,
+            rope,
+            needed,
+            lambda n: rope_attention_fusible(graph, n, limits),
+            max_bindings=bound,
+        )
         groups = tuple(sorted(fused + kv + rope, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     dispatches = _lower_all(graph, needed, limits, groups, updates)
@@ -183,7 +193,10 @@ def _lower_all(
             elif isinstance(group, MatmulGroup):
                 kernels = lower_matmul_group(graph, group, limits)
             elif group.anchor is not None and graph[group.anchor].op == ROPE:
-                kernels = lower_rope_cache(graph, group, limits)
+                if graph[group.sink].op == SDPA:
+                    kernels = lower_rope_attention(graph, group, limits)
+                else:
+                    kernels = lower_rope_cache(graph, group, limits)
             else:
                 kernels = lower_group(graph, group, limits)
             dispatches.extend((node.id, ks) for ks in kernels)

@@ -83,6 +83,7 @@ class _Kernel:
     split: Split | None = None  # fwd only: this workgroup's key chunk, partials to scratch
     kb: KernelBuilder | None = None  # with split: stores of empty chunks' states to ``out``
     out: str = ""
+    prologue: object | None = None  # fwd: ``rope_attention.RopePrologue`` (rotation, cache writes)
 
     @property
     def accs(self) -> list[str]:
@@ -166,6 +167,7 @@ def lower_flash(
     mode: str,
     value_node: int | None = None,
     split: Split | None = None,
+    prologue=None,
 ) -> list[KernelSource]:
     """One dispatch of the flash kernel in ``mode`` for node ``node_id``; in ``dkv`` mode
     ``node_id`` is the key-gradient node and ``value_node`` its value-gradient sibling, whose
@@ -175,6 +177,10 @@ def lower_flash(
     ``split.chunks`` chunks of ``split.length``, one workgroup per (row tile, chunk); each
     writes its rows' unnormalized partial state (running max m, sum l, output row) to the
     scratch ``PARTIALS``, and ``decode.lower_merge``'s kernel combines them.
+
+    With ``prologue`` (``fwd``, one row tile per (batch, kv head)) the queries are read
+    unrotated and rotated in registers, and the workgroup first writes its kv head's new keys
+    and values into the caches it then streams (``rope_attention``).
     """
     node = graph[node_id]
     ins = node.inputs
@@ -191,7 +197,8 @@ def lower_flash(
     chunks = 1 if split is None else split.chunks
 
     kb = KernelBuilder(graph, node, limits)
-    src = {"q": kb.read(ins[0], "q"), "k": kb.read(ins[1], "k")}
+    q_src = kb.read(ins[0], "q") if prologue is None else prologue.queries(kb)
+    src = {"q": q_src, "k": kb.read(ins[1], "k")}
     n_fixed = 2 + len(OPERANDS[mode])
     for name, vid in zip(OPERANDS[mode], ins[2:n_fixed], strict=True):
         src[name] = kb.read(vid, name)
@@ -205,7 +212,7 @@ def lower_flash(
         outs = {"out": kb.scratch(PARTIALS, count, node.type.dtype, "part")}
     k = _Kernel(mode, dims, plan, layout, src, mask, strides,
                 f32_literal(node.attr("scale")), bool(node.attr("is_causal")), kvlen,
-                split, kb, outs["out"])  # fmt: skip
+                split, kb, outs["out"], prologue)  # fmt: skip
     if mode == "dkv":
         outs["dv"] = kb.write(value_node, "dv")
 
@@ -222,11 +229,15 @@ def lower_flash(
         f"  let live = row < {u(n_rows)};",
         f"  let rowc = min(row, {u(n_rows - 1)});",
     ]
+    if prologue is not None:
+        lines += prologue.cache_writes(kb, plan.size)
     lines += _row_registers(k)
     lines += _stream_loops(k)
     lines += _merge(k)
     lines += _finish(k, kb, outs)
     helpers = f"var<workgroup> sh: array<vec4<f32>, {total}>;\n"
+    if prologue is not None:
+        helpers += prologue.helpers()
     per_pair = {"fwd": d + dv, "stats": d, "dq": 2 * d + dv, "dk": 2 * d + dv, "dv": d + dv,
                 "dkv": 2 * d + 2 * dv}  # fmt: skip
     flops = 2 * b * hq * lq * lk * per_pair[mode] // (2 if k.causal else 1)
@@ -247,7 +258,10 @@ def _row_registers(k: _Kernel) -> list[str]:
             f"  let mrow = {stride_sum([('b', sb), ('rh', sh), ('ri', si)])};",
             f"  let qb = qrow * {u(d)};",
         ]
-        lines += [f"  let q{c} = {_load4(k.src['q'], 'qb', c, d)};" for c in range(k.dims.d4)]
+        q = "q" if k.prologue is None else "qx"  # the prologue rotates qx into q
+        lines += [f"  let {q}{c} = {_load4(k.src['q'], 'qb', c, d)};" for c in range(k.dims.d4)]
+        if k.prologue is not None:
+            lines += k.prologue.rotate_queries()
         if k.mode == "dq":
             lines.append(f"  let gb = qrow * {u(dv)};")
             lines += [

@@ -17,7 +17,7 @@ from ...kernel import KernelSource, Limits
 from .block import lower_block
 from .decode import lower_split
 from .lane import dims_of, lower_flash
-from .plan import choose_block_plan, choose_split, fuses_key_value
+from .plan import choose_block_plan, choose_plan, choose_split, extents, fuses_key_value
 
 
 def lower_attention(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[KernelSource]:
@@ -33,6 +33,17 @@ def lower_attention(graph: Graph, node_id: int, limits: Limits, mode: str) -> li
     if plan is None:
         return lower_flash(graph, node_id, limits, mode)
     return lower_block(graph, node_id, limits, mode, dims, plan)
+
+
+def rope_attention_fusible(graph: Graph, node_id: int, limits: Limits) -> bool:
+    """Whether attention ``node_id`` may take its rotations and cache writes into its kernel
+    (``rope_attention``): its forward runs on the lane kernel (no key split, no block plan)
+    with one row tile per (batch, kv head), so each workgroup reads only the cache rows it
+    writes."""
+    dims = dims_of(graph, graph[node_id], "fwd")
+    if choose_split(dims, limits) is not None or choose_block_plan("fwd", dims, limits):
+        return False
+    return extents("fwd", dims)[0] <= choose_plan("fwd", dims, limits).rows
 
 
 KEY_VALUE = f"{SDPA}_backward_key_value"  # the op token of dkv kernels' names (profiles)

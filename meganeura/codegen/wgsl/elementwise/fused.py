@@ -45,7 +45,10 @@ from .vector import emit_vec4, plan_vec4
 class GroupBody:
     """The per-element code of a group: external operands, member ``let``s and stores.
 
-    Operand k (a value outside the group, or a constant) is ``x{k}``; member m is ``t{m}``.
+    Operand k (a value outside the group, or a constant) is ``x{k}``; the group's member of
+    position j (in ``group.members``) is ``t{j}``: names local to the group, so the same
+    fused code at another place of the graph (the next layer, the next step of an unrolled
+    loop) is the same WGSL text and the same pipeline.
 
     Args:
         graph: the graph.
@@ -62,6 +65,7 @@ class GroupBody:
             anchors = () if group.anchor is None else (group.anchor,)
         self.anchors = anchors
         members = set(group.members)
+        self.local = {m: j for j, m in enumerate(group.members)}
         self.operand_ids: list[int] = []
         for m in group.members:
             if m not in anchors:
@@ -75,7 +79,7 @@ class GroupBody:
         for m in group.members:
             if m in anchors:
                 continue
-            names = [f"t{i}" if i in members else self.operand(i) for i in graph[m].inputs]
+            names = [self.var(i) if i in members else self.operand(i) for i in graph[m].inputs]
             expr, used = node_expr(graph, graph[m], names)
             helpers.update(dict.fromkeys(used))
             if graph[m].type.dtype.is_floating:
@@ -83,9 +87,13 @@ class GroupBody:
                 # otherwise rewrites across them (exp(log a) -> a, sqrt(a) * sqrt(a) -> |a|,
                 # (a + b) - b -> a), which is wrong for negative, inf and NaN inputs.
                 expr = f"({expr} + {OPAQUE_NEG_ZERO})"
-            self.lets.append(f"let t{m} = {expr};")
+            self.lets.append(f"let {self.var(m)} = {expr};")
         self.helper_names = tuple(helpers)  # for kernels running several bodies
         self.helpers = helper_source(helpers)
+
+    def var(self, member: int) -> str:
+        """The WGSL name of a member's value."""
+        return f"t{self.local[member]}"
 
     def operand(self, vid: int) -> str:
         return f"x{self.operand_ids.index(vid)}"
@@ -113,12 +121,12 @@ class GroupBody:
         lets = [f"let x{k} = {v};" for k, v in enumerate(loads)]
         if anchor is not None:
             values = [anchor] if isinstance(anchor, str) else anchor
-            lets += [f"let t{a} = {v};" for a, v in zip(self.anchors, values, strict=True)]
+            lets += [f"let {self.var(a)} = {v};" for a, v in zip(self.anchors, values, strict=True)]
         return " ".join(lets + self.lets)
 
     def stores(self, flat: str, kb: KernelBuilder) -> str:
         outs = zip(self.outs, self.group.outputs, strict=True)
-        return " ".join(kb.store(out, flat, f"t{m}") for out, m in outs)
+        return " ".join(kb.store(out, flat, self.var(m)) for out, m in outs)
 
     @property
     def nbytes(self) -> int:
@@ -184,7 +192,7 @@ def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[Kernel
     n = math.prod(group.shape)
     reads = plan_vec4(group.shape, body.srcs, [body.strides(k) for k in range(len(body.srcs))])
     if reads is not None:
-        outs = [(v, f"t{m}", graph[m].type.dtype) for v, m in zip(body.outs, group.outputs)]
+        outs = [(v, body.var(m), graph[m].type.dtype) for v, m in zip(body.outs, group.outputs)]
         src, groups = emit_vec4(kb, n, body.srcs, reads, body.compute, outs)
         ks = kb.finish("", src, WG, groups, body.helpers, body.flops, body.nbytes)
         return [replace(ks, name=body.name)]
