@@ -169,7 +169,8 @@ def _ours_gates(wl, case, model, state, batch, precision, quick, side, dev):
             after = model.state_dict()
             parts["forward"] = gates.forward_gate(th, loss=loss, ref_loss=ref["loss"])
             parts["backward"] = gates.backward_gate(th, grads, ref["grads"])
-            parts["step"] = gates.step_gate(th, after, ref["after"], ref["before"])
+            adam = case.optimizer[0] == "adam"
+            parts["step"] = gates.step_gate(th, after, ref["after"], ref["before"], adam)
             if case.kind == "train_steps":
                 for _ in range(case.params["steps"] - 2):
                     tr.step(*batch, return_loss=False)

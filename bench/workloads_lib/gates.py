@@ -94,10 +94,18 @@ def backward_gate(th: dict, grads: dict, ref_grads: dict) -> dict:
     }
 
 
-def step_gate(th: dict, after: dict, ref_after: dict, before: dict) -> dict:
+def step_gate(th: dict, after: dict, ref_after: dict, before: dict, adam: bool = False) -> dict:
     """One optimizer step: each updated float tensor within ``fwd_rel_l2`` of PyTorch's
-    (relative L2), plus the worst cosine of the updates themselves (after - before) where the
-    update is resolvable in f32 (its norm > 1e-4 of the tensor's), as a figure."""
+    (relative L2; Adam: within ``grad_norm_rel``), plus the worst cosine of the updates
+    themselves (after - before) where the update is resolvable in f32 (its norm > 1e-4 of the
+    tensor's), as a figure.
+
+    Adam's first step moves each element by ``lr * g / (|g| + eps)``: about ``lr`` whatever
+    the gradient's size, so elements whose gradient is at rounding level move by ``+-lr`` on
+    either side. On a small tensor (a BatchNorm bias of norm 0.06) that is a relative
+    difference of ~1e-3 between two correct implementations (ResNet quick, strict: 5.7e-4,
+    with every gradient's cosine >= 0.99999), hence the gradient tolerance for Adam."""
+    tol = th["grad_norm_rel"] if adam else th["fwd_rel_l2"]
     worst, worst_name, delta_cos, failing = 0.0, None, 1.0, []
     for name in sorted(ref_after):
         if name not in after:
@@ -105,7 +113,7 @@ def step_gate(th: dict, after: dict, ref_after: dict, before: dict) -> dict:
         e = rel_l2(after[name], ref_after[name])
         if not e <= worst:
             worst, worst_name = e, name
-        if not e <= th["fwd_rel_l2"]:
+        if not e <= tol:
             failing.append(name)
         b = np.asarray(before[name], np.float64)
         d_ours = np.asarray(after[name], np.float64) - b
@@ -116,6 +124,7 @@ def step_gate(th: dict, after: dict, ref_after: dict, before: dict) -> dict:
     return {
         "pass": not failing,
         "weights_rel_l2_max": worst,
+        "weights_tol": tol,
         "weights_worst": worst_name,
         "update_cos_min": delta_cos,
         "weights_failing": failing[:10],

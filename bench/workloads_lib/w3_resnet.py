@@ -12,7 +12,8 @@ from .weights import sin_input
 
 
 def torch_resnet(layers=(3, 4, 6, 3), num_classes=1000, width=64):
-    """torchvision's ResNet with bottlenecks (v1.5: stride on the 3x3), torchvision's names."""
+    """torchvision's ResNet with bottlenecks (v1.5: stride on the 3x3), torchvision's names;
+    stages of ``width * (1, 2, 4, 8)`` planes (torchvision: 64)."""
     from torch import nn
 
     class Bottleneck(nn.Module):
@@ -42,7 +43,8 @@ def torch_resnet(layers=(3, 4, 6, 3), num_classes=1000, width=64):
             self.relu = nn.ReLU(inplace=True)
             self.maxpool = nn.MaxPool2d(3, 2, 1)
             cin = width
-            for i, (n, planes) in enumerate(zip(layers, (64, 128, 256, 512), strict=True)):
+            planes_of = (width, 2 * width, 4 * width, 8 * width)
+            for i, (n, planes) in enumerate(zip(layers, planes_of, strict=True)):
                 blocks = []
                 for b in range(n):
                     stride = 2 if (i > 0 and b == 0) else 1
@@ -76,6 +78,15 @@ class ResNet50(Workload):
     def _classes(self, quick):
         return 10 if quick else 1000
 
+    def _width(self, quick) -> int:
+        """16 when quick and ``ResNetConfig`` has ``width`` (CPU-sized), else torchvision's 64."""
+        import dataclasses
+
+        from meganeura.models.resnet import ResNetConfig
+
+        has = any(f.name == "width" for f in dataclasses.fields(ResNetConfig))
+        return 16 if quick and has else 64
+
     def cases(self, quick):
         # quick: 32 x 32 images; layer4 is then 1 x 1, so train-mode BatchNorm there sees
         # batch values per channel: with 2 its normalization is ill-conditioned (gradients
@@ -93,7 +104,10 @@ class ResNet50(Workload):
         from meganeura.models.resnet import ResNet, ResNetConfig
 
         mn.manual_seed(0)
-        model = ResNet(ResNetConfig("bottleneck", self._layers(quick), self._classes(quick)))
+        cfg = ResNetConfig("bottleneck", self._layers(quick), self._classes(quick))
+        if self._width(quick) != 64:
+            cfg = ResNetConfig(**{**cfg.__dict__, "width": self._width(quick)})
+        model = ResNet(cfg)
         return model.train() if case.trains else model.eval()
 
     def build_torch(self, case, quick):
@@ -106,7 +120,7 @@ class ResNet50(Workload):
             except ImportError:
                 m = None
         if m is None:
-            m = torch_resnet(self._layers(quick), self._classes(quick))
+            m = torch_resnet(self._layers(quick), self._classes(quick), self._width(quick))
         return m.train() if case.trains else m.eval()
 
     def batch(self, case, quick):
