@@ -42,9 +42,21 @@ def table(path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def section(path: Path) -> str:
+    """The table of one result file: the evaluation's own layout for ``workloads_*.json``."""
+    if path.stem.startswith("workloads_"):
+        import sys
+
+        sys.path.insert(0, str(ROOT))
+        from bench.workloads_lib.table import markdown
+
+        return markdown(path)
+    return table(path)
+
+
 def main() -> None:
     files = sorted((ROOT / "bench" / "results").glob("*.json"))
-    body = "\n".join(table(f) for f in files)
+    body = "\n".join(section(f) for f in files)
     text = DOC.read_text()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)

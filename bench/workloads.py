@@ -1,0 +1,198 @@
+"""The paper's evaluation (issue 14): the five workloads of ``docs/workloads.md`` x their
+inference cases and training step x strict / fast, meganeura against PyTorch eager,
+``torch.compile`` and ``torch.compile(mode="reduce-overhead")`` (plus bf16 autocast in fast
+mode), with correctness gates, compile times, peak memory and achieved TFLOP/s.
+
+One process per configuration: this script is the parent; it runs
+``python bench/workloads.py --cell W:CASE:PRECISION:SIDE`` children (``--in-process`` runs them
+here, for the CI smoke test) and merges their rows into
+``bench/results/workloads_<machine>.json`` (``--quick``: ``bench/results/quick/``).
+
+Usage:
+  python bench/workloads.py [--workloads w1,w3] [--cases fwd,train] [--precision strict]
+      [--modes eager,compile] [--repeats 10] [--warmup 3] [--no-warm] [--profile]
+      [--machine h200] [--fresh] [--dry-run]
+  python bench/workloads.py --plot [--machine h200]     # docs/workloads_speedup_<machine>.png
+  python bench/workloads.py --quick --in-process --modes eager   # lavapipe smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.workloads_lib import rows as R  # noqa: E402
+from bench.workloads_lib.registry import WORKLOADS  # noqa: E402
+from bench.workloads_lib.runner import RESULTS, ROOT, TORCH_MODES, estimate_seconds, plan  # noqa: E402
+
+
+def _csv(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", type=_csv, default=list(WORKLOADS), help="w1,w2,w3,w4,w5")
+    ap.add_argument(
+        "--cases",
+        type=_csv,
+        default=[],
+        help="case names: substrings (fwd,train) or exact w3:fwd_b1",
+    )
+    ap.add_argument("--precision", type=_csv, default=["strict", "fast"])
+    ap.add_argument("--modes", type=_csv, default=list(TORCH_MODES), help=",".join(TORCH_MODES))
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs (default 10; quick 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up runs (default 3; quick 1)")
+    ap.add_argument("--quick", action="store_true", help="CPU-sized models (smoke test)")
+    ap.add_argument("--in-process", action="store_true", help="no child processes (smoke test)")
+    ap.add_argument("--no-warm", dest="warm", action="store_false", help="skip warm compile runs")
+    ap.add_argument("--profile", action="store_true", help="per-kernel profile of slow cells")
+    ap.add_argument("--machine", default=None, help="result-file suffix (default: detected)")
+    ap.add_argument("--out", type=Path, default=None, help="result file (default: by machine)")
+    ap.add_argument("--fresh", action="store_true", help="replace the result file, not merge")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per child")
+    ap.add_argument(
+        "--skip-done",
+        action="store_true",
+        help="skip cells the result file already has for every requested mode (resume)",
+    )
+    ap.add_argument(
+        "--stop-after",
+        type=float,
+        default=None,
+        help="minutes: start no new cell after this (a GPU session's budget); rerun with "
+        "--skip-done to continue",
+    )
+    ap.add_argument("--dry-run", action="store_true", help="list the configurations and estimate")
+    ap.add_argument("--plot", action="store_true", help="only draw the chart from the JSON")
+    # child options
+    ap.add_argument("--cell", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--allow-cpu-compile",
+        action="store_true",
+        help="run torch.compile modes on the CPU too (tests the code path; default: skipped)",
+    )
+    args = ap.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 10
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 3
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    unknown += [m for m in args.modes if m not in TORCH_MODES]
+    unknown += [p for p in args.precision if p not in ("strict", "fast")]
+    if unknown:
+        ap.error(f"unknown workloads, modes or precisions: {unknown}")
+    if args.in_process:
+        args.warm = False
+    return args
+
+
+def machine_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name(0)
+            return "h200" if "H200" in name else name.lower().replace(" ", "_")
+    except ImportError:
+        pass
+    return "lavapipe"
+
+
+def result_path(args) -> Path:
+    if args.out is not None:
+        return args.out
+    folder = RESULTS / "quick" if args.quick else RESULTS
+    return folder / f"workloads_{args.machine}.json"
+
+
+def header(args) -> dict:
+    from bench.common import machine, versions
+    from meganeura.runtime import get_device
+
+    return {
+        "machine": machine(get_device()),
+        "versions": versions(),
+        "protocol": {
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "one_process_per_configuration": not args.in_process,
+            "quick": args.quick,
+        },
+    }
+
+
+def run(args) -> Path:
+    from bench.workloads_lib.runner import done_cells
+
+    items = plan(args)
+    if args.skip_done:
+        want = {(wl.id, c.name, p): m for wl, c, p, m in items if c is not None}
+        done = done_cells(result_path(args), want)
+        items = [it for it in items if it[1] is None or (it[0].id, it[1].name, it[2]) not in done]
+        print(f"--skip-done: {len(done)} cells already measured", flush=True)
+    est = estimate_seconds(items, args)
+    n = sum(1 + len(m) for _, c, _, m in items if c is not None)
+    print(f"{n} configurations, estimated {est / 60:.0f} min on the H200", flush=True)
+    if args.dry_run:
+        for wl, case, p, modes in items:
+            print(f"  {wl.id} {case.name if case else '-'} {p} {modes}")
+        return result_path(args)
+    path = result_path(args)
+    t0 = time.perf_counter()
+    first = True
+    for wl, case, p, modes in items:
+        if args.stop_after is not None and time.perf_counter() - t0 > 60 * args.stop_after:
+            print(f"--stop-after {args.stop_after} min reached; rerun with --skip-done", flush=True)
+            break
+        if case is None:
+            rows = [R.missing_row(wl, p)]
+            print(f"{wl.id} {wl.title}: not available ({p})", flush=True)
+        else:
+            from bench.workloads_lib.runner import run_config
+
+            docs = run_config(wl, case, p, modes, args, lambda s: print(s, flush=True))
+            rows = R.rows_for(wl, case, p, docs, args.quick)
+            if args.profile:
+                prof = R.write_profiles(
+                    path.parent / f"workloads_{args.machine}_profiles", wl, case, p, docs
+                )
+                if prof:
+                    print(f"  profile: {prof}", flush=True)
+        R.merge_write(path, rows, header(args), fresh=args.fresh and first)
+        first = False
+    print(f"wrote {path} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return path
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    if args.cell:  # a child: one configuration
+        from bench.workloads_lib.cell import main as cell_main
+
+        doc = cell_main(args)
+        from bench.workloads_lib.rows import _clean
+
+        Path(args.child_out).write_text(json.dumps(_clean(doc)))
+        return
+    if args.machine is None:
+        args.machine = "lavapipe" if args.quick else machine_name()
+    if args.plot:
+        from bench.workloads_lib.plot import plot
+
+        png = ROOT / "docs" / f"workloads_speedup_{args.machine}.png"
+        print(plot(result_path(args), png))
+        return
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""meganeura's side of a cell: programs compiled from a model, their feeds, device memory,
+and the profile of a slow cell."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def compile_call(model, fn, args: tuple, precision: str, outputs_prefix: str = "output"):
+    """Trace ``fn(*args)`` (reading ``model``), compile it in ``precision``, open its Session
+    bound to the model's shared parameters.
+
+    Returns:
+        (ProgramRunner, feeds {input name: array}, output spec, seconds {trace, compile, setup}).
+    """
+    from meganeura.compile import CompileOptions
+    from meganeura.nn.compiled import ProgramRunner, flatten_arguments, trace_call
+
+    traced = trace_call(model, fn, args, {}, outputs_prefix)
+    options = CompileOptions(precision=precision, shared_parameters=True)
+    runner = ProgramRunner(traced, options)
+    _, _, arrays = flatten_arguments(fn, args, {})
+    inputs = runner.program.inputs
+    feeds = {n: a for n, (_, a) in zip(traced.inputs, arrays, strict=True) if n in inputs}
+    secs = {
+        "trace": traced.seconds,
+        "compile": runner.compile_seconds,
+        "setup": runner.setup_seconds,
+    }
+    return runner, feeds, traced.output_spec, secs
+
+
+def compile_grads(model, loss_fn, args: tuple, precision: str):
+    """Forward + backward alone: a program whose outputs are ``loss`` and ``<name>.grad`` for
+    every trained parameter, no optimizer update (``CompileOptions(output_grads=True)``).
+
+    Returns:
+        (ProgramRunner, feeds, {gradient output: parameter name}, seconds).
+    """
+    from meganeura.compile import CompileOptions, grad_output
+    from meganeura.nn.compiled import ProgramRunner, flatten_arguments, trace_call
+
+    def fn(*batch):
+        return {"loss": loss_fn(model, *batch)}
+
+    from meganeura.nn.parameter import Parameter
+
+    traced = trace_call(model, fn, args, {})
+    trainable = tuple(  # as Trainer: frozen parameters (Whisper's positions) get no gradient
+        n for n, o in traced.trace.objects.items() if isinstance(o, Parameter) and o.requires_grad
+    )
+    options = CompileOptions(
+        loss="loss",
+        output_grads=True,
+        trainable=trainable,
+        precision=precision,
+        shared_parameters=True,
+    )
+    runner = ProgramRunner(traced, options)
+    _, _, arrays = flatten_arguments(fn, args, {})
+    inputs = runner.program.inputs
+    feeds = {n: a for n, (_, a) in zip(traced.inputs, arrays, strict=True) if n in inputs}
+    grads = {
+        grad_output(n): n
+        for n in runner.program.parameters
+        if grad_output(n) in runner.program.outputs
+    }
+    secs = {
+        "trace": traced.seconds,
+        "compile": runner.compile_seconds,
+        "setup": runner.setup_seconds,
+    }
+    return runner, feeds, grads, secs
+
+
+def device_bytes(sessions) -> int:
+    """Bytes of GPU memory the given Sessions bind: each one's own buffers and staging, plus
+    each distinct shared buffer (parameters, optimizer state: ``runtime.shared``) once, whole.
+
+    Reads private fields of ``Session`` (a benchmark's view of the allocation, not an API).
+    """
+    total, shared = 0, {}
+    for s in sessions:
+        if s is None:
+            continue
+        own = set(s._own)
+        total += sum(max(s.program.buffers[i].size, 4) for i in own)
+        total += sum(b.size for b in s._staging)
+        for i, buf in enumerate(s._buffers):
+            if i not in own:
+                shared[id(buf)] = buf.size
+    return int(total + sum(shared.values()))
+
+
+def program_flops(sessions) -> int:
+    """FLOPs of one step of each Session's program, as its kernels report them (``Dispatch.flops``;
+    kernels that report 0 are not counted)."""
+    return int(sum(d.flops for s in sessions for d in s.program.dispatches))
+
+
+def profile_text(session, feeds: dict, wall_ms: float, top: int = 15, repeats: int = 5) -> dict:
+    """Per-kernel GPU profile of one step: top kernels by GPU time with achieved TB/s and
+    TFLOP/s, and the host share ``(Session.run wall - GPU sum) / wall``.
+
+    Returns:
+        {"text": str, "gpu_ms", "span_ms", "wall_ms", "host_share", "dispatches", "top": [...]}.
+    """
+    prof = session.profile(feeds, repeats=repeats, warmup=1)
+    gpu_ms = prof.step_ns() / 1e6
+    host_share = (wall_ms - gpu_ms) / wall_ms if wall_ms > 0 else float("nan")
+    rows = []
+    for k in prof.stats("dispatch")[:top]:
+        rows.append(
+            {
+                "kernel": k.name,
+                "us": k.total_ns / prof.repeats / 1e3,
+                "share": k.share,
+                "TB_per_s": k.gb_per_s / 1e3,
+                "TFLOP_per_s": k.gflop_per_s / 1e3,
+            }
+        )
+    lines = [
+        f"{len(session.program.dispatches)} dispatches; Session.run wall {wall_ms:.3f} ms, GPU sum "
+        f"{gpu_ms:.3f} ms, span {prof.span_ns() / 1e6:.3f} ms, host share {100 * host_share:.1f}%",
+        prof.table(by="op"),
+        f"top {top} dispatches:",
+        *(
+            f"  {r['kernel'][:80]:80s} {r['us']:9.1f} us {100 * r['share']:5.1f}% "
+            f"{r['TB_per_s']:6.3f} TB/s {r['TFLOP_per_s']:7.3f} TFLOP/s"
+            for r in rows
+        ),
+    ]
+    return {
+        "text": "\n".join(lines),
+        "gpu_ms": gpu_ms,
+        "span_ms": prof.span_ns() / 1e6,
+        "wall_ms": wall_ms,
+        "host_share": host_share,
+        "dispatches": len(session.program.dispatches),
+        "top": rows,
+    }
+
+
+def first_call(fn) -> float:
+    """Seconds of one call of ``fn``."""
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def as_numpy(x) -> np.ndarray:
+    return np.asarray(x)

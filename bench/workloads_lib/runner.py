@@ -1,0 +1,210 @@
+"""The parent: enumerates the configurations, runs each in a child process (or in this process
+with ``--in-process``), and turns the children's documents into result rows.
+
+Rows (``bench/results/workloads_<machine>.json``, one per cell, PyTorch mode and metric):
+``case`` (``w1_smollm2_fwd_seq128_strict_vs_compile``), ``metric``, ``ours``, ``torch``,
+``speedup`` (torch/ours; None when the gate fails: no speedup is claimed, the measured ratio
+stays in ``speedup_unclaimed``), ``gate`` (PASS / FAIL / ERROR), ``gate_figures``,
+``peak_bytes`` ({"ours", "torch"}), plus ``ours_min``, ``torch_min``, ``tflops``, ``compile_s``,
+``paper_torch_ms``. Compile-time rows have metric ``s``
+(``..._strict_compile_cold_vs_compile``). A run merges its rows into the file (same case ids
+replaced), so a table filled over several GPU sessions accumulates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .registry import WORKLOADS
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+TORCH_MODES = ("eager", "compile", "reduce_overhead", "eager_bf16")
+# rough seconds per child on the H200 (process start, weights, first call, 13 timed calls)
+EST_OURS = {"w1": 45, "w2": 30, "w3": 35, "w4": 20, "w5": 20}
+EST_EAGER = 15
+
+
+def modes_for(precision: str, modes: list[str]) -> list[str]:
+    return [m for m in modes if m != "eager_bf16" or precision == "fast"]
+
+
+def plan(args) -> list[tuple]:
+    """[(workload, case, precision, [modes])] selected by the filters; missing workloads as
+    (workload, None, reason, [])."""
+    out = []
+    for wid in args.workloads:
+        wl = WORKLOADS[wid]
+        reason = wl.missing()
+        if reason:
+            out.append((wl, None, reason, []))
+            continue
+        for case in wl.cases(args.quick):
+            if args.cases and not any(_selects(c, wl.id, case.name) for c in args.cases):
+                continue
+            for p in args.precision:
+                out.append((wl, case, p, modes_for(p, args.modes)))
+    return sorted(out, key=priority)
+
+
+def priority(item) -> tuple:
+    """Run order: unavailable workloads first (no cost), then strict before fast, and in each
+    the workloads.md headline cells (the forward and training step the paper's table gives)
+    before the other cases, the Adam variants of the training step last, so a run stopped by
+    ``--stop-after`` has the table's core."""
+    wl, case, p, _ = item
+    if case is None:
+        return (0, 0, 0, wl.id)
+    headline = case.name in {v[0] for k, v in wl.paper.items() if k in ("fwd", "train")}
+    return (1, p != "strict", not headline, case.name.startswith("train_adam"), wl.id)
+
+
+def done_cells(path: Path, modes_by_cell: dict) -> set:
+    """(workload, case, precision) whose rows in the result file at ``path`` cover every
+    requested mode without an error (``--skip-done``)."""
+    if not path.exists():
+        return set()
+    import json
+
+    seen: dict = {}
+    for r in json.loads(path.read_text()).get("results", []):
+        if r.get("metric") in ("n/a", "s") or r.get("gate") == "ERROR" or "torch_error" in r:
+            continue
+        seen.setdefault((r["workload"], r["cell"], r["precision"]), set()).add(r["mode"])
+    return {k for k, modes in seen.items() if set(modes_by_cell.get(k, ())) <= modes}
+
+
+def _selects(entry: str, wid: str, name: str) -> bool:
+    """``--cases`` entry: ``w3:fwd_b1`` selects that case exactly; ``fwd`` any case whose name
+    contains it."""
+    if ":" in entry:
+        return entry == f"{wid}:{name}"
+    return entry in name
+
+
+def estimate_seconds(items, args) -> float:
+    total = 0.0
+    for wl, case, _p, modes in items:
+        if case is None:
+            continue
+        first = wl.paper.get("first_s", 20)
+        total += EST_OURS.get(wl.id, 30) * (1.5 if case.trains else 1.0)
+        for m in modes:
+            if m in ("eager", "eager_bf16"):
+                total += EST_EAGER
+            else:
+                total += first * (1.0 if case.trains else 0.6) + 20
+                if args.warm:
+                    total += first * 0.4 + 10
+        if args.warm:
+            total += 0.6 * EST_OURS.get(wl.id, 30)
+    return total
+
+
+def child(cell: str, args, env: dict, compile_only: bool = False) -> dict:
+    """Run one configuration; its document (``error`` set when the child failed)."""
+    from .cell import main as cell_main
+
+    if args.in_process:
+        ns = _child_args(cell, args, compile_only)
+        return cell_main(ns)
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, str(ROOT / "bench" / "workloads.py"), "--cell", cell, "--child-out", out]
+    cmd += ["--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    cmd += ["--quick"] * args.quick + ["--profile"] * bool(args.profile and cell.endswith(":ours"))
+    cmd += ["--compile-only"] * compile_only
+    cmd += ["--allow-cpu-compile"] * bool(args.allow_cpu_compile)
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        doc = json.loads(Path(out).read_text()) if Path(out).stat().st_size else {}
+        if p.returncode and "error" not in doc:
+            doc["error"] = f"child exited {p.returncode}: {p.stderr[-2000:]}"
+    except subprocess.TimeoutExpired:
+        doc = {"error": f"timed out after {args.timeout} s"}
+    except (OSError, json.JSONDecodeError) as e:
+        doc = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        Path(out).unlink(missing_ok=True)
+    doc["process_wall_s"] = time.perf_counter() - t
+    return doc
+
+
+def _child_args(cell, args, compile_only):
+    import argparse
+
+    return argparse.Namespace(
+        cell=cell,
+        quick=args.quick,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        profile=bool(args.profile and cell.endswith(":ours")),
+        compile_only=compile_only,
+        allow_cpu_compile=args.allow_cpu_compile,
+    )
+
+
+def _env(cache: str, side: str) -> dict:
+    """The child's environment: fresh (cold) or reused (warm) caches under ``cache``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if side == "ours":
+        env["__GL_SHADER_DISK_CACHE_PATH"] = os.path.join(cache, "nv")
+        env["__GL_SHADER_DISK_CACHE"] = "1"
+        env["__GL_SHADER_DISK_CACHE_SKIP_CLEANUP"] = "1"
+        env["MESA_SHADER_CACHE_DIR"] = os.path.join(cache, "mesa")
+    else:
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
+        env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+    for k in (
+        "__GL_SHADER_DISK_CACHE_PATH",
+        "MESA_SHADER_CACHE_DIR",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TRITON_CACHE_DIR",
+    ):
+        if k in env and env[k].startswith(cache):
+            os.makedirs(env[k], exist_ok=True)
+    return env
+
+
+def run_config(wl, case, precision, modes, args, log) -> dict:
+    """Every side of one cell: {side: document}, each with ``warm`` (a compile-only child on
+    the same caches) when ``args.warm``."""
+    docs = {}
+    for side in ["ours", *modes]:
+        cell = f"{wl.id}:{case.name}:{precision}:{side}"
+        with tempfile.TemporaryDirectory(prefix="mn-bench-") as cache:
+            env = _env(cache, side)
+            doc = child(cell, args, env)
+            if args.warm and not args.in_process and side not in ("eager", "eager_bf16"):
+                if "error" not in doc and "skipped" not in doc:
+                    w = child(cell, args, env, compile_only=True)
+                    doc["warm_first_call_s"] = w.get("first_call_s")
+                    if "error" in w:
+                        doc["warm_error"] = w["error"]
+        docs[side] = doc
+        log(_line(cell, doc))
+    return docs
+
+
+def _line(cell, doc) -> str:
+    if "skipped" in doc:
+        return f"{cell:48s} skipped: {doc['skipped']}"
+    if "error" in doc:
+        tb = doc.get("traceback", "").strip().splitlines()[-6:]
+        return f"{cell:48s} ERROR {doc['error'][:300]}" + "".join(f"\n    {x}" for x in tb)
+    nan = float("nan")
+    ms = doc.get("metrics", {})
+    m = next(iter(ms.values()), {})
+    gate = f" gate {doc['gate']}" if "gate" in doc else ""
+    return (
+        f"{cell:48s} {m.get('median', nan):10.4g} ms (min {m.get('min', nan):.4g})"
+        f" first {doc.get('first_call_s', float('nan')):.2f} s{gate}"
+    )

@@ -1,0 +1,256 @@
+"""W2: the SmolVLA action expert (``docs/workloads.md``), meganeura's
+``meganeura.models.smolvla`` against a plain PyTorch module of the same structure and
+state-dict names (below).
+
+The adapter: :data:`OURS` names the module, classes and methods this file expects. Until that
+module is merged, :meth:`SmolVLA.missing` reports it and the harness skips W2.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Case, Workload
+from .weights import sin_input
+
+#: what the harness takes from meganeura's SmolVLA module (fix the names here if they change)
+OURS = {
+    "module": "meganeura.models.smolvla",
+    "config": "SmolVLAConfig",  # fields: hidden_size, num_hidden_layers, num_attention_heads,
+    # num_key_value_heads, head_dim, intermediate_size, rms_norm_eps, vlm_kv_dim,
+    # max_action_dim, chunk_size; is_cross_attention(i)
+    "model": "SmolVLAActionExpert",  # forward(noisy [B,T,A], timestep [B,2H], vlm_kv [B,M,kv])
+    "sample": "sample_actions",  # (noise, timesteps [S,B,2H], vlm_kv) -> x at t=0
+}
+QUICK = dict(
+    hidden_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=16,
+    intermediate_size=96,
+    vlm_kv_dim=16,
+    max_action_dim=8,
+    chunk_size=10,
+)
+STEPS = 10
+VLM_CONTEXT = 16
+
+
+def _module():
+    return importlib.import_module(OURS["module"])
+
+
+def torch_expert(cfg):
+    """The PyTorch reference: nn.Linear, nn.RMSNorm and scaled_dot_product_attention with
+    ``enable_gqa``; even layers causal self-attention, odd layers cross-attention to
+    Linear(kv -> kv) of the VLM's keys/values; names as meganeura's (lerobot's)."""
+    import torch
+    from torch import nn
+
+    class Attn(nn.Module):
+        def __init__(self, cross):
+            super().__init__()
+            h, hd = cfg.hidden_size, cfg.head_dim
+            self.nh, self.nkv, self.hd, self.cross = (
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                hd,
+                cross,
+            )
+            kv_in = cfg.vlm_kv_dim if cross else h
+            self.q_proj = nn.Linear(h, self.nh * hd, bias=False)
+            self.k_proj = nn.Linear(kv_in, self.nkv * hd, bias=False)
+            self.v_proj = nn.Linear(kv_in, self.nkv * hd, bias=False)
+            self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
+
+        def forward(self, x, kv):
+            b, t, _ = x.shape
+            src = kv if self.cross else x
+
+            def heads(z, n):
+                return z.reshape(b, z.shape[1], n, self.hd).transpose(1, 2)
+
+            q = heads(self.q_proj(x), self.nh)
+            k = heads(self.k_proj(src), self.nkv)
+            v = heads(self.v_proj(src), self.nkv)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=not self.cross, enable_gqa=True
+            )
+            return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            h, f = cfg.hidden_size, cfg.intermediate_size
+            self.gate_proj = nn.Linear(h, f, bias=False)
+            self.up_proj = nn.Linear(h, f, bias=False)
+            self.down_proj = nn.Linear(f, h, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class Layer(nn.Module):
+        def __init__(self, cross):
+            super().__init__()
+            self.self_attn = Attn(cross)
+            self.mlp = MLP()
+            self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+            self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+        def forward(self, x, kv):
+            x = x + self.self_attn(self.input_layernorm(x), kv)
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_expert = nn.Module()
+            self.lm_expert.layers = nn.ModuleList(
+                [Layer(i % 2 == 1) for i in range(cfg.num_hidden_layers)]
+            )
+
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            h = cfg.hidden_size
+            self.vlm_with_expert = Holder()
+            self.action_in_proj = nn.Linear(cfg.max_action_dim, h)
+            self.action_out_proj = nn.Linear(h, cfg.max_action_dim)
+            self.action_time_mlp_in = nn.Linear(2 * h, h)
+            self.action_time_mlp_out = nn.Linear(h, h)
+
+        def forward(self, noisy, timestep, vlm_kv):
+            t = self.action_time_mlp_out(
+                torch.nn.functional.silu(self.action_time_mlp_in(timestep))
+            )
+            x = self.action_in_proj(noisy) + t[:, None, :]
+            for layer in self.vlm_with_expert.lm_expert.layers:
+                x = layer(x, vlm_kv)
+            return self.action_out_proj(x)
+
+    return Expert()
+
+
+class SmolVLA(Workload):
+    id, name, title = "w2", "smolvla", "SmolVLA action expert"
+    paper = {
+        "fwd": ("fwd_chunk50", 11.2, 7.5),
+        "train": ("train_chunk50", 65.6, 21.9),
+        "first_s": 29,
+    }
+
+    def missing(self):
+        try:
+            mod = _module()
+        except ImportError as e:
+            return f"{OURS['module']} does not import ({e})"
+        for key in ("config", "model"):
+            if not hasattr(mod, OURS[key]):
+                return f"{OURS['module']} has no {OURS[key]}"
+        return None
+
+    def config(self, quick):
+        cls = getattr(_module(), OURS["config"])
+        return cls(**QUICK) if quick else cls()
+
+    def cases(self, quick):
+        chunk = QUICK["chunk_size"] if quick else 50
+        return [
+            Case(f"fwd_chunk{chunk}", "fwd", {"chunk": chunk}),
+            Case(f"denoise{STEPS}", "denoise", {"chunk": chunk, "steps": 3 if quick else STEPS}),
+            Case("fwd_chunk1", "fwd", {"chunk": 1}),
+            Case(f"train_chunk{chunk}", "train", {"chunk": chunk}),
+            Case(f"fwdbwd_chunk{chunk}", "fwdbwd", {"chunk": chunk}),
+            Case(f"train_adam_chunk{chunk}", "train", {"chunk": chunk}, ("adam", 1e-5)),
+        ]
+
+    def build_ours(self, case, quick):
+        import meganeura as mn
+
+        mn.manual_seed(0)
+        return getattr(_module(), OURS["model"])(self.config(quick))
+
+    def build_torch(self, case, quick):
+        return torch_expert(self.config(quick))
+
+    def batch(self, case, quick):
+        cfg = self.config(quick)
+        m = 4 if quick else VLM_CONTEXT
+        t = case.params["chunk"]
+        kv = sin_input((1, m, cfg.vlm_kv_dim), 3.0)
+        if case.kind == "denoise":
+            noise = sin_input((1, t, cfg.max_action_dim), 1.0)
+            times = sin_input((case.params["steps"], 1, 2 * cfg.hidden_size), 2.0)
+            return noise, times, kv
+        noisy = sin_input((1, t, cfg.max_action_dim), 1.0)
+        timestep = sin_input((1, 2 * cfg.hidden_size), 2.0)
+        if case.kind == "fwd":
+            return noisy, timestep, kv
+        return noisy, timestep, kv, sin_input((1, t, cfg.max_action_dim), 4.0)
+
+    def ours_loss(self, model, noisy, timestep, vlm_kv, target):
+        import meganeura.nn.functional as F
+
+        return F.mse_loss(model(noisy, timestep, vlm_kv), target)
+
+    def torch_loss(self, m, noisy, timestep, vlm_kv, target):
+        import torch
+
+        return torch.nn.functional.mse_loss(m(noisy, timestep, vlm_kv).float(), target)
+
+    # ---------------------------------------------------------------- 10-step denoising
+    def custom_ours(self, case, model, batch, precision, quick):
+        from .ours import compile_call
+
+        state = {}
+
+        def first():
+            fn = getattr(model, OURS["sample"])
+            runner, feeds, _, secs = compile_call(model, fn, batch, precision)
+            state.update(runner=runner, feeds=feeds, secs=secs)
+            runner.run(feeds, tuple(runner.program.outputs))
+
+        def run():
+            state["runner"].run(state["feeds"], ())
+
+        def result():
+            r = state["runner"]
+            return next(iter(r.run(state["feeds"], tuple(r.program.outputs)).values()))
+
+        return {
+            "first": first,
+            "run": run,
+            "sync": lambda: state["runner"].session.synchronize(),
+            "result": result,
+            "sessions": lambda: [state["runner"].session],
+            "stages": lambda: state.get("secs", {}),
+            "profile": lambda: (state["runner"].session, state["feeds"]),
+        }
+
+    def custom_torch(self, case, m, batch, mode, dev):
+        import torch
+
+        from .torch_side import compiled
+
+        noise, times, kv = batch
+        fwd = compiled(m, mode)
+        steps = times.shape[0]
+        dt = -1.0 / steps
+        out = {}
+
+        def run():
+            with torch.no_grad(), torch.autocast(dev, torch.bfloat16, enabled=mode == "eager_bf16"):
+                x = noise
+                for i in range(steps):
+                    if mode == "reduce_overhead":
+                        torch.compiler.cudagraph_mark_step_begin()
+                    x = x + fwd(x, times[i], kv).float() * dt
+                out["x"] = x
+            return x
+
+        return {
+            "first": run,
+            "run": run,
+            "result": lambda: out["x"].detach().float().cpu().numpy(),
+        }
