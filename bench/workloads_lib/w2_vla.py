@@ -1,6 +1,6 @@
 """W2: the SmolVLA action expert (``docs/workloads.md``), meganeura's
-``meganeura.models.smolvla`` against a plain PyTorch module of the same structure and
-state-dict names (below).
+``meganeura.models.smolvla`` against :func:`torch_expert`, the tests' plain PyTorch module
+of the same structure and state-dict names.
 
 The adapter: :data:`OURS` names the module, classes and methods this file expects. Until that
 module is merged, :meth:`SmolVLA.missing` reports it and the harness skips W2.
@@ -42,94 +42,13 @@ def _module():
 
 
 def torch_expert(cfg):
-    """The PyTorch reference: nn.Linear, nn.RMSNorm and scaled_dot_product_attention with
-    ``enable_gqa``; even layers causal self-attention, odd layers cross-attention to
-    Linear(kv -> kv) of the VLM's keys/values; names as meganeura's (lerobot's)."""
-    import torch
-    from torch import nn
+    """The PyTorch reference: the tests' hand-written twin
+    (``tests/models/smolvla_reference.py``, as ``bench/smolvla.py`` uses it): nn.Linear,
+    nn.RMSNorm and scaled_dot_product_attention with ``enable_gqa``; names as meganeura's
+    (lerobot's)."""
+    from tests.models.smolvla_reference import TorchSmolVLAExpert
 
-    class Attn(nn.Module):
-        def __init__(self, cross):
-            super().__init__()
-            h, hd = cfg.hidden_size, cfg.head_dim
-            self.nh, self.nkv, self.hd, self.cross = (
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                hd,
-                cross,
-            )
-            kv_in = cfg.vlm_kv_dim if cross else h
-            self.q_proj = nn.Linear(h, self.nh * hd, bias=False)
-            self.k_proj = nn.Linear(kv_in, self.nkv * hd, bias=False)
-            self.v_proj = nn.Linear(kv_in, self.nkv * hd, bias=False)
-            self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
-
-        def forward(self, x, kv):
-            b, t, _ = x.shape
-            src = kv if self.cross else x
-
-            def heads(z, n):
-                return z.reshape(b, z.shape[1], n, self.hd).transpose(1, 2)
-
-            q = heads(self.q_proj(x), self.nh)
-            k = heads(self.k_proj(src), self.nkv)
-            v = heads(self.v_proj(src), self.nkv)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=not self.cross, enable_gqa=True
-            )
-            return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.hd))
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            h, f = cfg.hidden_size, cfg.intermediate_size
-            self.gate_proj = nn.Linear(h, f, bias=False)
-            self.up_proj = nn.Linear(h, f, bias=False)
-            self.down_proj = nn.Linear(f, h, bias=False)
-
-        def forward(self, x):
-            return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    class Layer(nn.Module):
-        def __init__(self, cross):
-            super().__init__()
-            self.self_attn = Attn(cross)
-            self.mlp = MLP()
-            self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-            self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-
-        def forward(self, x, kv):
-            x = x + self.self_attn(self.input_layernorm(x), kv)
-            return x + self.mlp(self.post_attention_layernorm(x))
-
-    class Holder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm_expert = nn.Module()
-            self.lm_expert.layers = nn.ModuleList(
-                [Layer(i % 2 == 1) for i in range(cfg.num_hidden_layers)]
-            )
-
-    class Expert(nn.Module):
-        def __init__(self):
-            super().__init__()
-            h = cfg.hidden_size
-            self.vlm_with_expert = Holder()
-            self.action_in_proj = nn.Linear(cfg.max_action_dim, h)
-            self.action_out_proj = nn.Linear(h, cfg.max_action_dim)
-            self.action_time_mlp_in = nn.Linear(2 * h, h)
-            self.action_time_mlp_out = nn.Linear(h, h)
-
-        def forward(self, noisy, timestep, vlm_kv):
-            t = self.action_time_mlp_out(
-                torch.nn.functional.silu(self.action_time_mlp_in(timestep))
-            )
-            x = self.action_in_proj(noisy) + t[:, None, :]
-            for layer in self.vlm_with_expert.lm_expert.layers:
-                x = layer(x, vlm_kv)
-            return self.action_out_proj(x)
-
-    return Expert()
+    return TorchSmolVLAExpert(cfg)
 
 
 class SmolVLA(Workload):

@@ -1,5 +1,5 @@
 """W5: the conv U-Net of ``docs/workloads.md`` (``meganeura.models.unet``) against
-:func:`torch_unet`, the same structure and state-dict names in PyTorch. Training: MSE to a
+:func:`torch_unet` (the tests' PyTorch twin, same state-dict names). Training: MSE to a
 noise target with Adam lr 1e-3 on both sides; also the tiny U-Net, batch 4 x 20 steps per
 timed call."""
 
@@ -10,62 +10,21 @@ from .weights import sin_input
 
 
 def torch_unet(cfg):
-    """PyTorch U-Net of ``cfg`` (``meganeura.models.unet.UNetConfig``), meganeura's names."""
+    """PyTorch U-Net of ``cfg`` (``meganeura.models.unet.UNetConfig``), meganeura's names: the
+    tests' independent twin, ``W5UNet`` of ``tests/nn/port_sources.py``."""
     import torch
-    from torch import nn
-    from torch.nn import functional as F
 
-    class ResBlock(nn.Module):
-        def __init__(self, cin, cout, groups, eps):
-            super().__init__()
-            self.norm1 = nn.GroupNorm(groups, cin, eps=eps)
-            self.conv1 = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
-            self.norm2 = nn.GroupNorm(groups, cout, eps=eps)
-            self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
-            self.skip = nn.Conv2d(cin, cout, 1, bias=False) if cin != cout else nn.Identity()
+    from tests.nn.port_sources import define
 
-        def forward(self, x):
-            h = self.conv1(F.silu(self.norm1(x)))
-            h = self.conv2(F.silu(self.norm2(h)))
-            return h + self.skip(x)
-
-    class UNet(nn.Module):
-        def __init__(self):
-            super().__init__()
-            g, eps = cfg.num_groups, cfg.eps
-            chans = [cfg.base_channels * m for m in cfg.channel_mult]
-            self.conv_in = nn.Conv2d(cfg.in_channels, chans[0], 3, padding=1, bias=False)
-            self.down, self.downsample = nn.ModuleList(), nn.ModuleList()
-            cin = chans[0]
-            for i, c in enumerate(chans):
-                self.down.append(ResBlock(cin, c, g, eps))
-                if i < len(chans) - 1:
-                    self.downsample.append(nn.Conv2d(c, c, 3, stride=2, padding=1, bias=False))
-                cin = c
-            self.mid = ResBlock(cin, cin, g, eps)
-            self.up = nn.ModuleList()
-            for c in reversed(chans):
-                self.up.append(ResBlock(cin + c, c, g, eps))
-                cin = c
-            self.norm_out = nn.GroupNorm(g, cin, eps=eps)
-            self.conv_out = nn.Conv2d(cin, cfg.out_channels, 3, padding=1, bias=False)
-
-        def forward(self, x):
-            h = self.conv_in(x)
-            skips = []
-            for i, block in enumerate(self.down):
-                h = block(h)
-                skips.append(h)
-                if i < len(self.downsample):
-                    h = self.downsample[i](h)
-            h = self.mid(h)
-            for i, block in enumerate(self.up):
-                if i > 0:
-                    h = F.interpolate(h, scale_factor=2, mode="nearest")
-                h = block(torch.cat([h, skips.pop()], dim=1))
-            return self.conv_out(F.silu(self.norm_out(h)))
-
-    return UNet()
+    W5UNet = define(torch.nn, torch.nn.functional, torch)["W5UNet"]
+    return W5UNet(
+        cfg.in_channels,
+        cfg.out_channels,
+        cfg.base_channels,
+        cfg.channel_mult,
+        cfg.num_groups,
+        cfg.eps,
+    )
 
 
 class UNetWorkload(Workload):

@@ -1,8 +1,8 @@
 """A hand-written PyTorch twin of ``meganeura.models.smolvla.SmolVLAActionExpert`` (workload
 W2), written from ``docs/workloads.md`` with torch.nn.Linear, torch.nn.RMSNorm and
-``F.scaled_dot_product_attention(enable_gqa=True)``: the independent reference of the tests
-and of ``bench/smolvla.py``. Same parameter names, so state dicts move between the two as they
-are.
+``F.scaled_dot_product_attention(enable_gqa=True)``: the independent reference of the tests,
+of ``bench/smolvla.py`` and of the W2 workload (``bench/workloads_lib/w2_vla.py``). Same
+parameter names, so state dicts move between the two as they are.
 """
 
 from __future__ import annotations

@@ -142,7 +142,8 @@ def define(nn, F, T):
 
     class W5UNet(nn.Module):
         """meganeura.models.unet.UNet (workload W5) rewritten from its docstring: a twin that
-        loads its state dict, so the library model can be checked against torch."""
+        loads its state dict, so the library model can be checked against torch (also the
+        torch side of the W5 benchmark, ``bench/workloads_lib/w5_unet.py``)."""
 
         def __init__(self, cin, cout, base, mult, groups, eps=1e-5):
             super().__init__()
