@@ -21,18 +21,8 @@ OURS = {
     # max_action_dim, chunk_size; is_cross_attention(i)
     "model": "SmolVLAActionExpert",  # forward(noisy [B,T,A], timestep [B,2H], vlm_kv [B,M,kv])
     "sample": "sample_actions",  # (noise, timesteps [S,B,2H], vlm_kv) -> x at t=0
+    "tiny": "SMOLVLA_TINY",  # the CPU-sized config of the tests: --quick's expert
 }
-QUICK = dict(
-    hidden_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=3,
-    num_key_value_heads=1,
-    head_dim=16,
-    intermediate_size=96,
-    vlm_kv_dim=16,
-    max_action_dim=8,
-    chunk_size=10,
-)
 STEPS = 10
 VLM_CONTEXT = 16
 
@@ -64,17 +54,17 @@ class SmolVLA(Workload):
             mod = _module()
         except ImportError as e:
             return f"{OURS['module']} does not import ({e})"
-        for key in ("config", "model"):
+        for key in ("config", "model", "tiny"):
             if not hasattr(mod, OURS[key]):
                 return f"{OURS['module']} has no {OURS[key]}"
         return None
 
     def config(self, quick):
-        cls = getattr(_module(), OURS["config"])
-        return cls(**QUICK) if quick else cls()
+        mod = _module()
+        return getattr(mod, OURS["tiny"]) if quick else getattr(mod, OURS["config"])()
 
     def cases(self, quick):
-        chunk = QUICK["chunk_size"] if quick else 50
+        chunk = self.config(quick).chunk_size
         return [
             Case(f"fwd_chunk{chunk}", "fwd", {"chunk": chunk}),
             Case(f"denoise{STEPS}", "denoise", {"chunk": chunk, "steps": 3 if quick else STEPS}),
