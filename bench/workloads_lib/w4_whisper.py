@@ -47,6 +47,24 @@ def _module():
     return importlib.import_module(OURS["module"])
 
 
+def _with_head(nn, encoder, d_model, hidden):
+    """The training model, in ``nn`` (``meganeura.nn`` or ``torch.nn``): ``head(hidden(
+    encoder(mel)))`` with ``head`` Linear(d_model -> HEAD, no bias), parameters ``encoder.*``
+    and ``head.weight``; ``hidden`` takes the hidden states [B, T, d_model] out of the encoder's
+    output (transformers': ``.last_hidden_state``). Returned in train mode."""
+
+    class WithHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = encoder
+            self.head = nn.Linear(d_model, HEAD, bias=False)
+
+        def forward(self, x):
+            return self.head(hidden(self.encoder(x)))
+
+    return WithHead().train()
+
+
 class Whisper(Workload):
     id, name, title = "w4", "whisper_tiny_enc", "Whisper-tiny encoder"
     fixed = ("embed_positions.weight", "encoder.embed_positions.weight")
@@ -82,18 +100,7 @@ class Whisper(Workload):
         enc = getattr(mod, OURS["encoder"])(getattr(mod, OURS["config"])(**self.sizes(quick)))
         if not case.trains:
             return enc.eval()
-        d = self.sizes(quick)["d_model"]
-
-        class WithHead(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.encoder = enc
-                self.head = nn.Linear(d, HEAD, bias=False)
-
-            def forward(self, x):
-                return self.head(self.encoder(x))
-
-        return WithHead().train()
+        return _with_head(nn, enc, self.sizes(quick)["d_model"], lambda out: out)
 
     def build_torch(self, case, quick):
         import transformers
@@ -103,18 +110,7 @@ class Whisper(Workload):
         enc = transformers.WhisperForConditionalGeneration(cfg).get_encoder()
         if not case.trains:
             return enc.eval()
-        d = self.sizes(quick)["d_model"]
-
-        class WithHead(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.encoder = enc
-                self.head = nn.Linear(d, HEAD, bias=False)
-
-            def forward(self, x):
-                return self.head(self.encoder(x).last_hidden_state)
-
-        return WithHead().train()
+        return _with_head(nn, enc, self.sizes(quick)["d_model"], lambda out: out.last_hidden_state)
 
     def batch(self, case, quick):
         s = self.sizes(quick)
