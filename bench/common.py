@@ -235,6 +235,20 @@ def result(case: str, metric: str, ours: float, theirs: float, **extra) -> dict:
     }
 
 
+def ms_result(case: str, ours: dict, theirs: dict, **extra) -> dict:
+    """One "ms" row from two :func:`timeit` dicts: the medians as ``ours``/``torch``, the
+    minima as ``ours_min``/``torch_min``, then ``extra``."""
+    return result(
+        case,
+        "ms",
+        ours["median"],
+        theirs["median"],
+        ours_min=ours["min"],
+        torch_min=theirs["min"],
+        **extra,
+    )
+
+
 def rel_err(ours, ref) -> float:
     """Relative L2 error ||ours - ref|| / ||ref|| (float64)."""
     import numpy as np

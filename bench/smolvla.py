@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import rel_err, result, timeit, torch_setup, write  # noqa: E402
+from bench.common import ms_result, rel_err, timeit, torch_setup, write  # noqa: E402
 
 VLM_LEN = 16
 
@@ -93,13 +93,10 @@ def bench_forward(model, ref, torch, dev, sync, args, add):
                 print(f"torch {mode} forward failed: {type(e).__name__}: {str(e)[:300]}")
                 continue
             add(
-                result(
+                ms_result(
                     f"w2_smolvla_forward_chunk{chunk}_vs_{mode}",
-                    "ms",
-                    mine["median"],
-                    theirs["median"],
-                    ours_min=mine["min"],
-                    torch_min=theirs["min"],
+                    mine,
+                    theirs,
                     rel_err=rel_err(got, want),
                     ours_first_call_s=ours_first,
                     torch_first_call_s=t_first,
@@ -141,13 +138,10 @@ def bench_denoise(model, ref, torch, dev, sync, args, add):
         dispatches = len(programs[0].program.dispatches) if programs else None
         for mode, (timing, first, want) in theirs.items():
             add(
-                result(
+                ms_result(
                     f"w2_smolvla_denoise10_{form}_vs_{mode}",
-                    "ms",
-                    mine["median"],
-                    timing["median"],
-                    ours_min=mine["min"],
-                    torch_min=timing["min"],
+                    mine,
+                    timing,
                     rel_err=rel_err(got, want),
                     ours_first_call_s=ours_first,
                     ours_compile_s=sampler.compile_seconds,
@@ -199,13 +193,10 @@ def bench_train(model, ref, torch, dev, sync, args, add):
             print(f"torch {mode} train failed: {type(e).__name__}: {str(e)[:300]}")
             continue
         add(
-            result(
+            ms_result(
                 f"w2_smolvla_train_chunk{model.config.chunk_size}_{args.optimizer}_vs_{mode}",
-                "ms",
-                mine["median"],
-                theirs["median"],
-                ours_min=mine["min"],
-                torch_min=theirs["min"],
+                mine,
+                theirs,
                 loss_rel_err=abs(ours_loss - t_loss) / abs(t_loss),
                 ours_first_call_s=ours_first,
                 torch_first_call_s=first,
@@ -257,6 +248,17 @@ def main() -> None:
     rows: list[dict] = []
     t0 = time.perf_counter()
 
+    def meta(complete: bool) -> dict:
+        return {
+            "config": dataclasses.asdict(cfg),
+            "precision": args.precision,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "torch_device": dev,
+            "complete": complete,
+            "wall_seconds": round(time.perf_counter() - t0, 2),
+        }
+
     def add(row):
         rows.append(row)
         print(
@@ -264,16 +266,7 @@ def main() -> None:
             f"speedup {row['speedup']:6.3f}x",
             flush=True,
         )
-        extra = {
-            "config": dataclasses.asdict(cfg),
-            "precision": args.precision,
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "torch_device": dev,
-            "complete": False,
-            "wall_seconds": round(time.perf_counter() - t0, 2),
-        }
-        write(args.out_name, device, rows, extra, quick=args.small)
+        write(args.out_name, device, rows, meta(complete=False), quick=args.small)
 
     parts = args.parts.split(",")
     for name, fn in (
@@ -283,16 +276,7 @@ def main() -> None:
     ):
         if name in parts:
             fn(model, ref, torch, dev, sync, args, add)
-    extra = {
-        "config": dataclasses.asdict(cfg),
-        "precision": args.precision,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "torch_device": dev,
-        "complete": True,
-        "wall_seconds": round(time.perf_counter() - t0, 2),
-    }
-    print(write(args.out_name, device, rows, extra, quick=args.small))
+    print(write(args.out_name, device, rows, meta(complete=True), quick=args.small))
 
 
 if __name__ == "__main__":
