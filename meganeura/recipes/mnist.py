@@ -25,10 +25,9 @@ from ..nn.compiled import CompiledModule
 from ..nn.compiled import compile as compile_module
 from ..nn.init import empty_weights
 from ..nn.module import StateDictError
-from ..optim import AdamW
-from ..optim.schedules import get_schedule
 from ..random import manual_seed
 from ..training import Trainer
+from .common import adamw_trainer
 
 
 @dataclass(frozen=True)
@@ -52,14 +51,6 @@ class MnistConfig:
     @property
     def sizes(self) -> tuple[int, int, int]:
         return (784, self.hidden, 10)
-
-
-def _schedule(cfg: MnistConfig, total_steps: int):
-    if cfg.schedule == "constant":
-        return get_schedule("constant", lr=cfg.lr)
-    if cfg.schedule == "warmup":
-        return get_schedule("warmup", lr=cfg.lr, warmup_steps=max(cfg.warmup_steps, 1))
-    return get_schedule("cosine", lr=cfg.lr, total_steps=total_steps, warmup_steps=cfg.warmup_steps)
 
 
 def init_model(cfg: MnistConfig) -> MLP:
@@ -164,15 +155,7 @@ def train(
     total = steps_per_epoch * cfg.epochs
 
     model = init_model(cfg)
-    trainer = Trainer(
-        model,
-        AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay),
-        loss_fn,
-        schedule=_schedule(cfg, total),
-        max_grad_norm=cfg.max_grad_norm,
-        device=device,
-        precision=cfg.precision,
-    )
+    trainer = adamw_trainer(model, loss_fn, cfg, total, device)
     data_rng = np.random.default_rng(cfg.seed + 1)
     epoch0, losses = 0, []
     if resume:

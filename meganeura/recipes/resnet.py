@@ -44,10 +44,8 @@ from ..nn.compiled import CompiledModule
 from ..nn.compiled import compile as compile_module
 from ..nn.init import empty_weights
 from ..nn.module import StateDictError
-from ..optim import AdamW
-from ..optim.schedules import get_schedule
 from ..random import manual_seed
-from ..training import Trainer
+from .common import adamw_trainer
 
 
 @dataclass(frozen=True)
@@ -174,23 +172,7 @@ def train(
     total = steps_per_epoch * cfg.epochs
     manual_seed(cfg.seed)
     model = build_model(cfg.arch, len(classes), cfg.width)
-    if cfg.schedule == "cosine":
-        schedule = get_schedule(
-            "cosine", lr=cfg.lr, total_steps=total, warmup_steps=cfg.warmup_steps
-        )
-    elif cfg.schedule == "warmup":
-        schedule = get_schedule("warmup", lr=cfg.lr, warmup_steps=max(cfg.warmup_steps, 1))
-    else:
-        schedule = get_schedule("constant", lr=cfg.lr)
-    trainer = Trainer(
-        model,
-        AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay),
-        loss_fn,
-        schedule=schedule,
-        max_grad_norm=cfg.max_grad_norm,
-        device=device,
-        precision=cfg.precision,
-    )
+    trainer = adamw_trainer(model, loss_fn, cfg, total, device)
     run = compile_module(model, precision=cfg.precision, device=device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,44 @@
+"""What the image-classification training recipes (``mnist``, ``resnet``) share: the
+``--schedule`` of ``meganeura train`` and the AdamW ``Trainer`` built from a recipe's settings.
+"""
+
+from __future__ import annotations
+
+from ..optim import AdamW
+from ..optim.schedules import Schedule, get_schedule
+from ..training import Trainer
+
+
+def lr_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0) -> Schedule:
+    """``meganeura train --schedule``: ``"constant"`` at ``lr``; ``"warmup"``, linear from 0
+    over ``max(warmup_steps, 1)`` steps; ``"cosine"``, ``warmup_steps`` of warm-up then cosine
+    decay over ``total_steps`` (``optim.schedules``).
+
+    Raises:
+        ValueError: an unknown ``name`` (the message lists the known ones).
+    """
+    if name == "warmup":
+        return get_schedule("warmup", lr=lr, warmup_steps=max(warmup_steps, 1))
+    if name == "cosine":
+        return get_schedule("cosine", lr=lr, total_steps=total_steps, warmup_steps=warmup_steps)
+    return get_schedule(name, lr=lr)
+
+
+def adamw_trainer(model, loss_fn, cfg, total_steps: int, device=None) -> Trainer:
+    """The recipe's ``Trainer``: AdamW(``cfg.lr``, ``cfg.weight_decay``), the
+    :func:`lr_schedule` ``cfg.schedule`` over ``total_steps``, ``cfg.max_grad_norm`` and
+    ``cfg.precision``. ``cfg``: a ``MnistConfig`` or ``ResNetTrainConfig`` (any object with
+    those fields and ``warmup_steps``).
+
+    Raises:
+        ValueError: an unknown ``cfg.schedule``.
+    """
+    return Trainer(
+        model,
+        AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay),
+        loss_fn,
+        schedule=lr_schedule(cfg.schedule, cfg.lr, total_steps, cfg.warmup_steps),
+        max_grad_norm=cfg.max_grad_norm,
+        device=device,
+        precision=cfg.precision,
+    )
