@@ -39,12 +39,11 @@ def _precision_flag(p) -> None:
     )
 
 
-def cmd_train(args) -> int:
-    if args.job == "resnet":
-        return cmd_train_resnet(args)
-    from .recipes.mnist import MnistConfig, train
-
-    cfg = MnistConfig(
+def _train_settings(args) -> dict:
+    """The settings ``train mnist`` and ``train resnet`` share, from the command line."""
+    if args.log_every < 1:
+        raise SystemExit(f"--log-every must be >= 1, got {args.log_every}")
+    return dict(
         epochs=args.epochs,
         batch_size=args.batch_size,
         lr=args.lr,
@@ -52,15 +51,20 @@ def cmd_train(args) -> int:
         schedule=args.schedule,
         warmup_steps=args.warmup_steps,
         max_grad_norm=args.max_grad_norm,
-        hidden=args.hidden,
         seed=args.seed,
         data=args.data,
-        out=args.out or "runs/mnist",
+        out=args.out or f"runs/{args.job}",
         log_every=args.log_every,
         precision=args.precision,
     )
-    if args.log_every < 1:
-        raise SystemExit(f"--log-every must be >= 1, got {args.log_every}")
+
+
+def cmd_train(args) -> int:
+    if args.job == "resnet":
+        return cmd_train_resnet(args)
+    from .recipes.mnist import MnistConfig, train
+
+    cfg = MnistConfig(hidden=args.hidden, **_train_settings(args))
     dev = _device(args)
     print(f"device: {dev.name}")
     cache = dev.pipelines
@@ -94,24 +98,8 @@ def cmd_train(args) -> int:
 def cmd_train_resnet(args) -> int:
     from .recipes.resnet import ResNetTrainConfig, format_train, train
 
-    if args.log_every < 1:
-        raise SystemExit(f"--log-every must be >= 1, got {args.log_every}")
     cfg = ResNetTrainConfig(
-        arch=args.arch,
-        width=args.width,
-        image_size=args.image_size,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        schedule=args.schedule,
-        warmup_steps=args.warmup_steps,
-        max_grad_norm=args.max_grad_norm,
-        seed=args.seed,
-        data=args.data,
-        out=args.out or "runs/resnet",
-        log_every=args.log_every,
-        precision=args.precision,
+        arch=args.arch, width=args.width, image_size=args.image_size, **_train_settings(args)
     )
     dev = _device(args)
     print(f"device: {dev.name}")
