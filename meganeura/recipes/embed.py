@@ -56,8 +56,7 @@ def add_commands(sub) -> None:
 def cmd_embed(args) -> int:
     texts = list(args.texts)
     if args.file:
-        lines = Path(args.file).read_text(encoding="utf-8").splitlines()
-        texts += [line for line in lines if line.strip()]
+        texts += read_lines(args.file)
     if not texts:
         raise SystemExit("embed: give one or more texts (or --file)")
     if args.similarity and len(texts) < 2:
@@ -91,6 +90,28 @@ def cmd_embed(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def read_lines(path: str) -> list[str]:
+    """The non-blank lines of the UTF-8 text file ``path`` (``--file``).
+
+    Raises:
+        SystemExit: (one line naming the file) it is missing, a folder, unreadable or not
+            UTF-8 text.
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except IsADirectoryError:
+        raise SystemExit(f"--file {path}: is a folder, expected a UTF-8 text file") from None
+    except FileNotFoundError:
+        raise SystemExit(f"--file {path}: no such file") from None
+    except OSError as e:
+        raise SystemExit(f"--file {path}: cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise SystemExit(
+            f"--file {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+        ) from None
+    return [line for line in lines if line.strip()]
 
 
 def load_encoder(path, precision: str = "strict"):

@@ -73,13 +73,48 @@ class ResNetTrainConfig:
     test_fraction: float = 0.1
 
 
+def check_config(cfg: ResNetTrainConfig) -> None:
+    """Reject settings the recipe cannot run, before any data is read or program compiled.
+
+    Raises:
+        ValueError: an unknown architecture, or a size, count or rate out of range (the
+            message names the setting, what it must be and what it is).
+    """
+    if cfg.arch not in CONFIGS:
+        raise ValueError(f"--arch: unknown architecture {cfg.arch!r}; known: {sorted(CONFIGS)}")
+    for flag, value, low in (
+        ("--width", cfg.width, 1),
+        ("--image-size", cfg.image_size, 1),
+        ("--epochs", cfg.epochs, 1),
+        ("--batch-size", cfg.batch_size, 1),
+        ("--warmup-steps", cfg.warmup_steps, 0),
+        ("--log-every", cfg.log_every, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+
+
 def load_data(cfg: ResNetTrainConfig) -> tuple[ImageDataset, ImageDataset, dict]:
-    """(train, test, preprocessing metadata) of ``cfg.data`` (an ImageFolder) or the digits."""
+    """(train, test, preprocessing metadata) of ``cfg.data`` (an ImageFolder) or the digits.
+
+    Raises:
+        FileNotFoundError: ``cfg.data`` is not a folder.
+        ValueError: it has no images, an image Pillow cannot read, or fewer than two classes
+            with images (a classifier of one class learns nothing).
+    """
     if cfg.data is None:
         train, test = load_digits(cfg.image_size, seed=cfg.seed)
         source = "digits (embedded MNIST subset, 32x32 RGB)"
     else:
-        train, test = split(load_image_folder(cfg.data, cfg.image_size), cfg.test_fraction, 1)
+        ds = load_image_folder(cfg.data, cfg.image_size)
+        if len(ds.classes) < 2:
+            raise ValueError(
+                f"{cfg.data}: an ImageFolder needs images in two or more class subfolders, "
+                f"found {len(ds.classes)} ({', '.join(ds.classes)})"
+            )
+        train, test = split(ds, cfg.test_fraction, 1)
         source = str(cfg.data)
     pre = {
         "resize": cfg.image_size,
@@ -163,10 +198,11 @@ def train(
         max_steps: stop after this many optimizer steps in total (tests use it).
 
     Raises:
-        ValueError: an unknown ``cfg.arch``; an ImageFolder without images.
+        ValueError: settings ``check_config`` rejects; data ``load_data`` rejects.
         FileNotFoundError: ``cfg.data`` is not a folder.
         CheckpointError: a ``resume`` checkpoint that does not fit (nothing is loaded).
     """
+    check_config(cfg)
     train_ds, test_ds, pre = load_data(cfg)
     classes = train_ds.classes
     batch = min(cfg.batch_size, len(train_ds.y))

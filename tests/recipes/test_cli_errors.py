@@ -1,0 +1,147 @@
+"""User errors of the commands: one line on stderr naming the input, what was expected and what
+was found, exit status 2, no traceback, and no model loaded or program compiled first (host
+only: every check here runs before the device is touched)."""
+
+from __future__ import annotations
+
+import wave
+
+import numpy as np
+import pytest
+
+from meganeura import cli
+from meganeura.cli import main
+from meganeura.recipes.resnet import ResNetTrainConfig, check_config, load_data
+
+PIL = pytest.importorskip("PIL.Image")
+
+
+class _NoDevice:
+    """Stands in for the adapter: the checks under test fail before it is used."""
+
+    name = "no device"
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return err.strip()
+
+
+def _wav(path, frames: int) -> str:
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(np.zeros(frames, "<i2").tobytes())
+    return str(path)
+
+
+def test_transcribe_rejects_an_empty_wav_before_loading_the_model(tmp_path, capsys):
+    empty = _wav(tmp_path / "empty.wav", 0)
+    assert main(["transcribe", empty, "--model", str(tmp_path / "no-model")]) == 2
+    assert _err(capsys) == (
+        f"meganeura transcribe: {empty}: the WAV file holds no audio samples (0 frames)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "found"),
+    [
+        ("folder", "is a folder, expected a WAV file"),
+        ("missing.wav", "does not exist"),
+        ("text.wav", "is not a WAV file: it starts with b'hello'"),
+    ],
+)
+def test_transcribe_names_an_unreadable_file(tmp_path, capsys, name, found):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "text.wav").write_text("hello")
+    path = str(tmp_path / name)
+    assert main(["transcribe", path]) == 2
+    err = _err(capsys)
+    assert err.startswith(f"meganeura transcribe: cannot read {path}: ") and found in err
+
+
+def test_transcribe_rejects_max_new_tokens_below_one(tmp_path, capsys):
+    speech = _wav(tmp_path / "a.wav", 160)
+    assert main(["transcribe", speech, "--max-new-tokens", "0"]) == 2
+    assert _err(capsys) == "meganeura transcribe: --max-new-tokens must be >= 1, got 0"
+
+
+def test_embed_errors_exit_2(tmp_path, capsys):
+    assert main(["embed", "--batch-size", "0", "a"]) == 2
+    assert _err(capsys) == "meganeura embed: --batch-size must be >= 1, got 0"
+    assert main(["embed"]) == 2
+    assert _err(capsys) == "meganeura embed: embed: give one or more texts (or --file)"
+    missing = tmp_path / "missing.txt"
+    assert main(["embed", "--file", str(missing)]) == 2
+    assert _err(capsys) == f"meganeura embed: --file {missing}: no such file"
+    assert main(["embed", "--file", str(tmp_path)]) == 2
+    assert _err(capsys) == (
+        f"meganeura embed: --file {tmp_path}: is a folder, expected a UTF-8 text file"
+    )
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9\n".encode("latin-1"))
+    assert main(["embed", "--file", str(latin1)]) == 2
+    assert _err(capsys) == (
+        f"meganeura embed: --file {latin1}: not UTF-8 text (byte 0xe9 at offset 3)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("arch", "34", "--arch: unknown architecture '34'"),
+        ("width", 0, "--width must be >= 1, got 0"),
+        ("image_size", 0, "--image-size must be >= 1, got 0"),
+        ("epochs", 0, "--epochs must be >= 1, got 0"),
+        ("batch_size", -1, "--batch-size must be >= 1, got -1"),
+        ("lr", 0.0, "--lr must be > 0, got 0.0"),
+    ],
+)
+def test_resnet_check_config(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        check_config(ResNetTrainConfig(**{field: value}))
+
+
+def test_resnet_data_needs_two_classes(tmp_path):
+    (tmp_path / "cat").mkdir()
+    PIL.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "cat" / "0.png")
+    with pytest.raises(ValueError, match=r"two or more class subfolders, found 1 \(cat\)"):
+        load_data(ResNetTrainConfig(data=str(tmp_path), image_size=8))
+
+
+@pytest.mark.parametrize("case", ["empty", "missing", "junk"])
+def test_train_resnet_bad_data_exits_2(tmp_path, capsys, monkeypatch, case):
+    monkeypatch.setattr(cli, "_device", lambda args: _NoDevice())
+    data = tmp_path / "data"
+    if case != "missing":
+        data.mkdir()
+    if case == "junk":
+        (data / "a").mkdir()
+        (data / "a" / "x.jpg").write_text("not a jpeg")
+    argv = ["train", "resnet", "--data", str(data), "--out", str(tmp_path / "run")]
+    assert main([*argv, "--no-progress"]) == 2
+    capsys.readouterr()  # the "device:" line
+    assert main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("meganeura train resnet: ")
+    want = {
+        "empty": f"{data}: no images in class subfolders",
+        "missing": f"no image folder {str(data)!r}",
+        "junk": f"{data / 'a' / 'x.jpg'}: not an image file Pillow can read",
+    }[case]
+    assert want in err
+
+
+def test_read_image_names_a_truncated_file(tmp_path):
+    from meganeura.data.images import read_image
+
+    good = tmp_path / "good.png"
+    pixels = np.random.default_rng(0).integers(0, 256, (64, 64), np.uint8)
+    PIL.fromarray(pixels).save(good)  # grayscale: read as RGB
+    assert read_image(good).mode == "RGB"
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(good.read_bytes()[:2000])  # the header whole, the pixel data cut
+    with pytest.raises(ValueError, match=f"{bad}: a corrupt or truncated image"):
+        read_image(bad)
