@@ -141,15 +141,20 @@ def cmd_classify(args) -> int:
 
 
 def cmd_predict(args) -> int:
+    from .io.checkpoint import CheckpointError
     from .recipes.mnist import predict
 
-    r = predict(
-        args.checkpoint,
-        data=args.data,
-        count=args.count,
-        device=_device(args),
-        precision=args.precision,
-    )
+    try:
+        r = predict(
+            args.checkpoint,
+            data=args.data,
+            count=args.count,
+            device=_device(args),
+            precision=args.precision,
+        )
+    except (OSError, ValueError, CheckpointError) as e:
+        print(f"meganeura predict: {e}", file=sys.stderr)
+        return 2
     print(f"predicted: {r['predictions']}")
     print(f"labels:    {r['labels']}")
     print(f"test accuracy: {100 * r['test_accuracy']:.2f}% over {r['n']} images")

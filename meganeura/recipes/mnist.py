@@ -262,10 +262,15 @@ def load_model(checkpoint: str) -> tuple[MLP, dict]:
     graph trainer: the parameter names are the same), and the checkpoint's metadata.
 
     Raises:
-        CheckpointError: a corrupt file, or one without the model's parameters (or with
-            mis-shaped ones).
+        CheckpointError: a corrupt file, another recipe's checkpoint, or one without the
+            model's parameters (or with mis-shaped ones).
     """
     tensors, meta = load_checkpoint(checkpoint)
+    if "sizes" not in meta:
+        raise CheckpointError(
+            f"{checkpoint}: not a checkpoint of train mnist (no 'sizes' in its metadata; it "
+            f"holds a {meta.get('model', 'different')!r} model)"
+        )
     with empty_weights():  # every weight comes from the checkpoint
         model = MLP(meta["sizes"])
     try:  # strict=False: the graph trainer kept optimizer state as "<param>.exp_avg" keys

@@ -145,3 +145,27 @@ def test_read_image_names_a_truncated_file(tmp_path):
     bad.write_bytes(good.read_bytes()[:2000])  # the header whole, the pixel data cut
     with pytest.raises(ValueError, match=f"{bad}: a corrupt or truncated image"):
         read_image(bad)
+
+
+@pytest.mark.parametrize("case", ["resnet", "bare", "missing"])
+def test_predict_rejects_a_checkpoint_not_of_train_mnist(tmp_path, capsys, monkeypatch, case):
+    from safetensors.numpy import save_file
+
+    from meganeura.io.checkpoint import save_checkpoint
+
+    monkeypatch.setattr(cli, "_device", lambda args: _NoDevice())
+    ckpt = tmp_path / "ckpt.safetensors"
+    tensors = {"fc.weight": np.zeros((2, 4), np.float32)}
+    if case == "resnet":
+        save_checkpoint(ckpt, tensors, {"model": "resnet", "arch": "resnet18"})
+    elif case == "bare":
+        save_file(tensors, ckpt)
+    assert main(["predict", "--checkpoint", str(ckpt)]) == 2
+    err = _err(capsys)
+    want = {
+        "resnet": f"{ckpt}: not a checkpoint of train mnist (no 'sizes' in its metadata; "
+        "it holds a 'resnet' model)",
+        "bare": f"{ckpt}: no 'meganeura' metadata",
+        "missing": f"checkpoint {ckpt} does not exist",
+    }[case]
+    assert err.startswith("meganeura predict: ") and want in err
