@@ -205,6 +205,7 @@ def train(
     check_config(cfg)
     train_ds, test_ds, pre = load_data(cfg)
     classes = train_ds.classes
+    resume_meta = _resume_meta(resume, cfg, classes) if resume else None  # before compiling
     batch = min(cfg.batch_size, len(train_ds.y))
     steps_per_epoch = num_batches(len(train_ds.y), batch)
     total = steps_per_epoch * cfg.epochs
@@ -234,7 +235,7 @@ def train(
     data_rng = np.random.default_rng(cfg.seed + 1)
     epoch0, losses, accuracy, seen = 0, [], [], 0
     if resume:
-        meta = _resume_meta(resume, cfg, classes)
+        meta = resume_meta
         trainer.load(resume)  # parameters, optimizer state, step counter, global RNG
         data_rng.bit_generator.state = meta["data_rng"]
         epoch0 = meta["epoch"]

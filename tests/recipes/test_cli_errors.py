@@ -169,3 +169,17 @@ def test_predict_rejects_a_checkpoint_not_of_train_mnist(tmp_path, capsys, monke
         "missing": f"checkpoint {ckpt} does not exist",
     }[case]
     assert err.startswith("meganeura predict: ") and want in err
+
+
+def test_train_resnet_checks_resume_before_compiling(tmp_path):
+    from meganeura.io.checkpoint import CheckpointError, save_checkpoint
+    from meganeura.recipes.resnet import train
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        PIL.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / name / "0.png")
+    ckpt = tmp_path / "mnist.safetensors"
+    save_checkpoint(ckpt, {"fc1.weight": np.zeros((2, 2), np.float32)}, {"model": "mlp"})
+    cfg = ResNetTrainConfig(data=str(tmp_path), image_size=8, out=str(tmp_path / "run"))
+    with pytest.raises(CheckpointError, match="pass the --arch, --width and --data"):
+        train(cfg, resume=str(ckpt), device=_NoDevice(), progress=False)
