@@ -19,7 +19,10 @@ import time
 def _device(args):
     from .runtime import get_device
 
-    return get_device(args.adapter or os.environ.get("MEGANEURA_ADAPTER") or None)
+    try:
+        return get_device(args.adapter or os.environ.get("MEGANEURA_ADAPTER") or None)
+    except RuntimeError as e:  # no adapter, or none matching --adapter: main prints it
+        raise SystemExit(str(e)) from None
 
 
 def cmd_info(args) -> int:
@@ -42,6 +45,7 @@ def _precision_flag(p) -> None:
 def cmd_train(args) -> int:
     if args.job == "resnet":
         return cmd_train_resnet(args)
+    from .io.checkpoint import CheckpointError
     from .recipes.mnist import MnistConfig, train
 
     cfg = MnistConfig(
@@ -65,7 +69,11 @@ def cmd_train(args) -> int:
     print(f"device: {dev.name}")
     cache = dev.pipelines
     before = (cache.compiled, cache.hits, cache.shader_seconds + cache.pipeline_seconds)
-    s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
+    try:
+        s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
+    except (OSError, ValueError, CheckpointError) as e:
+        print(f"meganeura train mnist: {e}", file=sys.stderr)
+        return 2
     compiled, hits = cache.compiled - before[0], cache.hits - before[1]
     pipeline_s = cache.shader_seconds + cache.pipeline_seconds - before[2]
     mem, cs = s["memory"], s["compile_seconds"]

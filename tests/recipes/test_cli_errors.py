@@ -5,6 +5,7 @@ only: every check here runs before the device is touched)."""
 from __future__ import annotations
 
 import wave
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ class _NoDevice:
     """Stands in for the adapter: the checks under test fail before it is used."""
 
     name = "no device"
+    pipelines = SimpleNamespace(compiled=0, hits=0, shader_seconds=0.0, pipeline_seconds=0.0)
 
 
 def _err(capsys) -> str:
@@ -183,3 +185,28 @@ def test_train_resnet_checks_resume_before_compiling(tmp_path):
     cfg = ResNetTrainConfig(data=str(tmp_path), image_size=8, out=str(tmp_path / "run"))
     with pytest.raises(CheckpointError, match="pass the --arch, --width and --data"):
         train(cfg, resume=str(ckpt), device=_NoDevice(), progress=False)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--batch-size", "0", "--batch-size must be >= 1, got 0"),  # was a ZeroDivisionError
+        ("--epochs", "0", "--epochs must be >= 1, got 0"),  # was the untrained accuracy
+        ("--data", "MISSING", "MNIST file not found"),
+    ],
+)
+def test_train_mnist_bad_settings_exit_2(tmp_path, capsys, monkeypatch, flag, value, message):
+    monkeypatch.setattr(cli, "_device", lambda args: _NoDevice())
+    value = value.replace("MISSING", str(tmp_path))
+    argv = ["train", "mnist", flag, value, "--out", str(tmp_path / "run"), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("meganeura train mnist: ")
+    assert message in err
+
+
+def test_unknown_adapter_exits_2(capsys):
+    assert main(["--adapter", "no-such-adapter-0x5eed", "info"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.startswith("meganeura info: no ")  # no adapter matches ... (or none at all)
