@@ -58,9 +58,10 @@ def cmd_embed(args) -> int:
     if args.file:
         texts += read_lines(args.file)
     if not texts:
-        raise SystemExit("embed: give one or more texts (or --file)")
+        found = f" (--file {args.file} has no non-blank line)" if args.file else ""
+        raise SystemExit(f"give one or more texts, or --file with one per line{found}")
     if args.similarity and len(texts) < 2:
-        raise SystemExit("embed --similarity: give two or more texts")
+        raise SystemExit(f"--similarity needs two or more texts, got {len(texts)}")
     if args.batch_size < 1:
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
     encoder = load_encoder(args.model, args.precision)

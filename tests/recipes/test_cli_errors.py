@@ -74,7 +74,13 @@ def test_embed_errors_exit_2(tmp_path, capsys):
     assert main(["embed", "--batch-size", "0", "a"]) == 2
     assert _err(capsys) == "meganeura embed: --batch-size must be >= 1, got 0"
     assert main(["embed"]) == 2
-    assert _err(capsys) == "meganeura embed: embed: give one or more texts (or --file)"
+    assert _err(capsys) == "meganeura embed: give one or more texts, or --file with one per line"
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n")
+    assert main(["embed", "--file", str(blank)]) == 2
+    assert _err(capsys).endswith(f"(--file {blank} has no non-blank line)")
+    assert main(["embed", "--similarity", "a"]) == 2
+    assert _err(capsys) == "meganeura embed: --similarity needs two or more texts, got 1"
     missing = tmp_path / "missing.txt"
     assert main(["embed", "--file", str(missing)]) == 2
     assert _err(capsys) == f"meganeura embed: --file {missing}: no such file"
