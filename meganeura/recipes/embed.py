@@ -10,8 +10,9 @@ What it prints (stdout):
 - ``--json``: one JSON object instead: ``{"model", "texts", "embeddings"`` (every value),
   ``"similarity"`` (two or more texts)``}``.
 
-Then on stderr: texts, seconds and sentences per second of this one call, which includes
-compiling its programs (one per batch bucket, ``models.sentence``).
+Then on stderr: a warning per text cut to the model's ``max_seq_length`` tokens; the texts,
+seconds and sentences per second of this one call, which includes compiling its programs (one
+per batch bucket, ``models.sentence``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def cmd_embed(args) -> int:
     if args.batch_size < 1:
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
     encoder = load_encoder(args.model, args.precision)
+    for note in truncation_notes(encoder, texts):
+        print(note, file=sys.stderr)
     t0 = time.perf_counter()
     emb = encoder.encode(texts, batch_size=args.batch_size)
     seconds = time.perf_counter() - t0
@@ -113,6 +116,22 @@ def read_lines(path: str) -> list[str]:
             f"--file {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
         ) from None
     return [line for line in lines if line.strip()]
+
+
+def truncation_notes(encoder, texts) -> list[str]:
+    """A warning per text longer than the encoder's ``max_seq_length`` tokens (``[CLS]`` and
+    ``[SEP]`` included): its embedding is of the first tokens only, as sentence-transformers
+    does, which would otherwise go unsaid."""
+    limit = encoder.max_seq_length
+    notes = []
+    for i, text in enumerate(texts):
+        n = len(encoder.tokenizer.encode(text, add_special_tokens=True))
+        if n > limit:
+            notes.append(
+                f"warning: text [{i}] has {n} tokens; only its first {limit} (max_seq_length, "
+                "[CLS] and [SEP] included) are embedded"
+            )
+    return notes
 
 
 def load_encoder(path, precision: str = "strict"):

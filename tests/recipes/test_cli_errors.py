@@ -216,3 +216,14 @@ def test_unknown_adapter_exits_2(capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.startswith("meganeura info: no ")  # no adapter matches ... (or none at all)
+
+
+def test_embed_warns_of_a_truncated_text():
+    from meganeura.recipes.embed import truncation_notes
+
+    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [0] * (len(text) + 2))
+    encoder = SimpleNamespace(max_seq_length=8, tokenizer=tokenizer)
+    assert truncation_notes(encoder, ["abcdef", "abcdefg", "x"]) == [
+        "warning: text [1] has 9 tokens; only its first 8 (max_seq_length, [CLS] and [SEP] "
+        "included) are embedded"
+    ]
