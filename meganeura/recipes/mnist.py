@@ -156,6 +156,8 @@ def check_config(cfg: MnistConfig) -> None:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"--out {cfg.out}: is a file, expected a folder (or a new path)")
 
 
 def train(

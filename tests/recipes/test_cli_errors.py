@@ -227,3 +227,15 @@ def test_embed_warns_of_a_truncated_text():
         "warning: text [1] has 9 tokens; only its first 8 (max_seq_length, [CLS] and [SEP] "
         "included) are embedded"
     ]
+
+
+def test_out_must_be_a_folder(tmp_path):
+    from meganeura.recipes.mnist import MnistConfig
+    from meganeura.recipes.mnist import check_config as check_mnist
+
+    out = tmp_path / "file"
+    out.write_text("")
+    for check, cfg in ((check_config, ResNetTrainConfig), (check_mnist, MnistConfig)):
+        with pytest.raises(ValueError, match=f"--out {out}: is a file, expected a folder"):
+            check(cfg(out=str(out)))
+        check(cfg(out=str(tmp_path / "new")))
