@@ -296,7 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("classify", help="print the top classes of images with a ResNet checkpoint")
     c.add_argument("images", nargs="+", help="image files (Pillow reads them)")
-    c.add_argument("--checkpoint", required=True, help="from train resnet, or a state dict")
+    c.add_argument(
+        "--checkpoint",
+        required=True,
+        help="from train resnet, or a torchvision ResNet state dict in safetensors",
+    )
     c.add_argument("--top-k", type=int, default=5, help="classes printed per image (default 5)")
     c.add_argument("--labels", help="text file of class names, one per line")
     _precision_flag(c)
