@@ -86,10 +86,13 @@ def read_wav(path: str | os.PathLike) -> tuple[np.ndarray, int]:
 
     Raises:
         FileNotFoundError: no file at ``path``.
+        IsADirectoryError: ``path`` is a folder.
         ValueError: not a RIFF/WAVE file, a malformed header, an unsupported format or sample
             width (naming the file and what it holds).
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{str(path)!r} is a folder, expected a WAV file")
     if not path.is_file():
         raise FileNotFoundError(f"audio file {str(path)!r} does not exist (or is not a file)")
     with open(path, "rb") as f:

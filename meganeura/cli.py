@@ -19,7 +19,10 @@ import time
 def _device(args):
     from .runtime import get_device
 
-    return get_device(args.adapter or os.environ.get("MEGANEURA_ADAPTER") or None)
+    try:
+        return get_device(args.adapter or os.environ.get("MEGANEURA_ADAPTER") or None)
+    except RuntimeError as e:  # no adapter, or none matching --adapter: main prints it
+        raise SystemExit(str(e)) from None
 
 
 def cmd_info(args) -> int:
@@ -62,6 +65,7 @@ def _train_settings(args) -> dict:
 def cmd_train(args) -> int:
     if args.job == "resnet":
         return cmd_train_resnet(args)
+    from .io.checkpoint import CheckpointError
     from .recipes.mnist import MnistConfig, train
 
     cfg = MnistConfig(hidden=args.hidden, **_train_settings(args))
@@ -69,7 +73,11 @@ def cmd_train(args) -> int:
     print(f"device: {dev.name}")
     cache = dev.pipelines
     before = (cache.compiled, cache.hits, cache.shader_seconds + cache.pipeline_seconds)
-    s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
+    try:
+        s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
+    except (OSError, ValueError, CheckpointError) as e:
+        print(f"meganeura train mnist: {e}", file=sys.stderr)
+        return 2
     compiled, hits = cache.compiled - before[0], cache.hits - before[1]
     pipeline_s = cache.shader_seconds + cache.pipeline_seconds - before[2]
     mem, cs = s["memory"], s["compile_seconds"]
@@ -96,6 +104,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_train_resnet(args) -> int:
+    from .io.checkpoint import CheckpointError
     from .recipes.resnet import ResNetTrainConfig, format_train, train
 
     cfg = ResNetTrainConfig(
@@ -103,7 +112,11 @@ def cmd_train_resnet(args) -> int:
     )
     dev = _device(args)
     print(f"device: {dev.name}")
-    s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
+    try:
+        s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
+    except (OSError, ValueError, ImportError, CheckpointError) as e:
+        print(f"meganeura train resnet: {e}", file=sys.stderr)
+        return 2
     print(format_train(s))
     return 0
 
@@ -124,15 +137,20 @@ def cmd_classify(args) -> int:
 
 
 def cmd_predict(args) -> int:
+    from .io.checkpoint import CheckpointError
     from .recipes.mnist import predict
 
-    r = predict(
-        args.checkpoint,
-        data=args.data,
-        count=args.count,
-        device=_device(args),
-        precision=args.precision,
-    )
+    try:
+        r = predict(
+            args.checkpoint,
+            data=args.data,
+            count=args.count,
+            device=_device(args),
+            precision=args.precision,
+        )
+    except (OSError, ValueError, CheckpointError) as e:
+        print(f"meganeura predict: {e}", file=sys.stderr)
+        return 2
     print(f"predicted: {r['predictions']}")
     print(f"labels:    {r['labels']}")
     print(f"test accuracy: {100 * r['test_accuracy']:.2f}% over {r['n']} images")
@@ -197,7 +215,10 @@ def cmd_profile(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meganeura", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="meganeura",
+        description="Train and run neural networks on any GPU through WebGPU (wgpu-py).",
+    )
     p.add_argument("--adapter", help="substring of the adapter to use (env MEGANEURA_ADAPTER)")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -214,37 +235,61 @@ def build_parser() -> argparse.ArgumentParser:
         help="mnist: folder of MNIST IDX files; resnet: an ImageFolder (one subfolder of "
         "images per class); default: the embedded 5k MNIST subset",
     )
-    t.add_argument("--epochs", type=int, default=10)
-    t.add_argument("--batch-size", type=int, default=64)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--schedule", choices=["constant", "warmup", "cosine"], default="constant")
-    t.add_argument("--warmup-steps", type=int, default=0)
-    t.add_argument("--max-grad-norm", type=float, default=None)
-    t.add_argument("--hidden", type=int, default=128)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--epochs", type=int, default=10, help="passes over the data (default 10)")
+    t.add_argument("--batch-size", type=int, default=64, help="images per step (default 64)")
+    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    t.add_argument(
+        "--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)"
+    )
+    t.add_argument(
+        "--schedule",
+        choices=["constant", "warmup", "cosine"],
+        default="constant",
+        help="learning-rate schedule (default constant)",
+    )
+    t.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warmup (default 0)")
+    t.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=None,
+        help="clip the global gradient L2 norm to this (default: no clipping)",
+    )
+    t.add_argument("--hidden", type=int, default=128, help="mnist: hidden width (default 128)")
+    t.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
     t.add_argument(
         "--log-every", type=int, default=10, help="read the loss back every N steps (default 10)"
     )
-    t.add_argument("--arch", default="resnet18", help="resnet: resnet18, 34, 50 or 101")
-    t.add_argument("--width", type=int, default=64, help="resnet: first stage's channels")
-    t.add_argument("--image-size", type=int, default=32, help="resnet: image side in pixels")
+    t.add_argument(
+        "--arch",
+        default="resnet18",
+        help="resnet: resnet18, resnet34, resnet50 or resnet101 (default resnet18)",
+    )
+    t.add_argument(
+        "--width", type=int, default=64, help="resnet: first stage's channels (default 64)"
+    )
+    t.add_argument(
+        "--image-size", type=int, default=32, help="resnet: image side in pixels (default 32)"
+    )
     t.add_argument("--out", help="folder for checkpoint and curves (default runs/JOB)")
     t.add_argument("--resume", help="checkpoint to continue from")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     _precision_flag(t)
 
     r = sub.add_parser("predict", help="classify MNIST test images with a checkpoint")
-    r.add_argument("--checkpoint", required=True)
+    r.add_argument("--checkpoint", required=True, help="from train mnist")
     r.add_argument("--data", help="folder of MNIST IDX files (default: as in training)")
-    r.add_argument("--count", type=int, default=10, help="predictions to print")
+    r.add_argument("--count", type=int, default=10, help="predictions to print (default 10)")
     r.add_argument("--json", action="store_true", help="also print the result as JSON")
     _precision_flag(r)
 
     c = sub.add_parser("classify", help="print the top classes of images with a ResNet checkpoint")
     c.add_argument("images", nargs="+", help="image files (Pillow reads them)")
-    c.add_argument("--checkpoint", required=True, help="from train resnet, or a state dict")
-    c.add_argument("--top-k", type=int, default=5)
+    c.add_argument(
+        "--checkpoint",
+        required=True,
+        help="from train resnet, or a torchvision ResNet state dict in safetensors",
+    )
+    c.add_argument("--top-k", type=int, default=5, help="classes printed per image (default 5)")
     c.add_argument("--labels", help="text file of class names, one per line")
     _precision_flag(c)
 
@@ -303,7 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"info": cmd_info, "train": cmd_train, "predict": cmd_predict}
     handlers["classify"] = cmd_classify
     handler = getattr(args, "handler", None) or {**handlers, "profile": cmd_profile}[args.command]
-    return handler(args)
+    try:
+        return handler(args)
+    except SystemExit as e:  # a command's user error: one line, exit status 2 (as argparse's)
+        if not isinstance(e.code, str):
+            raise
+        print(f"meganeura {args.command}: {e.code}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ def read_image(path: str | Path):
     Raises:
         ImportError: Pillow is not installed (the message says how to install it).
         FileNotFoundError: no such file.
-        ValueError: the file is not an image Pillow can read (the message names it).
+        ValueError: the file is not an image Pillow can read, or a corrupt or truncated one
+            (the message names it).
     """
     image = _pil()
     path = Path(path)
@@ -58,6 +59,8 @@ def read_image(path: str | Path):
             return im.convert("RGB")
     except image.UnidentifiedImageError:
         raise ValueError(f"{path}: not an image file Pillow can read") from None
+    except (OSError, SyntaxError) as e:  # Pillow's errors of a truncated or corrupt file
+        raise ValueError(f"{path}: a corrupt or truncated image: {e}") from None
 
 
 def preprocess(

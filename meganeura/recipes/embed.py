@@ -10,8 +10,9 @@ What it prints (stdout):
 - ``--json``: one JSON object instead: ``{"model", "texts", "embeddings"`` (every value),
   ``"similarity"`` (two or more texts)``}``.
 
-Then on stderr: texts, seconds and sentences per second of this one call, which includes
-compiling its programs (one per batch bucket, ``models.sentence``).
+Then on stderr: a warning per text cut to the model's ``max_seq_length`` tokens; the texts,
+seconds and sentences per second of this one call, which includes compiling its programs (one
+per batch bucket, ``models.sentence``).
 """
 
 from __future__ import annotations
@@ -56,15 +57,17 @@ def add_commands(sub) -> None:
 def cmd_embed(args) -> int:
     texts = list(args.texts)
     if args.file:
-        lines = Path(args.file).read_text(encoding="utf-8").splitlines()
-        texts += [line for line in lines if line.strip()]
+        texts += read_lines(args.file)
     if not texts:
-        raise SystemExit("embed: give one or more texts (or --file)")
+        found = f" (--file {args.file} has no non-blank line)" if args.file else ""
+        raise SystemExit(f"give one or more texts, or --file with one per line{found}")
     if args.similarity and len(texts) < 2:
-        raise SystemExit("embed --similarity: give two or more texts")
+        raise SystemExit(f"--similarity needs two or more texts, got {len(texts)}")
     if args.batch_size < 1:
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
     encoder = load_encoder(args.model, args.precision)
+    for note in truncation_notes(encoder, texts):
+        print(note, file=sys.stderr)
     t0 = time.perf_counter()
     emb = encoder.encode(texts, batch_size=args.batch_size)
     seconds = time.perf_counter() - t0
@@ -91,6 +94,44 @@ def cmd_embed(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def read_lines(path: str) -> list[str]:
+    """The non-blank lines of the UTF-8 text file ``path`` (``--file``).
+
+    Raises:
+        SystemExit: (one line naming the file) it is missing, a folder, unreadable or not
+            UTF-8 text.
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except IsADirectoryError:
+        raise SystemExit(f"--file {path}: is a folder, expected a UTF-8 text file") from None
+    except FileNotFoundError:
+        raise SystemExit(f"--file {path}: no such file") from None
+    except OSError as e:
+        raise SystemExit(f"--file {path}: cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise SystemExit(
+            f"--file {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+        ) from None
+    return [line for line in lines if line.strip()]
+
+
+def truncation_notes(encoder, texts) -> list[str]:
+    """A warning per text longer than the encoder's ``max_seq_length`` tokens (``[CLS]`` and
+    ``[SEP]`` included): its embedding is of the first tokens only, as sentence-transformers
+    does, which would otherwise go unsaid."""
+    limit = encoder.max_seq_length
+    notes = []
+    for i, text in enumerate(texts):
+        n = len(encoder.tokenizer.encode(text, add_special_tokens=True))
+        if n > limit:
+            notes.append(
+                f"warning: text [{i}] has {n} tokens; only its first {limit} (max_seq_length, "
+                "[CLS] and [SEP] included) are embedded"
+            )
+    return notes
 
 
 def load_encoder(path, precision: str = "strict"):

@@ -129,6 +129,28 @@ def _compile_seconds(*caches) -> dict[str, float]:
     }
 
 
+def check_config(cfg: MnistConfig) -> None:
+    """Reject settings the recipe cannot run, before data is read or a program compiled.
+
+    Raises:
+        ValueError: a size, count or rate out of range (the message names the flag, what it
+            must be and what it is).
+    """
+    for flag, value, low in (
+        ("--epochs", cfg.epochs, 1),
+        ("--batch-size", cfg.batch_size, 1),
+        ("--hidden", cfg.hidden, 1),
+        ("--warmup-steps", cfg.warmup_steps, 0),
+        ("--log-every", cfg.log_every, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"--out {cfg.out}: is a file, expected a folder (or a new path)")
+
+
 def train(
     cfg: MnistConfig,
     resume: str | None = None,
@@ -146,8 +168,11 @@ def train(
         max_steps: stop after this many optimizer steps in total (tests use it).
 
     Raises:
+        ValueError: settings ``check_config`` rejects.
+        FileNotFoundError: ``cfg.data`` lacks an MNIST file.
         CheckpointError: a ``resume`` checkpoint that does not fit (nothing is loaded).
     """
+    check_config(cfg)
     data = load_mnist(cfg.data, seed=cfg.seed)
     x_train, mean, std = standardize(data.x_train)
     x_test, _, _ = standardize(data.x_test, mean, std)
@@ -245,10 +270,15 @@ def load_model(checkpoint: str) -> tuple[MLP, dict]:
     graph trainer: the parameter names are the same), and the checkpoint's metadata.
 
     Raises:
-        CheckpointError: a corrupt file, or one without the model's parameters (or with
-            mis-shaped ones).
+        CheckpointError: a corrupt file, another recipe's checkpoint, or one without the
+            model's parameters (or with mis-shaped ones).
     """
     tensors, meta = load_checkpoint(checkpoint)
+    if "sizes" not in meta:
+        raise CheckpointError(
+            f"{checkpoint}: not a checkpoint of train mnist (no 'sizes' in its metadata; it "
+            f"holds a {meta.get('model', 'different')!r} model)"
+        )
     with empty_weights():  # every weight comes from the checkpoint
         model = MLP(meta["sizes"])
     try:  # strict=False: the graph trainer kept optimizer state as "<param>.exp_avg" keys

@@ -71,13 +71,50 @@ class ResNetTrainConfig:
     test_fraction: float = 0.1
 
 
+def check_config(cfg: ResNetTrainConfig) -> None:
+    """Reject settings the recipe cannot run, before any data is read or program compiled.
+
+    Raises:
+        ValueError: an unknown architecture, or a size, count or rate out of range (the
+            message names the setting, what it must be and what it is).
+    """
+    if cfg.arch not in CONFIGS:
+        raise ValueError(f"--arch: unknown architecture {cfg.arch!r}; known: {sorted(CONFIGS)}")
+    for flag, value, low in (
+        ("--width", cfg.width, 1),
+        ("--image-size", cfg.image_size, 1),
+        ("--epochs", cfg.epochs, 1),
+        ("--batch-size", cfg.batch_size, 1),
+        ("--warmup-steps", cfg.warmup_steps, 0),
+        ("--log-every", cfg.log_every, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"--out {cfg.out}: is a file, expected a folder (or a new path)")
+
+
 def load_data(cfg: ResNetTrainConfig) -> tuple[ImageDataset, ImageDataset, dict]:
-    """(train, test, preprocessing metadata) of ``cfg.data`` (an ImageFolder) or the digits."""
+    """(train, test, preprocessing metadata) of ``cfg.data`` (an ImageFolder) or the digits.
+
+    Raises:
+        FileNotFoundError: ``cfg.data`` is not a folder.
+        ValueError: it has no images, an image Pillow cannot read, or fewer than two classes
+            with images (a classifier of one class learns nothing).
+    """
     if cfg.data is None:
         train, test = load_digits(cfg.image_size, seed=cfg.seed)
         source = "digits (embedded MNIST subset, 32x32 RGB)"
     else:
-        train, test = split(load_image_folder(cfg.data, cfg.image_size), cfg.test_fraction, 1)
+        ds = load_image_folder(cfg.data, cfg.image_size)
+        if len(ds.classes) < 2:
+            raise ValueError(
+                f"{cfg.data}: an ImageFolder needs images in two or more class subfolders, "
+                f"found {len(ds.classes)} ({', '.join(ds.classes)})"
+            )
+        train, test = split(ds, cfg.test_fraction, 1)
         source = str(cfg.data)
     pre = {
         "resize": cfg.image_size,
@@ -161,12 +198,14 @@ def train(
         max_steps: stop after this many optimizer steps in total (tests use it).
 
     Raises:
-        ValueError: an unknown ``cfg.arch``; an ImageFolder without images.
+        ValueError: settings ``check_config`` rejects; data ``load_data`` rejects.
         FileNotFoundError: ``cfg.data`` is not a folder.
         CheckpointError: a ``resume`` checkpoint that does not fit (nothing is loaded).
     """
+    check_config(cfg)
     train_ds, test_ds, pre = load_data(cfg)
     classes = train_ds.classes
+    resume_meta = _resume_meta(resume, cfg, classes) if resume else None  # before compiling
     batch = min(cfg.batch_size, len(train_ds.y))
     steps_per_epoch = num_batches(len(train_ds.y), batch)
     total = steps_per_epoch * cfg.epochs
@@ -180,7 +219,7 @@ def train(
     data_rng = np.random.default_rng(cfg.seed + 1)
     epoch0, losses, accuracy, seen = 0, [], [], 0
     if resume:
-        meta = _resume_meta(resume, cfg, classes)
+        meta = resume_meta
         trainer.load(resume)  # parameters, optimizer state, step counter, global RNG
         data_rng.bit_generator.state = meta["data_rng"]
         epoch0 = meta["epoch"]

@@ -72,16 +72,35 @@ def segment_features(segment, n_mels: int, frames: int) -> np.ndarray:
     return mel
 
 
+def read_speech(path: str) -> np.ndarray:
+    """The WAV file ``path`` as f32 [samples] mono at 16 kHz (``audio.load_audio``).
+
+    Raises:
+        SystemExit: (a one-line message naming the file) it cannot be read, or it holds no
+            samples (Whisper would transcribe the padding's silence as a made-up word).
+    """
+    try:
+        from ..audio import load_audio
+    except ImportError as e:
+        raise SystemExit(f"the log-mel front end meganeura.audio is not available: {e}") from None
+    try:
+        audio = load_audio(path, sr=SAMPLE_RATE)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"cannot read {path}: {e}") from None
+    if len(audio) == 0:
+        raise SystemExit(f"{path}: the WAV file holds no audio samples (0 frames)")
+    return audio
+
+
 def cmd_transcribe(args, out=None) -> int:
     from ..cli import _device
     from ..models.whisper import WhisperForConditionalGeneration
     from ..models.whisper_decoding import greedy_decode
 
     out = out or sys.stdout
-    try:
-        from ..audio import load_audio
-    except ImportError as e:
-        raise SystemExit(f"the log-mel front end meganeura.audio is not available: {e}") from None
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    audio = read_speech(args.audio)  # before the model: a bad file fails at once
     device = _device(args)
     t0 = time.perf_counter()
     try:
@@ -93,10 +112,6 @@ def cmd_transcribe(args, out=None) -> int:
     if model.tokenizer is None:
         raise SystemExit("the model folder has no tokenizer.json")
     loaded = time.perf_counter() - t0
-    try:
-        audio = load_audio(args.audio, sr=SAMPLE_RATE)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"cannot read {args.audio}: {e}") from None
     duration = len(audio) / SAMPLE_RATE
     step = SEGMENT_SECONDS * SAMPLE_RATE
     texts, tokens, prefill, decode = [], 0, 0.0, 0.0

