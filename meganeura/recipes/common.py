@@ -1,8 +1,11 @@
-"""What the image-classification training recipes (``mnist``, ``resnet``) share: the
-``--schedule`` of ``meganeura train`` and the AdamW ``Trainer`` built from a recipe's settings.
+"""What the image-classification training recipes (``mnist``, ``resnet``) share: the checks
+of ``meganeura train``'s settings, its ``--schedule`` and the AdamW ``Trainer`` built from a
+recipe's settings.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from ..optim import AdamW
 from ..optim.schedules import Schedule, get_schedule
@@ -42,3 +45,27 @@ def adamw_trainer(model, loss_fn, cfg, total_steps: int, device=None) -> Trainer
         device=device,
         precision=cfg.precision,
     )
+
+
+def check_train_settings(cfg, minimums: tuple[tuple[str, int, int], ...] = ()) -> None:
+    """The settings every ``meganeura train`` job shares, then the job's own ``(flag, value,
+    minimum)`` triples: ``--epochs``, ``--batch-size`` and ``--log-every`` at least 1,
+    ``--warmup-steps`` at least 0, ``--lr`` positive, ``--out`` a folder or a new path.
+
+    Raises:
+        ValueError: the first setting out of range (the message names the flag, what it must
+            be and what it is).
+    """
+    for flag, value, low in (
+        *minimums,
+        ("--epochs", cfg.epochs, 1),
+        ("--batch-size", cfg.batch_size, 1),
+        ("--warmup-steps", cfg.warmup_steps, 0),
+        ("--log-every", cfg.log_every, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"--out {cfg.out}: is a file, expected a folder (or a new path)")

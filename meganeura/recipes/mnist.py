@@ -27,7 +27,7 @@ from ..nn.init import empty_weights
 from ..nn.module import StateDictError
 from ..random import manual_seed
 from ..training import Trainer
-from .common import adamw_trainer
+from .common import adamw_trainer, check_train_settings
 
 
 @dataclass(frozen=True)
@@ -136,19 +136,7 @@ def check_config(cfg: MnistConfig) -> None:
         ValueError: a size, count or rate out of range (the message names the flag, what it
             must be and what it is).
     """
-    for flag, value, low in (
-        ("--epochs", cfg.epochs, 1),
-        ("--batch-size", cfg.batch_size, 1),
-        ("--hidden", cfg.hidden, 1),
-        ("--warmup-steps", cfg.warmup_steps, 0),
-        ("--log-every", cfg.log_every, 1),
-    ):
-        if value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
-    if not cfg.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
-    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
-        raise ValueError(f"--out {cfg.out}: is a file, expected a folder (or a new path)")
+    check_train_settings(cfg, (("--hidden", cfg.hidden, 1),))
 
 
 def train(

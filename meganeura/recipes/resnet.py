@@ -45,7 +45,7 @@ from ..nn.compiled import compile as compile_module
 from ..nn.init import empty_weights
 from ..nn.module import StateDictError
 from ..random import manual_seed
-from .common import adamw_trainer
+from .common import adamw_trainer, check_train_settings
 
 
 @dataclass(frozen=True)
@@ -80,20 +80,7 @@ def check_config(cfg: ResNetTrainConfig) -> None:
     """
     if cfg.arch not in CONFIGS:
         raise ValueError(f"--arch: unknown architecture {cfg.arch!r}; known: {sorted(CONFIGS)}")
-    for flag, value, low in (
-        ("--width", cfg.width, 1),
-        ("--image-size", cfg.image_size, 1),
-        ("--epochs", cfg.epochs, 1),
-        ("--batch-size", cfg.batch_size, 1),
-        ("--warmup-steps", cfg.warmup_steps, 0),
-        ("--log-every", cfg.log_every, 1),
-    ):
-        if value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
-    if not cfg.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
-    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
-        raise ValueError(f"--out {cfg.out}: is a file, expected a folder (or a new path)")
+    check_train_settings(cfg, (("--width", cfg.width, 1), ("--image-size", cfg.image_size, 1)))
 
 
 def load_data(cfg: ResNetTrainConfig) -> tuple[ImageDataset, ImageDataset, dict]:
