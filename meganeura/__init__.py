@@ -30,6 +30,7 @@ from . import debug, nn, optim
 from .autodiff import differentiate
 from .compile import CompileOptions
 from .dtypes import DType, bool_, f16, f32, i32, u32
+from .export import export
 from .graph.builder import GraphBuilder, GraphTypeError, Tensor
 from .graph.interpret import interpret
 from .graph.ir import Graph, Node, TensorType
@@ -63,6 +64,7 @@ __all__ = [
     "compile",
     "compile_for",
     "differentiate",
+    "export",
     "f16",
     "f32",
     "i32",
