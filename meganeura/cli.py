@@ -1,5 +1,5 @@
 """Command line: ``meganeura info|train|predict|classify|profile|generate|chat|finetune|embed|
-transcribe``.
+transcribe|export``.
 
 This is the only place that reads environment variables (``MEGANEURA_ADAPTER``: a substring
 of the adapter to use, e.g. ``nvidia`` or ``llvmpipe``). The runtime only sets one Vulkan
@@ -335,11 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--trace", help="trace file to write (default runs/profile/mnist-MODE.json)")
     f.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
 
-    from .recipes import embed, llm, transcribe
+    from .recipes import embed, export, llm, transcribe
 
     llm.add_commands(sub)
     embed.add_commands(sub)
     transcribe.add_commands(sub)
+    export.add_commands(sub)
     return p
 
 

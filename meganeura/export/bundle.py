@@ -200,6 +200,7 @@ def _write_folder(path: Path, files: Mapping[str, bytes], overwrite: bool) -> No
     parent = path.parent if str(path.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp"))
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the bundle from a web server's user
     old = None
     try:
         for name, data in files.items():
@@ -262,6 +263,10 @@ def trace_program(
         changes["max_storage_buffers_per_shader_stage"] = min(
             limits.max_storage_buffers_per_shader_stage, max_storage_buffers
         )
+    # Browsers grant 256 unless asked: row-block bindings at offsets that any target accepts.
+    changes["min_storage_buffer_offset_alignment"] = max(
+        limits.min_storage_buffer_offset_alignment, 256
+    )
     if strict or (feats is not None and "shader-f16" not in feats):
         changes["shader_f16"] = False
     if feats is not None and "subgroup" not in feats:
