@@ -25,6 +25,7 @@ from .manifest import (
     ROLES,
     RUNTIME_CHECKS_NOTE,
     SCHEMA,
+    SUBGROUPS_NOTE,
     WEBGPU_DEFAULT_MAX_STORAGE_BUFFERS,
     ExportError,
     check_compatible,
@@ -34,8 +35,6 @@ from .manifest import (
     workgroup_invocations,
     workgroup_storage_bytes,
 )
-
-_ST_DTYPE = {DType.f32: "F32", DType.f16: "F16", DType.i32: "I32", DType.u32: "U32"}
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -186,7 +185,7 @@ def write_bundle(
         "kernels": kernels,
         "dispatches": dispatches,
         "requires": {**requirements(program), "runtime_checks": True},
-        "notes": [RUNTIME_CHECKS_NOTE],
+        "notes": [RUNTIME_CHECKS_NOTE, SUBGROUPS_NOTE],
         "meta": dict(extra or {}),
         "files": {name: sha256_bytes(data) for name, data in sorted(files.items())},
     }

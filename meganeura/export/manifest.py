@@ -45,6 +45,13 @@ RUNTIME_CHECKS_NOTE = (
     "unchecked shader modules."
 )
 
+SUBGROUPS_NOTE = (
+    "Kernels whose features include 'subgroup' use subgroup builtins without an "
+    "'enable subgroups;' directive: naga (wgpu-native 29) rejects that directive and Tint "
+    "(Chrome) requires it, so a browser runtime prepends it to those kernels. Export with "
+    "target features lacking 'subgroup' for kernels without subgroups."
+)
+
 
 class ExportError(ValueError):
     """A program or model that cannot be exported (training program, kernel incompatible with
