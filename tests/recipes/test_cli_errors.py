@@ -54,6 +54,7 @@ def test_transcribe_rejects_an_empty_wav_before_loading_the_model(tmp_path, caps
         ("missing.wav", "does not exist"),
         ("text.wav", "is not a WAV file: it starts with b'hello'"),
     ],
+    ids=["folder", "missing", "not_wav"],
 )
 def test_transcribe_names_an_unreadable_file(tmp_path, capsys, name, found):
     (tmp_path / "folder").mkdir()
@@ -106,6 +107,7 @@ def test_embed_errors_exit_2(tmp_path, capsys):
         ("batch_size", -1, "--batch-size must be >= 1, got -1"),
         ("lr", 0.0, "--lr must be > 0, got 0.0"),
     ],
+    ids=["arch", "width", "image_size", "epochs", "batch_size", "lr"],
 )
 def test_resnet_check_config(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -200,6 +202,7 @@ def test_train_resnet_checks_resume_before_compiling(tmp_path):
         ("--epochs", "0", "--epochs must be >= 1, got 0"),  # was the untrained accuracy
         ("--data", "MISSING", "MNIST file not found"),
     ],
+    ids=["batch_size_0", "epochs_0", "data_missing"],
 )
 def test_train_mnist_bad_settings_exit_2(tmp_path, capsys, monkeypatch, flag, value, message):
     monkeypatch.setattr(cli, "_device", lambda args: _NoDevice())
