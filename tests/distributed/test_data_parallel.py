@@ -1,0 +1,94 @@
+"""Data-parallel training on MPI (issue 17 item 4): ``mpiexec -n N`` runs of
+``tests.distributed.worker`` against one process on the concatenated batch.
+
+The reference is an ordinary ``Trainer`` in this process on each whole global batch (what
+``DistributedTrainer`` must equal: the mean of the ranks' equal-shard means is the global
+batch's mean). Skipped, with the reason, where mpi4py or mpiexec is missing; ``make setup``
+installs both (the ``distributed`` extra), so they run in CI.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meganeura.io.checkpoint import load_checkpoint
+from meganeura.training import Trainer
+from tests.distributed.workloads import CONFIGS, STEPS, batches, loss_fn, make_model
+
+pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'meganeura[distributed]')")
+MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+if MPIEXEC is None:
+    pytest.skip("no mpiexec on PATH (the mpich wheel provides one)", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+RTOL = 1e-6
+
+
+def _mpiexec(n: int, mode: str, out: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "tests.distributed.worker", mode, str(out)]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(gpu_device):
+    """{config: (losses f64[STEPS], state dict)} of one process on the whole global batches."""
+    out = {}
+    for name, (make_opt, clip) in CONFIGS.items():
+        with Trainer(make_model(), make_opt(), loss_fn, max_grad_norm=clip) as t:
+            losses = [t.step(x, y) for x, y in batches()]
+            out[name] = (np.asarray(losses), t.state_dict())
+    return out
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| / max |b| (the tensor's relative error; 0 for two zero tensors)."""
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    return float(np.max(np.abs(a - b))) / scale if scale else float(np.max(np.abs(a)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [2, 3], ids=["ranks2", "ranks3"])
+def test_equals_one_process_on_the_concatenated_batch(ranks, reference, tmp_path):
+    run = _mpiexec(ranks, "parity", tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = np.load(tmp_path / "parity.npz")
+    assert int(got["world_size"]) == ranks
+    assert bool(got["identical"]), "ranks ended with different parameters or optimizer state"
+    for name, (losses, sd) in reference.items():
+        np.testing.assert_allclose(got[f"{name}/losses"], losses, rtol=RTOL, err_msg=name)
+        assert len(got[f"{name}/losses"]) == STEPS
+        for key, want in sd.items():
+            rel = _rel(got[f"{name}/{key}"], want)
+            assert rel <= RTOL, f"{name}: {key} differs by {rel:.2e} (relative)"
+
+
+@pytest.mark.gpu
+def test_a_failing_rank_stops_every_rank_and_keeps_the_checkpoint(gpu_device, tmp_path):
+    run = _mpiexec(2, "failure", tmp_path)
+    assert run.returncode != 0
+    for r in (0, 1):
+        caught = tmp_path / f"caught-{r}.txt"
+        assert caught.exists(), f"rank {r} did not raise DistributedError: {run.stderr[-4000:]}"
+        message = caught.read_text()
+        assert "step 2 failed on 1 of 2 ranks (rank 1: " in message, message
+        assert "InputError: input 'y': class index 99" in message, message
+    tensors, meta = load_checkpoint(tmp_path / "ckpt.safetensors")
+    assert meta["at"] == 1 and meta["step"] == 2
+    # the checkpoint holds the parameters after 2 steps: those of one process after 2 steps
+    from meganeura.optim import AdamW
+
+    with Trainer(make_model(), AdamW(lr=1e-2), loss_fn) as t:
+        for x, y in batches()[:2]:
+            t.step(x, y)
+        for key, want in t.model.state_dict().items():
+            assert _rel(tensors[key], want) <= RTOL, key

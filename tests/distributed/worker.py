@@ -1,0 +1,60 @@
+"""The MPI side of tests/distributed: ``mpiexec -n N python -m tests.distributed.worker MODE OUT``.
+
+``parity``: every configuration of ``workloads.CONFIGS`` trained ``STEPS`` steps with
+``DistributedTrainer`` on each rank's shard; rank 0 writes ``OUT/parity.npz`` (losses and
+parameters per configuration) and whether every rank ended with rank 0's exact bytes.
+
+``failure``: AdamW with a checkpoint after every step; at step 2 rank 1's batch holds a class
+index out of range, which its program rejects before running. Every rank must raise
+``DistributedError``; each writes its message to ``OUT/caught-<rank>.txt`` and exits 3.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from meganeura import distributed as dist
+from tests.distributed.workloads import CONFIGS, batches, loss_fn, make_model
+
+
+def parity(out: Path) -> None:
+    ctx = dist.init()
+    results, identical = {}, True
+    for name, (make_opt, clip) in CONFIGS.items():
+        model = make_model()
+        with dist.DistributedTrainer(model, make_opt(), loss_fn, max_grad_norm=clip) as t:
+            losses = [t.step(dist.shard(x), dist.shard(y)) for x, y in batches()]
+            sd = t.state_dict()
+        everyone = ctx.comm.allgather({k: v.tobytes() for k, v in sd.items()})
+        identical &= all(e == everyone[0] for e in everyone)
+        results[f"{name}/losses"] = np.asarray(losses, np.float64)
+        for k, v in sd.items():
+            results[f"{name}/{k}"] = v
+    if dist.is_main():
+        results["identical"] = np.asarray(identical)
+        results["world_size"] = np.asarray(ctx.world_size)
+        np.savez(out / "parity.npz", **results)
+
+
+def failure(out: Path) -> None:
+    from meganeura.optim import AdamW
+
+    ctx = dist.init()
+    trainer = dist.DistributedTrainer(make_model(), AdamW(lr=1e-2), loss_fn)
+    try:
+        for step, (x, y) in enumerate(batches()):
+            y = dist.shard(y).copy()
+            if step == 2 and ctx.rank == 1:
+                y[0] = 99  # out of range: the program's label check rejects the batch
+            trainer.step(dist.shard(x), y)
+            trainer.save(out / "ckpt.safetensors", {"at": step})
+    except dist.DistributedError as e:
+        (out / f"caught-{ctx.rank}.txt").write_text(str(e))
+        sys.exit(3)
+
+
+if __name__ == "__main__":
+    {"parity": parity, "failure": failure}[sys.argv[1]](Path(sys.argv[2]))
