@@ -257,7 +257,8 @@ class DistributedTrainer(Trainer):
 
     Attributes:
         reduce_seconds: wall seconds of the last step's gradient readback + ``Allreduce`` +
-            division (the host's share of the step).
+            division (the host's share of the step): ``readback_seconds`` (reading the
+            accumulators, which waits for the backward pass) + ``allreduce_seconds``.
         reduce_bytes: bytes all-reduced per step (float64 gradients and the loss).
     """
 
@@ -266,7 +267,7 @@ class DistributedTrainer(Trainer):
         super().__init__(model, optimizer, loss_fn, device=device or ctx.device, **kwargs)
         self.comm = comm or ctx.comm
         self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
-        self.reduce_seconds = 0.0
+        self.reduce_seconds = self.readback_seconds = self.allreduce_seconds = 0.0
         self.reduce_bytes = 0
         broadcast_parameters(model, self.comm)
 
@@ -336,7 +337,9 @@ class DistributedTrainer(Trainer):
         t0 = time.perf_counter()
         comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
         flat /= float(self.world_size * k)
-        self.reduce_seconds = read_seconds + time.perf_counter() - t0
+        self.allreduce_seconds = time.perf_counter() - t0
+        self.readback_seconds = read_seconds
+        self.reduce_seconds = read_seconds + self.allreduce_seconds
         self.reduce_bytes = flat.nbytes
         grads, offset = {}, 0
         for n in names:

@@ -64,6 +64,7 @@ def test_equals_one_process_on_the_concatenated_batch(ranks, reference, tmp_path
     got = np.load(tmp_path / "parity.npz")
     assert int(got["world_size"]) == ranks
     assert bool(got["identical"]), "ranks ended with different parameters or optimizer state"
+    assert bool(got["resume_identical"]), "a resumed run did not continue bit-identically"
     for name, (losses, sd) in reference.items():
         np.testing.assert_allclose(got[f"{name}/losses"], losses, rtol=RTOL, err_msg=name)
         assert len(got[f"{name}/losses"]) == STEPS

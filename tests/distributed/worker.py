@@ -2,7 +2,8 @@
 
 ``parity``: every configuration of ``workloads.CONFIGS`` trained ``STEPS`` steps with
 ``DistributedTrainer`` on each rank's shard; rank 0 writes ``OUT/parity.npz`` (losses and
-parameters per configuration) and whether every rank ended with rank 0's exact bytes.
+parameters per configuration), whether every rank ended with rank 0's exact bytes, and
+whether a run resumed from a checkpoint after step 1 ends bit-identical to the "adamw" run.
 
 ``failure``: AdamW with a checkpoint after every step; at step 2 rank 1's batch holds a class
 index out of range, which its program rejects before running. Every rank must raise
@@ -33,7 +34,24 @@ def parity(out: Path) -> None:
         results[f"{name}/losses"] = np.asarray(losses, np.float64)
         for k, v in sd.items():
             results[f"{name}/{k}"] = v
+    # resuming: 1 step, a checkpoint, a fresh trainer (other initial weights) loading it on
+    # every rank, 2 more steps: bit-identical to the uninterrupted "adamw" run
+    make_opt, clip = CONFIGS["adamw"]
+    data = batches()
+    with dist.DistributedTrainer(make_model(), make_opt(), loss_fn) as t:
+        t.step(dist.shard(data[0][0]), dist.shard(data[0][1]))
+        t.save(out / "resume.safetensors")
+    model = make_model()
+    for p in model.parameters():
+        p.copy_(np.zeros(p.shape, np.float32))
+    with dist.DistributedTrainer(model, make_opt(), loss_fn) as t:
+        t.load(out / "resume.safetensors")
+        for x, y in data[1:]:
+            t.step(dist.shard(x), dist.shard(y))
+        sd = t.state_dict()
+    resumed = all(np.array_equal(v, results[f"adamw/{k}"]) for k, v in sd.items())
     if dist.is_main():
+        results["resume_identical"] = np.asarray(resumed)
         results["identical"] = np.asarray(identical)
         results["world_size"] = np.asarray(ctx.world_size)
         np.savez(out / "parity.npz", **results)
