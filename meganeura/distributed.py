@@ -189,15 +189,16 @@ def shard(array: np.ndarray, rank_: int | None = None, size: int | None = None) 
     return a[r * q : (r + 1) * q]
 
 
-def _check_agree(comm, local_error: str | None, what: str, after: str) -> None:
-    """Every rank's error (None: success) in rank order; raise on every rank if any failed,
-    the message ending with ``after`` (what state the failure left)."""
-    errors = comm.allgather(local_error)
+def _check_agree(errors: list[str | None], what: str, after: str) -> None:
+    """Raise if any rank failed (``errors``: every rank's error or None, in rank order, from
+    an ``allgather``: the same list on every rank, so every rank raises), the message ending
+    with ``after`` (what state the failure left)."""
     failed = {r: e for r, e in enumerate(errors) if e is not None}
     if failed:
         listed = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
         raise DistributedError(
-            f"{what} failed on {len(failed)} of {len(errors)} ranks ({listed}); {after}",
+            f"{what} failed on {len(failed)} of {len(errors)} ranks ({listed}); {after} on any "
+            "rank",
             failed,
         )
 
@@ -322,18 +323,20 @@ class DistributedTrainer(Trainer):
         except Exception as e:
             error, exc = _describe(e), e
             signature = None
+        # one collective: every rank's error (None: success) and gradient layout
+        gathered = comm.allgather((error, signature))
         try:
-            _check_agree(comm, error, f"step {self.step_count}", "nothing was updated on any rank")
+            _check_agree([e for e, _ in gathered], f"step {self.step_count}", "nothing was updated")
+            if any(sig != gathered[0][1] for _, sig in gathered):
+                raise DistributedError(
+                    f"step {self.step_count}: the ranks' gradients differ in parameters or "
+                    f"shapes (rank 0: {gathered[0][1]}); the same model and loss_fn must run on "
+                    "every rank; nothing was updated",
+                    {},
+                )
         except DistributedError as e:
             mn_random.set_rng_state(rng_state)
             raise e from exc
-        signatures = comm.allgather(signature)
-        if any(s != signatures[0] for s in signatures):
-            raise DistributedError(
-                f"step {self.step_count}: the ranks' gradients differ in parameters or shapes "
-                f"(rank 0: {signatures[0]}); the same model and loss_fn must run on every rank",
-                {},
-            )
         t0 = time.perf_counter()
         comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
         flat /= float(self.world_size * k)
@@ -390,8 +393,6 @@ class DistributedTrainer(Trainer):
             except Exception as e:
                 error, exc = _describe(e), e
         try:
-            _check_agree(
-                self.comm, error, f"saving {path}", "a file written before is left as it was"
-            )
+            _check_agree(self.comm.allgather(error), f"saving {path}", "no file was changed")
         except DistributedError as e:
             raise e from exc

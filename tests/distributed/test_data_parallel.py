@@ -39,15 +39,19 @@ def _mpiexec(n: int, mode: str, out: Path, timeout: float = 120) -> subprocess.C
     )
 
 
-@pytest.fixture(scope="module")
-def reference(gpu_device):
-    """{config: (losses f64[STEPS], state dict)} of one process on the whole global batches."""
-    out = {}
-    for name, (make_opt, clip) in CONFIGS.items():
-        with Trainer(make_model(), make_opt(), loss_fn, max_grad_norm=clip) as t:
+_REFERENCE: dict = {}
+
+
+def _reference(name: str, ranks: int) -> tuple[np.ndarray, dict]:
+    """(losses f64[STEPS], state dict) of one process on the whole global batches."""
+    make_opt, clip, k = CONFIGS[name]
+    key = (name, k * ranks if k > 1 else 1)
+    if key not in _REFERENCE:
+        kwargs = dict(max_grad_norm=clip, accumulation_steps=key[1])
+        with Trainer(make_model(), make_opt(), loss_fn, **kwargs) as t:
             losses = [t.step(x, y) for x, y in batches()]
-            out[name] = (np.asarray(losses), t.state_dict())
-    return out
+            _REFERENCE[key] = (np.asarray(losses), t.state_dict())
+    return _REFERENCE[key]
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -58,14 +62,15 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranks", [2, 3], ids=["ranks2", "ranks3"])
-def test_equals_one_process_on_the_concatenated_batch(ranks, reference, tmp_path):
+def test_equals_one_process_on_the_concatenated_batch(ranks, gpu_device, tmp_path):
     run = _mpiexec(ranks, "parity", tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
     got = np.load(tmp_path / "parity.npz")
     assert int(got["world_size"]) == ranks
     assert bool(got["identical"]), "ranks ended with different parameters or optimizer state"
     assert bool(got["resume_identical"]), "a resumed run did not continue bit-identically"
-    for name, (losses, sd) in reference.items():
+    for name in CONFIGS:
+        losses, sd = _reference(name, ranks)
         np.testing.assert_allclose(got[f"{name}/losses"], losses, rtol=RTOL, err_msg=name)
         assert len(got[f"{name}/losses"]) == STEPS
         for key, want in sd.items():

@@ -24,9 +24,10 @@ from tests.distributed.workloads import CONFIGS, batches, loss_fn, make_model
 def parity(out: Path) -> None:
     ctx = dist.init()
     results, identical = {}, True
-    for name, (make_opt, clip) in CONFIGS.items():
+    for name, (make_opt, clip, k) in CONFIGS.items():
         model = make_model()
-        with dist.DistributedTrainer(model, make_opt(), loss_fn, max_grad_norm=clip) as t:
+        kwargs = dict(max_grad_norm=clip, accumulation_steps=k)
+        with dist.DistributedTrainer(model, make_opt(), loss_fn, **kwargs) as t:
             losses = [t.step(dist.shard(x), dist.shard(y)) for x, y in batches()]
             sd = t.state_dict()
         everyone = ctx.comm.allgather({k: v.tobytes() for k, v in sd.items()})
@@ -36,7 +37,7 @@ def parity(out: Path) -> None:
             results[f"{name}/{k}"] = v
     # resuming: 1 step, a checkpoint, a fresh trainer (other initial weights) loading it on
     # every rank, 2 more steps: bit-identical to the uninterrupted "adamw" run
-    make_opt, clip = CONFIGS["adamw"]
+    make_opt = CONFIGS["adamw"][0]
     data = batches()
     with dist.DistributedTrainer(make_model(), make_opt(), loss_fn) as t:
         t.step(dist.shard(data[0][0]), dist.shard(data[0][1]))

@@ -16,14 +16,18 @@ from meganeura.nn import functional as F
 from meganeura.optim import SGD, AdamW
 
 STEPS = 3
-GLOBAL_BATCH = 12  # divisible by 2 and 3 ranks
+GLOBAL_BATCH = 12  # divisible by 2 and 3 ranks, and their shards by 2 micro-batches
 SIZES = (8, 16, 4)
 
+# name -> (optimizer factory, max_grad_norm, accumulation_steps per rank); the clipped runs
+# clip (the global norm is ~0.5); with accumulation, one process on the whole batch uses
+# accumulation_steps * ranks micro-batches (the same contiguous blocks of rows)
 CONFIGS = {
-    "sgd-momentum": (lambda: SGD(lr=0.1, momentum=0.9, weight_decay=0.01), None),
-    "sgd-momentum-clip": (lambda: SGD(lr=0.1, momentum=0.9, weight_decay=0.01), 0.05),
-    "adamw": (lambda: AdamW(lr=1e-2, weight_decay=0.01), None),
-    "adamw-clip": (lambda: AdamW(lr=1e-2, weight_decay=0.01), 0.05),
+    "sgd-momentum": (lambda: SGD(lr=0.1, momentum=0.9, weight_decay=0.01), None, 1),
+    "sgd-momentum-clip": (lambda: SGD(lr=0.1, momentum=0.9, weight_decay=0.01), 0.05, 1),
+    "adamw": (lambda: AdamW(lr=1e-2, weight_decay=0.01), None, 1),
+    "adamw-clip": (lambda: AdamW(lr=1e-2, weight_decay=0.01), 0.05, 1),
+    "adamw-clip-accumulate2": (lambda: AdamW(lr=1e-2, weight_decay=0.01), 0.05, 2),
 }
 
 
