@@ -101,6 +101,16 @@ def test_a_failing_rank_stops_every_rank_and_keeps_the_checkpoint(gpu_device, tm
 
 
 @pytest.mark.gpu
+def test_an_exception_outside_a_step_aborts_the_job(gpu_device, tmp_path):
+    run = _mpiexec(2, "abort", tmp_path, timeout=60)  # a hang would raise TimeoutExpired
+    assert run.returncode != 0
+    assert "RuntimeError: rank 1 lost its data loader" in run.stderr, run.stderr[-4000:]
+    assert not list(tmp_path.glob("finished-*"))
+    _, meta = load_checkpoint(tmp_path / "ckpt.safetensors")
+    assert meta["at"] == 1 and meta["step"] == 2
+
+
+@pytest.mark.gpu
 def test_train_mnist_distributed_equals_one_process(gpu_device, tmp_path):
     """``mpiexec -n 2 meganeura train mnist --distributed``: the checkpoint after one epoch of
     8 steps (global batch 500, halves per rank) equals the recipe run in one process."""

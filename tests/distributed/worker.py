@@ -8,6 +8,9 @@ whether a run resumed from a checkpoint after step 1 ends bit-identical to the "
 ``failure``: AdamW with a checkpoint after every step; at step 2 rank 1's batch holds a class
 index out of range, which its program rejects before running. Every rank must raise
 ``DistributedError``; each writes its message to ``OUT/caught-<rank>.txt`` and exits 3.
+
+``abort``: rank 1 raises outside a step; the job must end (MPI_Abort) with the checkpoint of
+step 1 intact.
 """
 
 from __future__ import annotations
@@ -75,5 +78,20 @@ def failure(out: Path) -> None:
         sys.exit(3)
 
 
+def abort(out: Path) -> None:
+    """Rank 1 raises outside a step, after the checkpoint of step 1: ``init``'s excepthook
+    aborts the job while rank 0 waits in its next step's collective."""
+    from meganeura.optim import AdamW
+
+    ctx = dist.init()
+    trainer = dist.DistributedTrainer(make_model(), AdamW(lr=1e-2), loss_fn)
+    for step, (x, y) in enumerate(batches()):
+        if step == 2 and ctx.rank == 1:
+            raise RuntimeError("rank 1 lost its data loader")
+        trainer.step(dist.shard(x), dist.shard(y))
+        trainer.save(out / "ckpt.safetensors", {"at": step})
+    (out / f"finished-{ctx.rank}.txt").write_text("rank 0 must not get here")
+
+
 if __name__ == "__main__":
-    {"parity": parity, "failure": failure}[sys.argv[1]](Path(sys.argv[2]))
+    {"parity": parity, "failure": failure, "abort": abort}[sys.argv[1]](Path(sys.argv[2]))
