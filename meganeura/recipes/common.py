@@ -27,16 +27,22 @@ def lr_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0) -
     return get_schedule(name, lr=lr)
 
 
-def adamw_trainer(model, loss_fn, cfg, total_steps: int, device=None) -> Trainer:
+def adamw_trainer(
+    model, loss_fn, cfg, total_steps: int, device=None, distributed: bool = False
+) -> Trainer:
     """The recipe's ``Trainer``: AdamW(``cfg.lr``, ``cfg.weight_decay``), the
     :func:`lr_schedule` ``cfg.schedule`` over ``total_steps``, ``cfg.max_grad_norm`` and
     ``cfg.precision``. ``cfg``: a ``MnistConfig`` or ``ResNetTrainConfig`` (any object with
-    those fields and ``warmup_steps``).
+    those fields and ``warmup_steps``). ``distributed``: a ``distributed.DistributedTrainer``
+    (``distributed.init`` called first).
 
     Raises:
         ValueError: an unknown ``cfg.schedule``.
     """
-    return Trainer(
+    cls = Trainer
+    if distributed:
+        from ..distributed import DistributedTrainer as cls
+    return cls(
         model,
         AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay),
         loss_fn,

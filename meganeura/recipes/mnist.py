@@ -47,6 +47,9 @@ class MnistConfig:
     out: str = "runs/mnist"
     log_every: int = 10
     precision: str = "strict"  # CompileOptions.precision of the training and eval programs
+    # data-parallel over the ranks of ``mpiexec -n N`` (``meganeura.distributed``, initialized
+    # first); batch_size is the global batch, split in equal shards across ranks
+    distributed: bool = False
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -114,7 +117,7 @@ def _resume_meta(path: str, cfg: MnistConfig) -> dict:
 def _step_memory(trainer: Trainer) -> dict | None:
     """The planned memory of the training step's program (None when no step ran)."""
     for entry in trainer.cache_info().entries:
-        if entry.signature[0] == "step":
+        if entry.signature[0] in ("step", "accumulate"):  # accumulate: a distributed run's
             return asdict(entry.runner.program.memory)
     return None
 
@@ -161,6 +164,17 @@ def train(
         CheckpointError: a ``resume`` checkpoint that does not fit (nothing is loaded).
     """
     check_config(cfg)
+    world, main = 1, True
+    if cfg.distributed:
+        from .. import distributed as dist
+
+        ctx = dist.init()  # the CLI initialized it with the adapter
+        world, main, device = ctx.world_size, ctx.rank == 0, device or ctx.device
+        if cfg.batch_size % world:
+            raise ValueError(
+                f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks (each "
+                "rank takes an equal shard of every batch)"
+            )
     data = load_mnist(cfg.data, seed=cfg.seed)
     x_train, mean, std = standardize(data.x_train)
     x_test, _, _ = standardize(data.x_test, mean, std)
@@ -168,7 +182,7 @@ def train(
     total = steps_per_epoch * cfg.epochs
 
     model = init_model(cfg)
-    trainer = adamw_trainer(model, loss_fn, cfg, total, device)
+    trainer = adamw_trainer(model, loss_fn, cfg, total, device, cfg.distributed)
     data_rng = np.random.default_rng(cfg.seed + 1)
     epoch0, losses = 0, []
     if resume:
@@ -182,13 +196,14 @@ def train(
     ckpt = out / "checkpoint.safetensors"
     t_start = time.perf_counter()
     seen = 0
+    reduce_s, ran = 0.0, 0
     stopped = False
     for epoch in range(epoch0, cfg.epochs):
         bar = tqdm(
             iterate_batches(len(x_train), cfg.batch_size, data_rng),
             total=steps_per_epoch,
             desc=f"epoch {epoch + 1}/{cfg.epochs}",
-            disable=not progress,
+            disable=not progress or not main,
             leave=False,
         )
         epoch_t = time.perf_counter()
@@ -198,12 +213,21 @@ def train(
             # resumed run samples the same steps.
             step = trainer.step_count
             log = step % cfg.log_every == 0
-            loss = trainer.step(x_train[idx], data.y_train[idx], return_loss=log)
+            x, y = x_train[idx], data.y_train[idx]
+            if world > 1:  # this rank's shard of the global batch
+                x, y = dist.shard(x), dist.shard(y)
+            loss = trainer.step(x, y, return_loss=log)
             seen += len(idx)
+            reduce_s += getattr(trainer, "reduce_seconds", 0.0)
+            ran += 1
             if log:
                 losses.append([step, loss])
                 rate = (k + 1) * cfg.batch_size / (time.perf_counter() - epoch_t)
-                bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
+                shown = {"loss": f"{loss:.4f}", "samples_s": f"{rate:,.0f}"}
+                if cfg.distributed:  # per rank, and the host's readback + all-reduce per step
+                    shown["rank_samples_s"] = f"{rate / world:,.0f}"
+                    shown["reduce_ms"] = f"{1e3 * trainer.reduce_seconds:.2f}"
+                bar.set_postfix(shown)
             if max_steps is not None and trainer.step_count >= max_steps:
                 stopped = True
                 break
@@ -225,9 +249,14 @@ def train(
         "memory": _step_memory(trainer),
         "compile_seconds": _compile_seconds(trainer.cache_info(), run.cache_info()),
         "losses": losses,
+        "world_size": world,
+        "main": main,
     }
+    if cfg.distributed:
+        summary["reduce_ms_per_step"] = 1e3 * reduce_s / max(ran, 1)
+        summary["reduce_bytes"] = trainer.reduce_bytes
     png = out / "loss.png"
-    if _plot(losses, steps_per_epoch // cfg.log_every, png):
+    if main and _plot(losses, steps_per_epoch // cfg.log_every, png):
         summary["loss_plot"] = str(png)
     return summary
 

@@ -203,6 +203,37 @@ def get_device(adapter: str | None = None) -> Device:
     return dev
 
 
+def get_local_device(local_rank: int) -> Device:
+    """The cached device for process ``local_rank`` of a host (``meganeura.distributed``):
+    the ``local_rank % n``-th of the host's ``n`` GPU adapters (discrete or integrated, in
+    enumeration order, those of the first backend listed: one per physical device),
+    or the default device when the host has no GPU adapter (lavapipe: every rank shares it).
+
+    Raises:
+        RuntimeError: as :meth:`Device.open`.
+    """
+    key = f"#local{int(local_rank)}"
+    dev = _DEVICES.get(key)
+    if dev is not None:
+        return dev
+    _quiet_vulkan_device_select()
+    gpus = [
+        c
+        for c in wgpu.gpu.enumerate_adapters_sync()
+        if "gpu" in str(c.info.get("adapter_type", "")).casefold()  # DiscreteGPU, IntegratedGPU
+    ]
+    if gpus:  # one adapter per physical device: those of the first backend listed
+        backend = gpus[0].info.get("backend_type")
+        gpus = [c for c in gpus if c.info.get("backend_type") == backend]
+    if not gpus:
+        dev = get_device(None)
+    else:
+        found = gpus[int(local_rank) % len(gpus)]
+        dev = Device(found, _request_device(found))
+    _DEVICES[key] = dev
+    return dev
+
+
 def format_info(device: Device) -> str:
     """A human-readable report for ``meganeura info``: adapter, backend, features, limits.
 

@@ -345,17 +345,23 @@ class Trainer:
             effect()
         return out
 
-    def _prepare(self, kind: str, batch: tuple, kwargs: dict, return_grads: bool = False):
-        """(program for this batch's signature, its feeds with fresh dropout seeds)."""
+    def _prepare(self, kind: str, batch: tuple, kwargs: dict, return_grads: bool = False, fn=None):
+        """(program for this batch's signature, its feeds with fresh dropout seeds).
+
+        ``fn`` replaces the bound ``loss_fn`` (``kind="apply"``: ``distributed``'s update from
+        given gradients)."""
         self._live()
-        _, spec, arrays = flatten_arguments(self._fn, batch, kwargs)
+        fn = self._fn if fn is None else fn
+        _, spec, arrays = flatten_arguments(fn, batch, kwargs)
         key = (kind, spec, return_grads)
         if kind != "evaluate":
             key += self.model.signature_key()
         prog = self._cache.get(key)
         if prog is None:
             self.misses += 1
-            prog = self._cache[key] = self._compile(key, kind, batch, kwargs, arrays, return_grads)
+            prog = self._cache[key] = self._compile(
+                key, kind, batch, kwargs, arrays, return_grads, fn
+            )
         else:
             self.hits += 1
         # At least 2: a step with accumulation runs two programs, both prepared before either runs.
@@ -372,12 +378,12 @@ class Trainer:
                 feeds[name] = seed
         return prog, feeds
 
-    def _compile(self, key, kind, batch: tuple, kwargs: dict, arrays: list, return_grads: bool):
+    def _compile(self, key, kind, batch: tuple, kwargs: dict, arrays: list, return_grads: bool, fn):
         modes = [(m, m.training) for m in self.model.modules()]
         if kind == "evaluate":
             self.model.eval()
         try:
-            traced = trace_call(self.model, self._fn, batch, kwargs, LOSS, check_loss)
+            traced = trace_call(self.model, fn, batch, kwargs, LOSS, check_loss)
         except Exception as e:
             shown = ", ".join(f"{n}: {a.dtype}{list(a.shape)}" for n, a in arrays)
             e.add_note(
@@ -410,6 +416,8 @@ class Trainer:
                 accumulate_grads=True,
                 trainable=trainable,
             )
+        elif kind == "apply":  # one update from gradients given as inputs: no micro-batches
+            options = replace(self._options, trainable=trainable, accumulation_steps=1)
         else:
             options = replace(self._options, trainable=trainable, output_grads=return_grads)
         shared = functools.partial(self._shared_key, objects)

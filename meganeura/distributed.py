@@ -1,0 +1,398 @@
+"""Data-parallel training on MPI (issue 17): one process per GPU, launched by ``mpiexec -n N``.
+
+MPI (``mpi4py`` on the ``mpich`` wheel: ``pip install meganeura[distributed]``) is the engine:
+it starts the processes, on one host or many, and moves the bytes. This module adds what a
+meganeura Trainer needs on top:
+
+  * :func:`init`: rank, world size and local rank (``COMM_TYPE_SHARED`` split of
+    ``COMM_WORLD``) and the process's device: the adapter selection given (the CLI passes
+    ``MEGANEURA_ADAPTER``), else the host's ``local_rank``-th GPU (``runtime.get_local_device``);
+  * :func:`broadcast_parameters`: rank 0's parameters and buffers to every rank;
+  * :class:`DistributedTrainer`: a ``Trainer`` whose step all-reduces the gradients.
+
+A step of :class:`DistributedTrainer` on each rank's local batch:
+
+  1. forward + backward of each local micro-batch into the gradient accumulators (the
+     accumulate program of ``optim.accumulate``; the first micro-batch overwrites them);
+  2. every rank reports success or its error (``allgather`` of a short message); if any rank
+     failed, every rank raises :class:`DistributedError` naming the failed ranks, before
+     anything is updated (parameters and optimizer state untouched on every rank);
+  3. the host reads the accumulated gradients and loss into one flat float64 vector (parameter
+     order of ``model.named_parameters``), ``Allreduce`` (``MPI.SUM``) it in place and divides
+     by ``world_size * accumulation_steps``: DDP's and Hugging Face's mean of the per-rank,
+     per-micro-batch means;
+  4. the update program applies clipping, the non-finite guard and the optimizer to that mean
+     gradient, given as an input. It is the compiled step of the surrogate loss
+     ``L + sum_p sum(g_p * p)`` (``g_p`` and the mean loss ``L`` inputs), whose gradient with
+     respect to ``p`` is ``1 * g_p = g_p`` exactly, so the update, clipping (it sees the
+     all-reduced gradient) and the guard are the ordinary Trainer's code.
+
+Determinism: every rank feeds the same bytes to the same update program, so the parameters
+stay identical on every rank. What this relies on: float32 values summed in float64 (exact
+for 2 ranks; for more, exact unless the summands' exponents span more than ~29 binades), and
+MPICH's ``Allreduce`` for a fixed communicator, message size and op choosing a fixed algorithm
+and combination order (it never combines in arrival order) that gives every rank the same
+result, as the MPI standard advises (MPI 4.1, section 6.9.1, "Advice to implementors").
+
+Rank 0 alone writes checkpoints (:meth:`DistributedTrainer.save`, atomic as
+``io.checkpoint``); every rank then continues or raises together. Not here yet (docs/
+distributed.md): overlap of the reduce with the backward pass, buckets, models whose forward
+updates buffers (BatchNorm's running statistics), per-rank dropout seeds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import random as mn_random
+from .nn.module import Module
+from .optim import HYPER_INPUT
+from .optim.accumulate import ACCUM_FIRST_INPUT
+from .optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, PENDING_SUFFIX
+from .training.batches import split_batch
+from .training.guard import StepRun, check_finite_feeds
+from .training.trainer import Trainer
+
+GRAD_ACCUM_SUFFIX = ".grad_accum"
+
+
+class DistributedError(RuntimeError):
+    """A rank failed during a distributed step; raised on every rank.
+
+    Attributes:
+        failed: {rank: "ExceptionType: message"} of the ranks that failed.
+    """
+
+    def __init__(self, message: str, failed: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failed = failed
+
+
+@dataclass(frozen=True)
+class Context:
+    """The MPI process's place in the job (:func:`init`).
+
+    Attributes:
+        comm: the communicator (``MPI.COMM_WORLD``).
+        rank: this process's rank in ``comm``, 0 .. world_size - 1.
+        world_size: number of processes.
+        local_rank: rank among the processes of this host.
+        device: the runtime Device this process trains on.
+    """
+
+    comm: object
+    rank: int
+    world_size: int
+    local_rank: int
+    device: object
+
+
+_CONTEXT: Context | None = None
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise ImportError(
+            "meganeura.distributed needs mpi4py and an MPI library: "
+            "pip install 'meganeura[distributed]' (mpi4py and the mpich wheel)"
+        ) from e
+    return MPI
+
+
+def init(adapter: str | None = None, *, abort_on_exception: bool = True) -> Context:
+    """Initialize this process from the MPI environment (idempotent).
+
+    Args:
+        adapter: an adapter selection string (``runtime.Device.open``; the CLI passes
+            ``MEGANEURA_ADAPTER``); None picks the host's ``local_rank``-th GPU, or the default
+            adapter where there is no GPU (lavapipe).
+        abort_on_exception: replace ``sys.excepthook`` so that an exception no rank catches
+            prints its traceback and then calls ``MPI.COMM_WORLD.Abort(1)``: the other ranks
+            would otherwise wait forever in their next collective (``python -m mpi4py`` does
+            the same).
+
+    Returns:
+        The :class:`Context` (also kept for :func:`rank`, :func:`world_size`, :func:`is_main`).
+
+    Raises:
+        ImportError: mpi4py is not installed.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None:
+        return _CONTEXT
+    MPI = _mpi()
+    from .runtime.device import get_device, get_local_device
+
+    comm = MPI.COMM_WORLD
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local_rank = local.Get_rank()
+    local.Free()
+    device = get_device(adapter) if adapter else get_local_device(local_rank)
+    _CONTEXT = Context(comm, comm.Get_rank(), comm.Get_size(), local_rank, device)
+    if abort_on_exception and _CONTEXT.world_size > 1:
+        previous = sys.excepthook
+
+        def hook(kind, value, tb):
+            previous(kind, value, tb)
+            sys.stderr.flush()
+            comm.Abort(1)
+
+        sys.excepthook = hook
+    return _CONTEXT
+
+
+def _context() -> Context:
+    if _CONTEXT is None:
+        raise RuntimeError("call meganeura.distributed.init() first")
+    return _CONTEXT
+
+
+def rank() -> int:
+    """This process's rank (0 before :func:`init` and outside MPI)."""
+    return 0 if _CONTEXT is None else _CONTEXT.rank
+
+
+def world_size() -> int:
+    """Number of processes (1 before :func:`init`)."""
+    return 1 if _CONTEXT is None else _CONTEXT.world_size
+
+
+def is_main() -> bool:
+    """Whether this is rank 0, the one that logs and writes checkpoints."""
+    return rank() == 0
+
+
+def shard(array: np.ndarray, rank_: int | None = None, size: int | None = None) -> np.ndarray:
+    """This rank's rows of a global batch array: the ``rank``-th of ``size`` equal parts
+    along dim 0.
+
+    Raises:
+        ValueError: a length that ``size`` does not divide (the mean of per-rank means
+            equals the global batch's mean only for equal parts).
+    """
+    r = rank() if rank_ is None else rank_
+    n = world_size() if size is None else size
+    a = np.asarray(array)
+    if a.ndim == 0 or a.shape[0] % n:
+        raise ValueError(
+            f"a global batch of {a.shape[0] if a.ndim else 'a scalar'} rows cannot be split into "
+            f"{n} equal parts (one per rank); use a batch size divisible by the world size"
+        )
+    q = a.shape[0] // n
+    return a[r * q : (r + 1) * q]
+
+
+def _check_agree(errors: list[str | None], what: str, after: str) -> None:
+    """Raise if any rank failed (``errors``: every rank's error or None, in rank order, from
+    an ``allgather``: the same list on every rank, so every rank raises), the message ending
+    with ``after`` (what state the failure left)."""
+    failed = {r: e for r, e in enumerate(errors) if e is not None}
+    if failed:
+        listed = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
+        raise DistributedError(
+            f"{what} failed on {len(failed)} of {len(errors)} ranks ({listed}); {after} on any "
+            "rank",
+            failed,
+        )
+
+
+def _describe(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
+
+
+def broadcast_parameters(model: Module, comm=None) -> None:
+    """Give every rank rank 0's parameters and buffers (``model.state_dict()``).
+
+    Raises:
+        DistributedError: the ranks' models differ in names, shapes or dtypes (raised on every
+            rank; nothing is loaded).
+    """
+    comm = comm or _context().comm
+    sd = model.state_dict()
+    spec = [(k, tuple(v.shape), str(v.dtype)) for k, v in sd.items()]
+    specs = comm.allgather(spec)
+    bad = [r for r, s in enumerate(specs) if s != specs[0]]
+    if bad:
+        theirs = {k: v for k, *v in specs[bad[0]]}
+        diff = [f"{k}: {v} vs {theirs.get(k)}" for k, *v in specs[0] if theirs.get(k) != v][:3]
+        raise DistributedError(
+            f"broadcast_parameters: the model of rank {bad[0]} differs from rank 0's ({diff})",
+            {r: "model differs" for r in bad},
+        )
+    out = {}
+    for k, v in sd.items():
+        a = np.ascontiguousarray(v)
+        comm.Bcast(a, root=0)
+        out[k] = a
+    if comm.Get_rank() != 0:
+        model.load_state_dict(out, strict=True)
+
+
+def _apply_fn(model: Module, mean_loss, grads):
+    """The update program's surrogate loss ``mean_loss + sum_p sum(grads[p] * p)``: its
+    gradient with respect to parameter ``p`` is ``grads[p]`` exactly (module docstring)."""
+    params = dict(model.named_parameters())
+    total = mean_loss
+    for name, g in grads.items():
+        total = total + (g * params[name]).sum()
+    return total
+
+
+class DistributedTrainer(Trainer):
+    """A Trainer whose step averages the gradients of every rank's local batch (module
+    docstring). Takes ``Trainer``'s arguments, and:
+
+    Args:
+        comm: the communicator (default: :func:`init`'s ``COMM_WORLD``).
+        device: default the device :func:`init` chose.
+
+    Construction broadcasts rank 0's parameters and buffers (:func:`broadcast_parameters`),
+    as ``torch.nn.parallel.DistributedDataParallel`` does.
+
+    Attributes:
+        reduce_seconds: wall seconds of the last step's gradient readback + ``Allreduce`` +
+            division (the host's share of the step): ``readback_seconds`` (reading the
+            accumulators, which waits for the backward pass) + ``allreduce_seconds``.
+        reduce_bytes: bytes all-reduced per step (float64 gradients and the loss).
+    """
+
+    def __init__(self, model, optimizer, loss_fn, *, comm=None, device=None, **kwargs) -> None:
+        ctx = _context() if comm is None or device is None else None
+        super().__init__(model, optimizer, loss_fn, device=device or ctx.device, **kwargs)
+        self.comm = comm or ctx.comm
+        self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
+        self.reduce_seconds = self.readback_seconds = self.allreduce_seconds = 0.0
+        self.reduce_bytes = 0
+        broadcast_parameters(model, self.comm)
+
+    def step(self, *batch, return_loss: bool = True, **kwargs):
+        """One optimizer step on this rank's local batch (given as to ``Trainer.step``) and
+        every other rank's; returns the mean loss over ranks (the same float on every rank),
+        or None with ``return_loss=False``.
+
+        Raises:
+            DistributedError: on every rank, when any rank failed before the reduce (tracing,
+                a batch the program rejects, a non-finite batch with ``check_finite``, a
+                model whose forward updates buffers); nothing is updated on any rank.
+            NonFiniteError: as ``Trainer.step``, on every rank alike.
+        """
+        MPI = _mpi()
+        comm, k = self.comm, self.accumulation_steps
+        rng_state = mn_random.get_rng_state()
+        error = exc = None
+        flat = names = None
+        try:
+            micro = split_batch(self._fn, batch, kwargs, k) if k > 1 else [(batch, kwargs)]
+            runs = []
+            for i, (mb, mkw) in enumerate(micro):
+                prog, feeds = self._prepare("accumulate", mb, mkw)
+                state = prog.entry.runner.program.state
+                if any(n.endswith("." + PENDING_SUFFIX) for n in state):
+                    raise NotImplementedError(
+                        "DistributedTrainer does not train models whose forward updates "
+                        "buffers (BatchNorm's running statistics) yet: docs/distributed.md"
+                    )
+                if ACCUM_FIRST_INPUT in prog.entry.runner.program.inputs:
+                    feeds[ACCUM_FIRST_INPUT] = np.asarray(float(i == 0), np.float32)
+                if self.check_finite:
+                    check_finite_feeds(feeds, self.step_count, "DistributedTrainer")
+                runs.append((prog, feeds))
+            for prog, feeds in runs:
+                prog.entry.runner.session.check(feeds)
+            host = self._host_counters()
+            for prog, feeds in runs:
+                self._run(prog, feeds, ())
+            t0 = time.perf_counter()
+            params = dict(self.model.named_parameters())
+            state = runs[-1][0].entry.runner.program.state
+            names = [n for n in params if n + GRAD_ACCUM_SUFFIX in state]
+            parts = [self._accumulators[params[n]].data.astype(np.float64).ravel() for n in names]
+            flat = np.concatenate([*parts, [float(self._loss_accumulator.data)]])
+            read_seconds = time.perf_counter() - t0
+            signature = [(n, params[n].shape) for n in names]
+            # compiled now, so that a compile error stops every rank before the reduce
+            zeros = {n: np.zeros(params[n].shape, params[n].dtype.numpy) for n in names}
+            self._prepare("apply", (np.float32(0), zeros), {}, fn=self._apply)
+        except Exception as e:
+            error, exc = _describe(e), e
+            signature = None
+        # one collective: every rank's error (None: success) and gradient layout
+        gathered = comm.allgather((error, signature))
+        try:
+            _check_agree([e for e, _ in gathered], f"step {self.step_count}", "nothing was updated")
+            if any(sig != gathered[0][1] for _, sig in gathered):
+                raise DistributedError(
+                    f"step {self.step_count}: the ranks' gradients differ in parameters or "
+                    f"shapes (rank 0: {gathered[0][1]}); the same model and loss_fn must run on "
+                    "every rank; nothing was updated",
+                    {},
+                )
+        except DistributedError as e:
+            mn_random.set_rng_state(rng_state)
+            raise e from exc
+        t0 = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        flat /= float(self.world_size * k)
+        self.allreduce_seconds = time.perf_counter() - t0
+        self.readback_seconds = read_seconds
+        self.reduce_seconds = read_seconds + self.allreduce_seconds
+        self.reduce_bytes = flat.nbytes
+        grads, offset = {}, 0
+        for n in names:
+            p = params[n]
+            size = int(np.prod(p.shape, dtype=np.int64))
+            grads[n] = flat[offset : offset + size].reshape(p.shape).astype(p.dtype.numpy)
+            offset += size
+        loss = float(np.float32(flat[-1]))
+        try:
+            prog, feeds = self._prepare("apply", (np.float32(loss), grads), {}, fn=self._apply)
+            inputs = prog.entry.runner.program.inputs
+            if HYPER_INPUT in inputs:
+                feeds[HYPER_INPUT] = self.optimizer.hyper(self.step_count, self.lr())
+            if GUARD_RESET_INPUT in inputs:
+                feeds[GUARD_RESET_INPUT] = self._guard.reset_feed()
+            guarded = GUARD_OUTPUT in prog.entry.runner.program.outputs
+            out = self._run(prog, feeds, (GUARD_OUTPUT,) if return_loss and guarded else ())
+        except Exception:
+            # The other ranks may have updated: the replicas would diverge. Stop the job.
+            traceback.print_exc()
+            sys.stderr.write(f"rank {self.rank}: the update failed after the reduce; aborting\n")
+            sys.stderr.flush()
+            comm.Abort(1)
+            raise
+        if guarded:
+            located = tuple(
+                StepRun(x.program, f, x.session, x.traced.graph, x.options)
+                for x, f in [(p.entry.runner, f) for p, f in [*runs, (prog, feeds)]]
+            )
+            self._guard.ran(self.step_count, rng_state, located, host)
+        self.step_count += 1
+        if GUARD_OUTPUT in out:
+            self._settle(out, loss)
+        return loss if return_loss else None
+
+    def _apply(self, mean_loss, grads):
+        return _apply_fn(self.model, mean_loss, grads)
+
+    def save(self, path, metadata=None) -> None:
+        """Rank 0 writes the checkpoint (``Trainer.save``: atomic); every rank returns once it
+        is written, or raises :class:`DistributedError` if rank 0 failed (the previous file,
+        if any, is intact: the write is atomic)."""
+        self.check_nonfinite()  # on every rank: the guard's count is the same everywhere
+        error = exc = None
+        if self.rank == 0:
+            try:
+                super().save(path, metadata)
+            except Exception as e:
+                error, exc = _describe(e), e
+        try:
+            _check_agree(self.comm.allgather(error), f"saving {path}", "no file was changed")
+        except DistributedError as e:
+            raise e from exc

@@ -1,0 +1,143 @@
+"""Data-parallel training on MPI (issue 17 item 4): ``mpiexec -n N`` runs of
+``tests.distributed.worker`` against one process on the concatenated batch.
+
+The reference is an ordinary ``Trainer`` in this process on each whole global batch (what
+``DistributedTrainer`` must equal: the mean of the ranks' equal-shard means is the global
+batch's mean). Skipped, with the reason, where mpi4py or mpiexec is missing; ``make setup``
+installs both (the ``distributed`` extra), so they run in CI.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meganeura.io.checkpoint import load_checkpoint
+from meganeura.training import Trainer
+from tests.distributed.workloads import CONFIGS, STEPS, batches, loss_fn, make_model
+
+pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'meganeura[distributed]')")
+MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+if MPIEXEC is None:
+    pytest.skip("no mpiexec on PATH (the mpich wheel provides one)", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+RTOL = 1e-6
+
+
+def _mpiexec(n: int, mode: str, out: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "tests.distributed.worker", mode, str(out)]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+_REFERENCE: dict = {}
+
+
+def _reference(name: str, ranks: int) -> tuple[np.ndarray, dict]:
+    """(losses f64[STEPS], state dict) of one process on the whole global batches."""
+    make_opt, clip, k = CONFIGS[name]
+    key = (name, k * ranks if k > 1 else 1)
+    if key not in _REFERENCE:
+        kwargs = dict(max_grad_norm=clip, accumulation_steps=key[1])
+        with Trainer(make_model(), make_opt(), loss_fn, **kwargs) as t:
+            losses = [t.step(x, y) for x, y in batches()]
+            _REFERENCE[key] = (np.asarray(losses), t.state_dict())
+    return _REFERENCE[key]
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| / max |b| (the tensor's relative error; 0 for two zero tensors)."""
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    return float(np.max(np.abs(a - b))) / scale if scale else float(np.max(np.abs(a)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [2, 3], ids=["ranks2", "ranks3"])
+def test_equals_one_process_on_the_concatenated_batch(ranks, gpu_device, tmp_path):
+    run = _mpiexec(ranks, "parity", tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = np.load(tmp_path / "parity.npz")
+    assert int(got["world_size"]) == ranks
+    assert bool(got["identical"]), "ranks ended with different parameters or optimizer state"
+    assert bool(got["resume_identical"]), "a resumed run did not continue bit-identically"
+    for name in CONFIGS:
+        losses, sd = _reference(name, ranks)
+        np.testing.assert_allclose(got[f"{name}/losses"], losses, rtol=RTOL, err_msg=name)
+        assert len(got[f"{name}/losses"]) == STEPS
+        for key, want in sd.items():
+            rel = _rel(got[f"{name}/{key}"], want)
+            assert rel <= RTOL, f"{name}: {key} differs by {rel:.2e} (relative)"
+
+
+@pytest.mark.gpu
+def test_a_failing_rank_stops_every_rank_and_keeps_the_checkpoint(gpu_device, tmp_path):
+    run = _mpiexec(2, "failure", tmp_path)
+    assert run.returncode != 0
+    for r in (0, 1):
+        caught = tmp_path / f"caught-{r}.txt"
+        assert caught.exists(), f"rank {r} did not raise DistributedError: {run.stderr[-4000:]}"
+        message = caught.read_text()
+        assert "step 2 failed on 1 of 2 ranks (rank 1: " in message, message
+        assert "InputError: input 'y': class index 99" in message, message
+    tensors, meta = load_checkpoint(tmp_path / "ckpt.safetensors")
+    assert meta["at"] == 1 and meta["step"] == 2
+    # the checkpoint holds the parameters after 2 steps: those of one process after 2 steps
+    from meganeura.optim import AdamW
+
+    with Trainer(make_model(), AdamW(lr=1e-2), loss_fn) as t:
+        for x, y in batches()[:2]:
+            t.step(x, y)
+        for key, want in t.model.state_dict().items():
+            assert _rel(tensors[key], want) <= RTOL, key
+
+
+@pytest.mark.gpu
+def test_an_exception_outside_a_step_aborts_the_job(gpu_device, tmp_path):
+    run = _mpiexec(2, "abort", tmp_path, timeout=120)  # a hang would raise TimeoutExpired
+    shown = f"rc {run.returncode}\nstdout: {run.stdout[-2000:]}\nstderr: {run.stderr[-4000:]}"
+    assert run.returncode != 0, shown
+    assert "RuntimeError: rank 1 lost its data loader" in run.stderr, shown
+    assert not list(tmp_path.glob("finished-*")), shown
+    _, meta = load_checkpoint(tmp_path / "ckpt.safetensors")
+    assert meta["at"] == 1 and meta["step"] == 2
+
+
+@pytest.mark.gpu
+def test_train_mnist_distributed_equals_one_process(gpu_device, tmp_path):
+    """``mpiexec -n 2 meganeura train mnist --distributed``: the checkpoint after one epoch of
+    8 steps (global batch 500, halves per rank) equals the recipe run in one process."""
+    from meganeura.recipes.mnist import MnistConfig, train
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    flags = ["--epochs", "1", "--batch-size", "500", "--log-every", "1", "--no-progress"]
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "meganeura", "train", "mnist"]
+    cmd += [*flags, "--distributed", "--out", str(tmp_path / "dist")]
+    run = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.count("test accuracy:") == 1  # rank 0 alone reports
+    assert "distributed: 2 ranks" in run.stdout, run.stdout
+    cfg = MnistConfig(epochs=1, batch_size=500, log_every=1, out=str(tmp_path / "one"))
+    train(cfg, device=gpu_device, progress=False)
+    got, meta = load_checkpoint(tmp_path / "dist" / "checkpoint.safetensors")
+    want, want_meta = load_checkpoint(tmp_path / "one" / "checkpoint.safetensors")
+    assert meta["step"] == want_meta["step"] == 8  # 4,000 training images
+    np.testing.assert_allclose(
+        [v for _, v in meta["losses"]], [v for _, v in want_meta["losses"]], rtol=RTOL
+    )
+    assert got.keys() == want.keys()
+    # 1e-5, not 1e-6: over 8 AdamW steps, m / sqrt(v) of weights whose gradient is near
+    # zero (MNIST's border pixels) amplifies the float32 rounding difference between the mean
+    # over 500 rows and the mean of two means over 250 (measured: 2.3e-6 on fc1.weight).
+    for key, value in want.items():
+        assert _rel(got[key], value) <= 1e-5, f"{key} differs by {_rel(got[key], value):.2e}"
