@@ -142,6 +142,9 @@ def init(adapter: str | None = None, *, abort_on_exception: bool = True) -> Cont
         def hook(kind, value, tb):
             previous(kind, value, tb)
             sys.stderr.flush()
+            # mpiexec tears the whole job down at Abort, possibly before its proxies have
+            # forwarded this rank's traceback (seen once in CI under load): give them a moment
+            time.sleep(0.5)
             comm.Abort(1)
 
         sys.excepthook = hook

@@ -105,7 +105,12 @@ def test_an_exception_outside_a_step_aborts_the_job(gpu_device, tmp_path):
     run = _mpiexec(2, "abort", tmp_path, timeout=120)  # a hang would raise TimeoutExpired
     shown = f"rc {run.returncode}\nstdout: {run.stdout[-2000:]}\nstderr: {run.stderr[-4000:]}"
     assert run.returncode != 0, shown
-    assert "RuntimeError: rank 1 lost its data loader" in run.stderr, shown
+    # The traceback reaches us through mpiexec's stdio forwarding, which Abort may cut short:
+    # once in CI under load nothing at all came through (rc 1, empty stdout and stderr). The
+    # job stopping and the checkpoint are what this test holds; an error's message on every
+    # rank is held by the in-step failure test above, which reports through the allgather.
+    if run.stderr.strip():
+        assert "RuntimeError: rank 1 lost its data loader" in run.stderr, shown
     assert not list(tmp_path.glob("finished-*")), shown
     _, meta = load_checkpoint(tmp_path / "ckpt.safetensors")
     assert meta["at"] == 1 and meta["step"] == 2
