@@ -59,7 +59,9 @@ def _rope_key(graph: Graph, nid: int) -> tuple:
 
 def rope_cache_bindings(graph: Graph, group: FusionGroup) -> int:
     """Storage buffers the group's kernel binds: each member's operands (views resolved,
-    constants inlined), the stored rotations and the written caches, each counted once."""
+    constants inlined, members the kernel computes left out), the stored rotations, the
+    written caches and, for a group grown by ``attach_attention``, the attention's output,
+    each counted once."""
     members = set(group.members)
     bound = set()
     for m in group.members:
@@ -67,7 +69,7 @@ def rope_cache_bindings(graph: Graph, group: FusionGroup) -> int:
             if i in members:
                 continue
             r = resolve_view(graph, i)
-            if graph[r].op != "constant":
+            if graph[r].op != "constant" and r not in members:
                 bound.add(r)
     bound.update(resolve_view(graph, o) for o in group.outputs)
     return len(bound)
@@ -232,7 +234,7 @@ def attach_attention(
     for g in groups:
         grown = _with_attention(graph, users, effects, out_roots, g, needed, fusible, taken)
         if grown is not None and (
-            max_bindings is None or _attention_bindings(graph, grown) <= max_bindings
+            max_bindings is None or rope_cache_bindings(graph, grown) <= max_bindings
         ):
             g = grown
         out.append(g)
@@ -282,19 +284,3 @@ def _with_attention(graph, users, effects, out_roots, group, needed, fusible, ta
     if any(resolve_view(graph, i) in written for i in node.inputs[3:]):
         return None
     return FusionGroup(new, (kcopy, vcopy, att), node.type.shape, ropes[0])
-
-
-def _attention_bindings(graph: Graph, group: FusionGroup) -> int:
-    """Storage buffers the fused kernel binds: the rotations' operands, the values, the
-    slots, the two caches, the attention's mask and key count, and its output."""
-    members = set(group.members)
-    bound = set()
-    for m in group.members:
-        for i in graph[m].inputs:
-            if i in members:
-                continue
-            r = resolve_view(graph, i)
-            if graph[r].op != "constant" and r not in members:
-                bound.add(r)
-    bound.add(group.sink)
-    return len(bound)
