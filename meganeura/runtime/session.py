@@ -1,9 +1,10 @@
 """Session: the GPU objects of one Program, and the step that replays it.
 
 A Session creates every buffer, pipeline and bind group once. ``run`` validates every feed on the
-host, uploads the inputs, replays the prebuilt dispatch list into one compute pass
-(:class:`.fastpath.Recorder`) followed by copies of the fetched outputs into a persistent
-staging buffer, submits once, and maps the staging buffer to read the outputs. The host side
+host, uploads the inputs, replays the prebuilt dispatch list (:class:`.fastpath.Recorder`)
+followed by copies of the fetched outputs into a persistent staging buffer, and maps the staging
+buffer to read the outputs. A long step is submitted in chunks (:data:`SUBMIT_CHUNKS`), so the
+GPU starts on the first dispatches while the host still encodes the rest. The host side
 goes through direct wgpu-native calls (:mod:`.fastpath`).
 Host-side checks of feeds live in :mod:`.slots`; ``profile`` checks and uploads the feeds as
 ``run`` does, then times the dispatches with :mod:`.profiler`, and leaves ``run`` uninstrumented.
@@ -20,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 
@@ -35,6 +37,40 @@ from .slots import BoundSlot, InputError, bind_slots, ceil_to, check_labels, che
 
 _USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 _STAGING_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
+
+#: ``(first, size)`` of the step's submissions (:func:`.fastpath.chunk_bounds`): the first
+#: ``first`` dispatches, then ``size`` at a time; ``size`` 0 submits the step as one command
+#: buffer. ``MEGANEURA_SUBMIT_CHUNKS="first,size"`` (or ``"0"``) overrides it when a Session is
+#: created. Measured on the H200 machine (``bench/submit_chunks.py``,
+#: ``bench/results/submit_chunks_h200.json``, settings interleaved in one process): against one
+#: command buffer, ResNet-50 train batch 4 (670 dispatches) 12.78 -> 10.65 ms, SmolVLA expert train
+#: (903) 13.74 -> 9.56, SmolLM2 prefill 128 (663) 6.52 -> 5.04; (16, 64) was best or within 1% of
+#: the best of (16, 128), (32, 256), (8, 32) in each.
+SUBMIT_CHUNKS = (16, 64)
+
+
+def submit_chunks() -> tuple[int, int]:
+    """``(first, size)`` from ``MEGANEURA_SUBMIT_CHUNKS`` or :data:`SUBMIT_CHUNKS`.
+
+    Raises:
+        ValueError: the variable is not ``"0"`` or two non-negative integers ``"first,size"``.
+    """
+    raw = os.environ.get("MEGANEURA_SUBMIT_CHUNKS")
+    if raw is None:
+        return SUBMIT_CHUNKS
+    parts = raw.replace(" ", "").split(",")
+    try:
+        vals = [int(x) for x in parts]
+    except ValueError:
+        vals = []
+    if vals == [0]:
+        return (0, 0)
+    if len(vals) != 2 or min(vals) < 0:
+        raise ValueError(
+            f'MEGANEURA_SUBMIT_CHUNKS must be "0" or "first,size" (non-negative integers), '
+            f"got {raw!r}"
+        )
+    return vals[0], vals[1]
 
 
 class Session:
@@ -116,6 +152,7 @@ class Session:
         cache = self.device.pipelines
         compiled, hits = cache.compiled, cache.hits
         self._plan = fastpath.Recorder(self._build_plan())
+        self._chunks = fastpath.chunk_bounds(len(self._plan), *submit_chunks())
         self.pipelines_compiled = cache.compiled - compiled
         self.pipelines_reused = cache.hits - hits
         t3 = time.perf_counter()
@@ -124,7 +161,7 @@ class Session:
         # workgroups) and submitted, not dropped: wgpu-native 29 never frees a buffer that a
         # finished but never submitted command buffer references, which kept every buffer of
         # every Session allocated after close (issue 11, item 8).
-        self._queue.submit([self._record(tuple(program.outputs), dry=True)])
+        self._submit(tuple(program.outputs), dry=True)
         t4 = time.perf_counter()
         self.setup_seconds = {
             "buffers": t2 - t1,
@@ -229,7 +266,7 @@ class Session:
         for name in fetch:
             self._slot(name, ("output",))
         self._feed(feeds)
-        self._queue.submit([self._record(fetch)])
+        self._submit(fetch)
         return self._read_staged(fetch)
 
     def check(self, feeds: Mapping[str, np.ndarray]) -> list[tuple[BoundSlot, np.ndarray]]:
@@ -308,7 +345,23 @@ class Session:
             method=chosen,
         )
 
-    def _record(self, fetch: tuple[str, ...], dry: bool = False) -> wgpu.GPUCommandBuffer:
+    @property
+    def submissions(self) -> int:
+        """Command buffers one step is submitted as (:data:`SUBMIT_CHUNKS`)."""
+        return len(self._chunks)
+
+    def set_submit_chunks(self, first: int, size: int) -> None:
+        """Submit later steps as ``first`` dispatches, then ``size`` at a time (``size`` 0: one
+        command buffer); see :data:`SUBMIT_CHUNKS`. Results do not depend on it.
+
+        Raises:
+            ValueError: a negative ``first`` or ``size``.
+        """
+        if first < 0 or size < 0:
+            raise ValueError(f"need first >= 0 and size >= 0, got {first} and {size}")
+        self._chunks = fastpath.chunk_bounds(len(self._plan), first, size)
+
+    def _submit(self, fetch: tuple[str, ...], dry: bool = False) -> None:
         def copy_outputs(enc: wgpu.GPUCommandEncoder) -> None:
             for name in fetch:
                 b = self._bound[name]
@@ -318,7 +371,7 @@ class Session:
                 enc.copy_buffer_to_buffer(b.buffer, b.start, self._staging[chunk], off, b.length)
 
         try:
-            return self._plan.encode(self._gpu, copy_outputs, dry)
+            self._plan.submit(self._gpu, self._queue, self._chunks, copy_outputs, dry)
         except wgpu.GPUError as e:
             raise find_invalid_dispatch(
                 self.device.pipelines, self.program.dispatches, self._bind_groups, e
@@ -432,6 +485,7 @@ class Session:
                 buf.destroy()
             self._buffers, self._staging, self._bound = [], [], {}
             self._bind_groups, self._pipelines, self._plan = [], [], fastpath.Recorder(())
+            self._chunks = fastpath.chunk_bounds(0, 0, 0)
             self._sync_buffer = None
 
     def __enter__(self) -> Session:
