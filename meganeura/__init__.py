@@ -16,7 +16,7 @@ Write a model as a PyTorch-style module; it is traced into a typed static graph 
 
     model = MLP()
     trainer = mn.Trainer(model, mn.optim.AdamW(), lambda m, x, y: F.cross_entropy(m(x), y))
-    loss = trainer.step(x, y)          # NumPy batches; one GPU submission per step
+    loss = trainer.step(x, y)          # NumPy batches; one replayed GPU step each
     logits = model.eval()(x)           # NumPy out
 
 The layer below, ``mn.GraphBuilder``, writes the same graphs op by op; ``mn.compile(graph,

@@ -74,7 +74,7 @@ def raw_handle(obj) -> object:
 
 
 class Recorder:
-    """Replays a prebuilt dispatch list into one command buffer.
+    """Replays a prebuilt dispatch list into one command buffer, or chunk by chunk (:meth:`submit`).
 
     One thread encodes the whole step. Splitting a long step over threads, each encoding and
     finishing its own command buffer, was measured and dropped: on the H200 machine a

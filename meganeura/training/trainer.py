@@ -1,4 +1,4 @@
-"""Trainer: trains an ``nn.Module`` on the GPU, one submission per (micro-)batch.
+"""Trainer: trains an ``nn.Module`` on the GPU, one replayed step per (micro-)batch.
 
 ``Trainer(model, optimizer, loss_fn)`` traces ``loss_fn(model, *batch)`` (a scalar Tensor) once
 per batch signature -- each array's shape and dtype, every other argument's value, each module's
