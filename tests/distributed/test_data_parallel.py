@@ -69,6 +69,12 @@ def test_equals_one_process_on_the_concatenated_batch(ranks, gpu_device, tmp_pat
     assert int(got["world_size"]) == ranks
     assert bool(got["identical"]), "ranks ended with different parameters or optimizer state"
     assert bool(got["resume_identical"]), "a resumed run did not continue bit-identically"
+    assert bool(got["overlap_same_bits"]), "the overlapped reduce changed the results"
+    assert int(got["buckets"]) == 2, "the overlapped runs did not reduce in 2 buckets"
+    # dropout: one mask per rank (distinct local losses), repeatable under the seed
+    local = got["dropout_local_losses"]
+    assert len(set(local.tolist())) == ranks, f"ranks drew the same dropout masks: {local}"
+    assert bool(got["dropout_repeats"]), "a run with dropout did not repeat bit for bit"
     for name in CONFIGS:
         losses, sd = _reference(name, ranks)
         np.testing.assert_allclose(got[f"{name}/losses"], losses, rtol=RTOL, err_msg=name)

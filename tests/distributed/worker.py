@@ -1,9 +1,13 @@
 """The MPI side of tests/distributed: ``mpiexec -n N python -m tests.distributed.worker MODE OUT``.
 
 ``parity``: every configuration of ``workloads.CONFIGS`` trained ``STEPS`` steps with
-``DistributedTrainer`` on each rank's shard; rank 0 writes ``OUT/parity.npz`` (losses and
-parameters per configuration), whether every rank ended with rank 0's exact bytes, and
-whether a run resumed from a checkpoint after step 1 ends bit-identical to the "adamw" run.
+``DistributedTrainer`` on each rank's shard, with the overlapped bucketed reduce (several
+buckets) and without; rank 0 writes ``OUT/parity.npz`` (losses and parameters of the
+overlapped runs per configuration), whether every rank ended with rank 0's exact bytes,
+whether the runs without overlap gave the same bits, whether a run resumed from a checkpoint
+after step 1 ends bit-identical to the "adamw" run, and, for a loss with dropout fed the same
+batch on every rank, each rank's local loss (different masks: different losses) and whether
+two such runs repeat bit for bit.
 
 ``failure``: AdamW with a checkpoint after every step; at step 2 rank 1's batch holds a class
 index out of range, which its program rejects before running. Every rank must raise
@@ -20,19 +24,33 @@ from pathlib import Path
 
 import numpy as np
 
+import meganeura as mn
 from meganeura import distributed as dist
-from tests.distributed.workloads import CONFIGS, batches, loss_fn, make_model
+from tests.distributed.workloads import (
+    BUCKET_CAP_MB,
+    CONFIGS,
+    batches,
+    dropout_loss_fn,
+    loss_fn,
+    make_model,
+)
 
 
 def parity(out: Path) -> None:
     ctx = dist.init()
-    results, identical = {}, True
+    results, identical, same_bits, buckets = {}, True, True, 0
     for name, (make_opt, clip, k) in CONFIGS.items():
-        model = make_model()
-        kwargs = dict(max_grad_norm=clip, accumulation_steps=k)
-        with dist.DistributedTrainer(model, make_opt(), loss_fn, **kwargs) as t:
-            losses = [t.step(dist.shard(x), dist.shard(y)) for x, y in batches()]
-            sd = t.state_dict()
+        runs = {}
+        for overlap in (False, True):
+            kwargs = dict(max_grad_norm=clip, accumulation_steps=k, overlap=overlap)
+            kwargs["bucket_cap_mb"] = BUCKET_CAP_MB
+            with dist.DistributedTrainer(make_model(), make_opt(), loss_fn, **kwargs) as t:
+                losses = [t.step(dist.shard(x), dist.shard(y)) for x, y in batches()]
+                runs[overlap] = (losses, t.state_dict())
+                buckets = max(buckets, t.buckets)
+        losses, sd = runs[True]
+        same_bits &= losses == runs[False][0]
+        same_bits &= all(np.array_equal(v, runs[False][1][k]) for k, v in sd.items())
         everyone = ctx.comm.allgather({k: v.tobytes() for k, v in sd.items()})
         identical &= all(e == everyone[0] for e in everyone)
         results[f"{name}/losses"] = np.asarray(losses, np.float64)
@@ -54,6 +72,24 @@ def parity(out: Path) -> None:
             t.step(dist.shard(x), dist.shard(y))
         sd = t.state_dict()
     resumed = all(np.array_equal(v, results[f"adamw/{k}"]) for k, v in sd.items())
+    # dropout: the same (unsharded) batch on every rank; each rank's local loss before the
+    # reduce (the loss accumulator) differs only through its dropout mask
+    local, repeat = [], []
+    for _ in range(2):
+        with dist.DistributedTrainer(make_model(), make_opt(), dropout_loss_fn) as t:
+            mn.manual_seed(5)
+            t.step(*data[0])
+            local.append(float(t._loss_accumulator.data))
+            repeat.append(t.state_dict())
+    if dist.is_main():
+        results["dropout_local_losses"] = np.asarray(ctx.comm.gather(local[0], root=0))
+        results["dropout_repeats"] = np.asarray(
+            all(np.array_equal(v, repeat[1][k]) for k, v in repeat[0].items())
+        )
+        results["overlap_same_bits"] = np.asarray(same_bits)
+        results["buckets"] = np.asarray(buckets)
+    else:
+        ctx.comm.gather(local[0], root=0)
     if dist.is_main():
         results["resume_identical"] = np.asarray(resumed)
         results["identical"] = np.asarray(identical)
