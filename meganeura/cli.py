@@ -127,8 +127,11 @@ def cmd_train(args) -> int:
 
 
 def cmd_train_resnet(args) -> int:
-    if args.distributed:  # its forward updates BatchNorm's running statistics
-        raise SystemExit("meganeura train resnet --distributed: not supported yet (BatchNorm)")
+    if args.distributed:  # DistributedTrainer takes BatchNorm; the recipe is not wired yet
+        raise SystemExit(
+            "meganeura train resnet --distributed: not wired in the recipe yet "
+            "(DistributedTrainer itself trains BatchNorm models: docs/distributed.md)"
+        )
     from .io.checkpoint import CheckpointError
     from .recipes.resnet import ResNetTrainConfig, format_train, train
 

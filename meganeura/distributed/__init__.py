@@ -53,7 +53,7 @@ from .. import random as mn_random
 from ..nn.module import Module
 from ..optim import HYPER_INPUT
 from ..optim.accumulate import ACCUM_FIRST_INPUT
-from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, PENDING_SUFFIX
+from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT
 from ..training.batches import split_batch
 from ..training.guard import StepRun, check_finite_feeds
 from ..training.trainer import Trainer
@@ -247,11 +247,24 @@ def broadcast_parameters(model: Module, comm=None) -> None:
         )
     out = {}
     for k, v in sd.items():
-        a = np.ascontiguousarray(v)
+        a = np.array(v, order="C")  # not ascontiguousarray: it makes a 0-d array 1-d
         comm.Bcast(a, root=0)
         out[k] = a
     if comm.Get_rank() != 0:
         model.load_state_dict(out, strict=True)
+
+
+def _finite(loss: float, grads: dict, max_grad_norm: float | None) -> bool:
+    """Whether the update guard (``optim.guard``) lets a step with these all-reduced loss and
+    gradients through: finite loss and gradients and, with clipping, a float32-finite sum of
+    squares (summed here in float64: a sum within rounding of float32's largest value may be
+    judged apart from the GPU's)."""
+    if not np.isfinite(loss) or not all(np.isfinite(g).all() for g in grads.values()):
+        return False
+    if max_grad_norm is None:
+        return True
+    total = sum(float(np.dot(g.ravel().astype(np.float64), g.ravel())) for g in grads.values())
+    return total <= float(np.finfo(np.float32).max)
 
 
 def _apply_fn(model: Module, mean_loss, grads):
@@ -346,14 +359,6 @@ class DistributedTrainer(Trainer):
             runs = []
             for i, (mb, mkw) in enumerate(micro):
                 prog, feeds = self._prepare("accumulate", mb, mkw)
-                state = prog.entry.runner.program.state
-                if any(n.endswith("." + PENDING_SUFFIX) for n in state):
-                    raise NotImplementedError(
-                        "DistributedTrainer does not train models whose forward updates "
-                        "buffers (BatchNorm's running statistics) yet; PyTorch DDP normalizes "
-                        "with each rank's local batch and broadcasts rank 0's running "
-                        "statistics (docs/distributed.md)"
-                    )
                 if ACCUM_FIRST_INPUT in prog.entry.runner.program.inputs:
                     feeds[ACCUM_FIRST_INPUT] = np.asarray(float(i == 0), np.float32)
                 if self.check_finite:
@@ -411,6 +416,8 @@ class DistributedTrainer(Trainer):
                 feeds[GUARD_RESET_INPUT] = self._guard.reset_feed()
             guarded = GUARD_OUTPUT in prog.entry.runner.program.outputs
             out = self._run(prog, feeds, (GUARD_OUTPUT,) if return_loss and guarded else ())
+            if self._pending_stats:
+                self._commit_running_stats(_finite(loss, grads, self._options.max_grad_norm))
         except Exception:
             # The other ranks may have updated: the replicas would diverge. Stop the job.
             traceback.print_exc()
@@ -428,6 +435,25 @@ class DistributedTrainer(Trainer):
         if GUARD_OUTPUT in out:
             self._settle(out, loss)
         return loss if return_loss else None
+
+    def _commit_running_stats(self, finite: bool) -> None:
+        """Rank 0's staged running statistics (BatchNorm's, updated by its local batch's
+        forwards) into every rank's running statistics, unless the step is skipped: PyTorch
+        DDP's ``broadcast_buffers=True``, which broadcasts rank 0's buffers before each
+        forward. One ``Bcast`` of the statistics as one float32 vector."""
+        staged = [(b, self._pending_stats.get(b)) for _, b in self.model.named_buffers()]
+        staged = [(b, p) for b, p in staged if p is not None and b.dtype.numpy == np.float32]
+        sizes = [int(np.prod(b.shape, dtype=np.int64)) for b, _ in staged]
+        if self.rank == 0:
+            flat = np.concatenate([np.asarray(p.data, np.float32).ravel() for _, p in staged])
+        else:
+            flat = np.empty(sum(sizes), np.float32)
+        self.comm.Bcast(flat, root=0)
+        if finite:
+            offset = 0
+            for (b, _), size in zip(staged, sizes, strict=True):
+                b.copy_(flat[offset : offset + size].reshape(b.shape))
+                offset += size
 
     def _reduced(self, flat: np.ndarray, names: list[str], divisor: float, read_seconds: float):
         """The one-vector reduce (no overlap): ({name: mean gradient}, mean loss)."""

@@ -19,8 +19,16 @@ import numpy as np
 import pytest
 
 from meganeura.io.checkpoint import load_checkpoint
+from meganeura.optim import AdamW
 from meganeura.training import Trainer
-from tests.distributed.workloads import CONFIGS, STEPS, batches, loss_fn, make_model
+from tests.distributed.workloads import (
+    CONFIGS,
+    STEPS,
+    batches,
+    loss_fn,
+    make_bn_model,
+    make_model,
+)
 
 pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'meganeura[distributed]')")
 MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=os.path.dirname(sys.executable))
@@ -71,6 +79,27 @@ def test_equals_one_process_on_the_concatenated_batch(ranks, gpu_device, tmp_pat
     assert bool(got["resume_identical"]), "a resumed run did not continue bit-identically"
     assert bool(got["overlap_same_bits"]), "the overlapped reduce changed the results"
     assert int(got["buckets"]) == 2, "the overlapped runs did not reduce in 2 buckets"
+    # BatchNorm, as PyTorch DDP without SyncBatchNorm: each rank normalizes with its local
+    # batch's statistics, so the update equals one process accumulating one micro-batch per
+    # rank; the running statistics are rank 0's (after step 1: those of one process on
+    # rank 0's shard), the same bits on every rank (got["identical"])
+    with Trainer(
+        make_bn_model(), AdamW(lr=1e-2, weight_decay=0.01), loss_fn, accumulation_steps=ranks
+    ) as t:
+        for x, y in batches():
+            t.step(x, y)
+        for key, want in t.state_dict().items():
+            if key.endswith("num_batches_tracked"):  # rank 0's forwards: one per step
+                assert int(got[f"bn/{key}"]) == STEPS, key
+            elif "running_" not in key:
+                rel = _rel(got[f"bn/{key}"], want)
+                assert rel <= RTOL, f"BatchNorm model: {key} differs by {rel:.2e} (relative)"
+    with Trainer(make_bn_model(), AdamW(lr=1e-2, weight_decay=0.01), loss_fn) as t:
+        x, y = batches()[0]
+        t.step(x[: len(x) // ranks], y[: len(y) // ranks])
+        for key, want in t.model.state_dict().items():
+            if "running_" in key:
+                np.testing.assert_allclose(got[f"bn1/{key}"], want, rtol=RTOL, atol=1e-7)
     # dropout: one mask per rank (distinct local losses), repeatable under the seed
     local = got["dropout_local_losses"]
     assert len(set(local.tolist())) == ranks, f"ranks drew the same dropout masks: {local}"
@@ -97,8 +126,6 @@ def test_a_failing_rank_stops_every_rank_and_keeps_the_checkpoint(gpu_device, tm
     tensors, meta = load_checkpoint(tmp_path / "ckpt.safetensors")
     assert meta["at"] == 1 and meta["step"] == 2
     # the checkpoint holds the parameters after 2 steps: those of one process after 2 steps
-    from meganeura.optim import AdamW
-
     with Trainer(make_model(), AdamW(lr=1e-2), loss_fn) as t:
         for x, y in batches()[:2]:
             t.step(x, y)

@@ -7,7 +7,8 @@ overlapped runs per configuration), whether every rank ended with rank 0's exact
 whether the runs without overlap gave the same bits, whether a run resumed from a checkpoint
 after step 1 ends bit-identical to the "adamw" run, and, for a loss with dropout fed the same
 batch on every rank, each rank's local loss (different masks: different losses) and whether
-two such runs repeat bit for bit.
+two such runs repeat bit for bit. And a model with BatchNorm (``make_bn_model``, AdamW): its
+state after step 1 (``bn1/``) and after ``STEPS`` (``bn/``).
 
 ``failure``: AdamW with a checkpoint after every step; at step 2 rank 1's batch holds a class
 index out of range, which its program rejects before running. Every rank must raise
@@ -32,6 +33,7 @@ from tests.distributed.workloads import (
     batches,
     dropout_loss_fn,
     loss_fn,
+    make_bn_model,
     make_model,
 )
 
@@ -90,6 +92,16 @@ def parity(out: Path) -> None:
         results["buckets"] = np.asarray(buckets)
     else:
         ctx.comm.gather(local[0], root=0)
+    # BatchNorm: local-batch statistics, rank 0's running statistics (PyTorch DDP's default)
+    with dist.DistributedTrainer(make_bn_model(), make_opt(), loss_fn) as t:
+        for step, (x, y) in enumerate(data):
+            t.step(dist.shard(x), dist.shard(y))
+            sd = t.state_dict()
+            everyone = ctx.comm.allgather({k: v.tobytes() for k, v in sd.items()})
+            identical &= all(e == everyone[0] for e in everyone)
+            if step == 0:
+                results.update({f"bn1/{k}": v for k, v in sd.items()})
+        results.update({f"bn/{k}": v for k, v in sd.items()})
     if dist.is_main():
         results["resume_identical"] = np.asarray(resumed)
         results["identical"] = np.asarray(identical)

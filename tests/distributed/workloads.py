@@ -47,6 +47,19 @@ def dropout_loss_fn(model, x, y):
     return F.cross_entropy(model(F.dropout(x, 0.5, True)), y)
 
 
+def make_bn_model():
+    """Linear(8, 16, bias=False) -> BatchNorm1d(16) -> ReLU -> Linear(16, 4): a forward that updates
+    running statistics."""
+    from meganeura import nn
+
+    mn.manual_seed(1)
+    # no bias before BatchNorm (as ResNet's convolutions): its gradient is rounding noise,
+    # which Adam's m / sqrt(v) scales up to the learning rate
+    return nn.Sequential(
+        nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)
+    )
+
+
 def make_model() -> MLP:
     mn.manual_seed(0)
     return MLP(SIZES)
