@@ -298,11 +298,13 @@ class DistributedTrainer(Trainer):
 
     Attributes:
         reduce_seconds: wall seconds of the last step's gradient reduce that the backward
-            pass did not hide: without overlap ``readback_seconds`` (reading the
-            accumulators, which waits for the backward pass) + ``allreduce_seconds``; with
-            overlap the time from the last segment's end until every bucket was reduced.
-        readback_seconds: host seconds reading gradients back (with overlap: copying the
-            mapped buckets, the GPU waits apart in ``gpu_wait_seconds``).
+            pass did not hide: without overlap ``readback_seconds`` + ``allreduce_seconds``,
+            after the backward pass; with overlap the time from the last segment's end until
+            every bucket was reduced.
+        gpu_wait_seconds: the host waiting for the last micro-batch's forward + backward
+            (with overlap: for its segments).
+        readback_seconds: host seconds reading the gradients back once computed (with
+            overlap: copying the mapped buckets out).
         allreduce_seconds: the ``Allreduce`` (without overlap; with overlap 0: it is spread
             over the buckets, inside ``reduce_seconds`` where not hidden).
         buckets: buckets of the last step (1 without overlap).
@@ -381,6 +383,9 @@ class DistributedTrainer(Trainer):
                 self._reducer.segmented(runs[-1][0].entry.runner, names)  # built before
             else:
                 t0 = time.perf_counter()
+                runs[-1][0].entry.runner.session.synchronize()  # the backward pass, timed apart
+                gpu_wait = time.perf_counter() - t0
+                t0 = time.perf_counter()
                 parts = [
                     self._accumulators[params[n]].data.astype(np.float64).ravel() for n in names
                 ]
@@ -408,6 +413,7 @@ class DistributedTrainer(Trainer):
                 grads, loss = self._overlapped(runs[-1], names, divisor)
             else:
                 grads, loss = self._reduced(flat, names, divisor, read_seconds)
+                self.gpu_wait_seconds = gpu_wait
             prog, feeds = self._prepare("apply", (np.float32(loss), grads), {}, fn=self._apply)
             inputs = prog.entry.runner.program.inputs
             if HYPER_INPUT in inputs:
@@ -462,7 +468,7 @@ class DistributedTrainer(Trainer):
         self.comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
         flat /= divisor
         self.allreduce_seconds = time.perf_counter() - t0
-        self.readback_seconds, self.gpu_wait_seconds = read_seconds, 0.0
+        self.readback_seconds = read_seconds
         self.reduce_seconds = read_seconds + self.allreduce_seconds
         self.reduce_bytes, self.buckets = flat.nbytes, 1
         params = dict(self.model.named_parameters())
