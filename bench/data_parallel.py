@@ -98,6 +98,14 @@ def timed(step, comm, warmup: int, repeats: int) -> list[float]:
     return out
 
 
+def idle(comm) -> None:
+    """A barrier that does not spin on the ranks waiting for rank 0's single-rank phase
+    (MPICH's blocking calls busy-poll: on lavapipe that takes a core from rank 0's "GPU")."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.005)
+
+
 def med(xs) -> float:
     return float(statistics.median(xs))
 
@@ -129,7 +137,7 @@ def ours(name, args, ctx, MPI, rows, info):
                     lambda t=t: t.step(*arrays), MPI.COMM_SELF, args.warmup, args.repeats
                 )
                 one[key + "_buckets"] = t.buckets
-    comm.Barrier()
+    idle(comm)
     figures = {}
     for overlap in (False, True):
         model.load_state_dict(state)
@@ -210,7 +218,7 @@ def torch_side(name, args, ctx, MPI, info):
     one = None
     if ctx.rank == 0:
         one = timed(make_step(m), MPI.COMM_SELF, args.warmup, args.repeats)
-    comm.Barrier()
+    idle(comm)
     if not tdist.is_initialized():
         host = comm.bcast(socket.gethostname() if ctx.rank == 0 else None, root=0)
         port = comm.bcast(29500 + os.getpid() % 1000 if ctx.rank == 0 else None, root=0)
@@ -306,7 +314,12 @@ def main() -> None:
         default=None,
         help="per-rank batch, e.g. smollm2=8,resnet50=32 (default: quick 2,4; else 8,32)",
     )
-    ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    ap.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="PyTorch DDP's name; default 25 (quick 0.25: the tiny models then have buckets)",
+    )
     ap.add_argument("--warmup", type=int, default=None, help="default 3 (quick 1)")
     ap.add_argument("--repeats", type=int, default=None, help="default 10 (quick 3)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch DDP side")
@@ -314,6 +327,8 @@ def main() -> None:
     ap.add_argument("--adapter", default=os.environ.get("MEGANEURA_ADAPTER"))
     args = ap.parse_args()
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    if args.bucket_cap_mb is None:
+        args.bucket_cap_mb = 0.25 if args.quick else 25.0
     args.repeats = args.repeats if args.repeats is not None else (3 if args.quick else 10)
     batch = {"smollm2": 2, "resnet50": 4} if args.quick else {"smollm2": 8, "resnet50": 32}
     for item in (args.batch or "").split(","):

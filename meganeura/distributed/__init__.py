@@ -12,32 +12,43 @@ meganeura Trainer needs on top:
 
 A step of :class:`DistributedTrainer` on each rank's local batch:
 
-  1. forward + backward of each local micro-batch into the gradient accumulators (the
-     accumulate program of ``optim.accumulate``; the first micro-batch overwrites them);
+  1. every micro-batch is traced, compiled and its feeds checked, and the update program
+     compiled; micro-batches ``0 .. k-2`` run forward + backward into the gradient
+     accumulators (the accumulate program of ``optim.accumulate``; the first overwrites them);
   2. every rank reports success or its error (``allgather`` of a short message); if any rank
      failed, every rank raises :class:`DistributedError` naming the failed ranks, before
      anything is updated (parameters and optimizer state untouched on every rank);
-  3. the host reads the accumulated gradients and loss into one flat float64 vector (parameter
-     order of ``model.named_parameters``), ``Allreduce`` (``MPI.SUM``) it in place and divides
-     by ``world_size * accumulation_steps``: DDP's and Hugging Face's mean of the per-rank,
-     per-micro-batch means;
+  3. the last micro-batch runs (without overlap it ran in step 1) and the gradients are
+     summed across ranks in float64 and divided by ``world_size * accumulation_steps``
+     (DDP's and Hugging Face's mean of the per-rank, per-micro-batch means): with
+     ``overlap`` (default) in buckets of ``bucket_cap_mb`` read back and ``Iallreduce``-d
+     while the rest of the backward pass runs (``distributed.overlap``), else read back
+     after it into one vector and ``Allreduce``-d;
   4. the update program applies clipping, the non-finite guard and the optimizer to that mean
      gradient, given as an input. It is the compiled step of the surrogate loss
      ``L + sum_p sum(g_p * p)`` (``g_p`` and the mean loss ``L`` inputs), whose gradient with
      respect to ``p`` is ``1 * g_p = g_p`` exactly, so the update, clipping (it sees the
-     all-reduced gradient) and the guard are the ordinary Trainer's code.
+     all-reduced gradient) and the guard are the ordinary Trainer's code. A failure after
+     step 2 (a lost device) calls ``MPI_Abort``: the replicas could otherwise diverge;
+  5. BatchNorm (PyTorch DDP without ``SyncBatchNorm``, its default): each rank normalizes
+     with its local batch's statistics; rank 0's updated running statistics are broadcast to
+     every rank after the update (DDP's ``broadcast_buffers=True``), unless the step is
+     skipped as non-finite.
 
 Determinism: every rank feeds the same bytes to the same update program, so the parameters
 stay identical on every rank. What this relies on: float32 values summed in float64 (exact
 for 2 ranks; for more, exact unless the summands' exponents span more than ~29 binades), and
-MPICH's ``Allreduce`` for a fixed communicator, message size and op choosing a fixed algorithm
-and combination order (it never combines in arrival order) that gives every rank the same
-result, as the MPI standard advises (MPI 4.1, section 6.9.1, "Advice to implementors").
+MPICH's ``Allreduce``/``Iallreduce`` for a fixed communicator, message size and op choosing a
+fixed algorithm and combination order (it never combines in arrival order) that gives every
+rank the same result, as the MPI standard advises (MPI 4.1, section 6.9.1, "Advice to
+implementors"). Overlap changes neither the kernels' inputs nor the sums: same bits.
+
+Dropout: rank ``r`` feeds :func:`rank_seed` ``(seed, r)`` where a Trainer feeds ``seed``, so
+every rank draws its own mask, deterministically (rank 0 the Trainer's own).
 
 Rank 0 alone writes checkpoints (:meth:`DistributedTrainer.save`, atomic as
-``io.checkpoint``); every rank then continues or raises together. Not here yet (docs/
-distributed.md): overlap of the reduce with the backward pass, buckets, models whose forward
-updates buffers (BatchNorm's running statistics), per-rank dropout seeds.
+``io.checkpoint``); every rank then continues or raises together. docs/distributed.md gives
+the measured costs and what is left.
 """
 
 from __future__ import annotations
@@ -254,6 +265,16 @@ def broadcast_parameters(model: Module, comm=None) -> None:
         model.load_state_dict(out, strict=True)
 
 
+def _read_many(buffers: list) -> list[np.ndarray]:
+    """Values of trainer-held Buffers, read in one GPU round trip where they are resident in
+    one shared store (``SharedStore.read_many``), else one ``.data`` each."""
+    stores = {id(b._store) for b in buffers}
+    store = buffers[0]._store if buffers and len(stores) == 1 else None
+    if store is None or not all(store.resident(b) for b in buffers):
+        return [np.asarray(b.data) for b in buffers]
+    return store.read_many(buffers)
+
+
 def _finite(loss: float, grads: dict, max_grad_norm: float | None) -> bool:
     """Whether the update guard (``optim.guard``) lets a step with these all-reduced loss and
     gradients through: finite loss and gradients and, with clipping, a float32-finite sum of
@@ -386,10 +407,9 @@ class DistributedTrainer(Trainer):
                 runs[-1][0].entry.runner.session.synchronize()  # the backward pass, timed apart
                 gpu_wait = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                parts = [
-                    self._accumulators[params[n]].data.astype(np.float64).ravel() for n in names
-                ]
-                flat = np.concatenate([*parts, [float(self._loss_accumulator.data)]])
+                held = [self._accumulators[params[n]] for n in names] + [self._loss_accumulator]
+                parts = [a.astype(np.float64).ravel() for a in _read_many(held)]
+                flat = np.concatenate(parts)
                 read_seconds = time.perf_counter() - t0
         except Exception as e:
             error, exc = _describe(e), e
@@ -451,7 +471,7 @@ class DistributedTrainer(Trainer):
         staged = [(b, p) for b, p in staged if p is not None and b.dtype.numpy == np.float32]
         sizes = [int(np.prod(b.shape, dtype=np.int64)) for b, _ in staged]
         if self.rank == 0:
-            flat = np.concatenate([np.asarray(p.data, np.float32).ravel() for _, p in staged])
+            flat = np.concatenate([a.ravel() for a in _read_many([p for _, p in staged])])
         else:
             flat = np.empty(sum(sizes), np.float32)
         self.comm.Bcast(flat, root=0)

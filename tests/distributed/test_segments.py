@@ -63,6 +63,10 @@ def test_segmented_run_equals_session_run(cap, gpu_device):
         for n in slots:
             assert np.array_equal(got[n], want[n]), n
             assert np.array_equal(session.read(n), want[n]), n
+        # the trainer's batched read of its Buffers (one map) equals one read per Buffer
+        held = list(trainer._accumulators.values())
+        batched = held[0]._store.read_many(held)
+        assert all(np.array_equal(a, b.data) for a, b in zip(batched, held, strict=True))
 
 
 def test_rank_seed():
