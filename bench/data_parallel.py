@@ -22,9 +22,11 @@ For each workload, weak scaling (the per-rank batch is fixed, the global batch i
     own, else gloo: NCCL refuses two ranks on one GPU), AdamW, ``loss.item()`` each step.
 
 Every step reads the loss back (both sides). Times: median of ``--repeats`` steps after
-``--warmup``, rank 0's clock, a barrier before each step. Results:
-``bench/results/data_parallel_<machine>.json`` (``--quick``: ``bench/results/quick/``), rows in
-``bench/common.py``'s schema (``speedup > 1``: ours faster).
+``--warmup``, rank 0's clock, a barrier before each step; our variants of one phase (plain /
+no overlap / overlap) run interleaved step by step, so a drifting load weighs on each alike.
+Results: ``bench/results/data_parallel_<machine>.json`` (``--quick``:
+``bench/results/quick/``), rows in ``bench/common.py``'s schema (``speedup > 1``: ours
+faster).
 """
 
 from __future__ import annotations
@@ -98,6 +100,21 @@ def timed(step, comm, warmup: int, repeats: int) -> list[float]:
     return out
 
 
+def interleaved(steps: dict, comm, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Milliseconds of each ``steps[k]()`` (a step reading the loss back), the steps run in
+    turn, a barrier before each: a load that drifts (other jobs on the sandbox's two cores)
+    then weighs on every variant alike."""
+    out = {k: [] for k in steps}
+    for i in range(warmup + repeats):
+        for k, fn in steps.items():
+            comm.Barrier()
+            t = time.perf_counter()
+            fn()
+            if i >= warmup:
+                out[k].append((time.perf_counter() - t) * 1e3)
+    return out
+
+
 def idle(comm) -> None:
     """A barrier that does not spin on the ranks waiting for rank 0's single-rank phase
     (MPICH's blocking calls busy-poll: on lavapipe that takes a core from rank 0's "GPU")."""
@@ -125,39 +142,48 @@ def ours(name, args, ctx, MPI, rows, info):
         )
 
     one = {}
-    if ctx.rank == 0:  # the single-GPU figures: rank 0 alone
+    if ctx.rank == 0:  # the single-GPU figures: rank 0 alone, the three steps interleaved
         model.load_state_dict(state)
-        with mn.Trainer(model, mn.optim.AdamW(lr=LR), loss_fn, device=ctx.device) as t:
-            one["plain"] = timed(lambda: t.step(*arrays), MPI.COMM_SELF, args.warmup, args.repeats)
-        for overlap in (False, True):
-            model.load_state_dict(state)
-            with trainer(comm=MPI.COMM_SELF, device=ctx.device, overlap=overlap) as t:
-                key = "self_overlap" if overlap else "self_no_overlap"
-                one[key] = timed(
-                    lambda t=t: t.step(*arrays), MPI.COMM_SELF, args.warmup, args.repeats
-                )
-                one[key + "_buckets"] = t.buckets
+        self_ = dict(comm=MPI.COMM_SELF, device=ctx.device)
+        with (
+            mn.Trainer(model, mn.optim.AdamW(lr=LR), loss_fn, device=ctx.device) as plain,
+            trainer(overlap=False, **self_) as no,
+            trainer(overlap=True, **self_) as ov,
+        ):
+            steps = {
+                "plain": lambda: plain.step(*arrays),
+                "self_no_overlap": lambda: no.step(*arrays),
+                "self_overlap": lambda: ov.step(*arrays),
+            }
+            one = interleaved(steps, MPI.COMM_SELF, args.warmup, args.repeats)
+            one["self_overlap_buckets"] = ov.buckets
     idle(comm)
-    figures = {}
-    for overlap in (False, True):
-        model.load_state_dict(state)
-        parts = {"gpu_wait": [], "readback": [], "allreduce": [], "exposed": []}
-        with trainer(overlap=overlap) as t:
+    model.load_state_dict(state)
+    parts = {o: {"gpu_wait": [], "readback": [], "allreduce": [], "exposed": []} for o in (0, 1)}
 
-            def step(t=t, parts=parts):
-                t.step(*arrays)
-                parts["gpu_wait"].append(t.gpu_wait_seconds * 1e3)
-                parts["readback"].append(t.readback_seconds * 1e3)
-                parts["allreduce"].append(t.allreduce_seconds * 1e3)
-                parts["exposed"].append(t.reduce_seconds * 1e3)
+    def step(t, p):
+        t.step(*arrays)
+        p["gpu_wait"].append(t.gpu_wait_seconds * 1e3)
+        p["readback"].append(t.readback_seconds * 1e3)
+        p["allreduce"].append(t.allreduce_seconds * 1e3)
+        p["exposed"].append(t.reduce_seconds * 1e3)
 
-            times = timed(step, comm, args.warmup, args.repeats)
-            figures[overlap] = {
-                "ms": times,
-                **{k: med(v[args.warmup :]) for k, v in parts.items()},
+    with trainer(overlap=False) as no, trainer(overlap=True) as ov:
+        times = interleaved(
+            {0: lambda: step(no, parts[0]), 1: lambda: step(ov, parts[1])},
+            comm,
+            args.warmup,
+            args.repeats,
+        )
+        figures = {
+            bool(o): {
+                "ms": times[o],
+                **{k: med(v[args.warmup :]) for k, v in parts[o].items()},
                 "buckets": t.buckets,
                 "reduce_bytes": t.reduce_bytes,
             }
+            for o, t in ((0, no), (1, ov))
+        }
     if ctx.rank != 0:
         return
     t1 = med(one["plain"])
