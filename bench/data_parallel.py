@@ -132,21 +132,26 @@ def ours(name, args, ctx, MPI, rows, info):
     from meganeura import distributed as dist
 
     comm, n = ctx.comm, ctx.world_size
-    w, case, model, state, arrays = workload(name, args.quick, args.batch[name])
+    w, case, _, _, arrays = workload(name, args.quick, args.batch[name])
     loss_fn = w.ours_loss
     bs = arrays[0].shape[0]
 
+    def fresh():
+        # a model of its own per trainer: trainers taking turns on one model would move its
+        # parameters between their programs' layouts (runtime.shared) and reopen every
+        # Session each step
+        return w.ours_model(case, args.quick)[0]
+
     def trainer(**kw):
         return dist.DistributedTrainer(
-            model, mn.optim.AdamW(lr=LR), loss_fn, bucket_cap_mb=args.bucket_cap_mb, **kw
+            fresh(), mn.optim.AdamW(lr=LR), loss_fn, bucket_cap_mb=args.bucket_cap_mb, **kw
         )
 
     one = {}
     if ctx.rank == 0:  # the single-GPU figures: rank 0 alone, the three steps interleaved
-        model.load_state_dict(state)
         self_ = dict(comm=MPI.COMM_SELF, device=ctx.device)
         with (
-            mn.Trainer(model, mn.optim.AdamW(lr=LR), loss_fn, device=ctx.device) as plain,
+            mn.Trainer(fresh(), mn.optim.AdamW(lr=LR), loss_fn, device=ctx.device) as plain,
             trainer(overlap=False, **self_) as no,
             trainer(overlap=True, **self_) as ov,
         ):
@@ -158,7 +163,6 @@ def ours(name, args, ctx, MPI, rows, info):
             one = interleaved(steps, MPI.COMM_SELF, args.warmup, args.repeats)
             one["self_overlap_buckets"] = ov.buckets
     idle(comm)
-    model.load_state_dict(state)
     parts = {o: {"gpu_wait": [], "readback": [], "allreduce": [], "exposed": []} for o in (0, 1)}
 
     def step(t, p):
@@ -215,8 +219,8 @@ def torch_side(name, args, ctx, MPI, info):
     comm, n = ctx.comm, ctx.world_size
     cuda = torch.cuda.is_available()
     dev = f"cuda:{ctx.local_rank % torch.cuda.device_count()}" if cuda else "cpu"
-    local_size = comm.allreduce(1 if ctx.local_rank == 0 else 0)  # hosts
-    own_gpu = cuda and torch.cuda.device_count() * local_size >= n
+    hosts = comm.allreduce(1 if ctx.local_rank == 0 else 0)
+    own_gpu = cuda and torch.cuda.device_count() * hosts >= n
     backend = "nccl" if own_gpu else "gloo"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -248,7 +252,7 @@ def torch_side(name, args, ctx, MPI, info):
     if not tdist.is_initialized():
         host = comm.bcast(socket.gethostname() if ctx.rank == 0 else None, root=0)
         port = comm.bcast(29500 + os.getpid() % 1000 if ctx.rank == 0 else None, root=0)
-        os.environ.setdefault("MASTER_ADDR", host if local_size > 1 else "127.0.0.1")
+        os.environ.setdefault("MASTER_ADDR", host if hosts > 1 else "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(port))
         tdist.init_process_group(backend, rank=ctx.rank, world_size=n)
     m = w.torch_model(case, args.quick, state).to(dev).train()
