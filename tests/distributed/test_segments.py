@@ -75,3 +75,11 @@ def test_rank_seed():
     assert len(set(seeds)) == 8 and all(0 <= s < 2**32 for s in seeds)
     assert seeds == [rank_seed(12345, r) for r in range(8)]  # deterministic
     assert rank_seed(12346, 1) != seeds[1]
+
+
+def test_bucket_cap_must_be_positive():
+    from meganeura.distributed.overlap import BucketReducer
+
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive, got 0"):
+        BucketReducer(0)
+    assert BucketReducer(25).cap_bytes == 25 * 1024 * 1024  # MiB, as PyTorch DDP
