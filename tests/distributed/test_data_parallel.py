@@ -3,8 +3,11 @@
 
 The reference is an ordinary ``Trainer`` in this process on each whole global batch (what
 ``DistributedTrainer`` must equal: the mean of the ranks' equal-shard means is the global
-batch's mean). Skipped, with the reason, where mpi4py or mpiexec is missing; ``make setup``
-installs both (the ``distributed`` extra), so they run in CI.
+batch's mean), with the overlapped bucketed reduce (issue 17 item 2: the same bits as
+without); for BatchNorm, one process with one micro-batch per rank (PyTorch DDP's local-batch
+statistics) and rank 0's running statistics. Skipped, with the reason, where mpi4py or
+mpiexec is missing; ``make setup`` installs both (the ``distributed`` extra), so they run in
+CI.
 """
 
 from __future__ import annotations
