@@ -144,6 +144,10 @@ class SegmentedRun:
 
     The staging buffers (one per group, float32 bytes of its slots back to back) are created
     once; :meth:`close` frees them (the Session's own buffers are the Session's).
+
+    Raises:
+        ValueError: a slot not on a 4-byte boundary, or a group larger than the adapter's
+            ``max_buffer_size``.
     """
 
     def __init__(self, session, plan: SegmentPlan):
@@ -159,6 +163,12 @@ class SegmentedRun:
                     raise ValueError(f"slot {name!r} does not start on a 4-byte boundary")
                 layout.append((name, at, b.length))
                 at = ceil_to(at + b.length, 8)
+            if at > session.device.max_buffer_size:
+                raise ValueError(
+                    f"bucket {k} ({', '.join(names)}) needs a {at}-byte staging buffer, over the "
+                    f"adapter's max_buffer_size ({session.device.max_buffer_size}); use a "
+                    "smaller bucket_cap_mb"
+                )
             self._layout.append(layout)
             self._staging.append(
                 session._gpu.create_buffer(
