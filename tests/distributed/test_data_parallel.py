@@ -103,6 +103,7 @@ def test_equals_one_process_on_the_concatenated_batch(ranks, gpu_device, tmp_pat
         for key, want in t.model.state_dict().items():
             if "running_" in key:
                 np.testing.assert_allclose(got[f"bn1/{key}"], want, rtol=RTOL, atol=1e-7)
+    assert bool(got["nan_step_skipped_everywhere"]), "a NaN on one rank was not skipped on all"
     # dropout: one mask per rank (distinct local losses), repeatable under the seed
     local = got["dropout_local_losses"]
     assert len(set(local.tolist())) == ranks, f"ranks drew the same dropout masks: {local}"

@@ -8,7 +8,8 @@ whether the runs without overlap gave the same bits, whether a run resumed from 
 after step 1 ends bit-identical to the "adamw" run, and, for a loss with dropout fed the same
 batch on every rank, each rank's local loss (different masks: different losses) and whether
 two such runs repeat bit for bit. And a model with BatchNorm (``make_bn_model``, AdamW): its
-state after step 1 (``bn1/``) and after ``STEPS`` (``bn/``).
+state after step 1 (``bn1/``) and after ``STEPS`` (``bn/``), and whether a NaN in one rank's
+shard raises ``NonFiniteError`` on every rank with nothing changed, training going on after.
 
 ``failure``: AdamW with a checkpoint after every step; at step 2 rank 1's batch holds a class
 index out of range, which its program rejects before running. Every rank must raise
@@ -102,7 +103,28 @@ def parity(out: Path) -> None:
             if step == 0:
                 results.update({f"bn1/{k}": v for k, v in sd.items()})
         results.update({f"bn/{k}": v for k, v in sd.items()})
+    # a NaN in rank 1's shard at step 2: every rank raises NonFiniteError, nothing changes
+    # (parameters, moments, running statistics), and training goes on
+    from meganeura.training.guard import NonFiniteError
+
+    with dist.DistributedTrainer(make_bn_model(), make_opt(), loss_fn) as t:
+        t.step(dist.shard(data[0][0]), dist.shard(data[0][1]))
+        before = t.state_dict()
+        x = dist.shard(data[1][0]).copy()
+        if ctx.rank == 1:
+            x[0, 0] = np.nan
+        try:
+            t.step(x, dist.shard(data[1][1]))
+            raised = False
+        except NonFiniteError:
+            raised = True
+        after = t.state_dict()
+        unchanged = all(np.array_equal(v, after[k]) for k, v in before.items())
+        t.step(dist.shard(data[2][0]), dist.shard(data[2][1]))
+        goes_on = t.step_count == 2 and all(np.isfinite(v).all() for v in t.state_dict().values())
+    nan_ok = all(ctx.comm.allgather(raised and unchanged and goes_on))
     if dist.is_main():
+        results["nan_step_skipped_everywhere"] = np.asarray(nan_ok)
         results["resume_identical"] = np.asarray(resumed)
         results["identical"] = np.asarray(identical)
         results["world_size"] = np.asarray(ctx.world_size)
