@@ -116,8 +116,8 @@ def cmd_train(args) -> int:
         print(
             f"distributed: {s['world_size']} ranks, "
             f"{s['samples_per_second'] / s['world_size']:,.0f} samples/s per rank, "
-            f"{s['reduce_ms_per_step']:.3f} ms per step reading back and all-reducing "
-            f"{s['reduce_bytes']:,} B of gradients"
+            f"{s['reduce_ms_per_step']:.3f} ms per step of reading back and all-reducing "
+            f"{s['reduce_bytes']:,} B of gradients not hidden by the backward pass"
         )
     print(f"checkpoint: {s['checkpoint']}")
     if "loss_plot" in s:
@@ -127,8 +127,11 @@ def cmd_train(args) -> int:
 
 
 def cmd_train_resnet(args) -> int:
-    if args.distributed:  # its forward updates BatchNorm's running statistics
-        raise SystemExit("meganeura train resnet --distributed: not supported yet (BatchNorm)")
+    if args.distributed:  # DistributedTrainer takes BatchNorm; the recipe is not wired yet
+        raise SystemExit(
+            "meganeura train resnet --distributed: not wired in the recipe yet "
+            "(DistributedTrainer itself trains BatchNorm models: docs/distributed.md)"
+        )
     from .io.checkpoint import CheckpointError
     from .recipes.resnet import ResNetTrainConfig, format_train, train
 

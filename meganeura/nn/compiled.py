@@ -287,11 +287,16 @@ class ProgramRunner:
         return session
 
     def run(self, feeds: Mapping[str, np.ndarray], fetch) -> dict:
+        return self.fresh_session().run(feeds, fetch)
+
+    def fresh_session(self):
+        """The Session, reopened (its private tensors carried over) if the shared store has
+        moved the buffers it binds since it was opened."""
         if self.store.is_stale(self._token):
             carry = {n: self.session.read(n) for n in self.private}
             self.session.close()
             self.session = self._open(carry)
-        return self.session.run(feeds, fetch)
+        return self.session
 
     def read_private(self) -> dict[str, np.ndarray]:
         """The program's own persistent tensors (those not shared), NumPy copies."""

@@ -224,7 +224,7 @@ def train(
                 losses.append([step, loss])
                 rate = (k + 1) * cfg.batch_size / (time.perf_counter() - epoch_t)
                 shown = {"loss": f"{loss:.4f}", "samples_s": f"{rate:,.0f}"}
-                if cfg.distributed:  # per rank, and the host's readback + all-reduce per step
+                if cfg.distributed:  # per rank, and the reduce time the backward did not hide
                     shown["rank_samples_s"] = f"{rate / world:,.0f}"
                     shown["reduce_ms"] = f"{1e3 * trainer.reduce_seconds:.2f}"
                 bar.set_postfix(shown)

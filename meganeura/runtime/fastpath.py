@@ -43,6 +43,7 @@ try:  # wgpu-py's cffi handles; private, so everything below has a public fallba
     _WRITE = lib.wgpuQueueWriteBuffer
     _MAP_ASYNC = lib.wgpuBufferMapAsync
     _POLL = lib.wgpuDevicePoll
+    _SUBMIT_FOR_INDEX = lib.wgpuQueueSubmitForIndex
     _MAPPED_RANGE = lib.wgpuBufferGetConstMappedRange
     _UNMAP = lib.wgpuBufferUnmap
     _MAP_READ = lib.WGPUMapMode_Read
@@ -298,3 +299,74 @@ def wait_idle(device: wgpu.GPUDevice, fallback) -> None:
         fallback()
         return
     _POLL(raw_handle(device), True, ffi.NULL)
+
+
+# ---------------------------------------------------------------- segmented steps (segments.py)
+
+
+def submit_for_index(queue: wgpu.GPUQueue, command_buffers: Sequence) -> int | None:
+    """Submit ``command_buffers``; returns the submission index (None on the public fallback,
+    where :func:`poll` then waits for all work)."""
+    if not AVAILABLE:
+        queue.submit(list(command_buffers))
+        return None
+    handles = ffi.new("WGPUCommandBuffer[]", [raw_handle(cb) for cb in command_buffers])
+    return int(_SUBMIT_FOR_INDEX(raw_handle(queue), len(command_buffers), handles))
+
+
+def map_async(buffer: wgpu.GPUBuffer, offset: int, size: int):
+    """Request a read map of ``buffer[offset : offset + size]`` (after all submitted work);
+    returns a key for :func:`map_done` and :func:`mapped_copy`. The callback fires inside a
+    :func:`poll`."""
+    if not AVAILABLE:
+        return buffer.map_async(wgpu.MapMode.READ, offset, size)
+    key = _next_id[0] = _next_id[0] + 1
+    _pending[key] = None
+    info = ffi.new(
+        "WGPUBufferMapCallbackInfo *",
+        {
+            "mode": _ALLOW_PROCESS_EVENTS,
+            "callback": _on_mapped,
+            "userdata1": ffi.cast("void *", key),
+        },
+    )
+    _MAP_ASYNC(raw_handle(buffer), _MAP_READ, offset, size, info[0])
+    return key
+
+
+def map_done(key) -> bool:
+    """Whether the map requested by :func:`map_async` has completed (successfully or not)."""
+    if not AVAILABLE:
+        return key.done() if hasattr(key, "done") else True
+    return _pending.get(key) is not None
+
+
+def poll(device: wgpu.GPUDevice, wait: bool, index: int | None = None) -> None:
+    """``wgpuDevicePoll``: fire completed callbacks; with ``wait``, first block until
+    submission ``index`` (None: every submission) has completed."""
+    if not AVAILABLE:
+        return
+    idx = ffi.NULL if index is None else ffi.new("uint64_t *", index)
+    _POLL(raw_handle(device), bool(wait), idx)
+
+
+def mapped_copy(key, buffer: wgpu.GPUBuffer, offset: int, size: int) -> bytes:
+    """The bytes of a completed :func:`map_async` map, copied out; the buffer is unmapped.
+
+    Raises:
+        RuntimeError: the map failed (the message gives wgpu's status code).
+    """
+    if not AVAILABLE:
+        key.sync_wait()
+        try:
+            return bytes(buffer.read_mapped(offset, size, copy=False))
+        finally:
+            buffer.unmap()
+    status = _pending.pop(key, None)
+    if status != _MAP_SUCCESS:
+        raise RuntimeError(f"mapping {buffer.label!r} for reading failed (wgpu status {status})")
+    buf = raw_handle(buffer)
+    try:
+        return bytes(ffi.buffer(_MAPPED_RANGE(buf, offset, size), size))
+    finally:
+        _UNMAP(buf)

@@ -345,6 +345,29 @@ class Session:
             method=chosen,
         )
 
+    def recorder(self, dispatches: Sequence[int]) -> fastpath.Recorder:
+        """A Recorder replaying ``program.dispatches[i]`` for each ``i`` given, in that order
+        (empty grids left out), with this Session's pipelines and bind groups: a part of the
+        step (``runtime.segments``). Valid while the Session is open."""
+        self._live()
+        grids = [self.program.dispatches[i].grid for i in dispatches]
+        return fastpath.Recorder(
+            [
+                (self._pipelines[i], self._bind_groups[i], *g)
+                for i, g in zip(dispatches, grids, strict=True)
+                if 0 not in g
+            ]
+        )
+
+    def _record_with(self, recorder: fastpath.Recorder, tail) -> wgpu.GPUCommandBuffer:
+        """``recorder``'s dispatches then ``tail(encoder)``, as one command buffer."""
+        try:
+            return recorder.encode(self._gpu, tail)
+        except wgpu.GPUError as e:
+            raise find_invalid_dispatch(
+                self.device.pipelines, self.program.dispatches, self._bind_groups, e
+            ) from e
+
     @property
     def submissions(self) -> int:
         """Command buffers one step is submitted as (:data:`SUBMIT_CHUNKS`)."""

@@ -3,8 +3,11 @@
 
 The reference is an ordinary ``Trainer`` in this process on each whole global batch (what
 ``DistributedTrainer`` must equal: the mean of the ranks' equal-shard means is the global
-batch's mean). Skipped, with the reason, where mpi4py or mpiexec is missing; ``make setup``
-installs both (the ``distributed`` extra), so they run in CI.
+batch's mean), with the overlapped bucketed reduce (issue 17 item 2: the same bits as
+without); for BatchNorm, one process with one micro-batch per rank (PyTorch DDP's local-batch
+statistics) and rank 0's running statistics. Skipped, with the reason, where mpi4py or
+mpiexec is missing; ``make setup`` installs both (the ``distributed`` extra), so they run in
+CI.
 """
 
 from __future__ import annotations
@@ -19,8 +22,16 @@ import numpy as np
 import pytest
 
 from meganeura.io.checkpoint import load_checkpoint
+from meganeura.optim import AdamW
 from meganeura.training import Trainer
-from tests.distributed.workloads import CONFIGS, STEPS, batches, loss_fn, make_model
+from tests.distributed.workloads import (
+    CONFIGS,
+    STEPS,
+    batches,
+    loss_fn,
+    make_bn_model,
+    make_model,
+)
 
 pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'meganeura[distributed]')")
 MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=os.path.dirname(sys.executable))
@@ -69,6 +80,34 @@ def test_equals_one_process_on_the_concatenated_batch(ranks, gpu_device, tmp_pat
     assert int(got["world_size"]) == ranks
     assert bool(got["identical"]), "ranks ended with different parameters or optimizer state"
     assert bool(got["resume_identical"]), "a resumed run did not continue bit-identically"
+    assert bool(got["overlap_same_bits"]), "the overlapped reduce changed the results"
+    assert int(got["buckets"]) == 2, "the overlapped runs did not reduce in 2 buckets"
+    # BatchNorm, as PyTorch DDP without SyncBatchNorm: each rank normalizes with its local
+    # batch's statistics, so the update equals one process accumulating one micro-batch per
+    # rank; the running statistics are rank 0's (after step 1: those of one process on
+    # rank 0's shard), the same bits on every rank (got["identical"])
+    with Trainer(
+        make_bn_model(), AdamW(lr=1e-2, weight_decay=0.01), loss_fn, accumulation_steps=ranks
+    ) as t:
+        for x, y in batches():
+            t.step(x, y)
+        for key, want in t.state_dict().items():
+            if key.endswith("num_batches_tracked"):  # rank 0's forwards: one per step
+                assert int(got[f"bn/{key}"]) == STEPS, key
+            elif "running_" not in key:
+                rel = _rel(got[f"bn/{key}"], want)
+                assert rel <= RTOL, f"BatchNorm model: {key} differs by {rel:.2e} (relative)"
+    with Trainer(make_bn_model(), AdamW(lr=1e-2, weight_decay=0.01), loss_fn) as t:
+        x, y = batches()[0]
+        t.step(x[: len(x) // ranks], y[: len(y) // ranks])
+        for key, want in t.model.state_dict().items():
+            if "running_" in key:
+                np.testing.assert_allclose(got[f"bn1/{key}"], want, rtol=RTOL, atol=1e-7)
+    assert bool(got["nan_step_skipped_everywhere"]), "a NaN on one rank was not skipped on all"
+    # dropout: one mask per rank (distinct local losses), repeatable under the seed
+    local = got["dropout_local_losses"]
+    assert len(set(local.tolist())) == ranks, f"ranks drew the same dropout masks: {local}"
+    assert bool(got["dropout_repeats"]), "a run with dropout did not repeat bit for bit"
     for name in CONFIGS:
         losses, sd = _reference(name, ranks)
         np.testing.assert_allclose(got[f"{name}/losses"], losses, rtol=RTOL, err_msg=name)
@@ -91,8 +130,6 @@ def test_a_failing_rank_stops_every_rank_and_keeps_the_checkpoint(gpu_device, tm
     tensors, meta = load_checkpoint(tmp_path / "ckpt.safetensors")
     assert meta["at"] == 1 and meta["step"] == 2
     # the checkpoint holds the parameters after 2 steps: those of one process after 2 steps
-    from meganeura.optim import AdamW
-
     with Trainer(make_model(), AdamW(lr=1e-2), loss_fn) as t:
         for x, y in batches()[:2]:
             t.step(x, y)

@@ -1,9 +1,15 @@
 """The MPI side of tests/distributed: ``mpiexec -n N python -m tests.distributed.worker MODE OUT``.
 
 ``parity``: every configuration of ``workloads.CONFIGS`` trained ``STEPS`` steps with
-``DistributedTrainer`` on each rank's shard; rank 0 writes ``OUT/parity.npz`` (losses and
-parameters per configuration), whether every rank ended with rank 0's exact bytes, and
-whether a run resumed from a checkpoint after step 1 ends bit-identical to the "adamw" run.
+``DistributedTrainer`` on each rank's shard, with the overlapped bucketed reduce (several
+buckets) and without; rank 0 writes ``OUT/parity.npz`` (losses and parameters of the
+overlapped runs per configuration), whether every rank ended with rank 0's exact bytes,
+whether the runs without overlap gave the same bits, whether a run resumed from a checkpoint
+after step 1 ends bit-identical to the "adamw" run, and, for a loss with dropout fed the same
+batch on every rank, each rank's local loss (different masks: different losses) and whether
+two such runs repeat bit for bit. And a model with BatchNorm (``make_bn_model``, AdamW): its
+state after step 1 (``bn1/``) and after ``STEPS`` (``bn/``), and whether a NaN in one rank's
+shard raises ``NonFiniteError`` on every rank with nothing changed, training going on after.
 
 ``failure``: AdamW with a checkpoint after every step; at step 2 rank 1's batch holds a class
 index out of range, which its program rejects before running. Every rank must raise
@@ -20,19 +26,34 @@ from pathlib import Path
 
 import numpy as np
 
+import meganeura as mn
 from meganeura import distributed as dist
-from tests.distributed.workloads import CONFIGS, batches, loss_fn, make_model
+from tests.distributed.workloads import (
+    BUCKET_CAP_MB,
+    CONFIGS,
+    batches,
+    dropout_loss_fn,
+    loss_fn,
+    make_bn_model,
+    make_model,
+)
 
 
 def parity(out: Path) -> None:
     ctx = dist.init()
-    results, identical = {}, True
+    results, identical, same_bits, buckets = {}, True, True, 0
     for name, (make_opt, clip, k) in CONFIGS.items():
-        model = make_model()
-        kwargs = dict(max_grad_norm=clip, accumulation_steps=k)
-        with dist.DistributedTrainer(model, make_opt(), loss_fn, **kwargs) as t:
-            losses = [t.step(dist.shard(x), dist.shard(y)) for x, y in batches()]
-            sd = t.state_dict()
+        runs = {}
+        for overlap in (False, True):
+            kwargs = dict(max_grad_norm=clip, accumulation_steps=k, overlap=overlap)
+            kwargs["bucket_cap_mb"] = BUCKET_CAP_MB
+            with dist.DistributedTrainer(make_model(), make_opt(), loss_fn, **kwargs) as t:
+                losses = [t.step(dist.shard(x), dist.shard(y)) for x, y in batches()]
+                runs[overlap] = (losses, t.state_dict())
+                buckets = max(buckets, t.buckets)
+        losses, sd = runs[True]
+        same_bits &= losses == runs[False][0]
+        same_bits &= all(np.array_equal(v, runs[False][1][k]) for k, v in sd.items())
         everyone = ctx.comm.allgather({k: v.tobytes() for k, v in sd.items()})
         identical &= all(e == everyone[0] for e in everyone)
         results[f"{name}/losses"] = np.asarray(losses, np.float64)
@@ -54,7 +75,56 @@ def parity(out: Path) -> None:
             t.step(dist.shard(x), dist.shard(y))
         sd = t.state_dict()
     resumed = all(np.array_equal(v, results[f"adamw/{k}"]) for k, v in sd.items())
+    # dropout: the same (unsharded) batch on every rank; each rank's local loss before the
+    # reduce (the loss accumulator) differs only through its dropout mask
+    local, repeat = [], []
+    for _ in range(2):
+        with dist.DistributedTrainer(make_model(), make_opt(), dropout_loss_fn) as t:
+            mn.manual_seed(5)
+            t.step(*data[0])
+            local.append(float(t._loss_accumulator.data))
+            repeat.append(t.state_dict())
     if dist.is_main():
+        results["dropout_local_losses"] = np.asarray(ctx.comm.gather(local[0], root=0))
+        results["dropout_repeats"] = np.asarray(
+            all(np.array_equal(v, repeat[1][k]) for k, v in repeat[0].items())
+        )
+        results["overlap_same_bits"] = np.asarray(same_bits)
+        results["buckets"] = np.asarray(buckets)
+    else:
+        ctx.comm.gather(local[0], root=0)
+    # BatchNorm: local-batch statistics, rank 0's running statistics (PyTorch DDP's default)
+    with dist.DistributedTrainer(make_bn_model(), make_opt(), loss_fn) as t:
+        for step, (x, y) in enumerate(data):
+            t.step(dist.shard(x), dist.shard(y))
+            sd = t.state_dict()
+            everyone = ctx.comm.allgather({k: v.tobytes() for k, v in sd.items()})
+            identical &= all(e == everyone[0] for e in everyone)
+            if step == 0:
+                results.update({f"bn1/{k}": v for k, v in sd.items()})
+        results.update({f"bn/{k}": v for k, v in sd.items()})
+    # a NaN in rank 1's shard at step 2: every rank raises NonFiniteError, nothing changes
+    # (parameters, moments, running statistics), and training goes on
+    from meganeura.training.guard import NonFiniteError
+
+    with dist.DistributedTrainer(make_bn_model(), make_opt(), loss_fn) as t:
+        t.step(dist.shard(data[0][0]), dist.shard(data[0][1]))
+        before = t.state_dict()
+        x = dist.shard(data[1][0]).copy()
+        if ctx.rank == 1:
+            x[0, 0] = np.nan
+        try:
+            t.step(x, dist.shard(data[1][1]))
+            raised = False
+        except NonFiniteError:
+            raised = True
+        after = t.state_dict()
+        unchanged = all(np.array_equal(v, after[k]) for k, v in before.items())
+        t.step(dist.shard(data[2][0]), dist.shard(data[2][1]))
+        goes_on = t.step_count == 2 and all(np.isfinite(v).all() for v in t.state_dict().values())
+    nan_ok = all(ctx.comm.allgather(raised and unchanged and goes_on))
+    if dist.is_main():
+        results["nan_step_skipped_everywhere"] = np.asarray(nan_ok)
         results["resume_identical"] = np.asarray(resumed)
         results["identical"] = np.asarray(identical)
         results["world_size"] = np.asarray(ctx.world_size)

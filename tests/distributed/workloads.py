@@ -36,6 +36,30 @@ def loss_fn(model, x, y):
     return F.cross_entropy(model(x), y)
 
 
+# PyTorch DDP's bucket_cap_mb: ~210 bytes, so the overlapped runs reduce in 2 buckets, in the
+# order backward finishes them: the loss with fc2's gradients (bucket 0, final while fc1's
+# gradients are still being computed), then fc1's
+BUCKET_CAP_MB = 2e-4
+
+
+def dropout_loss_fn(model, x, y):
+    """``loss_fn`` with dropout (p = 0.5) on the input: a seed input per step."""
+    return F.cross_entropy(model(F.dropout(x, 0.5, True)), y)
+
+
+def make_bn_model():
+    """Linear(8, 16, bias=False) -> BatchNorm1d(16) -> ReLU -> Linear(16, 4): a forward that updates
+    running statistics."""
+    from meganeura import nn
+
+    mn.manual_seed(1)
+    # no bias before BatchNorm (as ResNet's convolutions): its gradient is rounding noise,
+    # which Adam's m / sqrt(v) scales up to the learning rate
+    return nn.Sequential(
+        nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)
+    )
+
+
 def make_model() -> MLP:
     mn.manual_seed(0)
     return MLP(SIZES)

@@ -12,32 +12,43 @@ meganeura Trainer needs on top:
 
 A step of :class:`DistributedTrainer` on each rank's local batch:
 
-  1. forward + backward of each local micro-batch into the gradient accumulators (the
-     accumulate program of ``optim.accumulate``; the first micro-batch overwrites them);
+  1. every micro-batch is traced, compiled and its feeds checked, and the update program
+     compiled; micro-batches ``0 .. k-2`` run forward + backward into the gradient
+     accumulators (the accumulate program of ``optim.accumulate``; the first overwrites them);
   2. every rank reports success or its error (``allgather`` of a short message); if any rank
      failed, every rank raises :class:`DistributedError` naming the failed ranks, before
      anything is updated (parameters and optimizer state untouched on every rank);
-  3. the host reads the accumulated gradients and loss into one flat float64 vector (parameter
-     order of ``model.named_parameters``), ``Allreduce`` (``MPI.SUM``) it in place and divides
-     by ``world_size * accumulation_steps``: DDP's and Hugging Face's mean of the per-rank,
-     per-micro-batch means;
+  3. the last micro-batch runs (without overlap it ran in step 1) and the gradients are
+     summed across ranks in float64 and divided by ``world_size * accumulation_steps``
+     (DDP's and Hugging Face's mean of the per-rank, per-micro-batch means): with
+     ``overlap`` (default) in buckets of ``bucket_cap_mb`` read back and ``Iallreduce``-d
+     while the rest of the backward pass runs (``distributed.overlap``), else read back
+     after it into one vector and ``Allreduce``-d;
   4. the update program applies clipping, the non-finite guard and the optimizer to that mean
      gradient, given as an input. It is the compiled step of the surrogate loss
      ``L + sum_p sum(g_p * p)`` (``g_p`` and the mean loss ``L`` inputs), whose gradient with
      respect to ``p`` is ``1 * g_p = g_p`` exactly, so the update, clipping (it sees the
-     all-reduced gradient) and the guard are the ordinary Trainer's code.
+     all-reduced gradient) and the guard are the ordinary Trainer's code. A failure after
+     step 2 (a lost device) calls ``MPI_Abort``: the replicas could otherwise diverge;
+  5. BatchNorm (PyTorch DDP without ``SyncBatchNorm``, its default): each rank normalizes
+     with its local batch's statistics; rank 0's updated running statistics are broadcast to
+     every rank after the update (DDP's ``broadcast_buffers=True``), unless the step is
+     skipped as non-finite.
 
 Determinism: every rank feeds the same bytes to the same update program, so the parameters
 stay identical on every rank. What this relies on: float32 values summed in float64 (exact
 for 2 ranks; for more, exact unless the summands' exponents span more than ~29 binades), and
-MPICH's ``Allreduce`` for a fixed communicator, message size and op choosing a fixed algorithm
-and combination order (it never combines in arrival order) that gives every rank the same
-result, as the MPI standard advises (MPI 4.1, section 6.9.1, "Advice to implementors").
+MPICH's ``Allreduce``/``Iallreduce`` for a fixed communicator, message size and op choosing a
+fixed algorithm and combination order (it never combines in arrival order) that gives every
+rank the same result, as the MPI standard advises (MPI 4.1, section 6.9.1, "Advice to
+implementors"). Overlap changes neither the kernels' inputs nor the sums: same bits.
+
+Dropout: rank ``r`` feeds :func:`rank_seed` ``(seed, r)`` where a Trainer feeds ``seed``, so
+every rank draws its own mask, deterministically (rank 0 the Trainer's own).
 
 Rank 0 alone writes checkpoints (:meth:`DistributedTrainer.save`, atomic as
-``io.checkpoint``); every rank then continues or raises together. Not here yet (docs/
-distributed.md): overlap of the reduce with the backward pass, buckets, models whose forward
-updates buffers (BatchNorm's running statistics), per-rank dropout seeds.
+``io.checkpoint``); every rank then continues or raises together. docs/distributed.md gives
+the measured costs and what is left.
 """
 
 from __future__ import annotations
@@ -49,14 +60,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import random as mn_random
-from .nn.module import Module
-from .optim import HYPER_INPUT
-from .optim.accumulate import ACCUM_FIRST_INPUT
-from .optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, PENDING_SUFFIX
-from .training.batches import split_batch
-from .training.guard import StepRun, check_finite_feeds
-from .training.trainer import Trainer
+from .. import random as mn_random
+from ..nn.module import Module
+from ..optim import HYPER_INPUT
+from ..optim.accumulate import ACCUM_FIRST_INPUT
+from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT
+from ..training.batches import split_batch
+from ..training.guard import StepRun, check_finite_feeds
+from ..training.trainer import Trainer
+from .overlap import DEFAULT_BUCKET_CAP_MB, BucketReducer
 
 GRAD_ACCUM_SUFFIX = ".grad_accum"
 
@@ -128,7 +140,7 @@ def init(adapter: str | None = None, *, abort_on_exception: bool = True) -> Cont
     if _CONTEXT is not None:
         return _CONTEXT
     MPI = _mpi()
-    from .runtime.device import get_device, get_local_device
+    from ..runtime.device import get_device, get_local_device
 
     comm = MPI.COMM_WORLD
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -192,6 +204,21 @@ def shard(array: np.ndarray, rank_: int | None = None, size: int | None = None) 
     return a[r * q : (r + 1) * q]
 
 
+def rank_seed(seed: int, rank_: int) -> int:
+    """The dropout seed rank ``rank_`` feeds where a one-process Trainer would feed ``seed``:
+    ``seed`` itself on rank 0 (a 1-rank job equals a Trainer, dropout included), else the
+    first uint32 word of ``numpy.random.SeedSequence([seed, rank_])``: a different,
+    deterministic stream per rank (PyTorch DDP leaves per-rank seeding to the user; the
+    usual recipe is ``torch.manual_seed(seed + rank)``).
+
+    Returns:
+        An int in [0, 2**32).
+    """
+    if rank_ == 0:
+        return int(seed)
+    return int(np.random.SeedSequence([int(seed), int(rank_)]).generate_state(1, np.uint32)[0])
+
+
 def _check_agree(errors: list[str | None], what: str, after: str) -> None:
     """Raise if any rank failed (``errors``: every rank's error or None, in rank order, from
     an ``allgather``: the same list on every rank, so every rank raises), the message ending
@@ -231,11 +258,34 @@ def broadcast_parameters(model: Module, comm=None) -> None:
         )
     out = {}
     for k, v in sd.items():
-        a = np.ascontiguousarray(v)
+        a = np.array(v, order="C")  # not ascontiguousarray: it makes a 0-d array 1-d
         comm.Bcast(a, root=0)
         out[k] = a
     if comm.Get_rank() != 0:
         model.load_state_dict(out, strict=True)
+
+
+def _read_many(buffers: list) -> list[np.ndarray]:
+    """Values of trainer-held Buffers, read in one GPU round trip where they are resident in
+    one shared store (``SharedStore.read_many``), else one ``.data`` each."""
+    stores = {id(b._store) for b in buffers}
+    store = buffers[0]._store if buffers and len(stores) == 1 else None
+    if store is None or not all(store.resident(b) for b in buffers):
+        return [np.asarray(b.data) for b in buffers]
+    return store.read_many(buffers)
+
+
+def _finite(loss: float, grads: dict, max_grad_norm: float | None) -> bool:
+    """Whether the update guard (``optim.guard``) lets a step with these all-reduced loss and
+    gradients through: finite loss and gradients and, with clipping, a float32-finite sum of
+    squares (summed here in float64: a sum within rounding of float32's largest value may be
+    judged apart from the GPU's)."""
+    if not np.isfinite(loss) or not all(np.isfinite(g).all() for g in grads.values()):
+        return False
+    if max_grad_norm is None:
+        return True
+    total = sum(float(np.dot(g.ravel().astype(np.float64), g.ravel())) for g in grads.values())
+    return total <= float(np.finfo(np.float32).max)
 
 
 def _apply_fn(model: Module, mean_loss, grads):
@@ -250,30 +300,68 @@ def _apply_fn(model: Module, mean_loss, grads):
 
 class DistributedTrainer(Trainer):
     """A Trainer whose step averages the gradients of every rank's local batch (module
-    docstring). Takes ``Trainer``'s arguments, and:
+    docstring). Takes ``Trainer``'s arguments (``accumulation_steps``: micro-batches summed on
+    each rank before the one reduce of the step, what DDP's ``no_sync`` is used for), and:
 
     Args:
         comm: the communicator (default: :func:`init`'s ``COMM_WORLD``).
         device: default the device :func:`init` chose.
+        overlap: read back and all-reduce the gradients in buckets while the backward pass
+            runs (``distributed.overlap``); False: read all of them back after the backward
+            pass and reduce them in one ``Allreduce``. The results are the same bits.
+        bucket_cap_mb: MiB of float32 gradients per bucket with ``overlap`` (PyTorch DDP's
+            name and default, 25).
 
     Construction broadcasts rank 0's parameters and buffers (:func:`broadcast_parameters`),
-    as ``torch.nn.parallel.DistributedDataParallel`` does.
+    as ``torch.nn.parallel.DistributedDataParallel`` does. Dropout draws a different mask on
+    every rank: rank ``r`` feeds ``rank_seed(seed, r)`` for each seed a Trainer would feed
+    (:func:`rank_seed`; rank 0 the Trainer's own).
 
     Attributes:
-        reduce_seconds: wall seconds of the last step's gradient readback + ``Allreduce`` +
-            division (the host's share of the step): ``readback_seconds`` (reading the
-            accumulators, which waits for the backward pass) + ``allreduce_seconds``.
+        reduce_seconds: wall seconds of the last step's gradient reduce that the backward
+            pass did not hide: without overlap ``readback_seconds`` + ``allreduce_seconds``,
+            after the backward pass; with overlap the time from the last segment's end until
+            every bucket was reduced.
+        gpu_wait_seconds: the host waiting for the last micro-batch's forward + backward
+            (with overlap: for its segments).
+        readback_seconds: host seconds reading the gradients back once computed (with
+            overlap: copying the mapped buckets out).
+        allreduce_seconds: the ``Allreduce`` (without overlap; with overlap 0: it is spread
+            over the buckets, inside ``reduce_seconds`` where not hidden).
+        buckets: buckets of the last step (1 without overlap).
         reduce_bytes: bytes all-reduced per step (float64 gradients and the loss).
     """
 
-    def __init__(self, model, optimizer, loss_fn, *, comm=None, device=None, **kwargs) -> None:
+    def __init__(
+        self,
+        model,
+        optimizer,
+        loss_fn,
+        *,
+        comm=None,
+        device=None,
+        overlap: bool = True,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        **kwargs,
+    ) -> None:
         ctx = _context() if comm is None or device is None else None
         super().__init__(model, optimizer, loss_fn, device=device or ctx.device, **kwargs)
         self.comm = comm or ctx.comm
         self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
+        self.overlap = bool(overlap)
+        self._reducer = BucketReducer(bucket_cap_mb)
         self.reduce_seconds = self.readback_seconds = self.allreduce_seconds = 0.0
-        self.reduce_bytes = 0
+        self.gpu_wait_seconds = 0.0
+        self.reduce_bytes = self.buckets = 0
         broadcast_parameters(model, self.comm)
+
+    def _prepare(self, kind, batch, kwargs, return_grads=False, fn=None):
+        prog, feeds = super()._prepare(kind, batch, kwargs, return_grads, fn)
+        if self.rank:
+            for name in prog.entry.runner.traced.trace.seeds:
+                if name in feeds:
+                    feeds[name] = np.asarray(rank_seed(int(feeds[name]), self.rank), np.uint32)
+        return prog, feeds
 
     def step(self, *batch, return_loss: bool = True, **kwargs):
         """One optimizer step on this rank's local batch (given as to ``Trainer.step``) and
@@ -286,22 +374,14 @@ class DistributedTrainer(Trainer):
                 model whose forward updates buffers); nothing is updated on any rank.
             NonFiniteError: as ``Trainer.step``, on every rank alike.
         """
-        MPI = _mpi()
         comm, k = self.comm, self.accumulation_steps
         rng_state = mn_random.get_rng_state()
-        error = exc = None
-        flat = names = None
+        error = exc = signature = None
         try:
             micro = split_batch(self._fn, batch, kwargs, k) if k > 1 else [(batch, kwargs)]
             runs = []
             for i, (mb, mkw) in enumerate(micro):
                 prog, feeds = self._prepare("accumulate", mb, mkw)
-                state = prog.entry.runner.program.state
-                if any(n.endswith("." + PENDING_SUFFIX) for n in state):
-                    raise NotImplementedError(
-                        "DistributedTrainer does not train models whose forward updates "
-                        "buffers (BatchNorm's running statistics) yet: docs/distributed.md"
-                    )
                 if ACCUM_FIRST_INPUT in prog.entry.runner.program.inputs:
                     feeds[ACCUM_FIRST_INPUT] = np.asarray(float(i == 0), np.float32)
                 if self.check_finite:
@@ -309,23 +389,30 @@ class DistributedTrainer(Trainer):
                 runs.append((prog, feeds))
             for prog, feeds in runs:
                 prog.entry.runner.session.check(feeds)
-            host = self._host_counters()
-            for prog, feeds in runs:
-                self._run(prog, feeds, ())
-            t0 = time.perf_counter()
             params = dict(self.model.named_parameters())
             state = runs[-1][0].entry.runner.program.state
             names = [n for n in params if n + GRAD_ACCUM_SUFFIX in state]
-            parts = [self._accumulators[params[n]].data.astype(np.float64).ravel() for n in names]
-            flat = np.concatenate([*parts, [float(self._loss_accumulator.data)]])
-            read_seconds = time.perf_counter() - t0
             signature = [(n, params[n].shape) for n in names]
             # compiled now, so that a compile error stops every rank before the reduce
             zeros = {n: np.zeros(params[n].shape, params[n].dtype.numpy) for n in names}
             self._prepare("apply", (np.float32(0), zeros), {}, fn=self._apply)
+            host = self._host_counters()
+            # with overlap the last micro-batch runs inside the reduce, after the check below
+            for prog, feeds in runs[:-1] if self.overlap else runs:
+                self._run(prog, feeds, ())
+            if self.overlap:
+                self._reducer.segmented(runs[-1][0].entry.runner, names)  # built before
+            else:
+                t0 = time.perf_counter()
+                runs[-1][0].entry.runner.session.synchronize()  # the backward pass, timed apart
+                gpu_wait = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                held = [self._accumulators[params[n]] for n in names] + [self._loss_accumulator]
+                parts = [a.astype(np.float64).ravel() for a in _read_many(held)]
+                flat = np.concatenate(parts)
+                read_seconds = time.perf_counter() - t0
         except Exception as e:
             error, exc = _describe(e), e
-            signature = None
         # one collective: every rank's error (None: success) and gradient layout
         gathered = comm.allgather((error, signature))
         try:
@@ -340,21 +427,13 @@ class DistributedTrainer(Trainer):
         except DistributedError as e:
             mn_random.set_rng_state(rng_state)
             raise e from exc
-        t0 = time.perf_counter()
-        comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
-        flat /= float(self.world_size * k)
-        self.allreduce_seconds = time.perf_counter() - t0
-        self.readback_seconds = read_seconds
-        self.reduce_seconds = read_seconds + self.allreduce_seconds
-        self.reduce_bytes = flat.nbytes
-        grads, offset = {}, 0
-        for n in names:
-            p = params[n]
-            size = int(np.prod(p.shape, dtype=np.int64))
-            grads[n] = flat[offset : offset + size].reshape(p.shape).astype(p.dtype.numpy)
-            offset += size
-        loss = float(np.float32(flat[-1]))
+        divisor = float(self.world_size * k)
         try:
+            if self.overlap:
+                grads, loss = self._overlapped(runs[-1], names, divisor)
+            else:
+                grads, loss = self._reduced(flat, names, divisor, read_seconds)
+                self.gpu_wait_seconds = gpu_wait
             prog, feeds = self._prepare("apply", (np.float32(loss), grads), {}, fn=self._apply)
             inputs = prog.entry.runner.program.inputs
             if HYPER_INPUT in inputs:
@@ -363,10 +442,12 @@ class DistributedTrainer(Trainer):
                 feeds[GUARD_RESET_INPUT] = self._guard.reset_feed()
             guarded = GUARD_OUTPUT in prog.entry.runner.program.outputs
             out = self._run(prog, feeds, (GUARD_OUTPUT,) if return_loss and guarded else ())
+            if self._pending_stats:
+                self._commit_running_stats(_finite(loss, grads, self._options.max_grad_norm))
         except Exception:
             # The other ranks may have updated: the replicas would diverge. Stop the job.
             traceback.print_exc()
-            sys.stderr.write(f"rank {self.rank}: the update failed after the reduce; aborting\n")
+            sys.stderr.write(f"rank {self.rank}: the step failed after the error check; aborting\n")
             sys.stderr.flush()
             comm.Abort(1)
             raise
@@ -380,6 +461,65 @@ class DistributedTrainer(Trainer):
         if GUARD_OUTPUT in out:
             self._settle(out, loss)
         return loss if return_loss else None
+
+    def _commit_running_stats(self, finite: bool) -> None:
+        """Rank 0's staged running statistics (BatchNorm's, updated by its local batch's
+        forwards) into every rank's running statistics, unless the step is skipped: PyTorch
+        DDP's ``broadcast_buffers=True``, which broadcasts rank 0's buffers before each
+        forward. One ``Bcast`` of the statistics as one float32 vector."""
+        staged = [(b, self._pending_stats.get(b)) for _, b in self.model.named_buffers()]
+        staged = [(b, p) for b, p in staged if p is not None and b.dtype.numpy == np.float32]
+        sizes = [int(np.prod(b.shape, dtype=np.int64)) for b, _ in staged]
+        if self.rank == 0:
+            flat = np.concatenate([a.ravel() for a in _read_many([p for _, p in staged])])
+        else:
+            flat = np.empty(sum(sizes), np.float32)
+        self.comm.Bcast(flat, root=0)
+        if finite:
+            offset = 0
+            for (b, _), size in zip(staged, sizes, strict=True):
+                b.copy_(flat[offset : offset + size].reshape(b.shape))
+                offset += size
+
+    def _reduced(self, flat: np.ndarray, names: list[str], divisor: float, read_seconds: float):
+        """The one-vector reduce (no overlap): ({name: mean gradient}, mean loss)."""
+        MPI = _mpi()
+        t0 = time.perf_counter()
+        self.comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        flat /= divisor
+        self.allreduce_seconds = time.perf_counter() - t0
+        self.readback_seconds = read_seconds
+        self.reduce_seconds = read_seconds + self.allreduce_seconds
+        self.reduce_bytes, self.buckets = flat.nbytes, 1
+        params = dict(self.model.named_parameters())
+        grads, offset = {}, 0
+        for n in names:
+            p = params[n]
+            size = int(np.prod(p.shape, dtype=np.int64))
+            grads[n] = flat[offset : offset + size].reshape(p.shape).astype(p.dtype.numpy)
+            offset += size
+        return grads, float(np.float32(flat[-1]))
+
+    def _overlapped(self, run: tuple, names: list[str], divisor: float):
+        """The last micro-batch run in segments with the bucketed reduce (``overlap``)."""
+        prog, feeds = run
+        runner = prog.entry.runner
+        means, loss, times = self._reducer.reduce(runner, feeds, names, self.comm, divisor)
+        prog.entry.calls += 1
+        for effect in runner.traced.trace.host_effects:  # as Trainer._run
+            effect()
+        params = dict(self.model.named_parameters())
+        grads = {n: means[n].astype(params[n].dtype.numpy) for n in names}
+        self.readback_seconds, self.gpu_wait_seconds = times.readback, times.gpu_wait
+        self.allreduce_seconds, self.reduce_seconds = 0.0, times.exposed
+        self.buckets = times.buckets
+        self.reduce_bytes = 8 * (1 + sum(g.size for g in grads.values()))
+        return grads, float(np.float32(loss))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._reducer.close()
+        super().close()
 
     def _apply(self, mean_loss, grads):
         return _apply_fn(self.model, mean_loss, grads)

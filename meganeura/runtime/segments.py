@@ -1,0 +1,242 @@
+"""A step submitted in segments, each followed by a copy of some slots into its own mappable
+buffer, so the host can read the slots a segment finished while the GPU runs the next one.
+
+Used by ``meganeura.distributed`` to read gradient buckets back while the backward pass still
+runs (issue 17 item 2). Two parts:
+
+  * :func:`plan_segments` (pure Python, no GPU): the program's dispatches reordered so that each
+    dispatch writing only the slots asked for (an ``accumulate`` into a gradient accumulator)
+    runs as early as its inputs allow, and the cut points after which each group of slots is
+    final. A dispatch moves ahead of another only when neither writes a byte range the other
+    binds (the read/write hazards of ``schedule.program.binding_conflict``), so every kernel
+    reads the same bytes as in program order: results are bit-identical to ``Session.run``.
+  * :class:`SegmentedRun`: uploads the feeds, records each segment as its own command buffer
+    (one compute pass, then copies of the group's slots into the group's staging buffer),
+    submits them all at once (``wgpuQueueSubmitForIndex``), requests every map, and hands the
+    groups back in order (:meth:`SegmentedRun.wait`). ``progress`` is called while it waits for
+    the GPU, for the caller's own asynchronous work (MPI's ``Testall``).
+
+Why the reordering: the accumulate program appends the accumulate ops after the whole backward
+pass (``optim.accumulate.add_to_accumulators``), so in program order no gradient is final
+before the last dispatch; hoisted, the last layer's accumulator is written right after its
+gradient is computed, at the start of the backward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import wgpu
+
+from ..schedule.program import Program
+from . import fastpath
+from .slots import ceil_to
+
+_STAGING_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """Dispatch order and cuts of a segmented step.
+
+    Attributes:
+        order: every dispatch index of ``program.dispatches``, in the order to run them.
+        final: slot name -> position in ``order`` of the last dispatch writing it (-1: none
+            writes it).
+        groups: the slot names of each segment's readback, in order.
+        cuts: ``order[cuts[k-1]:cuts[k]]`` is segment ``k`` (``cuts[-1] == len(order)``).
+    """
+
+    order: tuple[int, ...]
+    final: dict[str, int]
+    groups: tuple[tuple[str, ...], ...]
+    cuts: tuple[int, ...]
+
+
+def _ranges(program: Program, i: int) -> tuple[list, list]:
+    """(read ranges, written ranges) of dispatch ``i``: (buffer id, start, end) bytes."""
+    d = program.dispatches[i]
+    reads, writes = [], []
+    for k, (b, w) in enumerate(zip(d.bindings, d.writes, strict=True)):
+        off, size = d.span(k, program.buffers[b].size)
+        (writes if w else reads).append((b, off, off + size))
+    return reads, writes
+
+
+def _overlap(a: list, b: list) -> bool:
+    return any(x == y and s < e2 and s2 < e for x, s, e in a for y, s2, e2 in b)
+
+
+def _slot_range(program: Program, name: str) -> tuple[int, int, int]:
+    s = program.state.get(name) or program.parameters.get(name) or program.outputs[name]
+    return (s.buffer, s.offset, s.offset + s.nbytes)
+
+
+def plan_segments(
+    program: Program, slots: Sequence[str], cap_bytes: int, sizes: Mapping[str, int]
+) -> SegmentPlan:
+    """Reorder ``program``'s dispatches so each writer of ``slots`` runs early, then group the
+    slots into buckets of about ``cap_bytes`` in the order they become final.
+
+    Args:
+        program: the compiled step.
+        slots: state/parameter/output names whose final values are read back.
+        cap_bytes: a bucket closes once its ``sizes`` sum reaches this (PyTorch DDP's
+            ``bucket_cap_mb`` in bytes); 0 or less: one bucket per slot.
+        sizes: bytes counted per slot (the gradient's float32 size).
+
+    Returns:
+        A :class:`SegmentPlan`.
+
+    Raises:
+        KeyError: a slot name the program does not have.
+    """
+    n = len(program.dispatches)
+    want = {name: _slot_range(program, name) for name in slots}
+    rw = [_ranges(program, i) for i in range(n)]
+    # a dispatch that writes nothing but asked-for slots is hoisted (the accumulates)
+    ranges = list(want.values())
+    movable = {i for i in range(n) if rw[i][1] and all(_overlap([w], ranges) for w in rw[i][1])}
+    order: list[int] = []
+    for i in range(n):
+        if i not in movable:
+            order.append(i)
+            continue
+        reads, writes = rw[i]
+        at = len(order)
+        while at > 0:
+            r2, w2 = rw[order[at - 1]]
+            if _overlap(writes, r2) or _overlap(writes, w2) or _overlap(reads, w2):
+                break
+            at -= 1
+        order.insert(at, i)
+    final = {}
+    for name, rng in want.items():
+        final[name] = max((p for p, i in enumerate(order) if _overlap(rw[i][1], [rng])), default=-1)
+    by_final = sorted(slots, key=lambda s: (final[s], list(slots).index(s)))
+    groups, cuts, current, used = [], [], [], 0
+    for s in by_final:
+        current.append(s)
+        used += sizes.get(s, 0)
+        if used >= cap_bytes:
+            groups.append(tuple(current))
+            cuts.append(final[s] + 1)
+            current, used = [], 0
+    if current:
+        groups.append(tuple(current))
+        cuts.append(final[current[-1]] + 1)
+    cuts[-1] = n
+    # buckets whose slots are final at the same point share a cut: keep the cuts increasing
+    for k in range(len(cuts) - 2, -1, -1):
+        cuts[k] = min(cuts[k], cuts[k + 1])
+    return SegmentPlan(tuple(order), final, tuple(groups), tuple(cuts))
+
+
+class SegmentedRun:
+    """Runs a Session's step as the segments of a :class:`SegmentPlan` (module docstring).
+
+    Args:
+        session: the Session of the plan's program.
+        plan: :func:`plan_segments`'s plan for ``session.program``.
+
+    The staging buffers (one per group, float32 bytes of its slots back to back) are created
+    once; :meth:`close` frees them (the Session's own buffers are the Session's).
+
+    Raises:
+        ValueError: a slot not on a 4-byte boundary, or a group larger than the adapter's
+            ``max_buffer_size``.
+    """
+
+    def __init__(self, session, plan: SegmentPlan):
+        self.session, self.plan = session, plan
+        bound = session._bound
+        self._layout = []  # per group: [(name, offset in staging, length)]
+        self._staging = []
+        for k, names in enumerate(plan.groups):
+            at, layout = 0, []
+            for name in names:
+                b = bound[name]
+                if b.start != b.at:
+                    raise ValueError(f"slot {name!r} does not start on a 4-byte boundary")
+                layout.append((name, at, b.length))
+                at = ceil_to(at + b.length, 8)
+            if at > session.device.max_buffer_size:
+                raise ValueError(
+                    f"bucket {k} ({', '.join(names)}) needs a {at}-byte staging buffer, over the "
+                    f"adapter's max_buffer_size ({session.device.max_buffer_size}); use a "
+                    "smaller bucket_cap_mb"
+                )
+            self._layout.append(layout)
+            self._staging.append(
+                session._gpu.create_buffer(
+                    label=f"segment {k} staging", size=max(at, 8), usage=_STAGING_USAGE
+                )
+            )
+        starts = (0, *plan.cuts[:-1])
+        self._recorders = [
+            session.recorder([plan.order[p] for p in range(a, b)])
+            for a, b in zip(starts, plan.cuts, strict=True)
+        ]
+        self._keys: list[int] = []
+        self._indices: list[int] = []
+        self.gpu_wait_seconds = 0.0
+
+    def start(self, feeds: Mapping[str, np.ndarray]) -> None:
+        """Check and upload ``feeds`` (``Session.run``'s checks), then submit every segment
+        with its copies and request every group's map.
+
+        Raises:
+            InputError: as ``Session.run``; nothing was submitted.
+        """
+        s = self.session
+        s._live()
+        s._feed(feeds)
+        buffers = []
+        for k, rec in enumerate(self._recorders):
+
+            def copies(enc, k=k):
+                for name, at, length in self._layout[k]:
+                    b = s._bound[name]
+                    enc.copy_buffer_to_buffer(b.buffer, b.start, self._staging[k], at, length)
+
+            buffers.append(s._record_with(rec, copies))
+        self._indices = [fastpath.submit_for_index(s._queue, [cb]) for cb in buffers]
+        self._keys = [fastpath.map_async(st, 0, st.size) for st in self._staging]
+        self.gpu_wait_seconds = 0.0
+
+    def wait(self, k: int, progress: Callable[[], bool] | None = None) -> dict[str, np.ndarray]:
+        """Group ``k``'s slots (float32 arrays of their shapes) once segment ``k`` finished.
+
+        ``progress()`` is called between non-blocking polls while it returns True (work of the
+        caller still in flight); once it returns False the wait blocks on the GPU.
+
+        Raises:
+            RuntimeError: the map failed.
+        """
+        s = self.session
+        t0 = time.perf_counter()
+        key = self._keys[k]
+        while not fastpath.map_done(key):
+            if progress is not None and progress():
+                fastpath.poll(s._gpu, False)
+                time.sleep(2e-5)
+            else:
+                fastpath.poll(s._gpu, True, self._indices[k])
+        self.gpu_wait_seconds += time.perf_counter() - t0
+        st = self._staging[k]
+        raw = fastpath.mapped_copy(key, st, 0, st.size)
+        out = {}
+        for name, at, _ in self._layout[k]:
+            b = s._bound[name]
+            out[name] = np.frombuffer(
+                raw, b.slot.dtype.numpy, b.slot.nbytes // b.slot.dtype.itemsize, at
+            ).reshape(b.slot.shape)
+        return out
+
+    def close(self) -> None:
+        for st in self._staging:
+            st.destroy()
+        self._staging, self._recorders = [], []
