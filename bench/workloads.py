@@ -49,6 +49,12 @@ def parse(argv=None):
     ap.add_argument("--modes", type=_csv, default=list(TORCH_MODES), help=",".join(TORCH_MODES))
     ap.add_argument("--repeats", type=int, default=None, help="timed runs (default 10; quick 2)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up runs (default 3; quick 1)")
+    ap.add_argument(
+        "--warm-seconds",
+        type=float,
+        default=None,
+        help="calls before the warm-up runs, for this long (default 2; quick 0): GPU clocks",
+    )
     ap.add_argument("--quick", action="store_true", help="CPU-sized models (smoke test)")
     ap.add_argument("--in-process", action="store_true", help="no child processes (smoke test)")
     ap.add_argument("--no-warm", dest="warm", action="store_false", help="skip warm compile runs")
@@ -85,6 +91,8 @@ def parse(argv=None):
         args.repeats = 2 if args.quick else 10
     if args.warmup is None:
         args.warmup = 1 if args.quick else 3
+    if args.warm_seconds is None:
+        args.warm_seconds = 0.0 if args.quick else 2.0
     unknown = [w for w in args.workloads if w not in WORKLOADS]
     unknown += [m for m in args.modes if m not in TORCH_MODES]
     unknown += [p for p in args.precision if p not in ("strict", "fast")]
@@ -124,6 +132,7 @@ def header(args) -> dict:
         "protocol": {
             "repeats": args.repeats,
             "warmup": args.warmup,
+            "warm_seconds": args.warm_seconds,
             "one_process_per_configuration": not args.in_process,
             "quick": args.quick,
         },

@@ -3,7 +3,9 @@ PyTorch mode). Writes a JSON document the parent (``runner.py``) turns into resu
 
 Ours: the first call (trace + compile + Session setup + the first run, the driver's shader
 compile included) is timed first, before any other program of the process compiles a kernel;
-then ``warmup`` + ``repeats`` timed calls with a sync around each; device bytes; the profile
+then calls for ``--warm-seconds`` (the GPU's clocks ramp up under sustained load: a child
+starts after the previous one kept the GPU idle while compiling), ``warmup`` + ``repeats`` timed
+calls with a sync around each; device bytes; the profile
 when asked; then the gates against PyTorch eager in strict f32 on the same device (TF32 off),
 computed after the timing so they cannot disturb it.
 
@@ -27,6 +29,21 @@ from .registry import WORKLOADS
 
 def stats(times: list[float]) -> dict:
     return {"median": statistics.median(times), "min": min(times), "n": len(times)}
+
+
+def heat(side: dict, sync, seconds: float) -> int:
+    """Call ``side["run"]`` until ``seconds`` have passed (none when 0 or there is no ``run``);
+    returns the number of calls."""
+    fn = side.get("run")
+    n = 0
+    if fn is None or seconds <= 0:
+        return n
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        fn()
+        n += 1
+    sync()
+    return n
 
 
 def timed(fn, sync, warmup: int, repeats: int) -> list[float]:
@@ -215,6 +232,7 @@ def run_ours(wl, case, precision, args) -> dict:
         doc["stages"] = side["stages"]()
     if args.compile_only:
         return doc
+    doc["heat_calls"] = heat(side, side["sync"] or (lambda: None), args.warm_seconds)
     t = time.perf_counter()
     if "measure" in side:
         doc["metrics"] = {
@@ -279,6 +297,7 @@ def run_torch(wl, case, precision, mode, args) -> dict:
     doc["first_call_s"] = time.perf_counter() - t
     if args.compile_only:
         return doc
+    doc["heat_calls"] = heat(side, sync, args.warm_seconds)
     if "measure" in side:
         doc["metrics"] = {
             k: stats(v) for k, v in side["measure"](args.warmup, args.repeats).items()

@@ -95,6 +95,7 @@ def estimate_seconds(items, args) -> float:
             continue
         first = wl.paper.get("first_s", 20)
         total += EST_OURS.get(wl.id, 30) * (1.5 if case.trains else 1.0)
+        total += getattr(args, "warm_seconds", 0.0) * (1 + len(modes))
         for m in modes:
             if m in ("eager", "eager_bf16"):
                 total += EST_EAGER
@@ -118,6 +119,7 @@ def child(cell: str, args, env: dict, compile_only: bool = False) -> dict:
         out = f.name
     cmd = [sys.executable, str(ROOT / "bench" / "workloads.py"), "--cell", cell, "--child-out", out]
     cmd += ["--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    cmd += ["--warm-seconds", str(args.warm_seconds)]
     cmd += ["--quick"] * args.quick + ["--profile"] * bool(args.profile and cell.endswith(":ours"))
     cmd += ["--compile-only"] * compile_only
     cmd += ["--allow-cpu-compile"] * bool(args.allow_cpu_compile)
@@ -145,6 +147,7 @@ def _child_args(cell, args, compile_only):
         quick=args.quick,
         repeats=args.repeats,
         warmup=args.warmup,
+        warm_seconds=args.warm_seconds,
         profile=bool(args.profile and cell.endswith(":ours")),
         compile_only=compile_only,
         allow_cpu_compile=args.allow_cpu_compile,
