@@ -119,7 +119,7 @@ def _torch(params, feeds, *, causal, rope):
     return {"o": o.detach().numpy(), **{f"d{n}": t[n].grad.numpy() for n in "qkv"}}
 
 
-def _run(device, graph, params, feeds, enabled, monkeypatch, precision="strict"):
+def _run(device, graph, params, feeds, enabled, monkeypatch, precision="strict", full_names=False):
     monkeypatch.setattr(permute_views, "ENABLED", enabled)
     options = CompileOptions(precision=precision)
     program = compile(graph, options, device_limits(device))
@@ -127,7 +127,7 @@ def _run(device, graph, params, feeds, enabled, monkeypatch, precision="strict")
     with Session(program, device) as sess:
         sess.load_state_dict(params)
         got = sess.run(feeds, fetch)
-    names = [d.name.split()[1] for d in program.dispatches]
+    names = [d.name if full_names else d.name.split()[1] for d in program.dispatches]
     return got, names
 
 
@@ -202,3 +202,61 @@ def test_reads_report_the_buffers_kernels_bind():
     assert reads(graph, perm) == (sdpa.id,)
     stats = next(n for n in graph.nodes if n.op == "scaled_dot_product_attention_stats")
     assert perm in reads(graph, stats.id) and sdpa.id not in reads(graph, stats.id)
+
+
+def _case_values(device, case, monkeypatch, seed=7):
+    (b_, lq, lk, hq, hkv, d), causal, rope, mask_shape = CASES[case]
+    graph = _graph(b_, lq, lk, hq, hkv, d, causal=causal, rope=rope, mask_shape=mask_shape)
+    rng = np.random.default_rng(seed)
+    params = {
+        "q": rng.standard_normal((b_, lq, hq, d)).astype(np.float32),
+        "k": rng.standard_normal((b_, lk, hkv, d)).astype(np.float32),
+        "v": rng.standard_normal((b_, lk, hkv, d)).astype(np.float32),
+    }
+    feeds = {"w": rng.standard_normal((b_, lq, hq * d)).astype(np.float32)}
+    if mask_shape is not None:
+        mask = np.zeros(mask_shape, np.float32)
+        mask[0, ..., lk - 2 :] = -np.inf
+        feeds["mask"] = mask
+    got, names = _run(device, graph, params, feeds, True, monkeypatch, full_names=True)
+    return got, names, _torch(params, feeds, causal=causal, rope=rope)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal_gqa_rope", "causal_padding_cross"])
+def test_register_tiled_kernels_read_and_write_views(case, gpu_device, monkeypatch):
+    """The block kernels (forced; the lane kernel is the automatic choice) index through the
+    same strides."""
+    from meganeura.codegen.wgsl.attention import plan as attention_plan
+
+    forced = {m: (8, 8, 2, 4) for m in ("fwd", "stats", "dq", "dk", "dv", "dkv")}
+    monkeypatch.setattr(attention_plan, "BLOCK_OVERRIDE", forced)
+    got, names, want = _case_values(gpu_device, case, monkeypatch)
+    assert "permute" not in names and any("block" in n for n in names)
+    for name in ("o", "dq", "dk", "dv"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.gpu
+def test_split_key_forward_writes_the_permuted_output(gpu_device, monkeypatch):
+    """The flash-decoding forward (keys split over workgroups, then a merge kernel) of a short
+    query block writes the output permute's buffer from its merge kernel."""
+    from meganeura.codegen.wgsl.attention import plan as attention_plan
+
+    monkeypatch.setattr(attention_plan, "SPLIT_OVERRIDE", True)
+    b = GraphBuilder()
+    q, k, v = b.input("q", (1, 2, 4, 8)), b.input("k", (1, 40, 2, 8)), b.input("v", (1, 40, 2, 8))
+    qh, kh, vh = (F.permute(t, (0, 2, 1, 3)) for t in (q, k, v))
+    out = scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+    b.output("o", F.reshape(F.permute(out, (0, 2, 1, 3)), (1, 2, 32)))
+    graph = b.build()
+    rng = np.random.default_rng(8)
+    feeds = {n: rng.standard_normal(graph.find(n).type.shape).astype(np.float32) for n in "qkv"}
+    program = compile(graph, CompileOptions(), device_limits(gpu_device))
+    names = [d.name for d in program.dispatches]
+    assert any("split" in n for n in names) and not any("permute" in n for n in names)
+    with Session(program, gpu_device) as sess:
+        got = sess.run(feeds, ["o"])["o"]
+    t = {n: torch.tensor(feeds[n], dtype=torch.float64).permute(0, 2, 1, 3) for n in "qkv"}
+    want = _sdpa_ref(t["q"], t["k"], t["v"], enable_gqa=True).permute(0, 2, 1, 3).reshape(1, 2, 32)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=2e-5)

@@ -92,9 +92,26 @@ class Src:
             return self.literal
         if self.strides is not None:
             index = view_index(index, self.type.shape, self.strides)
+        return self.at_offset(index)
+
+    def at_offset(self, offset: str) -> str:
+        """``at`` for a storage offset (from ``row_offset``): no strides applied."""
+        if self.literal is not None:
+            return self.literal
         if self.type.dtype is DType.f16:
-            return f"f32({self.name}[{index}])"
-        return f"{self.name}[{index}]"
+            return f"f32({self.name}[{offset}])"
+        return f"{self.name}[{offset}]"
+
+    def row_offset(self, row: str) -> str:
+        """u32 storage offset of element 0 of row ``row`` (flat index over all dims but the
+        last); the row's elements follow at stride 1 (``permute_views`` keeps the last dim),
+        so a kernel reading whole rows maps one index per row instead of one per element."""
+        n = self.type.shape[-1]
+        if self.strides is None:
+            return f"({row}) * {n}u" if n != 1 else f"({row})"
+        if self.strides[-1] != 1:
+            raise ValueError(f"{self.name}: rows are not contiguous (strides {self.strides})")
+        return f"({view_index(row, self.type.shape[:-1], self.strides[:-1])})"
 
 
 def guarded_read(read: Callable[[str], str], index: str, ok: str, fill: str) -> str:
@@ -206,6 +223,16 @@ class KernelBuilder:
             return index
         return view_index(index, *self._views[var])
 
+    def row_offset(self, var: str, row: str, n: int) -> str:
+        """u32 storage offset of element 0 of row ``row`` (rows of ``n``, the last dim) of the
+        value written through binding ``var``; pass it to ``store(..., offset=True)`` plus a
+        column. A value written in a permute's buffer (``write``) keeps its rows contiguous
+        (``passes.permute_views``), so one index is mapped per row, not per element."""
+        if var not in self._views:
+            return f"({row}) * {n}u" if n != 1 else f"({row})"
+        shape, strides = self._views[var]
+        return f"({view_index(row, shape[:-1], strides[:-1])})"
+
     def scratch(self, key: str, count: int, dtype: DType, name: str) -> str:
         """Bind node-private scratch storage of ``count`` elements of ``dtype``.
 
@@ -240,11 +267,12 @@ class KernelBuilder:
             return f"{_WIDEN[ty]}({var}[{index}])"
         return f"{var}[{index}]"
 
-    def store(self, var: str, index: str, expr: str) -> str:
+    def store(self, var: str, index: str, expr: str, offset: bool = False) -> str:
         """Statement writing compute-type ``expr`` to element ``index`` of binding ``var``
-        (narrowed to f16 / vec4<f16> when the binding stores f16)."""
+        (narrowed to f16 / vec4<f16> when the binding stores f16). With ``offset``, ``index``
+        is a storage offset (``row_offset`` plus a column), used as it is."""
         ty = self.element_type(var)
-        index = self._index(var, index)
+        index = index if offset else self._index(var, index)
         if ty in _WIDEN:
             return f"{var}[{index}] = {ty}({expr});"
         return f"{var}[{index}] = {expr};"
