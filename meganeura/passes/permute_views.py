@@ -30,8 +30,9 @@ Invariants (each check conservative; a permute that fails one keeps its copy ker
   * the permute keeps its last dim last (rows of the head dim stay contiguous, so a kernel's
     4-element runs stay within one row of storage);
   * a read view's ``x`` is not itself placed (a placed value has no buffer of its own);
-  * a placed ``a`` is read directly (not through views) by ``p`` and by view readers only, so
-    every kernel reading it applies the inverse strides; ``p`` reads ``a`` directly; ``p`` is
+  * a placed ``a`` is read directly (not through views) by ``p`` and by view readers only
+    (never as the storage ``index_copy_`` writes in place), so every kernel reading it applies
+    the inverse strides; ``p`` reads ``a`` directly; ``p`` is
     not read through a view by a view reader (which would fold it into ``a``'s missing
     buffer: ``read_view`` refuses permutes of placed values);
   * the rule reads only the graph, so ``needed_nodes``, liveness and the kernels agree.
@@ -105,6 +106,8 @@ def placement(graph: Graph, producer: int) -> int | None:
             perm = user.id
         elif user.op not in VIEW_READERS:
             return None
+        elif user.op == INDEX_COPY and user.inputs[0] == producer:
+            return None  # written in place: its new version would alias a missing buffer
     return perm
 
 

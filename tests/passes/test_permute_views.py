@@ -260,3 +260,44 @@ def test_split_key_forward_writes_the_permuted_output(gpu_device, monkeypatch):
     t = {n: torch.tensor(feeds[n], dtype=torch.float64).permute(0, 2, 1, 3) for n in "qkv"}
     want = _sdpa_ref(t["q"], t["k"], t["v"], enable_gqa=True).permute(0, 2, 1, 3).reshape(1, 2, 32)
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=2e-5)
+
+
+def _attention(out_users):
+    """sdpa of permuted [1, 3, 2, 4] operands; ``out_users(b, out)`` adds the outputs."""
+    b = GraphBuilder()
+    q, k, v = (b.input(n, (1, 3, 2, 4)) for n in "qkv")
+    qh, kh, vh = (F.permute(t, (0, 2, 1, 3)) for t in (q, k, v))
+    out = scaled_dot_product_attention(qh, kh, vh)
+    out_users(b, out)
+    return b.build()
+
+
+@pytest.mark.parametrize(
+    "users",
+    [
+        lambda b, o: (b.output("p", F.permute(o, (0, 2, 1, 3))), b.output("y", o + 1.0)),
+        lambda b, o: (b.output("p", F.permute(o, (0, 2, 1, 3))), b.output("o", o)),
+        lambda b, o: b.output("p", F.permute(o, (0, 1, 3, 2))),
+        lambda b, o: (
+            b.output("p", F.permute(o, (0, 2, 1, 3))),
+            b.output("r", F.reshape(o, (-1,))),
+        ),
+    ],
+    ids=["read_by_a_map", "a_graph_output", "last_dim_moved", "read_through_a_view"],
+)
+def test_an_output_other_kernels_read_keeps_its_buffer(users, monkeypatch):
+    graph = _attention(users)
+    sdpa = next(n for n in graph.nodes if n.op == "scaled_dot_product_attention")
+    assert permute_views.placement(graph, sdpa.id) is None
+    before, after = _counts(graph, CompileOptions(fuse=False), monkeypatch)
+    assert after.count("permute") == 1 and before.count("permute") == 4
+
+
+def test_a_permute_moving_the_head_dim_is_copied(monkeypatch):
+    b = GraphBuilder()
+    q, k, v = (b.input(n, (1, 4, 2, 4)) for n in "qkv")  # [B, D, H, S] -> [B, H, S, D]
+    qh, kh, vh = (F.permute(t, (0, 2, 3, 1)) for t in (q, k, v))
+    b.output("o", scaled_dot_product_attention(qh, kh, vh))
+    graph = b.build()
+    assert all(permute_views.read_view(graph, i) is None for i in (qh.id, kh.id, vh.id))
+    assert _counts(graph, CompileOptions(), monkeypatch)[1].count("permute") == 3
