@@ -21,6 +21,7 @@ from functools import partial
 from ...graph.ir import LEAF_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph, resolve_view
 from ...ops import OPS
 from ...ops.attention import BWD_K, BWD_Q, BWD_V, SDPA, STATS
+from ...passes.permute_views import placed_source, view_reads
 from ..kernel import KernelSource, Limits
 from .attention.lowering import lower_attention
 from .attention.rope import lower_rope
@@ -176,6 +177,8 @@ def lower(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
         return []
     if node.op in PLACED_OPS:  # its operands' kernels write it
         return []
+    if node.op == "permute" and placed_source(graph, node_id) is not None:
+        return []  # its operand's kernel writes it in its layout (``passes.permute_views``)
     if node.op not in LOWERINGS:
         raise KeyError(f"no WGSL lowering for op {node.op!r} (node %{node_id})")
     if node.type.numel == 0 and node.op not in EFFECT_OPS:
@@ -189,7 +192,10 @@ def reads(graph: Graph, node_id: int) -> tuple[int, ...]:
     Views report their operand (they read it by sharing its buffer); leaves report nothing.
     Other nodes report their operands with views resolved to the value owning the buffer,
     constants (inlined) left out, transposes folded into a matmul replaced by their input,
-    and duplicates removed; effect ops include the param and state they update in place.
+    permutes read in place by attention and rotary kernels replaced by the value whose buffer
+    they read, a permute written by its operand's kernel reporting that operand
+    (``passes.permute_views``), and duplicates removed; effect ops include the param and
+    state they update in place.
     """
     node = graph[node_id]
     if node.op in LEAF_OPS or node.op in SUBRANGE_OPS:  # an alias is storage, as a leaf is
@@ -200,11 +206,12 @@ def reads(graph: Graph, node_id: int) -> tuple[int, ...]:
         ids = matmul_operands(graph, node_id)
     elif node.op in EFFECT_OPS:
         ids = () if graph[node.inputs[0]].type.numel == 0 else node.inputs
+        ids = view_reads(graph, node_id, ids)
     elif node.type.numel == 0:
         ids = ()
     elif node.op == "cross_entropy" and graph[node.inputs[0]].type.numel == 0:
         ids = ()
     else:
-        ids = node.inputs
+        ids = view_reads(graph, node_id, node.inputs)
     roots = (resolve_view(graph, i) for i in ids)
     return tuple(dict.fromkeys(r for r in roots if graph[r].op != "constant"))

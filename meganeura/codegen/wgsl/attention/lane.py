@@ -119,8 +119,11 @@ def stride_sum(terms: list[tuple[str, int]]) -> str:
 
 
 def _load4(src: Src, base: str, c: int, n: int) -> str:
-    """vec4 of elements 4c..4c+3 of a row starting at ``base`` (0 past the row's n)."""
-    comps = [src.at(f"{base} + {u(4 * c + e)}") if 4 * c + e < n else "0.0" for e in range(4)]
+    """vec4 of elements 4c..4c+3 of a row starting at storage offset ``base``
+    (``Src.row_offset``; 0 past the row's n)."""
+    comps = [
+        src.at_offset(f"{base} + {u(4 * c + e)}") if 4 * c + e < n else "0.0" for e in range(4)
+    ]
     return f"vec4<f32>({', '.join(comps)})"
 
 
@@ -256,24 +259,25 @@ def _row_registers(k: _Kernel) -> list[str]:
             f"  let ri = rowc % {u(lq)};",
             f"  let rh = hk * {u(G)} + rowc / {u(lq)};",
             f"  let mrow = {stride_sum([('b', sb), ('rh', sh), ('ri', si)])};",
-            f"  let qb = qrow * {u(d)};",
+            f"  let qb = {k.src['q'].row_offset('qrow')};",
         ]
         q = "q" if k.prologue is None else "qx"  # the prologue rotates qx into q
         lines += [f"  let {q}{c} = {_load4(k.src['q'], 'qb', c, d)};" for c in range(k.dims.d4)]
         if k.prologue is not None:
             lines += k.prologue.rotate_queries()
         if k.mode == "dq":
-            lines.append(f"  let gb = qrow * {u(dv)};")
+            lines.append(f"  let gb = {k.src['dout'].row_offset('qrow')};")
             lines += [
                 f"  let g{c} = {_load4(k.src['dout'], 'gb', c, dv)};" for c in range(k.dims.dv4)
             ]
             lines.append(f"  let lse = {k.src['st'].at('qrow * 2u')};")
             lines.append(f"  let delta = {k.src['st'].at('qrow * 2u + 1u')};")
     else:
-        lines = [f"  let krow = bh * {u(k.dims.lk)} + rowc;", f"  let kb = krow * {u(d)};"]
-        lines += [f"  let k{c} = {_load4(k.src['k'], 'kb', c, d)};" for c in range(k.dims.d4)]
+        lines = [f"  let krow = bh * {u(k.dims.lk)} + rowc;"]
+        lines.append(f"  let ko = {k.src['k'].row_offset('krow')};")
+        lines += [f"  let k{c} = {_load4(k.src['k'], 'ko', c, d)};" for c in range(k.dims.d4)]
         if k.mode in ("dk", "dkv"):
-            lines.append(f"  let vb = krow * {u(dv)};")
+            lines.append(f"  let vb = {k.src['v'].row_offset('krow')};")
             lines += [f"  let v{c} = {_load4(k.src['v'], 'vb', c, dv)};" for c in range(k.dims.dv4)]
     lines += [f"  var {a} = vec4<f32>(0.0);" for a in k.accs]
     if k.mode in ("fwd", "stats"):
@@ -310,9 +314,9 @@ def _load_tile(
         comps = []
         for e in range(4):
             if n % 4 == 0:
-                comps.append(src.at(f"{base} + {u(e)}"))
+                comps.append(src.at_offset(f"{base} + {u(e)}"))
             else:  # the row's last vec4 is partial: clamp the read, zero the value
-                load = src.at(f"min({base} + {u(e)}, {u(src.type.numel - 1)})")
+                load = src.at_offset(f"min({base} + {u(e)}, {u(src.type.numel - 1)})")
                 comps.append(f"select(0.0, {load}, {c} * 4u + {u(e)} < {u(n)})")
         return f"vec4<f32>({', '.join(comps)})"
 
@@ -327,7 +331,7 @@ def _load_tile(
                 ("rr", f"{e}e / {u(width)}"),
                 ("c", f"{e}e % {u(width)}"),
                 ("sr", f"min(s0 + {e}rr, {last})"),
-                ("base", f"({row.replace('sr', f'{e}sr')}) * {u(n)} + {e}c * 4u"),
+                ("base", f"{src.row_offset(row.replace('sr', f'{e}sr'))} + {e}c * 4u"),
             ]
             lines += [f"    let {e}{name} = {expr};" for name, expr in mine]
             lines.append(f"    let {e}v = {vec4(f'{e}base', f'{e}c')};")
@@ -341,7 +345,7 @@ def _load_tile(
         f"      let rr = e / {u(width)};",
         f"      let c = e % {u(width)};",
         f"      let sr = min(s0 + rr, {last});",
-        f"      let base = ({row}) * {u(n)} + c * 4u;",
+        f"      let base = {src.row_offset(row)} + c * 4u;",
         f"      sh[{u(off)} + rr * {u(stride)} + c] = {vec4('base', 'c')};",
         "    }",
     ]
@@ -533,10 +537,18 @@ def _merge(k: _Kernel) -> list[str]:
 
 
 def _store(
-    kb: KernelBuilder, out: str, base: str, n: int, count: int, factor: str = "", acc: str = "acc"
+    kb: KernelBuilder,
+    out: str,
+    base: str,
+    n: int,
+    count: int,
+    factor: str = "",
+    acc: str = "acc",
+    offset: bool = False,
 ) -> list[str]:
+    """Stores of the row's accumulators at ``base`` (a storage offset with ``offset``)."""
     return [
-        "    " + kb.store(out, f"{base} + {u(4 * c + e)}", f"{acc}{c}.{XYZW[e]}{factor}")
+        "    " + kb.store(out, f"{base} + {u(4 * c + e)}", f"{acc}{c}.{XYZW[e]}{factor}", offset)
         for c in range(count)
         for e in range(4)
         if 4 * c + e < n
@@ -557,27 +569,30 @@ def _finish(k: _Kernel, kb: KernelBuilder, outs: dict[str, str]) -> list[str]:
         ]
         lines += _store(kb, out, "pb + 2u", dv, k.dims.dv4)
     elif k.mode == "fwd":
-        lines += ["    let inv = select(0.0, 1.0 / l, l > 0.0);", f"    let ob = qrow * {u(dv)};"]
-        lines += _store(kb, out, "ob", dv, k.dims.dv4, " * inv")
+        ob = kb.row_offset(out, "qrow", dv)
+        lines += ["    let inv = select(0.0, 1.0 / l, l > 0.0);", f"    let ob = {ob};"]
+        lines += _store(kb, out, "ob", dv, k.dims.dv4, " * inv", offset=True)
     elif k.mode == "stats":
-        lines.append(f"    let ob = qrow * {u(dv)};")
+        lines.append(f"    let gb = {k.src['dout'].row_offset('qrow')};")
+        lines.append(f"    let ob = {k.src['o'].row_offset('qrow')};")
         lines.append("    var delta = 0.0;")
         for c in range(k.dims.dv4):
-            g, o = _load4(k.src["dout"], "ob", c, dv), _load4(k.src["o"], "ob", c, dv)
+            g, o = _load4(k.src["dout"], "gb", c, dv), _load4(k.src["o"], "ob", c, dv)
             lines.append(f"    delta = delta + dot({g}, {o});")
         lines += [
             "    " + kb.store(out, "qrow * 2u", "select(0.0, m + log(l), l > 0.0)"),
             "    " + kb.store(out, "qrow * 2u + 1u", "delta"),
         ]
     elif k.mode == "dq":
-        lines.append(f"    let ob = qrow * {u(d)};")
-        lines += _store(kb, out, "ob", d, k.dims.d4, f" * {k.scale}")
+        lines.append(f"    let ob = {kb.row_offset(out, 'qrow', d)};")
+        lines += _store(kb, out, "ob", d, k.dims.d4, f" * {k.scale}", offset=True)
     elif k.mode in ("dk", "dkv"):
-        lines += _store(kb, out, "kb", d, k.dims.d4, f" * {k.scale}")
+        lines.append(f"    let kob = {kb.row_offset(out, 'krow', d)};")
+        lines += _store(kb, out, "kob", d, k.dims.d4, f" * {k.scale}", offset=True)
         if k.mode == "dkv":
-            lines.append(f"    let ob = krow * {u(dv)};")
-            lines += _store(kb, outs["dv"], "ob", dv, k.dims.dv4, acc="vacc")
+            lines.append(f"    let ob = {kb.row_offset(outs['dv'], 'krow', dv)};")
+            lines += _store(kb, outs["dv"], "ob", dv, k.dims.dv4, acc="vacc", offset=True)
     else:
-        lines.append(f"    let ob = krow * {u(dv)};")
-        lines += _store(kb, out, "ob", dv, k.dims.dv4)
+        lines.append(f"    let ob = {kb.row_offset(out, 'krow', dv)};")
+        lines += _store(kb, out, "ob", dv, k.dims.dv4, offset=True)
     return lines + ["  }"]

@@ -85,16 +85,18 @@ def lower_rope(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]
         pos = f"pos{e}" if per_row else "pos0"
         lines += [
             f"  let a{e} = rope_angle({pos} + row{e} % {u(length)}, TURNS[f{e}]);",
-            f"  let i{e}a = row{e} * {u(dim)} + f{e};",
-            f"  let x{e}a = {x.at(f'i{e}a')};",
-            f"  let x{e}b = {x.at(f'i{e}a + {u(half)}')};",
+            f"  let o{e} = {x.row_offset(f'row{e}')} + f{e};",
+            f"  let x{e}a = {x.at_offset(f'o{e}')};",
+            f"  let x{e}b = {x.at_offset(f'o{e} + {u(half)}')};",
         ]
     for e in range(PER_THREAD):
         lines += [
             f"  let c{e} = cos(a{e});",
             f"  let s{e} = {sign}sin(a{e});",
-            "  " + guard(e, kb.store(out, f"i{e}a", f"x{e}a * c{e} - x{e}b * s{e}")),
-            "  " + guard(e, kb.store(out, f"i{e}a + {u(half)}", f"x{e}b * c{e} + x{e}a * s{e}")),
+            f"  let w{e} = {kb.row_offset(out, f'row{e}', dim)} + f{e};",
+            "  " + guard(e, kb.store(out, f"w{e}", f"x{e}a * c{e} - x{e}b * s{e}", True)),
+            "  "
+            + guard(e, kb.store(out, f"w{e} + {u(half)}", f"x{e}b * c{e} + x{e}a * s{e}", True)),
         ]
     table = ", ".join(f"vec2<u32>({hi}u, {lo}u)" for hi, lo in rope_turns(dim, node.attr("theta")))
     helpers = (

@@ -93,8 +93,12 @@ def lower_rope_cache(graph: Graph, group: FusionGroup, limits: Limits) -> list[K
         else:
             pos = f"{base} + bitcast<u32>({offset.at('0u')})"
         stores = []
-        if out is not None:
-            stores += [kb.store(out, "ia", "ya"), kb.store(out, f"ia + {u(half)}", "yb")]
+        if out is not None:  # at a storage offset: the rotation may be placed in a permute's
+            stores += [
+                f"let io = {kb.row_offset(out, 'row', dim)} + f;",
+                kb.store(out, "io", "ya", offset=True),
+                kb.store(out, f"io + {u(half)}", "yb", offset=True),
+            ]
         if r in own:
             c = own[r]
             cache = kb.write(graph[c].inputs[0], f"cache{k}")
@@ -111,8 +115,9 @@ def lower_rope_cache(graph: Graph, group: FusionGroup, limits: Limits) -> list[K
             f"    let f = p % {u(half)};",
             f"    let a = rope_angle({pos} + row % {u(length)}, TURNS[f]);",
             f"    let ia = row * {u(dim)} + f;",
-            f"    let xa = {x.at('ia')};",
-            f"    let xb = {x.at(f'ia + {u(half)}')};",
+            f"    let xo = {x.row_offset('row')} + f;",
+            f"    let xa = {x.at_offset('xo')};",
+            f"    let xb = {x.at_offset(f'xo + {u(half)}')};",
             "    let c = cos(a);",
             f"    let s = {sign}sin(a);",
             "    let ya = xa * c - xb * s;",

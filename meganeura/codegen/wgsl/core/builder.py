@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 from ....dtypes import DType
 from ....graph.ir import Graph, Node, TensorType, resolve_view
+from ....passes.permute_views import VIEW_READERS, read_view, write_view
 from ...kernel import MAX_ELEMENTS, ArenaRef, KernelSource, Limits, ScratchRef, ValueRef
-from .layout import fold_grid, linear_workgroup
+from .layout import coalesce, fold_grid, linear_workgroup, strided_index
 from .literals import F32_BITS, F32_BITS_HELPER, F32_OPAQUE_INIT, literal
 
 ENTRY_ARGS = (
@@ -60,13 +61,25 @@ def check_numel(graph: Graph, vid: int, limits: Limits) -> None:
         )
 
 
+def view_index(index: str, shape: tuple[int, ...], strides: tuple[int, ...]) -> str:
+    """u32 offset in storage of flat row-major ``index`` of a value of ``shape`` laid out
+    with ``strides`` (``passes.permute_views``)."""
+    cshape, (cstrides,) = coalesce(shape, [strides])
+    return strided_index(index, cshape, cstrides)
+
+
 @dataclass(frozen=True)
 class Src:
-    """How a kernel reads one IR value: a binding name, or an inlined literal."""
+    """How a kernel reads one IR value: a binding name, or an inlined literal.
+
+    ``strides``: the value is read from another value's buffer (``passes.permute_views``)
+    with these strides per dim of ``type``; ``at`` takes the flat row-major index of the value
+    as always and maps it."""
 
     type: TensorType
     name: str | None = None
     literal: str | None = None
+    strides: tuple[int, ...] | None = None
 
     @property
     def dtype(self) -> DType:
@@ -77,9 +90,28 @@ class Src:
         constants; an f16-stored value is widened to f32)."""
         if self.literal is not None:
             return self.literal
+        if self.strides is not None:
+            index = view_index(index, self.type.shape, self.strides)
+        return self.at_offset(index)
+
+    def at_offset(self, offset: str) -> str:
+        """``at`` for a storage offset (from ``row_offset``): no strides applied."""
+        if self.literal is not None:
+            return self.literal
         if self.type.dtype is DType.f16:
-            return f"f32({self.name}[{index}])"
-        return f"{self.name}[{index}]"
+            return f"f32({self.name}[{offset}])"
+        return f"{self.name}[{offset}]"
+
+    def row_offset(self, row: str) -> str:
+        """u32 storage offset of element 0 of row ``row`` (flat index over all dims but the
+        last); the row's elements follow at stride 1 (``permute_views`` keeps the last dim),
+        so a kernel reading whole rows maps one index per row instead of one per element."""
+        n = self.type.shape[-1]
+        if self.strides is None:
+            return f"({row}) * {n}u" if n != 1 else f"({row})"
+        if self.strides[-1] != 1:
+            raise ValueError(f"{self.name}: rows are not contiguous (strides {self.strides})")
+        return f"({view_index(row, self.type.shape[:-1], self.strides[:-1])})"
 
 
 def guarded_read(read: Callable[[str], str], index: str, ok: str, fill: str) -> str:
@@ -122,6 +154,8 @@ class KernelBuilder:
         self._refs: list[ValueRef | ScratchRef | ArenaRef] = []
         self._decls: list[tuple[str, str]] = []  # (name, element type) per binding
         self._by_value: dict[int, int] = {}
+        # binding -> (shape, strides) of the value written through it in another's buffer
+        self._views: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def _bind_value(self, vid: int, name: str, write: bool) -> str:
         root = resolve_view(self.graph, vid)
@@ -142,12 +176,18 @@ class KernelBuilder:
         return self._declare(name, dtype)
 
     def read(self, vid: int, name: str) -> Src:
-        """Bind value ``vid`` for reading (or inline it when it is a constant)."""
+        """Bind value ``vid`` for reading (or inline it when it is a constant). In a kernel of
+        a ``permute_views.VIEW_READERS`` op, a permuted operand is read from its input's buffer
+        and a placed one from its permute's (``permute_views.read_view``)."""
         root = resolve_view(self.graph, vid)
         n = self.graph[root]
         t = self.graph[vid].type
         if n.op == "constant":
             return Src(t, literal=literal(n.attr("value"), n.type.dtype))
+        if self.node.op in VIEW_READERS:
+            view = read_view(self.graph, vid)
+            if view is not None:
+                return Src(t, name=self._bind_value(view[0], name, False), strides=view[1])
         return Src(t, name=self._bind_value(vid, name, write=False))
 
     def is_bound(self, vid: int) -> bool:
@@ -168,8 +208,30 @@ class KernelBuilder:
         return var
 
     def write(self, vid: int, name: str) -> str:
-        """Bind value ``vid`` (the node's output, or an input updated in place) for writing."""
-        return self._bind_value(vid, name, write=True)
+        """Bind value ``vid`` (the node's output, or an input updated in place) for writing;
+        a placed value (``permute_views.write_view``) binds its permute's buffer, and ``store``
+        maps indices into it."""
+        view = write_view(self.graph, vid)
+        if view is None:
+            return self._bind_value(vid, name, write=True)
+        var = self._bind_value(view[0], name, write=True)
+        self._views[var] = (self.graph[vid].type.shape, view[1])
+        return var
+
+    def _index(self, var: str, index: str) -> str:
+        if var not in self._views:
+            return index
+        return view_index(index, *self._views[var])
+
+    def row_offset(self, var: str, row: str, n: int) -> str:
+        """u32 storage offset of element 0 of row ``row`` (rows of ``n``, the last dim) of the
+        value written through binding ``var``; pass it to ``store(..., offset=True)`` plus a
+        column. A value written in a permute's buffer (``write``) keeps its rows contiguous
+        (``passes.permute_views``), so one index is mapped per row, not per element."""
+        if var not in self._views:
+            return f"({row}) * {n}u" if n != 1 else f"({row})"
+        shape, strides = self._views[var]
+        return f"({view_index(row, shape[:-1], strides[:-1])})"
 
     def scratch(self, key: str, count: int, dtype: DType, name: str) -> str:
         """Bind node-private scratch storage of ``count`` elements of ``dtype``.
@@ -200,14 +262,17 @@ class KernelBuilder:
         through this or ``Src.at`` so that the fast (f16-storage) mode needs no change in the
         emitter."""
         ty = self.element_type(var)
+        index = self._index(var, index)
         if ty in _WIDEN:
             return f"{_WIDEN[ty]}({var}[{index}])"
         return f"{var}[{index}]"
 
-    def store(self, var: str, index: str, expr: str) -> str:
+    def store(self, var: str, index: str, expr: str, offset: bool = False) -> str:
         """Statement writing compute-type ``expr`` to element ``index`` of binding ``var``
-        (narrowed to f16 / vec4<f16> when the binding stores f16)."""
+        (narrowed to f16 / vec4<f16> when the binding stores f16). With ``offset``, ``index``
+        is a storage offset (``row_offset`` plus a column), used as it is."""
         ty = self.element_type(var)
+        index = index if offset else self._index(var, index)
         if ty in _WIDEN:
             return f"{var}[{index}] = {ty}({expr});"
         return f"{var}[{index}] = {expr};"
@@ -221,6 +286,8 @@ class KernelBuilder:
         Raises:
             KeyError: when ``var`` is not a binding of this kernel.
         """
+        if var in self._views:
+            raise ValueError(f"{var} is written through strides: it cannot be a vec4 binding")
         for k, (name, ty) in enumerate(self._decls):
             if name == var:
                 if not ty.startswith("vec4<"):
