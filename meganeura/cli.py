@@ -127,24 +127,26 @@ def cmd_train(args) -> int:
 
 
 def cmd_train_resnet(args) -> int:
-    if args.distributed:  # DistributedTrainer takes BatchNorm; the recipe is not wired yet
-        raise SystemExit(
-            "meganeura train resnet --distributed: not wired in the recipe yet "
-            "(DistributedTrainer itself trains BatchNorm models: docs/distributed.md)"
-        )
     from .io.checkpoint import CheckpointError
     from .recipes.resnet import ResNetTrainConfig, format_train, train
 
     cfg = ResNetTrainConfig(
-        arch=args.arch, width=args.width, image_size=args.image_size, **_train_settings(args)
+        arch=args.arch,
+        width=args.width,
+        image_size=args.image_size,
+        distributed=args.distributed,
+        **_train_settings(args),
     )
-    dev = _device(args)
-    print(f"device: {dev.name}")
+    dev, main = _distributed_device(args) if args.distributed else (_device(args), True)
+    if main:
+        print(f"device: {dev.name}")
     try:
         s = train(cfg, resume=args.resume, device=dev, progress=not args.no_progress)
     except (OSError, ValueError, ImportError, CheckpointError) as e:
         print(f"meganeura train resnet: {e}", file=sys.stderr)
         return 2
+    if not main:  # rank 0 alone reports
+        return 0
     print(format_train(s))
     return 0
 
@@ -304,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--distributed",
         action="store_true",
-        help="mnist: data-parallel over the ranks of mpiexec -n N (pip install "
+        help="data-parallel over the ranks of mpiexec -n N (pip install "
         "'meganeura[distributed]'); --batch-size is the global batch; rank 0 logs and writes",
     )
     _precision_flag(t)

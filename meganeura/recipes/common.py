@@ -28,13 +28,20 @@ def lr_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0) -
 
 
 def adamw_trainer(
-    model, loss_fn, cfg, total_steps: int, device=None, distributed: bool = False
+    model,
+    loss_fn,
+    cfg,
+    total_steps: int,
+    device=None,
+    distributed: bool = False,
+    accumulation_steps: int = 1,
 ) -> Trainer:
     """The recipe's ``Trainer``: AdamW(``cfg.lr``, ``cfg.weight_decay``), the
     :func:`lr_schedule` ``cfg.schedule`` over ``total_steps``, ``cfg.max_grad_norm`` and
     ``cfg.precision``. ``cfg``: a ``MnistConfig`` or ``ResNetTrainConfig`` (any object with
     those fields and ``warmup_steps``). ``distributed``: a ``distributed.DistributedTrainer``
-    (``distributed.init`` called first).
+    (``distributed.init`` called first). ``accumulation_steps``: micro-batches per update
+    (``Trainer``'s).
 
     Raises:
         ValueError: an unknown ``cfg.schedule``.
@@ -50,6 +57,7 @@ def adamw_trainer(
         max_grad_norm=cfg.max_grad_norm,
         device=device,
         precision=cfg.precision,
+        accumulation_steps=accumulation_steps,
     )
 
 

@@ -69,6 +69,10 @@ class ResNetTrainConfig:
     log_every: int = 10
     precision: str = "strict"
     test_fraction: float = 0.1
+    # data-parallel over the ranks of ``mpiexec -n N`` (``meganeura.distributed``, initialized
+    # first): each rank takes an equal shard of every global batch of ``batch_size`` images;
+    # BatchNorm normalizes with each rank's shard, as PyTorch DDP without SyncBatchNorm
+    distributed: bool = False
 
 
 def check_config(cfg: ResNetTrainConfig) -> None:
@@ -190,15 +194,26 @@ def train(
         CheckpointError: a ``resume`` checkpoint that does not fit (nothing is loaded).
     """
     check_config(cfg)
+    world, main = 1, True
+    if cfg.distributed:
+        from .. import distributed as dist
+
+        ctx = dist.init()  # the CLI initialized it with the adapter
+        world, main, device = ctx.world_size, ctx.rank == 0, device or ctx.device
     train_ds, test_ds, pre = load_data(cfg)
     classes = train_ds.classes
     resume_meta = _resume_meta(resume, cfg, classes) if resume else None  # before compiling
     batch = min(cfg.batch_size, len(train_ds.y))
+    if batch % world:
+        raise ValueError(
+            f"--batch-size {batch} must be divisible by the {world} ranks (each rank takes an "
+            "equal shard of every batch)"
+        )
     steps_per_epoch = num_batches(len(train_ds.y), batch)
     total = steps_per_epoch * cfg.epochs
     manual_seed(cfg.seed)
     model = build_model(cfg.arch, len(classes), cfg.width)
-    trainer = adamw_trainer(model, loss_fn, cfg, total, device)
+    trainer = adamw_trainer(model, loss_fn, cfg, total, device, cfg.distributed)
     run = compile_module(model, precision=cfg.precision, device=device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -212,22 +227,31 @@ def train(
         epoch0 = meta["epoch"]
         losses, accuracy = list(meta.get("losses", [])), list(meta.get("accuracy", []))
     t_start = time.perf_counter()
+    reduce_s, ran = 0.0, 0
     for epoch in range(epoch0, cfg.epochs):
         bar = tqdm(
             iterate_batches(len(train_ds.y), batch, data_rng),
             total=steps_per_epoch,
             desc=f"epoch {epoch + 1}/{cfg.epochs}",
-            disable=not progress,
+            disable=not progress or not main,
             leave=False,
         )
         for idx in bar:
             step = trainer.step_count
             log = step % cfg.log_every == 0
-            loss = trainer.step(train_ds.x[idx], train_ds.y[idx], return_loss=log)
+            x, y = train_ds.x[idx], train_ds.y[idx]
+            if world > 1:  # this rank's shard of the global batch
+                x, y = dist.shard(x), dist.shard(y)
+            loss = trainer.step(x, y, return_loss=log)
             seen += len(idx)
+            reduce_s += getattr(trainer, "reduce_seconds", 0.0)
+            ran += 1
             if log:
                 losses.append([step, loss])
-                bar.set_postfix(loss=f"{loss:.4f}")
+                shown = {"loss": f"{loss:.4f}"}
+                if cfg.distributed:  # the reduce time the backward did not hide
+                    shown["reduce_ms"] = f"{1e3 * trainer.reduce_seconds:.2f}"
+                bar.set_postfix(shown)
             if max_steps is not None and trainer.step_count >= max_steps:
                 break
         bar.close()
@@ -249,7 +273,14 @@ def train(
         "train_seconds": train_s,
         "images_per_second": seen / train_s if train_s else 0.0,
         "checkpoint": str(ckpt),
+        "world_size": world,
+        "main": main,
     }
+    if cfg.distributed:
+        summary["reduce_ms_per_step"] = 1e3 * reduce_s / max(ran, 1)
+        summary["reduce_bytes"] = trainer.reduce_bytes
+    if not main:  # rank 0 alone draws
+        return summary
     from .plotting import plot_curve, plot_losses
 
     title = f"meganeura: {cfg.arch} (width {cfg.width}), {pre['source']}"
@@ -402,6 +433,14 @@ def format_train(s: dict) -> str:
         f"{s['images_per_second']:,.1f} images/s",
         f"checkpoint: {s['checkpoint']}",
     ]
+    if "reduce_ms_per_step" in s:
+        lines.insert(
+            2,
+            f"distributed: {s['world_size']} ranks, "
+            f"{s['images_per_second'] / s['world_size']:,.1f} images/s per rank, "
+            f"{s['reduce_ms_per_step']:.3f} ms per step of reading back and all-reducing "
+            f"{s['reduce_bytes']:,} B of gradients not hidden by the backward pass",
+        )
     for key, what in (("loss_plot", "loss curve"), ("accuracy_plot", "accuracy curve")):
         if key in s:
             lines.append(f"{what}: {s[key]}")

@@ -183,3 +183,66 @@ def test_train_mnist_distributed_equals_one_process(gpu_device, tmp_path):
     # over 500 rows and the mean of two means over 250 (measured: 2.3e-6 on fc1.weight).
     for key, value in want.items():
         assert _rel(got[key], value) <= 1e-5, f"{key} differs by {_rel(got[key], value):.2e}"
+
+
+@pytest.mark.gpu
+def test_train_resnet_distributed_equals_local_batch_statistics(gpu_device, tmp_path, monkeypatch):
+    """``mpiexec -n 2 meganeura train resnet --distributed`` on a tiny ImageFolder: rank 0 alone
+    reports, and the parameters equal one process taking each rank's shard as a micro-batch
+    (``accumulation_steps=2``: BatchNorm over each shard, gradients averaged, as PyTorch DDP
+    without SyncBatchNorm). Running statistics are left out: DDP keeps rank 0's, the
+    one-process run updates them once per micro-batch."""
+    pytest.importorskip("PIL.Image")
+    from meganeura.recipes import resnet as recipe
+    from meganeura.recipes.common import adamw_trainer
+    from tests.recipes.test_resnet_recipe import _image_folder
+
+    data = _image_folder(tmp_path / "images", per_class=5)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    flags = ["--data", str(data), "--width", "4", "--image-size", "16", "--epochs", "1"]
+    flags += ["--batch-size", "4", "--log-every", "1", "--no-progress", "--lr", "1e-2"]
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "meganeura", "train", "resnet"]
+    cmd += [*flags, "--distributed", "--out", str(tmp_path / "dist")]
+    run = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.count("held-out accuracy:") == 1, run.stdout  # rank 0 alone reports
+    assert "distributed: 2 ranks" in run.stdout, run.stdout
+
+    def two_micro_batches(*args, **kw):
+        return adamw_trainer(*args, **kw, accumulation_steps=2)
+
+    monkeypatch.setattr(recipe, "adamw_trainer", two_micro_batches)
+    cfg = recipe.ResNetTrainConfig(  # the CLI's defaults where they differ (schedule)
+        data=str(data),
+        width=4,
+        image_size=16,
+        epochs=1,
+        batch_size=4,
+        log_every=1,
+        lr=1e-2,
+        schedule="constant",
+        out=str(tmp_path / "one"),
+    )
+    recipe.train(cfg, device=gpu_device, progress=False)
+    got, meta = load_checkpoint(tmp_path / "dist" / "checkpoint.safetensors")
+    want, want_meta = load_checkpoint(tmp_path / "one" / "checkpoint.safetensors")
+    assert meta["epoch"] == want_meta["epoch"] == 1
+    np.testing.assert_allclose(
+        [v for _, v in meta["losses"]], [v for _, v in want_meta["losses"]], rtol=1e-5
+    )
+    from meganeura.random import manual_seed
+
+    manual_seed(cfg.seed)  # the recipe's initialization: training moved the parameters
+    init = recipe.build_model("resnet18", 2, 4).state_dict()
+    stats = ("running_mean", "running_var", "num_batches_tracked")
+    params = [k for k in init if not k.endswith(stats)]
+    assert len(params) > 20 and got.keys() == want.keys()
+    # AdamW's moments too: the same gradients went in on both sides
+    params += [k for k in want if k.startswith("optimizer/") and "running_" not in k]
+    assert max(_rel(want[k], np.asarray(init[k])) for k in init if k in params) > 1e-3
+    for key in params:
+        assert _rel(got[key], want[key]) <= 1e-5, (
+            f"{key} differs by {_rel(got[key], want[key]):.2e}"
+        )
