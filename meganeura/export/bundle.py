@@ -243,6 +243,7 @@ def trace_program(
     max_storage_buffers: int | None = WEBGPU_DEFAULT_MAX_STORAGE_BUFFERS,
     target_features: Iterable[str] | None = None,
     target_limits: Mapping[str, int] | None = None,
+    cpu: bool | None = None,
     device=None,
 ) -> tuple[Program, dict[str, np.ndarray]]:
     """Trace ``model.forward(*example_inputs)`` and compile it for inference.
@@ -250,7 +251,8 @@ def trace_program(
     The program is compiled with the device's limits narrowed to the target's (storage buffers
     per stage; ``shader-f16`` and subgroups only where the target has them, never with
     ``strict``; workgroup memory, invocations and binding sizes within ``target_limits``), so
-    the kernels fit the target rather than being refused.
+    the kernels fit the target rather than being refused. ``cpu``: plan the kernels for a CPU
+    adapter (True) or a GPU (False); None: as the exporting device is.
 
     Returns:
         (Program, weights by slot name).
@@ -291,6 +293,8 @@ def trace_program(
     for field, key in narrowed.items() if target_limits else ():
         if key in target_limits:
             changes[field] = min(getattr(limits, field), target_limits[key])
+    if cpu is not None:
+        changes["cpu"] = cpu
     limits = dataclasses.replace(limits, **changes)
     traced = trace_call(model, model.forward, tuple(example_inputs), {})
     program = compile_graph(traced.graph, CompileOptions(precision=precision), limits)
@@ -340,8 +344,9 @@ def export(
             runs without asking for more: strict f32, no optional feature (no ``shader-f16``,
             no subgroups unless ``target_features`` grants them), and WebGPU's default limits
             (``WEB_LIMITS``: 8 storage buffers per stage, 16 KiB workgroup memory, 256
-            invocations, 128 MiB bindings); a module is compiled within them, a Program
-            exceeding one is refused naming the kernel.
+            invocations, 128 MiB bindings); a module is compiled within them, with the kernel
+            plans for a GPU (not the exporting adapter's CPU plans where it is lavapipe), and a
+            Program exceeding one is refused naming the kernel.
         overwrite: replace an existing bundle.
         device: the runtime Device a module is compiled for (default: the default device).
         meta: JSON-serializable facts stored in the manifest's ``"meta"``.
@@ -378,6 +383,7 @@ def export(
             max_storage_buffers=max_storage_buffers,
             target_features=feats,
             target_limits=limits,
+            cpu=False if target == "web" else None,
             device=device,
         )
         values.update(weights or {})

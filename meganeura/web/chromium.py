@@ -73,7 +73,7 @@ class Chromium:
     exceptions (as text) for error reports.
     """
 
-    def __init__(self, binary: str | None = None, width: int = 800, height: int = 600):
+    def __init__(self, binary: str | None = None, width: int = 840, height: int = 640):
         binary = binary or find_chromium()
         if binary is None:
             raise BrowserError(f"chromium is not installed ({INSTALL_HINT})")
@@ -122,6 +122,11 @@ class Chromium:
         ]
         self.send("Page.enable")
         self.send("Runtime.enable")
+        # The viewport exactly (a headless window's viewport is smaller than --window-size).
+        self.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
 
     def _read(self) -> None:
         buf = b""

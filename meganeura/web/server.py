@@ -126,3 +126,42 @@ def serve_in_thread(bundle: str | Path, **kw) -> http.server.ThreadingHTTPServer
     server = make_server(bundle, **kw)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def serve_web(
+    bundle: str | Path | None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    demo_lm: bool = False,
+    out=print,
+) -> None:
+    """Serve ``bundle`` (or, with ``demo_lm``, a freshly exported :func:`demos.byte_lm`) until
+    interrupted; print the page's URL first (through ``out``), then one line per request.
+
+    Raises:
+        FileNotFoundError: ``bundle`` is not a bundle folder.
+        OSError: the address is in use.
+        ValueError: neither or both of ``bundle`` and ``demo_lm``.
+    """
+    import tempfile
+
+    if (bundle is None) == (not demo_lm):
+        raise ValueError("give a BUNDLE folder or --demo-lm (one of them)")
+    with tempfile.TemporaryDirectory(prefix="meganeura-web-") as tmp:
+        if demo_lm:
+            from .demos import export_byte_lm
+
+            bundle = export_byte_lm(Path(tmp) / "byte-lm")
+        server = make_server(bundle, host, port)
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            out(
+                f"note: browsers give WebGPU only to secure contexts; http://{host} is not one "
+                "(use 127.0.0.1, an SSH tunnel, or https)"
+            )
+        out(f"serving {Path(bundle).resolve()} at {url_of(server)} (Ctrl-C stops)", flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
