@@ -71,9 +71,20 @@ class Chromium:
 
     Use as a context manager; ``console`` collects the page's console messages and uncaught
     exceptions (as text) for error reports.
+
+    ``max_gpu_rss``: the GPU process (where SwiftShader compiles and runs the shaders) is
+    killed when its resident memory exceeds this many bytes, and the page's WebGPU calls then
+    fail with that reason in the report. SwiftShader has been seen growing past 8 GB compiling
+    one conv2d kernel (docs/web.md); on a shared machine that must not run on.
     """
 
-    def __init__(self, binary: str | None = None, width: int = 840, height: int = 640):
+    def __init__(
+        self,
+        binary: str | None = None,
+        width: int = 840,
+        height: int = 640,
+        max_gpu_rss: int = 3 << 30,
+    ):
         binary = binary or find_chromium()
         if binary is None:
             raise BrowserError(f"chromium is not installed ({INSTALL_HINT})")
@@ -115,6 +126,8 @@ class Chromium:
         self.console: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        self._max_gpu_rss = max_gpu_rss
+        threading.Thread(target=self._watch_memory, daemon=True).start()
         self.session = None
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})[
@@ -148,6 +161,44 @@ class Chromium:
         with self._lock:
             for q in self._replies.values():
                 q.put({"error": {"message": "the browser closed the DevTools pipe"}})
+
+    def _watch_memory(self) -> None:
+        """Kill the GPU process (a descendant of the browser: Chromium's zygote forks it) once
+        its resident memory exceeds ``max_gpu_rss`` (Linux /proc)."""
+        while self.proc.poll() is None:
+            parents, gpu = {}, []
+            for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+                if not entry.isdigit():
+                    continue
+                try:
+                    with open(f"/proc/{entry}/stat", "rb") as f:
+                        parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        if b"--type=gpu-process" in f.read():
+                            gpu.append(int(entry))
+                except (OSError, ValueError, IndexError):
+                    continue
+            for pid in gpu:
+                up, hops = parents.get(pid), 0
+                while up not in (None, 0, 1, self.proc.pid) and hops < 16:
+                    up, hops = parents.get(up), hops + 1
+                if up != self.proc.pid:
+                    continue  # another browser's
+                try:
+                    with open(f"/proc/{pid}/status") as f:
+                        rss = next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) << 10
+                except (OSError, ValueError, StopIteration):
+                    continue
+                if rss > self._max_gpu_rss:
+                    self.console.append(
+                        f"killed Chromium's GPU process: {rss >> 20} MiB resident, over the "
+                        f"{self._max_gpu_rss >> 20} MiB allowed (SwiftShader compiling a shader?)"
+                    )
+                    try:
+                        os.kill(pid, 9)
+                    except OSError:
+                        pass
+            time.sleep(0.5)
 
     def _event(self, msg: dict) -> None:
         method, p = msg.get("method"), msg.get("params", {})
