@@ -59,7 +59,8 @@ def _open(browser, bundle, page=None):
     server = serve_in_thread(bundle)
     browser.goto(url_of(server, page))
     adapter = browser.evaluate(
-        "navigator.gpu ? navigator.gpu.requestAdapter().then(a => a && a.info.architecture)"
+        "navigator.gpu ? navigator.gpu.requestAdapter()"
+        ".then(a => a && (a.info.architecture || a.info.vendor || 'unnamed'))"
         " : 'no navigator.gpu'"
     )
     if not adapter or adapter == "no navigator.gpu":
