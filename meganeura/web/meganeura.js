@@ -363,8 +363,15 @@ export class Bundle {
   }
 
   /** Upload `feeds` ({input name: typed array or array, row-major, of the input's length}),
-   * run every dispatch and resolve to {output name: typed array} (host dtypes). */
-  async run(feeds) {
+   * run every dispatch and resolve to {output name: typed array} (host dtypes). Calls made
+   * while one is in flight wait their turn (the buffers and read-back buffers are shared). */
+  run(feeds) {
+    const turn = (this._queue ?? Promise.resolve()).then(() => this._run(feeds));
+    this._queue = turn.catch(() => {});
+    return turn;
+  }
+
+  async _run(feeds) {
     const names = Object.keys(this._inputs);
     const missing = names.filter((n) => !(n in feeds));
     const unknown = Object.keys(feeds).filter((n) => !(n in this._inputs));
