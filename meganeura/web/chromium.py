@@ -129,7 +129,12 @@ class Chromium:
         self._max_gpu_rss = max_gpu_rss
         threading.Thread(target=self._watch_memory, daemon=True).start()
         self.session = None
-        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        try:
+            target = self.send("Target.createTarget", {"url": "about:blank"}, timeout=30)
+        except BrowserError as e:
+            self.close()
+            raise BrowserError(f"{binary} did not start: {e}\nstderr:\n{self.stderr()}") from None
+        target = target["targetId"]
         self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})[
             "sessionId"
         ]
@@ -226,9 +231,13 @@ class Chromium:
         msg = {"id": mid, "method": method, "params": params or {}}
         if self.session is not None:
             msg["sessionId"] = self.session
-        self._out.write(json.dumps(msg).encode() + b"\0")
         try:
+            if not self._reader.is_alive():  # closed before this command was registered
+                raise BrokenPipeError("the DevTools pipe is closed")
+            self._out.write(json.dumps(msg).encode() + b"\0")
             reply = q.get(timeout=timeout)
+        except OSError as e:  # the browser exited: its pipe is closed
+            raise BrowserError(f"{method}: {e} (the browser exited){self._tail()}") from None
         except queue.Empty:
             raise BrowserError(f"{method}: no reply within {timeout} s{self._tail()}") from None
         finally:
@@ -296,7 +305,6 @@ class Chromium:
                     self.proc.wait()
         finally:
             self._out.close()
-            self._stderr.close()
             shutil.rmtree(self._profile, ignore_errors=True)
 
     def __enter__(self) -> Chromium:
