@@ -208,3 +208,32 @@ def test_meganeura_js_names_what_is_wrong(browser, mnist, tmp_path):
     assert errors["damaged"].startswith("BundleError: ") and kernel.name in errors["damaged"]
     assert "sha256" in errors["damaged"]
     assert errors["f16"].startswith("BundleError: ") and "'shader-f16'" in errors["f16"]
+
+
+def test_subgroup_bundle_runs_in_browser(browser, tmp_path, gpu_device):
+    """A bundle whose kernels use subgroups (``target="any"`` where the exporting adapter has
+    them: lavapipe's MLP at batch 64): meganeura.js requests ``subgroups`` and prepends
+    ``enable subgroups;`` (Tint requires it, naga rejects it), and the outputs equal the Python
+    runtime's."""
+    import meganeura as mn
+    from meganeura.models.mlp import MLP
+    from meganeura.runtime.bundle import BundleSession
+
+    mn.manual_seed(0)
+    x = np.random.default_rng(1).standard_normal((64, 784)).astype(np.float32)
+    path = mn.export(MLP((784, 64, 10)).eval(), tmp_path / "sg", (x,), device=gpu_device)
+    if "subgroup" not in json.loads((path / "manifest.json").read_text())["requires"]["features"]:
+        pytest.skip(f"{gpu_device.name} compiles this MLP without subgroups")
+    want = BundleSession(path, gpu_device.gpu).run({"x": x})["output"]
+    server = serve_in_thread(path, page="run.html")
+    try:
+        browser.goto(url_of(server))
+        if not browser.evaluate(
+            "navigator.gpu.requestAdapter().then(a => a.features.has('subgroups'))"
+        ):
+            pytest.skip("this browser's adapter has no subgroups")
+        browser.evaluate("demo.ready")
+        got = _bundle_run(browser, {"x": x})["output"]
+    finally:
+        server.shutdown()
+    _close(np.asarray(got).reshape(want.shape), want, "subgroup bundle: browser vs Python runtime")
