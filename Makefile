@@ -1,7 +1,7 @@
 # Entry points: `make demo` trains the MNIST demo, `make test` runs the test suite. Both first run
 # `setup`, which makes sure a Vulkan adapter exists (lavapipe on machines without a GPU), installs
-# espeak-ng where it can (scripts/setup_debian_packages.sh) and meganeura in editable mode with
-# its test, plot, llm, vision and distributed (mpi4py + mpich) extras.
+# espeak-ng and chromium where it can (scripts/setup_debian_packages.sh) and meganeura in editable
+# mode with its test, plot, llm, vision and distributed (mpi4py + mpich) extras.
 #
 # `make test` runs one pytest-xdist worker per CPU this process may use (`-n JOBS`) when there is
 # more than one, else a plain run; `make test JOBS=1` forces a plain run, `JOBS=4` four workers.

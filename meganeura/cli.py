@@ -1,5 +1,5 @@
 """Command line: ``meganeura info|train|predict|classify|profile|generate|chat|finetune|embed|
-transcribe|export``.
+transcribe|export|serve-web``.
 
 This is the only place that reads environment variables (``MEGANEURA_ADAPTER``: a substring
 of the adapter to use, e.g. ``nvidia`` or ``llvmpipe``). The runtime only sets one Vulkan
@@ -244,6 +244,16 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_serve_web(args) -> int:
+    from .web.server import serve_web
+
+    try:
+        serve_web(args.bundle, args.host, args.port, demo_lm=args.demo_lm)
+    except (OSError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meganeura",
@@ -370,6 +380,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     f.add_argument("--trace", help="trace file to write (default runs/profile/mnist-MODE.json)")
     f.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
+
+    w = sub.add_parser(
+        "serve-web",
+        help="serve a bundle (meganeura export) with meganeura.js and its demo page on "
+        "127.0.0.1 for a browser's WebGPU (docs/web.md); prints the URL",
+    )
+    w.add_argument("bundle", nargs="?", help="bundle folder (e.g. runs/mnist/bundle)")
+    w.add_argument(
+        "--demo-lm",
+        action="store_true",
+        help="instead of BUNDLE: export and serve the byte-level transformer demo",
+    )
+    w.add_argument("--host", default="127.0.0.1", help="address (default 127.0.0.1)")
+    w.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    w.set_defaults(handler=cmd_serve_web)
 
     from .recipes import embed, export, llm, transcribe
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the Debian packages some tests need beyond the Vulkan driver (setup_vulkan.sh):
 # espeak-ng, whose synthesized speech the Whisper transcription test transcribes
-# (tests/models/test_whisper_real.py).
+# (tests/models/test_whisper_real.py), and chromium, whose headless WebGPU (SwiftShader) runs
+# exported bundles in the browser tests (tests/web/test_browser.py).
 #
 # Idempotent and quiet: does nothing when every command is already there. On Debian/Ubuntu as
 # root (CI) it installs what is missing with apt-get and fails when apt-get does; anywhere else
@@ -10,7 +11,7 @@
 set -euo pipefail
 
 # command -> Debian package
-declare -A PACKAGES=([espeak-ng]=espeak-ng)
+declare -A PACKAGES=([espeak-ng]=espeak-ng [chromium]=chromium)
 
 log() { echo "setup_debian_packages: $*" >&2; }
 

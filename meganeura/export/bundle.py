@@ -26,6 +26,7 @@ from .manifest import (
     RUNTIME_CHECKS_NOTE,
     SCHEMA,
     SUBGROUPS_NOTE,
+    WEB_LIMITS,
     WEBGPU_DEFAULT_MAX_STORAGE_BUFFERS,
     ExportError,
     check_compatible,
@@ -35,6 +36,8 @@ from .manifest import (
     workgroup_invocations,
     workgroup_storage_bytes,
 )
+
+_SB = "max-storage-buffers-per-shader-stage"
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -92,6 +95,8 @@ def write_bundle(
     *,
     max_storage_buffers: int | None = WEBGPU_DEFAULT_MAX_STORAGE_BUFFERS,
     target_features: Iterable[str] | None = None,
+    target_limits: Mapping[str, int] | None = None,
+    target: str = "any",
     overwrite: bool = False,
     extra: Mapping | None = None,
 ) -> Path:
@@ -104,6 +109,9 @@ def write_bundle(
             converted to the slot's storage dtype); states default to zeros.
         max_storage_buffers: the target's storage buffers per shader stage (None: unchecked).
         target_features: the target's optional features (None: unchecked).
+        target_limits: the target's limits by WebGPU name (``WEB_LIMITS``'s keys; None:
+            unchecked).
+        target: the target's name stored in the manifest (``"any"`` or ``"web"``).
         overwrite: replace an existing folder at ``path``.
         extra: JSON-serializable facts stored under the manifest's ``"meta"``.
 
@@ -117,7 +125,7 @@ def write_bundle(
     path = Path(path)
     check_inference(program)
     feats = None if target_features is None else set(target_features)
-    check_compatible(program, max_storage_buffers, feats)
+    check_compatible(program, max_storage_buffers, feats, target_limits)
     if path.exists() and not overwrite:
         raise ExportError(f"{path} exists (pass overwrite=True to replace it)")
     tensors: dict[str, np.ndarray] = {}
@@ -166,6 +174,7 @@ def write_bundle(
     manifest = {
         "schema": SCHEMA,
         "precision": program.meta.get("precision", "strict"),
+        "target": target,
         "inputs": [_slot_json(n, s) for n, s in program.inputs.items()],
         "outputs": [_slot_json(n, s) for n, s in program.outputs.items()],
         "weights": {"file": "weights.safetensors", "tensors": weight_slots},
@@ -233,13 +242,17 @@ def trace_program(
     strict: bool = False,
     max_storage_buffers: int | None = WEBGPU_DEFAULT_MAX_STORAGE_BUFFERS,
     target_features: Iterable[str] | None = None,
+    target_limits: Mapping[str, int] | None = None,
+    cpu: bool | None = None,
     device=None,
 ) -> tuple[Program, dict[str, np.ndarray]]:
     """Trace ``model.forward(*example_inputs)`` and compile it for inference.
 
     The program is compiled with the device's limits narrowed to the target's (storage buffers
     per stage; ``shader-f16`` and subgroups only where the target has them, never with
-    ``strict``), so the kernels fit the target rather than being refused.
+    ``strict``; workgroup memory, invocations and binding sizes within ``target_limits``), so
+    the kernels fit the target rather than being refused. ``cpu``: plan the kernels for a CPU
+    adapter (True) or a GPU (False); None: as the exporting device is.
 
     Returns:
         (Program, weights by slot name).
@@ -270,6 +283,18 @@ def trace_program(
         changes["shader_f16"] = False
     if feats is not None and "subgroup" not in feats:
         changes["subgroups"] = False
+    narrowed = {
+        "max_workgroup_storage_size": "max-compute-workgroup-storage-size",
+        "max_invocations_per_workgroup": "max-compute-invocations-per-workgroup",
+        "max_storage_buffer_binding_size": "max-storage-buffer-binding-size",
+        "max_buffer_size": "max-buffer-size",
+        "max_workgroups_per_dimension": "max-compute-workgroups-per-dimension",
+    }
+    for field, key in narrowed.items() if target_limits else ():
+        if key in target_limits:
+            changes[field] = min(getattr(limits, field), target_limits[key])
+    if cpu is not None:
+        changes["cpu"] = cpu
     limits = dataclasses.replace(limits, **changes)
     traced = trace_call(model, model.forward, tuple(example_inputs), {})
     program = compile_graph(traced.graph, CompileOptions(precision=precision), limits)
@@ -293,6 +318,7 @@ def export(
     weights: Mapping[str, np.ndarray] | None = None,
     max_storage_buffers: int | None = WEBGPU_DEFAULT_MAX_STORAGE_BUFFERS,
     target_features: Iterable[str] | None = None,
+    target: str = "any",
     overwrite: bool = False,
     device=None,
     meta: Mapping | None = None,
@@ -314,6 +340,13 @@ def export(
             WebGPU's default); None: unchecked.
         target_features: optional features the target has (None: unchecked; ``strict``
             excludes ``shader-f16``).
+        target: ``"any"`` (only the checks above) or ``"web"``: what every browser's WebGPU
+            runs without asking for more: strict f32, no optional feature (no ``shader-f16``,
+            no subgroups unless ``target_features`` grants them), and WebGPU's default limits
+            (``WEB_LIMITS``: 8 storage buffers per stage, 16 KiB workgroup memory, 256
+            invocations, 128 MiB bindings); a module is compiled within them, with the kernel
+            plans for a GPU (not the exporting adapter's CPU plans where it is lavapipe), and a
+            Program exceeding one is refused naming the kernel.
         overwrite: replace an existing bundle.
         device: the runtime Device a module is compiled for (default: the default device).
         meta: JSON-serializable facts stored in the manifest's ``"meta"``.
@@ -325,7 +358,15 @@ def export(
         ExportError: a training program, a kernel the target cannot run (named), a missing
             weight, or an existing ``path`` without ``overwrite``.
     """
+    if target not in ("any", "web"):
+        raise ExportError(f"target must be 'any' or 'web', got {target!r}")
     feats = None if target_features is None else set(target_features)
+    limits = None
+    if target == "web":
+        strict, limits = True, WEB_LIMITS
+        feats = set() if feats is None else feats
+        if max_storage_buffers is None or max_storage_buffers > WEB_LIMITS[_SB]:
+            max_storage_buffers = WEB_LIMITS[_SB]
     if strict:
         feats = (feats if feats is not None else {"subgroup"}) - {"shader-f16"}
     if isinstance(model_or_program, Program):
@@ -341,6 +382,8 @@ def export(
             strict=strict,
             max_storage_buffers=max_storage_buffers,
             target_features=feats,
+            target_limits=limits,
+            cpu=False if target == "web" else None,
             device=device,
         )
         values.update(weights or {})
@@ -350,6 +393,8 @@ def export(
         values,
         max_storage_buffers=max_storage_buffers,
         target_features=feats,
+        target_limits=limits,
+        target=target,
         overwrite=overwrite,
         extra=meta,
     )

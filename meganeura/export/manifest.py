@@ -31,6 +31,20 @@ SCHEMA = "meganeura-bundle/1"
 # without asking; the export's default target for storage buffers per stage.
 WEBGPU_DEFAULT_MAX_STORAGE_BUFFERS = 8
 
+# The limits every WebGPU implementation grants by default, by WebGPU name (same source): the
+# ``target="web"`` export compiles within them and refuses a kernel exceeding one.
+WEB_LIMITS = {
+    "max-storage-buffers-per-shader-stage": WEBGPU_DEFAULT_MAX_STORAGE_BUFFERS,
+    "max-storage-buffer-binding-size": 134217728,
+    "max-buffer-size": 268435456,
+    "max-compute-workgroup-storage-size": 16384,
+    "max-compute-invocations-per-workgroup": 256,
+    "max-compute-workgroup-size-x": 256,
+    "max-compute-workgroup-size-y": 256,
+    "max-compute-workgroup-size-z": 64,
+    "max-compute-workgroups-per-dimension": 65535,
+}
+
 ROLES = {
     "input": "input",
     "output": "output",
@@ -102,17 +116,17 @@ def workgroup_storage_bytes(wgsl: str) -> int:
     )
 
 
+def workgroup_size(wgsl: str) -> tuple[int, int, int]:
+    """(x, y, z) of a WGSL source's ``@workgroup_size`` ((1, 1, 1) when absent)."""
+    m = re.search(r"@workgroup_size\(([^)]*)\)", wgsl)
+    dims = [int(p.strip().rstrip("u")) for p in m.group(1).split(",") if p.strip()] if m else []
+    return tuple(dims + [1] * (3 - len(dims)))
+
+
 def workgroup_invocations(wgsl: str) -> int:
     """Invocations per workgroup of a WGSL source's ``@workgroup_size`` (1 when absent)."""
-    m = re.search(r"@workgroup_size\(([^)]*)\)", wgsl)
-    if not m:
-        return 1
-    n = 1
-    for part in m.group(1).split(","):
-        part = part.strip().rstrip("u")
-        if part:
-            n *= int(part)
-    return n
+    x, y, z = workgroup_size(wgsl)
+    return x * y * z
 
 
 def requirements(program: Program) -> dict:
@@ -121,9 +135,10 @@ def requirements(program: Program) -> dict:
     Limits (WebGPU names): ``max-storage-buffers-per-shader-stage`` (most bindings of one
     kernel), ``max-storage-buffer-binding-size`` (largest binding, bytes),
     ``max-buffer-size`` (largest buffer), ``max-compute-workgroup-storage-size``,
-    ``max-compute-invocations-per-workgroup``, ``max-compute-workgroups-per-dimension`` (largest
-    grid count) and ``min-storage-buffer-offset-alignment`` (the gcd of the non-zero binding
-    offsets, which the adapter's alignment must divide; 256 when there are none).
+    ``max-compute-invocations-per-workgroup``, ``max-compute-workgroup-size-x/y/z``,
+    ``max-compute-workgroups-per-dimension`` (largest grid count) and
+    ``min-storage-buffer-offset-alignment`` (the gcd of the non-zero binding offsets, which the
+    adapter's alignment must divide; 256 when there are none).
     """
     from math import gcd
 
@@ -135,6 +150,9 @@ def requirements(program: Program) -> dict:
             "max-buffer-size",
             "max-compute-workgroup-storage-size",
             "max-compute-invocations-per-workgroup",
+            "max-compute-workgroup-size-x",
+            "max-compute-workgroup-size-y",
+            "max-compute-workgroup-size-z",
             "max-compute-workgroups-per-dimension",
         ),
         0,
@@ -162,6 +180,9 @@ def requirements(program: Program) -> dict:
         lim["max-compute-workgroups-per-dimension"] = max(
             lim["max-compute-workgroups-per-dimension"], *d.grid
         )
+        for axis, n in zip("xyz", workgroup_size(d.wgsl)):
+            k = f"max-compute-workgroup-size-{axis}"
+            lim[k] = max(lim[k], n)
     lim["min-storage-buffer-offset-alignment"] = align or 256
     return {"features": sorted(features), "limits": lim}
 
@@ -171,8 +192,32 @@ def _allocated(size: int) -> int:
     return max(-(-size // 4) * 4, 4)
 
 
+def kernel_needs(program: Program, d) -> dict[str, int]:
+    """The limits one dispatch ``d`` of ``program`` needs (the keys of :data:`WEB_LIMITS`)."""
+    x, y, z = workgroup_size(d.wgsl)
+    spans = [
+        d.span(i, _allocated(program.buffers[bid].size))[1] for i, bid in enumerate(d.bindings)
+    ]
+    return {
+        "max-storage-buffers-per-shader-stage": len(d.bindings),
+        "max-storage-buffer-binding-size": max(spans, default=0),
+        "max-buffer-size": max(
+            (_allocated(program.buffers[b].size) for b in d.bindings), default=0
+        ),
+        "max-compute-workgroup-storage-size": workgroup_storage_bytes(d.wgsl),
+        "max-compute-invocations-per-workgroup": x * y * z,
+        "max-compute-workgroup-size-x": x,
+        "max-compute-workgroup-size-y": y,
+        "max-compute-workgroup-size-z": z,
+        "max-compute-workgroups-per-dimension": max(d.grid),
+    }
+
+
 def check_compatible(
-    program: Program, max_storage_buffers: int | None, features: set[str] | None
+    program: Program,
+    max_storage_buffers: int | None,
+    features: set[str] | None,
+    limits: dict[str, int] | None = None,
 ) -> None:
     """Refuse a program a target could not run.
 
@@ -181,10 +226,11 @@ def check_compatible(
         max_storage_buffers: the target's ``maxStorageBuffersPerShaderStage`` (WebGPU's default
             is 8; None: no check).
         features: optional features the target has (None: no check).
+        limits: the target's limits by WebGPU name (keys of :data:`WEB_LIMITS`; None: no check).
 
     Raises:
-        ExportError: naming the first kernel that binds more storage buffers than allowed, or
-            that needs a feature the target lacks.
+        ExportError: naming the first kernel that binds more storage buffers than allowed,
+            needs a feature the target lacks, or exceeds one of ``limits``.
     """
     for d in program.dispatches:
         if max_storage_buffers is not None and len(d.bindings) > max_storage_buffers:
@@ -200,6 +246,12 @@ def check_compatible(
                     f"kernel {d.name!r} needs the feature(s) {lacking}, which the target lacks "
                     f"(target features: {sorted(features)}); export with strict f32 "
                     "(--strict) for targets without shader-f16"
+                )
+        for k, need in kernel_needs(program, d).items() if limits else ():
+            if k in limits and need > limits[k]:
+                raise ExportError(
+                    f"kernel {d.name!r} needs {k} = {need:,}; the target allows {limits[k]:,} "
+                    "(WebGPU's default; compile for the target's limits or pass its limits)"
                 )
 
 

@@ -23,6 +23,7 @@ def export_checkpoint(
     strict: bool = False,
     batch: int = 1,
     max_storage_buffers: int | None = WEBGPU_DEFAULT_MAX_STORAGE_BUFFERS,
+    target: str = "web",
     overwrite: bool = True,
     device=None,
 ) -> dict:
@@ -35,6 +36,7 @@ def export_checkpoint(
             also rules f16 out for the target check).
         batch: images per call of the bundle.
         max_storage_buffers: the target's storage buffers per shader stage.
+        target: ``"web"`` (default: what any browser's WebGPU runs, docs/web.md) or ``"any"``.
         overwrite: replace an existing bundle at ``out``.
 
     Returns:
@@ -58,6 +60,7 @@ def export_checkpoint(
         (x,),
         strict=strict,
         max_storage_buffers=max_storage_buffers,
+        target=target,
         overwrite=overwrite,
         device=device,
         meta={"model": "mnist-mlp", "mean": meta["mean"], "std": meta["std"], "batch": batch},
@@ -124,6 +127,13 @@ def add_commands(sub) -> None:
         help="the target's storage buffers per shader stage; a kernel binding more is refused "
         f"(default {WEBGPU_DEFAULT_MAX_STORAGE_BUFFERS}, WebGPU's default limit)",
     )
+    e.add_argument(
+        "--target",
+        choices=["web", "any"],
+        default="web",
+        help="web (default): strict f32, no optional feature, WebGPU's default limits, so any "
+        "browser runs it (docs/web.md); any: also subgroups where the exporting adapter has them",
+    )
     e.set_defaults(handler=cmd_export)
 
 
@@ -139,6 +149,7 @@ def cmd_export(args) -> int:
             strict=args.strict,
             batch=args.batch,
             max_storage_buffers=args.max_storage_buffers,
+            target=args.target,
             device=_device(args),
         )
     except (OSError, ValueError, CheckpointError, ExportError) as e:

@@ -34,10 +34,22 @@ fn mul_hi(a: u32, b: u32) -> u32 {
   return a1 * b1 + ((a0 * b1) >> 16u) + ((a1 * b0) >> 16u) + (mid >> 16u);
 }
 
-// pos * (turns.x * 2^-32 + turns.y * 2^-64) modulo one turn, as an angle in [-pi, pi)
-fn rope_angle(pos: u32, turns: vec2<u32>) -> f32 {
+// vec2(cos, sin) of the angle pos * (turns.x * 2^-32 + turns.y * 2^-64) turns. The quadrant
+// comes exactly from the fixed-point turn w (its top two bits, rounded); the rest, in
+// [-pi/4, pi/4], goes through the Cephes sinf/cosf polynomials (as core.mathlib's sin_cos_f32).
+// WGSL guarantees its cos/sin builtins only to 2^-11 absolute on [-pi, pi], and browsers use that
+// latitude (Chromium's SwiftShader: 1.9e-4 measured), so the builtins would make the rotations
+// backend-dependent; this is within 1.2e-7 everywhere.
+fn rope_cos_sin(pos: u32, turns: vec2<u32>) -> vec2<f32> {
   let w = pos * turns.x + mul_hi(pos, turns.y);
-  return f32(bitcast<i32>(w)) * TWO_PI_2M32;
+  let q = (w + 0x20000000u) >> 30u;
+  let r = f32(bitcast<i32>(w - (q << 30u))) * TWO_PI_2M32;
+  let z = r * r;
+  let s = ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1) * z * r + r;
+  let c = ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2)
+          * z * z - 0.5 * z + 1.0;
+  let v = select(vec2<f32>(c, s), vec2<f32>(-s, c), (q & 1u) == 1u);
+  return select(v, -v, q >= 2u);
 }
 """
 
@@ -84,15 +96,15 @@ def lower_rope(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]
             lines.append(f"  let pos{e} = {start(f'row{e}')};")
         pos = f"pos{e}" if per_row else "pos0"
         lines += [
-            f"  let a{e} = rope_angle({pos} + row{e} % {u(length)}, TURNS[f{e}]);",
+            f"  let a{e} = rope_cos_sin({pos} + row{e} % {u(length)}, TURNS[f{e}]);",
             f"  let o{e} = {x.row_offset(f'row{e}')} + f{e};",
             f"  let x{e}a = {x.at_offset(f'o{e}')};",
             f"  let x{e}b = {x.at_offset(f'o{e} + {u(half)}')};",
         ]
     for e in range(PER_THREAD):
         lines += [
-            f"  let c{e} = cos(a{e});",
-            f"  let s{e} = {sign}sin(a{e});",
+            f"  let c{e} = a{e}.x;",
+            f"  let s{e} = {sign}a{e}.y;",
             f"  let w{e} = {kb.row_offset(out, f'row{e}', dim)} + f{e};",
             "  " + guard(e, kb.store(out, f"w{e}", f"x{e}a * c{e} - x{e}b * s{e}", True)),
             "  "

@@ -90,7 +90,7 @@ class RopePrologue:
         index = kb.read(kc.inputs[1], "slots")
         half, dv = self.dim // 2, g[vc.inputs[2]].type.shape[-1]
         size = u(threads)
-        angle = f"rope_angle({self._position('nr')}, TURNS[nf])"
+        angle = f"rope_cos_sin({self._position('nr')}, TURNS[nf])"
         return [
             f"  for (var e = lid; e < {u(self.length * half)}; e = e + {size}) {{",
             f"    let nr = e / {u(half)};",
@@ -99,8 +99,8 @@ class RopePrologue:
             f"    let na = {angle};",
             f"    let nxa = {xk.at('nia')};",
             f"    let nxb = {xk.at(f'nia + {u(half)}')};",
-            "    let nc = cos(na);",
-            f"    let ns = {self.sign}sin(na);",
+            "    let nc = na.x;",
+            f"    let ns = {self.sign}na.y;",
             "    let nya = nxa * nc - nxb * ns;",
             "    let nyb = nxb * nc + nxa * ns;",
             f"    {_cache_store(kb, g, self.kcopy, kcache, index, 'nia', 'nya')}",
@@ -120,11 +120,14 @@ class RopePrologue:
         pos = self._position("ri")
         lines = [f"  let qp = {pos};"]
         for c in range(h4):
-            angles = ", ".join(f"rope_angle(qp, TURNS[{u(4 * c + e)}])" for e in range(4))
             lines += [
-                f"  let qa{c} = vec4<f32>({angles});",
-                f"  let qc{c} = cos(qa{c});",
-                f"  let qs{c} = {self.sign}sin(qa{c});",
+                f"  let qa{c}_{e} = rope_cos_sin(qp, TURNS[{u(4 * c + e)}]);" for e in range(4)
+            ]
+            cos4 = ", ".join(f"qa{c}_{e}.x" for e in range(4))
+            sin4 = ", ".join(f"qa{c}_{e}.y" for e in range(4))
+            lines += [
+                f"  let qc{c} = vec4<f32>({cos4});",
+                f"  let qs{c} = {self.sign}vec4<f32>({sin4});",
                 f"  let q{c} = qx{c} * qc{c} - qx{c + h4} * qs{c};",
                 f"  let q{c + h4} = qx{c + h4} * qc{c} + qx{c} * qs{c};",
             ]

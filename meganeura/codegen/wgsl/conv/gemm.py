@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ....dtypes import DType
 from ...kernel import KernelSource
-from ..core.builder import KernelBuilder, Src, guarded_read
+from ..core.builder import KernelBuilder, Src, all_of, guarded_read
 from ..core.literals import u
 from ..matmul.plan import LARGE_MIN_TILES
 
@@ -317,7 +317,7 @@ class _Stage:
                     conds.append(f"{p}_in{j}")
                 if self.k % self.bk:
                     conds.append(f"{p}_k{r} < {u(self.k)}")
-                at, ok = self.op.src.at, " && ".join(conds)
+                at, ok = self.op.src.at, all_of(conds) if conds else ""
                 vals.append(guarded_read(at, index, ok, "0.0") if conds else at(index))
             dst = f"{self.shared}[l{p}{r}_k * {u(self.span // 4)} + l{p}{r}_r]"
             body.append(f"{dst} = vec4<f32>({', '.join(vals)});")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.builder import KernelBuilder, guarded_read
+from ..core.builder import KernelBuilder, all_of, guarded_read
 from ..core.literals import u
 from .plan import THREADS, WG, Plan
 from .problem import Operand, Problem, Store, bind_operands, vec_ok
@@ -43,7 +43,7 @@ def _guarded(read, index: str, conds: list[str], vec: bool) -> str:
     """``read(index)``, or zero where ``conds`` fail (``core.builder.guarded_read``)."""
     if not conds:
         return read(index)
-    return guarded_read(read, index, " && ".join(conds), "vec4<f32>(0.0)" if vec else "0.0")
+    return guarded_read(read, index, all_of(conds), "vec4<f32>(0.0)" if vec else "0.0")
 
 
 @dataclass(frozen=True)
