@@ -27,8 +27,10 @@ from ..codegen.wgsl.attention.lowering import key_value_fusible, rope_attention_
 from ..codegen.wgsl.attention.rope_attention import lower_rope_attention
 from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
 from ..codegen.wgsl.elementwise.fused import lower_group
-from ..codegen.wgsl.elementwise.maps import FUSIBLE
+from ..codegen.wgsl.elementwise.maps import FUSIBLE, lower_permute
+from ..codegen.wgsl.matmul.deferred import SplitPartials, plan_deferred_sums
 from ..codegen.wgsl.matmul.horizontal import NORM_MAX_K, gemv_key, group_fits, lower_matmul_group
+from ..codegen.wgsl.matmul.lowering import lower_matmul
 from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
@@ -120,11 +122,12 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         )
         groups = tuple(sorted(fused + kv + rope, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
-    dispatches = _lower_all(graph, needed, limits, groups, updates)
+    deferred = plan_deferred_sums(graph, needed, groups, limits) if fuse else {}
+    dispatches = _lower_all(graph, needed, limits, groups, updates, deferred)
     clash = _arena_clashes(graph, dispatches, updates)
     if clash:  # rare: a kernel writes one member's gradient and reads another's
         updates = plan_update_groups(graph, needed, limits, exclude=clash)
-        dispatches = _lower_all(graph, needed, limits, groups, updates)
+        dispatches = _lower_all(graph, needed, limits, groups, updates, deferred)
     pinned.update(arena_value(graph, m, "grad") for g in updates for m in g.members)
 
     first: dict = {}
@@ -140,7 +143,7 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             elif isinstance(b, ArenaRef):
                 continue  # arenas are pinned
             elif isinstance(b, ScratchRef):
-                key = (nid, b.key)
+                key = b.slot(nid)
                 # A key may be bound at several sizes by a node's kernels: keep the largest.
                 sizes[key] = max(sizes.get(key, 0), b.nbytes)
             else:  # pragma: no cover - codegen contract
@@ -175,6 +178,7 @@ def _lower_all(
     limits: Limits,
     groups: tuple[FusionGroup | MatmulGroup, ...],
     updates: tuple[UpdateGroup, ...],
+    deferred: dict[int, SplitPartials],
 ) -> list[tuple[int, KernelSource]]:
     group_of = {m: g for g in groups for m in g.members}
     update_of = {m: g for g in updates for m in g.members}
@@ -186,6 +190,10 @@ def _lower_all(
             if ugroup is not None:
                 is_sink = node.id == ugroup.sink
                 kernels = [lower_update_group(graph, ugroup, limits)] if is_sink else []
+            elif node.id in deferred:
+                kernels = lower_matmul(graph, node.id, limits, defer_sum=True)
+            elif group is None and node.op == "permute":
+                kernels = lower_permute(graph, node.id, limits, deferred)
             elif group is None:
                 kernels = lower(graph, node.id, limits)
             elif node.id != group.sink:
@@ -198,7 +206,7 @@ def _lower_all(
                 else:
                     kernels = lower_rope_cache(graph, group, limits)
             else:
-                kernels = lower_group(graph, group, limits)
+                kernels = lower_group(graph, group, limits, deferred)
             dispatches.extend((node.id, ks) for ks in kernels)
     return dispatches
 

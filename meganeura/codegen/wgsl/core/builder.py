@@ -19,7 +19,7 @@ Invariants kept here, so that each emitter cannot get them wrong on its own:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ....dtypes import DType
@@ -62,11 +62,15 @@ def check_numel(graph: Graph, vid: int, limits: Limits) -> None:
 
 @dataclass(frozen=True)
 class Src:
-    """How a kernel reads one IR value: a binding name, or an inlined literal."""
+    """How a kernel reads one IR value: a binding name, or an inlined literal.
+
+    ``summed``: the value is a split-K matmul product never stored; ``name`` binds its partial
+    sums and element i is the helper call ``summed(i)`` (``matmul.deferred``)."""
 
     type: TensorType
     name: str | None = None
     literal: str | None = None
+    summed: str | None = None
 
     @property
     def dtype(self) -> DType:
@@ -77,6 +81,8 @@ class Src:
         constants; an f16-stored value is widened to f32)."""
         if self.literal is not None:
             return self.literal
+        if self.summed is not None:
+            return f"{self.summed}({index})"
         if self.type.dtype is DType.f16:
             return f"f32({self.name}[{index}])"
         return f"{self.name}[{index}]"
@@ -115,13 +121,22 @@ class KernelBuilder:
         graph: the graph being lowered.
         node: the node this kernel belongs to (names the kernel, errors quote it).
         limits: adapter limits (binding sizes are checked against them).
+        deferred: split-K matmuls whose partial sums this kernel reads in place of the
+            product (``matmul.deferred.SplitPartials`` by node id): ``read`` binds the
+            partials and returns a ``Src`` summing them. Only kernels that read operands
+            through ``Src.at`` alone may be given any.
     """
 
-    def __init__(self, graph: Graph, node: Node, limits: Limits) -> None:
+    def __init__(
+        self, graph: Graph, node: Node, limits: Limits, deferred: Mapping | None = None
+    ) -> None:
         self.graph, self.node, self.limits = graph, node, limits
+        self.deferred = deferred or {}
         self._refs: list[ValueRef | ScratchRef | ArenaRef] = []
         self._decls: list[tuple[str, str]] = []  # (name, element type) per binding
         self._by_value: dict[int, int] = {}
+        self._summed: dict[int, Src] = {}
+        self._helpers: list[str] = []
 
     def _bind_value(self, vid: int, name: str, write: bool) -> str:
         root = resolve_view(self.graph, vid)
@@ -148,11 +163,19 @@ class KernelBuilder:
         t = self.graph[vid].type
         if n.op == "constant":
             return Src(t, literal=literal(n.attr("value"), n.type.dtype))
+        if root in self.deferred:
+            if root not in self._summed:
+                part = self.deferred[root]
+                var = self.scratch(part.key, part.count, DType.f32, name, owner=root)
+                self._helpers.append(part.helper(f"sum_{var}", var, n.type.dtype))
+                self._summed[root] = Src(t, name=var, summed=f"sum_{var}")
+            return Src(t, name=self._summed[root].name, summed=self._summed[root].summed)
         return Src(t, name=self._bind_value(vid, name, write=False))
 
     def is_bound(self, vid: int) -> bool:
         """Whether value ``vid`` (or the value owning its buffer) already has a binding."""
-        return resolve_view(self.graph, vid) in self._by_value
+        root = resolve_view(self.graph, vid)
+        return root in self._by_value or root in self._summed
 
     def read_vec4(self, vid: int, name: str) -> str:
         """Bind value ``vid`` for reading as ``array<vec4<T>>`` (T its storage type) and
@@ -163,6 +186,8 @@ class KernelBuilder:
         """
         if is_constant(self.graph, vid) or self.is_bound(vid):
             raise ValueError(f"%{vid} cannot get a vec4 binding: constant or already bound")
+        if resolve_view(self.graph, vid) in self.deferred:
+            raise ValueError(f"%{vid} is read as a sum of split-K partials, not as vec4")
         var = self._bind_value(vid, name, write=False)
         self.vectorize(var)
         return var
@@ -171,13 +196,17 @@ class KernelBuilder:
         """Bind value ``vid`` (the node's output, or an input updated in place) for writing."""
         return self._bind_value(vid, name, write=True)
 
-    def scratch(self, key: str, count: int, dtype: DType, name: str) -> str:
-        """Bind node-private scratch storage of ``count`` elements of ``dtype``.
+    def scratch(
+        self, key: str, count: int, dtype: DType, name: str, owner: int | None = None
+    ) -> str:
+        """Bind node-private scratch storage of ``count`` elements of ``dtype`` (``owner``:
+        another node's scratch, read-only).
 
         Scratch holds partial sums and statistics, so it is kept in the compute type: an f16
         ``dtype`` (a node stored as f16) gets f32 scratch."""
         dtype = compute_dtype(dtype)
-        self._refs.append(ScratchRef(key, max(count, 1) * dtype.itemsize, dtype))
+        nbytes = max(count, 1) * dtype.itemsize
+        self._refs.append(ScratchRef(key, nbytes, dtype, write=owner is None, owner=owner))
         return self._declare(name, dtype)
 
     def arena(self, key: tuple, dtype: DType, name: str, write: bool) -> str:
@@ -257,6 +286,8 @@ class KernelBuilder:
             access = "read_write" if ref.write else "read"
             decls.append(f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{ty}>;")
         src = "\n".join(decls) + "\n\n"
+        if self._helpers:
+            helpers = "\n".join(self._helpers) + "\n" + helpers
         # f16 bindings, or an f16 conversion in the code (a fused cast to f16 not stored)
         if any(re.search(r"\bf16\b", ty) for _, ty in self._decls) or re.search(
             r"\bf16\b", body + helpers

@@ -1,0 +1,135 @@
+"""Split-K without the summing dispatch: readers of the product sum its partials themselves.
+
+A split-K matmul (``lowering``) writes ``splits`` partial products to scratch ``[split][flat]``
+and a second dispatch sums them in split order and stores the product. On the H200 every
+dispatch costs ~6-7 us of GPU time however small (bench/results/llm_profile_h200.txt: 120 of
+SmolLM2-135M's 669 prefill dispatches were such sums), so where every kernel reading the
+product can instead read the partials, the product is never stored: its own lowering emits
+the first dispatch alone (``lower_matmul(defer_sum=True)``) and each reader binds the
+partials (a ``ScratchRef`` owned by the matmul, alive until the last reader) and reads
+element i through ``SplitPartials.helper``: the summing dispatch's loop (same f32 additions,
+same order, from 0.0; narrowed to f16 and back where the product is stored as f16), so values
+are bit-identical to the two-dispatch program.
+
+Readers that can (``plan_deferred_sums``): kernels that read operands only through ``Src.at``:
+members of an elementwise fusion group (``elementwise.fused``, scalar path), the epilogue of a
+matmul-anchored group (run in its store stage or its own summing dispatch), and ``permute``.
+Every reader of the product (through views) must be one of those, the product no graph output,
+and not the left or right operand of the group's matmul.
+
+Why not the summing in the matmul itself ("the last workgroup of a tile to finish sums the
+partials", CUDA's threadfence reduction): WGSL gives no way to make one workgroup's storage
+writes visible to another within a dispatch. ``storageBarrier`` has workgroup memory scope and
+atomics are relaxed (WGSL spec, sync built-ins and memory model; gpuweb issues 2297, 2980 and
+3774: "workgroupBarrier and storageBarrier cannot be used to synchronize memory accesses between
+different workgroups"), so the last workgroup could read stale partials. Not done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ....dtypes import DType
+from ....graph.ir import VIEW_OPS, Graph, resolve_view
+from ....passes.fuse import FusionGroup
+from ...kernel import Limits
+from ..core.literals import u
+from .lowering import split_layout
+
+KEY = "splitk"  # the scratch key of the partials (``lowering.lower_matmul``)
+ENABLED = [True]  # bench A/B switch (``set_enabled``); never changed by the compiler
+
+
+def set_enabled(on: bool) -> None:
+    """Turn deferred split-K sums on or off for programs compiled from now on (benchmarks and
+    tests compare against the two-dispatch program)."""
+    ENABLED[:] = [bool(on)]
+
+
+@dataclass(frozen=True)
+class SplitPartials:
+    """The partial products of split-K matmul ``node``: ``splits`` x ``total`` f32, partial t
+    of flat element i at ``t * total + i``."""
+
+    node: int
+    splits: int
+    total: int
+
+    key = KEY
+
+    @property
+    def count(self) -> int:
+        return self.splits * self.total
+
+    def helper(self, fn: str, var: str, dtype: DType) -> str:
+        """WGSL function ``fn(i) -> f32``: element i of the product from binding ``var``, as
+        the summing dispatch computes it (and stores it, as f16 for an f16 product)."""
+        ret = "f32(f16(s))" if dtype is DType.f16 else "s"
+        return (
+            f"fn {fn}(i: u32) -> f32 {{\n"
+            "  var s = 0.0;\n"
+            f"  for (var t = 0u; t < {u(self.splits)}; t = t + 1u) {{\n"
+            f"    s += {var}[t * {u(self.total)} + i];\n"
+            "  }\n"
+            f"  return {ret};\n"
+            "}\n"
+        )
+
+
+def split_partials(graph: Graph, node_id: int, limits: Limits) -> SplitPartials | None:
+    """The partials of matmul ``node_id`` when ``lower_matmul`` splits its K, else None."""
+    layout = split_layout(graph, node_id, limits)
+    if layout is None:
+        return None
+    splits, _, total = layout
+    return SplitPartials(node_id, splits, total)
+
+
+def _readers(graph: Graph, users: list[list[int]], vid: int) -> list[int]:
+    out = []
+    for r in users[vid]:
+        out.extend(_readers(graph, users, r) if graph[r].op in VIEW_OPS else [r])
+    return out
+
+
+def plan_deferred_sums(
+    graph: Graph, needed: Sequence[bool], groups: Sequence, limits: Limits
+) -> dict[int, SplitPartials]:
+    """The split-K matmuls whose readers all sum the partials (module docstring), by node id.
+
+    Args:
+        graph: a verified graph.
+        needed: per node, whether it gets kernels (``schedule.needed_nodes``).
+        groups: the schedule's fusion groups (``FusionGroup``, ``MatmulGroup``, ...).
+        limits: the adapter's limits (they choose the matmul plans).
+    """
+    if not ENABLED[0]:
+        return {}
+    group_of = {m: g for g in groups for m in g.members}
+    users = graph.users()
+    outputs = {resolve_view(graph, v) for _, v in graph.outputs}
+    out: dict[int, SplitPartials] = {}
+    for node in graph.nodes:
+        nid = node.id
+        if node.op != "matmul" or not needed[nid] or nid in group_of or nid in outputs:
+            continue
+        part = split_partials(graph, nid, limits)
+        if part is None:
+            continue
+        readers = _readers(graph, users, nid)
+        if readers and all(_sums(graph, r, needed, group_of.get(r)) for r in readers):
+            out[nid] = part
+    return out
+
+
+def _sums(graph: Graph, reader: int, needed: Sequence[bool], group) -> bool:
+    """Whether ``reader``'s kernel reads its operands through ``Src.at`` alone (and so can
+    be given the partials)."""
+    if not needed[reader]:
+        return False  # e.g. a transpose folded into a matmul, which binds the product itself
+    if group is None:
+        return graph[reader].op == "permute"
+    if not isinstance(group, FusionGroup) or reader == group.anchor:
+        return False
+    return group.anchor is None or graph[group.anchor].op == "matmul"

@@ -1,0 +1,212 @@
+"""Split-K products summed by their readers (``codegen.wgsl.matmul.deferred``): no summing
+dispatch, values bit-identical to the two-dispatch program, forward and gradients against
+float64 references; which products qualify; dispatch counts on the H200's limits.
+
+GPU tests force a split-K plan (lavapipe's own plans never split) and compare programs
+compiled with deferral on and off (``deferred.set_enabled``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from meganeura.codegen.kernel import Limits
+from meganeura.codegen.wgsl.matmul import deferred
+from meganeura.codegen.wgsl.matmul.plan import force_plan
+from meganeura.compile import CompileOptions, compile
+from meganeura.graph.builder import GraphBuilder
+from meganeura.ops import functional as F
+from meganeura.ops.activation import silu
+from meganeura.optim import HYPER_INPUT, SGD
+
+RNG = np.random.default_rng(31)
+# The H200's limits (bench/dispatch_counts.py): not a CPU, so the GPU plans and split-K apply.
+H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
+              max_storage_buffer_binding_size=2**31 - 4, max_storage_buffers_per_shader_stage=1024,
+              max_buffer_size=2**40, shader_f16=True, subgroups=True)  # fmt: skip
+SPLIT = "64x64x16/s4"
+
+
+@pytest.fixture
+def split_plan():
+    force_plan(SPLIT)
+    yield SPLIT
+    force_plan(None)
+    deferred.set_enabled(True)
+
+
+def _both(graph, options, limits):
+    """(program with deferred sums, program without)."""
+    out = []
+    for on in (True, False):
+        deferred.set_enabled(on)
+        out.append(compile(graph, options, limits))
+    deferred.set_enabled(True)
+    return out
+
+
+def _sums(program) -> list[str]:
+    return [d.name for d in program.dispatches if d.name.endswith("sum_splits")]
+
+
+def _forward_graph(m: int = 40, k: int = 96):
+    """Three kinds of reader of a plain split-K product: a permute (through a reshape), the
+    epilogue of another split-K matmul (``silu(x @ Wg.T) * (x @ Wu.T)``) and the epilogue of
+    a product's add; one product read by a reduction keeps its summing dispatch."""
+    b = GraphBuilder()
+    x = b.input("x", (1, m, k))
+    w = {n: b.parameter(f"w{n}", (c, k)) for n, c in (("q", 48), ("g", 64), ("u", 64), ("a", 48),
+                                                ("b", 48), ("r", 32))}  # fmt: skip
+    q = F.reshape(F.linear(x, w["q"]), (1, m, 4, 12))
+    b.output("q", F.permute(q, (0, 2, 1, 3)))
+    b.output("mlp", silu(F.linear(x, w["g"])) * F.linear(x, w["u"]))
+    b.output("s", F.linear(x, w["a"]) + F.linear(x, w["b"]))
+    b.output("r", F.sum(F.linear(x, w["r"]), -1))
+    return b.build()
+
+
+def _params(graph) -> dict[str, np.ndarray]:
+    return {
+        n.name: (RNG.standard_normal(n.type.shape) * 0.2).astype(np.float32)
+        for n in graph.nodes
+        if n.op == "parameter"
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["strict", "fast"])
+def test_readers_sum_the_partials_bit_identically(gpu_device, split_plan, precision):
+    """Fast mode stores the products as f16: the readers round their sums to f16 likewise."""
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    limits = device_limits(gpu_device)
+    if precision == "fast" and not limits.shader_f16:
+        pytest.skip("the adapter has no shader-f16")
+    graph = _forward_graph()
+    params = _params(graph)
+    x = RNG.standard_normal((1, 40, 96)).astype(np.float32)
+    on, off = _both(graph, CompileOptions(precision=precision), limits)
+    if precision == "fast":
+        assert any("f16(s)" in d.wgsl for d in on.dispatches)
+    # q, u and one of a / b lose their summing dispatch; r (read by a reduction) keeps it
+    assert len(off.dispatches) - len(on.dispatches) == 3
+    assert len(_sums(on)) == 1 and len(_sums(off)) == 4
+    got = []
+    for program in (on, off):
+        with Session(program, gpu_device) as s:
+            s.load_state_dict(params)
+            got.append(s.run({"x": x}, ["q", "mlp", "s", "r"]))
+    for name in ("q", "mlp", "s", "r"):
+        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+    p = {k: v.astype(np.float64) for k, v in params.items()}
+    x64 = x.astype(np.float64)
+
+    def lin(n):
+        return x64 @ p[f"w{n}"].T
+
+    gate = lin("g")
+    want = {
+        "q": lin("q").reshape(1, 40, 4, 12).transpose(0, 2, 1, 3),
+        "mlp": gate / (1 + np.exp(-gate)) * lin("u"),
+        "s": lin("a") + lin("b"),
+        "r": lin("r").sum(-1),
+    }
+    tol = 1e-4 if precision == "strict" else 1e-2
+    for name, ref in want.items():
+        np.testing.assert_allclose(got[0][name], ref, rtol=tol, atol=tol, err_msg=name)
+
+
+def _mlp_loss_graph(m: int = 24, k: int = 80, n: int = 112):
+    """A residual SwiGLU block (x + down(silu(gate(x)) * up(x))), squared-sum loss."""
+    b = GraphBuilder()
+    x = b.input("x", (1, m, k))
+    gate = F.linear(x, b.parameter("gate.weight", (n, k)))
+    up = F.linear(x, b.parameter("up.weight", (n, k)))
+    y = x + F.linear(silu(gate) * up, b.parameter("down.weight", (k, n)))
+    b.output("loss", F.sum(y * y))
+    return b.build()
+
+
+@pytest.mark.gpu
+def test_training_gradients_exact_and_match_torch_float64(gpu_device, split_plan):
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    graph = _mlp_loss_graph()
+    params = _params(graph)
+    x = RNG.standard_normal((1, 24, 80)).astype(np.float32)
+    opt = SGD(lr=0.0)
+    options = CompileOptions(loss="loss", optimizer=opt, output_grads=True)
+    on, off = _both(graph, options, device_limits(gpu_device))
+    assert len(on.dispatches) < len(off.dispatches)
+    names = [f"{n}.grad" for n in params] + ["loss"]
+    got = []
+    for program in (on, off):
+        with Session(program, gpu_device) as s:
+            s.load_state_dict(params)
+            got.append(s.run({"x": x, HYPER_INPUT: opt.hyper(0, opt.lr)}, names))
+    for name in names:
+        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
+    xt = torch.tensor(x, dtype=torch.float64)
+    gu = torch.nn.functional.silu(xt @ t["gate.weight"].T) * (xt @ t["up.weight"].T)
+    y = xt + gu @ t["down.weight"].T
+    loss = (y * y).sum()
+    loss.backward()
+    np.testing.assert_allclose(got[0]["loss"], loss.item(), rtol=1e-5)
+    for name, p in t.items():
+        want = p.grad.numpy()
+        scale = float(np.max(np.abs(want)))
+        np.testing.assert_allclose(
+            got[0][f"{name}.grad"], want, rtol=0, atol=1e-5 * scale, err_msg=name
+        )
+
+
+def test_products_read_otherwise_keep_their_summing_dispatch(split_plan):
+    """Read as a matmul operand, as a graph output or by a reduction: the product is stored."""
+    b = GraphBuilder()
+    x = b.input("x", (1, 40, 96))
+    h = F.linear(x, b.parameter("w1", (64, 96)))
+    b.output("y", F.linear(h, b.parameter("w2", (32, 64))))
+    b.output("h", F.linear(x, b.parameter("w3", (48, 96))))
+    b.output("r", F.sum(F.linear(x, b.parameter("w4", (48, 96))), -1))
+    on, off = _both(b.build(), CompileOptions(), H200)
+    assert len(_sums(on)) == len(_sums(off)) == 4
+    assert [d.name for d in on.dispatches] == [d.name for d in off.dispatches]
+
+
+def _smollm2_programs():
+    """SmolLM2-135M's layer widths (2 layers, a 512-token vocabulary): prefill of 128 tokens
+    and a training step, compiled for the H200 with deferral on and off."""
+    import meganeura as mn
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
+    from meganeura.nn import Parameter
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, vocab_size=512))
+    ids = (np.arange(128, dtype=np.int32) % 512)[None]
+    model.setup_cache(1, 256)
+    kwargs = {"cache_position": np.asarray(0, np.int32), "logits_to_keep": 1, "greedy": True}
+    prefill = trace_call(model, model.forward, (ids,), kwargs).graph
+    model.clear_cache()
+    traced = trace_call(model, lambda i, y: lm_loss(model, i, y), (ids, (ids + 1) % 512), {},
+                        "loss")  # fmt: skip
+    trainable = tuple(n for n, o in traced.trace.objects.items() if isinstance(o, Parameter))
+    train_opts = CompileOptions(loss="loss", optimizer=mn.optim.AdamW(lr=1e-5),
+                                trainable=trainable, nonfinite_guard="raise")  # fmt: skip
+    return _both(prefill, CompileOptions(), H200), _both(traced.graph, train_opts, H200)
+
+
+def test_smollm2_dispatch_counts_on_h200_limits():
+    """Per layer: q, k, v (read by permutes) and up (read by the gate's epilogue) in the
+    forward; in the backward the gradients of up's input and of the q/k/v inputs (read by an
+    epilogue's add) and those read by permutes."""
+    (pre_on, pre_off), (tr_on, tr_off) = _smollm2_programs()
+    assert len(_sums(pre_off)) == 8 and _sums(pre_on) == []
+    assert len(pre_off.dispatches) - len(pre_on.dispatches) == 8
+    removed = len(tr_off.dispatches) - len(tr_on.dispatches)
+    assert removed == len(_sums(tr_off)) - len(_sums(tr_on)) == 14
