@@ -26,6 +26,7 @@ from ..codegen.wgsl import lower, reads
 from ..codegen.wgsl.attention.lowering import key_value_fusible, rope_attention_fusible
 from ..codegen.wgsl.attention.rope_attention import lower_rope_attention
 from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
+from ..codegen.wgsl.conv.lowering import lower_conv2d_backward_input
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE, lower_permute
 from ..codegen.wgsl.matmul.deferred import SplitPartials, plan_deferred_sums
@@ -190,8 +191,10 @@ def _lower_all(
             if ugroup is not None:
                 is_sink = node.id == ugroup.sink
                 kernels = [lower_update_group(graph, ugroup, limits)] if is_sink else []
-            elif node.id in deferred:
+            elif node.id in deferred and node.op == "matmul":
                 kernels = lower_matmul(graph, node.id, limits, defer_sum=True)
+            elif node.id in deferred:
+                kernels = lower_conv2d_backward_input(graph, node.id, limits, defer_sum=True)
             elif group is None and node.op == "permute":
                 kernels = lower_permute(graph, node.id, limits, deferred)
             elif group is None:

@@ -11,6 +11,10 @@ element i through ``SplitPartials.helper``: the summing dispatch's loop (same f3
 same order, from 0.0; narrowed to f16 and back where the product is stored as f16), so values
 are bit-identical to the two-dispatch program.
 
+The same holds for the input gradient of a stride-1 convolution (``conv.gemm``: one implicit
+GEMM whose partials are in GEMM order, ``SplitPartials.index`` maps an output element there, and
+whose summing kernel adds two accumulators per lane, ``SplitPartials.lanes``).
+
 Readers that can (``plan_deferred_sums``): kernels that read operands only through ``Src.at``:
 members of an elementwise fusion group (``elementwise.fused``, scalar path), the epilogue of a
 matmul-anchored group (run in its store stage or its own summing dispatch), and ``permute``.
@@ -34,10 +38,13 @@ from ....dtypes import DType
 from ....graph.ir import VIEW_OPS, Graph, resolve_view
 from ....passes.fuse import FusionGroup
 from ...kernel import Limits
+from ..conv.gemm import LANES_FROM_SPLITS
+from ..conv.lowering import backward_input_partials
 from ..core.literals import u
 from .lowering import split_layout
 
 KEY = "splitk"  # the scratch key of the partials (``lowering.lower_matmul``)
+SPLIT_OPS = ("matmul", "conv2d_backward_input")
 ENABLED = [True]  # bench A/B switch (``set_enabled``); never changed by the compiler
 
 
@@ -49,14 +56,23 @@ def set_enabled(on: bool) -> None:
 
 @dataclass(frozen=True)
 class SplitPartials:
-    """The partial products of split-K matmul ``node``: ``splits`` x ``total`` f32, partial t
-    of flat element i at ``t * total + i``."""
+    """The partial products of split-K node ``node``: ``splits`` x ``total`` f32 in scratch
+    ``key``, partial t of element e at ``t * total + e``.
+
+    Attributes:
+        index: WGSL expression of e for the product's flat element ``i`` (``"i"``: the same
+            order; a convolution's GEMM order differs from its output's).
+        lanes: 0: summed in split order from 0.0 (``matmul.lowering._sum_splits``); n >= 1:
+            as ``conv.gemm._sum_splits`` with n lanes: lane l sums chunks l, l + 2n, ... and
+            l + n, l + 3n, ... into two accumulators, then the lanes' totals add in order.
+    """
 
     node: int
     splits: int
     total: int
-
-    key = KEY
+    key: str = KEY
+    index: str = "i"
+    lanes: int = 0
 
     @property
     def count(self) -> int:
@@ -65,20 +81,45 @@ class SplitPartials:
     def helper(self, fn: str, var: str, dtype: DType) -> str:
         """WGSL function ``fn(i) -> f32``: element i of the product from binding ``var``, as
         the summing dispatch computes it (and stores it, as f16 for an f16 product)."""
-        ret = "f32(f16(s))" if dtype is DType.f16 else "s"
-        return (
-            f"fn {fn}(i: u32) -> f32 {{\n"
-            "  var s = 0.0;\n"
-            f"  for (var t = 0u; t < {u(self.splits)}; t = t + 1u) {{\n"
-            f"    s += {var}[t * {u(self.total)} + i];\n"
-            "  }\n"
-            f"  return {ret};\n"
-            "}\n"
-        )
+        ret = "f32(f16(v))" if dtype is DType.f16 else "v"
+        total = u(self.total)
+        lines = [f"fn {fn}(i: u32) -> f32 {{", f"  let e = {self.index};"]
+        if self.lanes == 0:
+            lines += [
+                "  var s = 0.0;",
+                f"  for (var t = 0u; t < {u(self.splits)}; t = t + 1u) {{",
+                f"    s += {var}[t * {total} + e];",
+                "  }",
+                "  let v = s;",
+            ]
+        else:
+            n, splits = self.lanes, u(self.splits)
+            for lane in range(n):
+                lines += [
+                    f"  var s0_{lane} = 0.0;",
+                    f"  var s1_{lane} = 0.0;",
+                    f"  for (var t = {u(lane)}; t < {splits}; t = t + {u(2 * n)}) {{",
+                    f"    s0_{lane} += {var}[t * {total} + e];",
+                    f"    let t1 = t + {u(n)};",
+                    f"    if (t1 < {splits}) {{ s1_{lane} += {var}[t1 * {total} + e]; }}",
+                    "  }",
+                ]
+            terms = [f"(s0_{lane} + s1_{lane})" for lane in range(n)]
+            lines.append(f"  let v = {' + '.join(terms)};")
+        lines += [f"  return {ret};", "}", ""]
+        return "\n".join(lines)
 
 
 def split_partials(graph: Graph, node_id: int, limits: Limits) -> SplitPartials | None:
-    """The partials of matmul ``node_id`` when ``lower_matmul`` splits its K, else None."""
+    """The partials of ``node_id`` (a matmul, or a stride-1 ``conv2d_backward_input``) when its
+    lowering splits K, else None."""
+    if graph[node_id].op == "conv2d_backward_input":
+        found = backward_input_partials(graph, node_id, limits)
+        if found is None:
+            return None
+        key, splits, total, index = found
+        lanes = 4 if splits > LANES_FROM_SPLITS else 1
+        return SplitPartials(node_id, splits, total, key, index, lanes)
     layout = split_layout(graph, node_id, limits)
     if layout is None:
         return None
@@ -112,7 +153,7 @@ def plan_deferred_sums(
     out: dict[int, SplitPartials] = {}
     for node in graph.nodes:
         nid = node.id
-        if node.op != "matmul" or not needed[nid] or nid in group_of or nid in outputs:
+        if node.op not in SPLIT_OPS or not needed[nid] or nid in group_of or nid in outputs:
             continue
         part = split_partials(graph, nid, limits)
         if part is None:
