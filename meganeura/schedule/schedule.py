@@ -32,6 +32,7 @@ from ..codegen.wgsl.elementwise.maps import FUSIBLE, lower_permute
 from ..codegen.wgsl.matmul.deferred import SplitPartials, plan_deferred_sums
 from ..codegen.wgsl.matmul.horizontal import NORM_MAX_K, gemv_key, group_fits, lower_matmul_group
 from ..codegen.wgsl.matmul.lowering import lower_matmul
+from ..codegen.wgsl.matmul.split_group import SplitGroup, lower_split_group, plan_split_groups
 from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
@@ -124,11 +125,12 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         groups = tuple(sorted(fused + kv + rope, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     deferred = plan_deferred_sums(graph, needed, groups, limits) if fuse else {}
-    dispatches = _lower_all(graph, needed, limits, groups, updates, deferred)
+    split_groups = plan_split_groups(graph, deferred, limits)
+    dispatches = _lower_all(graph, needed, limits, groups, updates, deferred, split_groups)
     clash = _arena_clashes(graph, dispatches, updates)
     if clash:  # rare: a kernel writes one member's gradient and reads another's
         updates = plan_update_groups(graph, needed, limits, exclude=clash)
-        dispatches = _lower_all(graph, needed, limits, groups, updates, deferred)
+        dispatches = _lower_all(graph, needed, limits, groups, updates, deferred, split_groups)
     pinned.update(arena_value(graph, m, "grad") for g in updates for m in g.members)
 
     first: dict = {}
@@ -180,8 +182,10 @@ def _lower_all(
     groups: tuple[FusionGroup | MatmulGroup, ...],
     updates: tuple[UpdateGroup, ...],
     deferred: dict[int, SplitPartials],
+    split_groups: tuple[SplitGroup, ...] = (),
 ) -> list[tuple[int, KernelSource]]:
     group_of = {m: g for g in groups for m in g.members}
+    split_of = {a: g for g in split_groups for a in g.anchors}
     update_of = {m: g for g in updates for m in g.members}
     dispatches: list[tuple[int, KernelSource]] = []
     for node in graph.nodes:
@@ -191,6 +195,9 @@ def _lower_all(
             if ugroup is not None:
                 is_sink = node.id == ugroup.sink
                 kernels = [lower_update_group(graph, ugroup, limits)] if is_sink else []
+            elif node.id in split_of:  # at the first product's position (split_group.py)
+                sg = split_of[node.id]
+                kernels = lower_split_group(graph, sg, limits) if node.id == sg.first else []
             elif node.id in deferred and node.op == "matmul":
                 kernels = lower_matmul(graph, node.id, limits, defer_sum=True)
             elif node.id in deferred:

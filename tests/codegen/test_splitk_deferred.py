@@ -91,8 +91,9 @@ def test_readers_sum_the_partials_bit_identically(gpu_device, split_plan, precis
     on, off = _both(graph, CompileOptions(precision=precision), limits)
     if precision == "fast":
         assert any("f32(f16(v))" in d.wgsl for d in on.dispatches)
-    # q, u and one of a / b lose their summing dispatch; r (read by a reduction) keeps it
-    assert len(off.dispatches) - len(on.dispatches) == 3
+    # q, u and one of a / b lose their summing dispatch (r, read by a reduction, keeps it),
+    # and the three run as one dispatch (``split_group``)
+    assert len(off.dispatches) - len(on.dispatches) == 3 + 2
     assert len(_sums(on)) == 1 and len(_sums(off)) == 4
     got = []
     for program in (on, off):
@@ -201,15 +202,33 @@ def _smollm2_programs():
     return _both(prefill, CompileOptions(), H200), _both(traced.graph, train_opts, H200)
 
 
+def _merged(program) -> list:
+    return [d for d in program.dispatches if d.name.split()[0].count("+") == 2 and
+            "matmul" in d.name and "splitk" not in d.name and "part2" in d.wgsl]  # fmt: skip
+
+
 def test_smollm2_dispatch_counts_on_h200_limits():
     """Per layer: q, k, v (read by permutes) and up (read by the gate's epilogue) in the
-    forward; in the backward the gradients of up's input and of the q/k/v inputs (read by an
-    epilogue's add) and those read by permutes."""
+    forward lose their summing dispatches, and q, k and v run as one dispatch; in the
+    backward the gradients of up's input and of the q/k/v inputs (read by an epilogue's add)
+    and those read by permutes lose theirs."""
     (pre_on, pre_off), (tr_on, tr_off) = _smollm2_programs()
     assert len(_sums(pre_off)) == 8 and _sums(pre_on) == []
-    assert len(pre_off.dispatches) - len(pre_on.dispatches) == 8
+    assert len(_merged(pre_on)) == 2 and _merged(pre_off) == []
+    assert len(pre_off.dispatches) - len(pre_on.dispatches) == 8 + 2 * 2
     removed = len(tr_off.dispatches) - len(tr_on.dispatches)
-    assert removed == len(_sums(tr_off)) - len(_sums(tr_on)) == 14
+    assert len(_sums(tr_off)) - len(_sums(tr_on)) == 14
+    assert removed == 14 + 2 * 2
+
+
+@pytest.mark.gpu
+def test_smollm2_merged_qkv_kernel_validates(gpu_device):
+    """The H200's q/k/v kernel (three tiled branches, 576 + 192 + 192 columns, 8 splits each)
+    is valid WGSL for naga (shader module only: its workgroup memory exceeds lavapipe's)."""
+    (pre_on, _), _ = _smollm2_programs()
+    (first, _) = _merged(pre_on)
+    assert first.wgsl.count("workgroupBarrier") > 3 and first.grid[0] == 144 + 48 + 48
+    gpu_device.gpu.create_shader_module(code=first.wgsl)
 
 
 def _conv_loss_graph(oc2: int):
@@ -265,3 +284,49 @@ def test_conv_input_gradient_sums_exact_and_match_torch_float64(gpu_device, oc2)
         np.testing.assert_allclose(
             got[0][f"{name}.grad"], want, rtol=0, atol=1e-5 * scale, err_msg=name
         )
+
+
+def _qkv_graph(m: int = 40, k: int = 96, computed_b: bool = False):
+    """x @ Wq.T, x @ Wk.T, x @ Wv.T (48, 32, 32 columns), each read through a reshape by a
+    permute; with ``computed_b``, Wv is computed (2 * Wv0) between q's and k's matmuls."""
+    b = GraphBuilder()
+    x = b.input("x", (1, m, k))
+    for name, n in (("q", 48), ("k", 32), ("v", 32)):
+        w = b.parameter(f"w{name}", (n, k))
+        if computed_b and name == "v":
+            w = w * 2.0
+        y = F.reshape(F.linear(x, w), (1, m, n // 8, 8))
+        b.output(name, F.permute(y, (0, 2, 1, 3)))
+    return b.build()
+
+
+@pytest.mark.gpu
+def test_products_sharing_x_run_as_one_dispatch_bit_identically(gpu_device, split_plan):
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    graph = _qkv_graph()
+    params = _params(graph)
+    x = RNG.standard_normal((1, 40, 96)).astype(np.float32)
+    on, off = _both(graph, CompileOptions(), device_limits(gpu_device))
+    names = [d.name for d in on.dispatches]
+    assert names[0].endswith(" matmul") and names[0].count("+") == 2
+    assert len(on.dispatches) == 4 and len(off.dispatches) == 9  # 1 + 3 permutes; 3 x 3
+    got = []
+    for program in (on, off):
+        with Session(program, gpu_device) as s:
+            s.load_state_dict(params)
+            got.append(s.run({"x": x}, ["q", "k", "v"]))
+    for name, n in (("q", 48), ("k", 32), ("v", 32)):
+        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+        ref = x.astype(np.float64) @ params[f"w{name}"].T.astype(np.float64)
+        ref = ref.reshape(1, 40, n // 8, 8).transpose(0, 2, 1, 3)
+        np.testing.assert_allclose(got[0][name], ref, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_a_right_operand_computed_after_the_first_product_keeps_it_apart(split_plan):
+    graph = _qkv_graph(computed_b=True)
+    on, _ = _both(graph, CompileOptions(), H200)
+    merged = [d.name for d in on.dispatches if d.name.split()[0].count("+") == 1]
+    assert len(merged) == 1  # q and k; v's weight is computed after q's matmul
+    assert not any(d.name.endswith("sum_splits") for d in on.dispatches)

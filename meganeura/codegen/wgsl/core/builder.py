@@ -197,16 +197,23 @@ class KernelBuilder:
         return self._bind_value(vid, name, write=True)
 
     def scratch(
-        self, key: str, count: int, dtype: DType, name: str, owner: int | None = None
+        self,
+        key: str,
+        count: int,
+        dtype: DType,
+        name: str,
+        owner: int | None = None,
+        write: bool | None = None,
     ) -> str:
         """Bind node-private scratch storage of ``count`` elements of ``dtype`` (``owner``:
-        another node's scratch, read-only).
+        another node's scratch, read-only unless ``write``).
 
         Scratch holds partial sums and statistics, so it is kept in the compute type: an f16
         ``dtype`` (a node stored as f16) gets f32 scratch."""
         dtype = compute_dtype(dtype)
         nbytes = max(count, 1) * dtype.itemsize
-        self._refs.append(ScratchRef(key, nbytes, dtype, write=owner is None, owner=owner))
+        write = owner is None if write is None else write
+        self._refs.append(ScratchRef(key, nbytes, dtype, write=write, owner=owner))
         return self._declare(name, dtype)
 
     def arena(self, key: tuple, dtype: DType, name: str, write: bool) -> str:
