@@ -125,7 +125,7 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         groups = tuple(sorted(fused + kv + rope, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     deferred = plan_deferred_sums(graph, needed, groups, limits) if fuse else {}
-    split_groups = plan_split_groups(graph, deferred, limits)
+    split_groups = plan_split_groups(graph, deferred, limits, groups) if fuse else ()
     dispatches = _lower_all(graph, needed, limits, groups, updates, deferred, split_groups)
     clash = _arena_clashes(graph, dispatches, updates)
     if clash:  # rare: a kernel writes one member's gradient and reads another's
@@ -216,7 +216,8 @@ def _lower_all(
                 else:
                     kernels = lower_rope_cache(graph, group, limits)
             else:
-                kernels = lower_group(graph, group, limits, deferred)
+                sum_only = group.anchor in split_of  # its partials come from a split group
+                kernels = lower_group(graph, group, limits, deferred, sum_only)
             dispatches.extend((node.id, ks) for ks in kernels)
     return dispatches
 

@@ -91,9 +91,9 @@ def test_readers_sum_the_partials_bit_identically(gpu_device, split_plan, precis
     on, off = _both(graph, CompileOptions(precision=precision), limits)
     if precision == "fast":
         assert any("f32(f16(v))" in d.wgsl for d in on.dispatches)
-    # q, u and one of a / b lose their summing dispatch (r, read by a reduction, keeps it),
-    # and the three run as one dispatch (``split_group``)
-    assert len(off.dispatches) - len(on.dispatches) == 3 + 2
+    # q, u and b lose their summing dispatch (r, read by a reduction, keeps it), and the first
+    # dispatches of q, g, u, a and b become one (``split_group``)
+    assert len(off.dispatches) - len(on.dispatches) == 3 + 4
     assert len(_sums(on)) == 1 and len(_sums(off)) == 4
     got = []
     for program in (on, off):
@@ -209,16 +209,16 @@ def _merged(program) -> list:
 
 def test_smollm2_dispatch_counts_on_h200_limits():
     """Per layer: q, k, v (read by permutes) and up (read by the gate's epilogue) in the
-    forward lose their summing dispatches, and q, k and v run as one dispatch; in the
-    backward the gradients of up's input and of the q/k/v inputs (read by an epilogue's add)
-    and those read by permutes lose theirs."""
+    forward lose their summing dispatches, q, k and v run as one dispatch and so do gate and
+    up; in the backward the gradients of up's input and of the q/k/v inputs (read by an
+    epilogue's add) and those read by permutes lose theirs."""
     (pre_on, pre_off), (tr_on, tr_off) = _smollm2_programs()
     assert len(_sums(pre_off)) == 8 and _sums(pre_on) == []
     assert len(_merged(pre_on)) == 2 and _merged(pre_off) == []
-    assert len(pre_off.dispatches) - len(pre_on.dispatches) == 8 + 2 * 2
+    assert len(pre_off.dispatches) - len(pre_on.dispatches) == 8 + 2 * (2 + 1)
     removed = len(tr_off.dispatches) - len(tr_on.dispatches)
     assert len(_sums(tr_off)) - len(_sums(tr_on)) == 14
-    assert removed == 14 + 2 * 2
+    assert removed == 14 + 2 * (2 + 1)
 
 
 @pytest.mark.gpu

@@ -169,10 +169,15 @@ class _MatmulEpilogue:
 
 
 def lower_group(
-    graph: Graph, group: FusionGroup, limits: Limits, deferred: Mapping | None = None
+    graph: Graph,
+    group: FusionGroup,
+    limits: Limits,
+    deferred: Mapping | None = None,
+    sum_only: bool = False,
 ) -> list[KernelSource]:
     """The one dispatch computing every member of ``group`` and storing its outputs
-    (``deferred``: split-K products read as sums of their partials, ``matmul.deferred``).
+    (``deferred``: split-K products read as sums of their partials, ``matmul.deferred``;
+    ``sum_only``: a split-K anchor's summing dispatch alone, ``matmul.split_group``).
 
     Raises:
         ValueError: as ``lower`` would for the members one by one: for the first value (in
@@ -190,7 +195,7 @@ def lower_group(
     body = GroupBody(graph, group)
     if group.anchor is not None:
         epilogue = _MatmulEpilogue(body)
-        kernels = lower_matmul(graph, group.anchor, limits, epilogue, deferred)
+        kernels = lower_matmul(graph, group.anchor, limits, epilogue, deferred, sum_only=sum_only)
         return [replace(ks, name=body.name) for ks in kernels]
     kb = KernelBuilder(graph, graph[group.sink], limits, deferred)
     body.bind(kb)

@@ -49,8 +49,9 @@ ENABLED = [True]  # bench A/B switch (``set_enabled``); never changed by the com
 
 
 def set_enabled(on: bool) -> None:
-    """Turn deferred split-K sums on or off for programs compiled from now on (benchmarks and
-    tests compare against the two-dispatch program)."""
+    """Turn deferred split-K sums, and the grouping of split-K products (``split_group``), on
+    or off for programs compiled from now on (benchmarks and tests compare against the
+    two-dispatch programs)."""
     ENABLED[:] = [bool(on)]
 
 

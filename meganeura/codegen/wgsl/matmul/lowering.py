@@ -55,6 +55,7 @@ def lower_matmul(
     epilogue: Epilogue | None = None,
     deferred: Mapping | None = None,
     defer_sum: bool = False,
+    sum_only: bool = False,
 ) -> list[KernelSource]:
     """Batched, broadcast matmul: one dispatch, or two with split-K.
 
@@ -65,6 +66,8 @@ def lower_matmul(
             (``KernelBuilder``'s ``deferred``).
         defer_sum: split-K only, no epilogue: emit the first dispatch alone; the product's
             readers sum its partials (``deferred``).
+        sum_only: split-K only: emit the summing dispatch alone (``split_group`` computes
+            the partials with other products).
 
     Raises:
         ValueError: when a forced plan cannot run this shape (gemv for M > 8, a tile over
@@ -111,8 +114,11 @@ def lower_matmul(
     else:
         main = kb.finish("", body, WG, groups, helpers, flops=flops, nbytes=nbytes)
     if splits == 1 or defer_sum:
+        if sum_only:
+            raise ValueError(f"%{node_id}: no summing dispatch to emit alone")
         return [main]
-    return [main, _sum_splits(graph, node_id, limits, splits, total, p.n, epilogue, deferred)]
+    summed = _sum_splits(graph, node_id, limits, splits, total, p.n, epilogue, deferred)
+    return [summed] if sum_only else [main, summed]
 
 
 def _output_store(kb: KernelBuilder, node_id: int, epilogue: Epilogue | None) -> Store:

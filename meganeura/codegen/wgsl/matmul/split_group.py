@@ -1,12 +1,14 @@
-"""Several split-K products sharing their left operand in one dispatch (q, k and v of a
-prefill), their sums deferred to their readers (``deferred``).
+"""The partials of several split-K products sharing their left operand in one dispatch (q, k
+and v of a prefill; gate and up).
 
-``plan_split_groups`` picks, among the deferred products (plain matmuls: no epilogue, every
-reader sums the partials), those that read one left operand through the same strides, M and K
-with the tiled kernel and no batch, and whose right operands are leaves or computed before the
-first of them; no op with in-place effects may lie between the first and the last. The group
-runs at its first product's position (every operand is ready there; every reader of a product
-comes after that product), as one dispatch: product j owns a contiguous range of workgroups,
+``plan_split_groups`` picks, among the products whose sums are deferred to their readers
+(``deferred``) and the split anchors of matmul-anchored fusion groups (whose summing dispatch
+runs the epilogue and stays at the group's sink), those that read one left operand through the
+same strides, M and K with the tiled kernel and no batch, and whose right operands are leaves
+or computed before the first of them; no op with in-place effects may lie between the first and
+the last. The dispatch runs at the first product's position (every operand is ready there;
+every reader of a partial set, a deferred product's reader or a group's summing dispatch,
+comes after its product): product j owns a contiguous range of workgroups,
 and a workgroup branches on its id (uniform control flow, so the barriers inside stay valid,
 as in ``horizontal.py``) into product j's copy of ``tiled.emit_tiled``, which writes product
 j's partials into its own scratch (owned by that matmul, so its readers find it). Per product
@@ -17,16 +19,18 @@ is declared at the largest tiling's size.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ....dtypes import DType
 from ....graph.ir import LEAF_OPS, Graph, resolve_view
 from ....ops import OPS
+from ....passes.fuse import FusionGroup
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, indent
 from ..core.literals import u
-from .lowering import _splits
+from .deferred import ENABLED
+from .lowering import _splits, split_layout
 from .plan import WG, choose_plan
 from .problem import fold_transpose, problem_of
 from .tiled import emit_tiled
@@ -34,13 +38,17 @@ from .tiled import emit_tiled
 
 @dataclass(frozen=True)
 class SplitGroup:
-    """Deferred split-K matmuls run as one dispatch at the first one's position.
+    """Split-K matmuls whose partials one dispatch computes, at the first one's position.
 
     Attributes:
         anchors: the matmuls, in program order (two or more).
+        owners: per matmul, the node owning its partials: the matmul itself when its sum is
+            deferred to its readers, else the sink of its fusion group, whose summing
+            dispatch (with the epilogue) stays at the sink (``lower_group(sum_only=True)``).
     """
 
     anchors: tuple[int, ...]
+    owners: tuple[int, ...]
 
     @property
     def first(self) -> int:
@@ -55,16 +63,27 @@ def _key(graph: Graph, nid: int, limits: Limits) -> tuple | None:
     return (resolve_view(graph, p.a.value), p.a.rows, p.a.cols, p.m, p.k)
 
 
-def plan_split_groups(graph: Graph, deferred: Mapping, limits: Limits) -> tuple[SplitGroup, ...]:
-    """Groups of the deferred products (``deferred.plan_deferred_sums``) that one dispatch can
-    compute (module docstring), greedily in program order; at most as many products as keep
+def plan_split_groups(
+    graph: Graph, deferred: Mapping, limits: Limits, groups: Sequence = ()
+) -> tuple[SplitGroup, ...]:
+    """Groups of split-K products that one dispatch can compute (module docstring), greedily
+    in program order: the deferred products (``deferred.plan_deferred_sums``) and the split
+    anchors of matmul-anchored fusion groups (``groups``); at most as many products as keep
     the kernel within ``limits.max_storage_buffers_per_shader_stage`` (A, then each product's
     B and partials)."""
+    if not ENABLED[0]:
+        return ()
     most = (limits.max_storage_buffers_per_shader_stage - 1) // 2
     effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
+    owner = {k: k for k in deferred if graph[k].op == "matmul"}
+    for g in groups:
+        a = getattr(g, "anchor", None)
+        if isinstance(g, FusionGroup) and a is not None and graph[a].op == "matmul":
+            if split_layout(graph, a, limits) is not None:
+                owner[a] = g.sink
     open_runs: dict[tuple, list[int]] = {}
     runs: list[list[int]] = []
-    for nid in sorted(k for k in deferred if graph[k].op == "matmul"):
+    for nid in sorted(owner):
         key = _key(graph, nid, limits)
         if key is None:
             continue
@@ -81,7 +100,7 @@ def plan_split_groups(graph: Graph, deferred: Mapping, limits: Limits) -> tuple[
         else:
             open_runs[key] = [nid]
             runs.append(open_runs[key])
-    return tuple(SplitGroup(tuple(r)) for r in runs if len(r) > 1)
+    return tuple(SplitGroup(tuple(r), tuple(owner[a] for a in r)) for r in runs if len(r) > 1)
 
 
 _SHARED = re.compile(r"var<workgroup> (\w+): array<vec4<f32>, (\d+)>;")
@@ -97,12 +116,12 @@ def lower_split_group(graph: Graph, group: SplitGroup, limits: Limits) -> list[K
     lines: list[str] = []
     shared: dict[str, int] = {}
     start = flops = nbytes = 0
-    for j, nid in enumerate(group.anchors):
+    for j, (nid, owner) in enumerate(zip(group.anchors, group.owners, strict=True)):
         p = problem_of(graph, nid)
         plan = choose_plan(p.m, p.k, p.n, p.nb, p.layout, limits)
         splits, chunk = _splits(plan.splits, p, plan.tiling.bk, limits)
         total = p.nb * p.m * p.n
-        part = kb.scratch("splitk", splits * total, DType.f32, f"part{j}", owner=nid, write=True)
+        part = kb.scratch("splitk", splits * total, DType.f32, f"part{j}", owner=owner, write=True)
 
         def store(value: str, flat: str, col: str, part=part, total=total) -> str:
             return kb.store(part, f"split * {u(total)} + {flat}", value)
