@@ -330,3 +330,19 @@ def test_a_right_operand_computed_after_the_first_product_keeps_it_apart(split_p
     merged = [d.name for d in on.dispatches if d.name.split()[0].count("+") == 1]
     assert len(merged) == 1  # q and k; v's weight is computed after q's matmul
     assert not any(d.name.endswith("sum_splits") for d in on.dispatches)
+
+
+def test_a_large_product_read_by_three_kernels_keeps_its_sum(split_plan):
+    """Three permutes reading a 2^21-element product split 4 ways would read 32 MiB more than
+    the summing dispatch and their own reads (``deferred.extra_bytes``, over
+    ``MAX_EXTRA_BYTES``); a small product is deferred."""
+    for rows, kept in ((1024, True), (64, False)):
+        b = GraphBuilder()
+        y = F.linear(b.input("x", (2, rows, 64)), b.parameter("w", (1024, 64)))
+        for name, dims in (("a", (0, 2, 1)), ("b", (1, 0, 2)), ("c", (2, 1, 0))):
+            b.output(name, F.permute(y, dims))
+        on, _ = _both(b.build(), CompileOptions(), H200)
+        assert (len(_sums(on)) == 1) == kept, rows
+    part = deferred.SplitPartials(0, 4, 2 * 1024 * 1024)
+    assert deferred.extra_bytes(part, 1) < 0
+    assert deferred.extra_bytes(part, 3) == 4 * (3 * 4 - 4 - 1 - 3) * part.total == 32 << 20

@@ -46,6 +46,13 @@ from .lowering import split_layout
 KEY = "splitk"  # the scratch key of the partials (``lowering.lower_matmul``)
 SPLIT_OPS = ("matmul", "conv2d_backward_input")
 ENABLED = [True]  # bench A/B switch (``set_enabled``); never changed by the compiler
+# The cost model of deferral: it saves one dispatch (~7 us of GPU time on the H200,
+# bench/results/llm_profile_h200.txt) and costs the extra reads of a product summed by more
+# than one kernel (``extra_bytes``). Defer while those stay below what the H200 reads in
+# ~4 us (16 MiB at our copy kernel's 3.95 TB/s, bench/results/bandwidth_h200.json), a margin
+# under the dispatch they replace. Not measured on the GPU as a choice; SmolLM2-135M's
+# deferred products have one reading kernel each but up (two: its backward too, 2.4 MB).
+MAX_EXTRA_BYTES = 16 << 20
 
 
 def set_enabled(on: bool) -> None:
@@ -163,8 +170,20 @@ def plan_deferred_sums(
             continue
         readers = _readers(graph, users, nid)
         if readers and all(_sums(graph, r, needed, group_of.get(r)) for r in readers):
-            out[nid] = part
+            kernels = len({id(group_of[r]) if r in group_of else r for r in readers})
+            if extra_bytes(part, kernels) <= MAX_EXTRA_BYTES:
+                out[nid] = part
     return out
+
+
+def extra_bytes(part: SplitPartials, kernels: int) -> int:
+    """Bytes that ``kernels`` reading kernels summing the partials read beyond what the
+    summing dispatch and those kernels read and write without deferral: each reads ``splits``
+    values per element instead of one, and the summing dispatch (all partials read, the
+    product written) is gone. Negative for one reader."""
+    deferred = kernels * part.splits * part.total
+    summed = part.splits * part.total + part.total + kernels * part.total
+    return 4 * (deferred - summed)
 
 
 def _sums(graph: Graph, reader: int, needed: Sequence[bool], group) -> bool:
