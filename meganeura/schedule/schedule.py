@@ -12,7 +12,11 @@ embeddings and KV-cache writes, and in a decode step the attention reading them)
 lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
 ``attention.rope_cache``, ``attention.rope_attention``) at its last member's position,
 binding the group's external inputs and its stored outputs only, so lifetimes come from those
-bindings; the other members get no kernel and no storage. Optimizer updates are grouped
+bindings; the other members get no kernel and no storage. Split-K products whose readers all
+sum the partials themselves (``matmul.deferred``) get no summing dispatch and no storage, and
+split-K products sharing their left operand compute their partials in one dispatch at the first
+one's position (``matmul.split_group``); scratch bound by another node's kernel (``ScratchRef.
+owner``) lives until its last reader. Optimizer updates are grouped
 likewise (``update_groups``): one kernel per group at its last member's position, over arenas
 that the assembler lays out.
 """
