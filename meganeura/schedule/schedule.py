@@ -129,7 +129,7 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         groups = tuple(sorted(fused + kv + rope, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     deferred = plan_deferred_sums(graph, needed, groups, limits) if fuse else {}
-    split_groups = plan_split_groups(graph, deferred, limits, groups) if fuse else ()
+    split_groups = plan_split_groups(graph, deferred, limits, groups, needed) if fuse else ()
     dispatches = _lower_all(graph, needed, limits, groups, updates, deferred, split_groups)
     clash = _arena_clashes(graph, dispatches, updates)
     if clash:  # rare: a kernel writes one member's gradient and reads another's
@@ -202,6 +202,8 @@ def _lower_all(
             elif node.id in split_of:  # at the first product's position (split_group.py)
                 sg = split_of[node.id]
                 kernels = lower_split_group(graph, sg, limits) if node.id == sg.first else []
+                if node.id in sg.summed:  # its readers need the product stored
+                    kernels += lower_matmul(graph, node.id, limits, sum_only=True)
             elif node.id in deferred and node.op == "matmul":
                 kernels = lower_matmul(graph, node.id, limits, defer_sum=True)
             elif node.id in deferred:

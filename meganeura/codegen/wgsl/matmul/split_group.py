@@ -8,7 +8,8 @@ same strides, M and K with the tiled kernel and no batch, and whose right operan
 or computed before the first of them; no op with in-place effects may lie between the first and
 the last. The dispatch runs at the first product's position (every operand is ready there;
 every reader of a partial set, a deferred product's reader or a group's summing dispatch,
-comes after its product): product j owns a contiguous range of workgroups,
+comes after its product; a plain product whose readers do not sum the partials keeps its
+summing dispatch at its own position): product j owns a contiguous range of workgroups,
 and a workgroup branches on its id (uniform control flow, so the barriers inside stay valid,
 as in ``horizontal.py``) into product j's copy of ``tiled.emit_tiled``, which writes product
 j's partials into its own scratch (owned by that matmul, so its readers find it). Per product
@@ -49,6 +50,10 @@ class SplitGroup:
 
     anchors: tuple[int, ...]
     owners: tuple[int, ...]
+    summed: frozenset[int] = frozenset()
+
+    # ``summed``: plain products (no fusion group) whose readers do not sum the partials: each
+    # keeps its summing dispatch at its own position (``lower_matmul(sum_only=True)``).
 
     @property
     def first(self) -> int:
@@ -64,18 +69,31 @@ def _key(graph: Graph, nid: int, limits: Limits) -> tuple | None:
 
 
 def plan_split_groups(
-    graph: Graph, deferred: Mapping, limits: Limits, groups: Sequence = ()
+    graph: Graph,
+    deferred: Mapping,
+    limits: Limits,
+    groups: Sequence = (),
+    needed: Sequence[bool] | None = None,
 ) -> tuple[SplitGroup, ...]:
     """Groups of split-K products that one dispatch can compute (module docstring), greedily
-    in program order: the deferred products (``deferred.plan_deferred_sums``) and the split
-    anchors of matmul-anchored fusion groups (``groups``); at most as many products as keep
-    the kernel within ``limits.max_storage_buffers_per_shader_stage`` (A, then each product's
-    B and partials)."""
+    in program order: the deferred products (``deferred.plan_deferred_sums``), the split
+    anchors of matmul-anchored fusion groups (``groups``) and, given ``needed``, the other
+    split plain products (``SplitGroup.summed``); at most as many products as keep the kernel
+    within ``limits.max_storage_buffers_per_shader_stage`` (A, then each product's B and
+    partials)."""
     if not ENABLED[0]:
         return ()
     most = (limits.max_storage_buffers_per_shader_stage - 1) // 2
     effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
     owner = {k: k for k in deferred if graph[k].op == "matmul"}
+    grouped = {m for g in groups for m in g.members}
+    summed = set()
+    for node in graph.nodes if needed is not None else ():
+        nid = node.id
+        if node.op == "matmul" and needed[nid] and nid not in grouped and nid not in owner:
+            if split_layout(graph, nid, limits) is not None:
+                owner[nid] = nid
+                summed.add(nid)
     for g in groups:
         a = getattr(g, "anchor", None)
         if isinstance(g, FusionGroup) and a is not None and graph[a].op == "matmul":
@@ -100,7 +118,11 @@ def plan_split_groups(
         else:
             open_runs[key] = [nid]
             runs.append(open_runs[key])
-    return tuple(SplitGroup(tuple(r), tuple(owner[a] for a in r)) for r in runs if len(r) > 1)
+    return tuple(
+        SplitGroup(tuple(r), tuple(owner[a] for a in r), frozenset(summed.intersection(r)))
+        for r in runs
+        if len(r) > 1
+    )
 
 
 _SHARED = re.compile(r"var<workgroup> (\w+): array<vec4<f32>, (\d+)>;")
