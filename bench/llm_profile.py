@@ -5,7 +5,11 @@ Compiles the prefill program (128 tokens, cache filled, last token out) and the 
 count, the host-timed ``Session.run`` (median of 10 after 3 warm-ups, inputs fed), and the GPU
 time per kernel from timestamp queries grouped by op and the 25 longest dispatches.
 
+``--split-sums dispatch`` gives split-K products their own summing dispatch again (the
+programs before ``codegen.wgsl.matmul.deferred``), for an A/B on one commit.
+
 Usage: python bench/llm_profile.py [--parts prefill,train] [--quick] [--out FILE]
+                                   [--split-sums deferred|dispatch]
 """
 
 from __future__ import annotations
@@ -41,8 +45,12 @@ def main() -> None:
     ap.add_argument("--parts", default="prefill,train")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out")
+    ap.add_argument("--split-sums", choices=("deferred", "dispatch"), default="deferred")
     args = ap.parse_args()
     import meganeura as mn
+    from meganeura.codegen.wgsl.matmul import deferred
+
+    deferred.set_enabled(args.split_sums == "deferred")
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
     from meganeura.nn.compiled import CompiledModule
 
@@ -51,6 +59,7 @@ def main() -> None:
     model = LlamaForCausalLM(cfg)
     seq = 16 if args.quick else 128
     out = open(args.out, "w") if args.out else sys.stdout
+    out.write(f"split-K sums: {args.split_sums}\n")
     parts = args.parts.split(",")
     if "prefill" in parts:
         ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq), np.int32)

@@ -434,7 +434,7 @@ def _assemble(
                 spans.append((arena_of[bnd.key], 0, 0))
             else:
                 assert isinstance(bnd, ScratchRef)
-                spans.append((pool[plan.assignment[(nid, bnd.key)]], 0, 0))
+                spans.append((pool[plan.assignment[bnd.slot(nid)]], 0, 0))
         _check_disjoint(ks.name, spans, [bnd.write for bnd in ks.bindings], buffers)
         ids = tuple(b for b, _, _ in spans)
         offsets = tuple(o for _, o, _ in spans)

@@ -49,12 +49,21 @@ class ValueRef:
 @dataclass(frozen=True)
 class ScratchRef:
     """Binding of kernel-private scratch: ``key`` is unique within the node's kernels;
-    ``nbytes`` its size. Scratch lives from the first to the last kernel of the node."""
+    ``nbytes`` its size. Scratch lives from the first to the last kernel binding it.
+
+    ``owner`` is the node whose scratch it is when a kernel of another node binds it (a
+    consumer reading a split-K matmul's partial sums, ``matmul.deferred``); None: the node of
+    the kernel itself."""
 
     key: str
     nbytes: int
     dtype: DType = DType.f32
     write: bool = True
+    owner: int | None = None
+
+    def slot(self, node: int) -> tuple[int, str]:
+        """The scratch's identity, (owning node, key), when bound by a kernel of ``node``."""
+        return (node if self.owner is None else self.owner, self.key)
 
 
 @dataclass(frozen=True)

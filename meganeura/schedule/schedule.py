@@ -12,7 +12,11 @@ embeddings and KV-cache writes, and in a decode step the attention reading them)
 lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
 ``attention.rope_cache``, ``attention.rope_attention``) at its last member's position,
 binding the group's external inputs and its stored outputs only, so lifetimes come from those
-bindings; the other members get no kernel and no storage. Optimizer updates are grouped
+bindings; the other members get no kernel and no storage. Split-K products whose readers all
+sum the partials themselves (``matmul.deferred``) get no summing dispatch and no storage, and
+split-K products sharing their left operand compute their partials in one dispatch at the first
+one's position (``matmul.split_group``); scratch bound by another node's kernel (``ScratchRef.
+owner``) lives until its last reader. Optimizer updates are grouped
 likewise (``update_groups``): one kernel per group at its last member's position, over arenas
 that the assembler lays out.
 """
@@ -26,11 +30,15 @@ from ..codegen.wgsl import lower, reads
 from ..codegen.wgsl.attention.lowering import key_value_fusible, rope_attention_fusible
 from ..codegen.wgsl.attention.rope_attention import lower_rope_attention
 from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
+from ..codegen.wgsl.conv.lowering import lower_conv2d_backward_input
 from ..codegen.wgsl.elementwise.fused import lower_group
-from ..codegen.wgsl.elementwise.maps import FUSIBLE
+from ..codegen.wgsl.elementwise.maps import FUSIBLE, lower_permute
+from ..codegen.wgsl.matmul.deferred import SplitPartials, plan_deferred_sums
 from ..codegen.wgsl.matmul.horizontal import NORM_MAX_K, gemv_key, group_fits, lower_matmul_group
+from ..codegen.wgsl.matmul.lowering import lower_matmul
+from ..codegen.wgsl.matmul.split_group import SplitGroup, lower_split_group, plan_split_groups
 from ..codegen.wgsl.optim import lower_update_group
-from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
+from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph, resolve_view
 from ..ops import OPS
 from ..ops.attention import SDPA
 from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
@@ -120,11 +128,13 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         )
         groups = tuple(sorted(fused + kv + rope, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
-    dispatches = _lower_all(graph, needed, limits, groups, updates)
+    deferred = plan_deferred_sums(graph, needed, groups, limits) if fuse else {}
+    split_groups = plan_split_groups(graph, deferred, limits, groups, needed) if fuse else ()
+    dispatches = _lower_all(graph, needed, limits, groups, updates, deferred, split_groups)
     clash = _arena_clashes(graph, dispatches, updates)
     if clash:  # rare: a kernel writes one member's gradient and reads another's
         updates = plan_update_groups(graph, needed, limits, exclude=clash)
-        dispatches = _lower_all(graph, needed, limits, groups, updates)
+        dispatches = _lower_all(graph, needed, limits, groups, updates, deferred, split_groups)
     pinned.update(arena_value(graph, m, "grad") for g in updates for m in g.members)
 
     first: dict = {}
@@ -140,7 +150,7 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             elif isinstance(b, ArenaRef):
                 continue  # arenas are pinned
             elif isinstance(b, ScratchRef):
-                key = (nid, b.key)
+                key = b.slot(nid)
                 # A key may be bound at several sizes by a node's kernels: keep the largest.
                 sizes[key] = max(sizes.get(key, 0), b.nbytes)
             else:  # pragma: no cover - codegen contract
@@ -175,8 +185,11 @@ def _lower_all(
     limits: Limits,
     groups: tuple[FusionGroup | MatmulGroup, ...],
     updates: tuple[UpdateGroup, ...],
+    deferred: dict[int, SplitPartials],
+    split_groups: tuple[SplitGroup, ...] = (),
 ) -> list[tuple[int, KernelSource]]:
     group_of = {m: g for g in groups for m in g.members}
+    split_of = {a: g for g in split_groups for a in g.anchors}
     update_of = {m: g for g in updates for m in g.members}
     dispatches: list[tuple[int, KernelSource]] = []
     for node in graph.nodes:
@@ -186,6 +199,17 @@ def _lower_all(
             if ugroup is not None:
                 is_sink = node.id == ugroup.sink
                 kernels = [lower_update_group(graph, ugroup, limits)] if is_sink else []
+            elif node.id in split_of:  # at the first product's position (split_group.py)
+                sg = split_of[node.id]
+                kernels = lower_split_group(graph, sg, limits) if node.id == sg.first else []
+                if node.id in sg.summed:  # its readers need the product stored
+                    kernels += lower_matmul(graph, node.id, limits, sum_only=True)
+            elif node.id in deferred and node.op == "matmul":
+                kernels = lower_matmul(graph, node.id, limits, defer_sum=True)
+            elif node.id in deferred:
+                kernels = lower_conv2d_backward_input(graph, node.id, limits, defer_sum=True)
+            elif group is None and node.op == "permute" and _reads_deferred(graph, node, deferred):
+                kernels = lower_permute(graph, node.id, limits, deferred)
             elif group is None:
                 kernels = lower(graph, node.id, limits)
             elif node.id != group.sink:
@@ -198,9 +222,17 @@ def _lower_all(
                 else:
                     kernels = lower_rope_cache(graph, group, limits)
             else:
-                kernels = lower_group(graph, group, limits)
+                sum_only = group.anchor in split_of  # its partials come from a split group
+                kernels = lower_group(graph, group, limits, deferred, sum_only)
             dispatches.extend((node.id, ks) for ks in kernels)
     return dispatches
+
+
+def _reads_deferred(graph: Graph, node, deferred: dict[int, SplitPartials]) -> bool:
+    """Whether ``node`` reads a split-K product whose sum is deferred to its readers; other
+    permutes go through ``lower`` (a permute written in place by its producer,
+    ``passes.permute_views``, gets no kernel there)."""
+    return any(resolve_view(graph, i) in deferred for i in node.inputs)
 
 
 def _arena_clashes(

@@ -146,11 +146,18 @@ def plan_splits(g: Gemm, t: Tiling, limits) -> tuple[int, int]:
 
 
 def emit_gemm(
-    kb: KernelBuilder, g: Gemm, a: Operand, b: Operand, out: Output, suffix: str = ""
+    kb: KernelBuilder,
+    g: Gemm,
+    a: Operand,
+    b: Operand,
+    out: Output,
+    suffix: str = "",
+    defer_sum: bool = False,
 ) -> list[KernelSource]:
     """The dispatch(es) computing C into the node's output. ``kb`` holds A's and B's
     bindings; this binds the output (or split-K scratch, keyed by ``suffix``) and the bias.
-    Kernel names end in ``gemm{suffix}`` and ``sum_splits{suffix}``."""
+    Kernel names end in ``gemm{suffix}`` and ``sum_splits{suffix}``. ``defer_sum``: with
+    split-K, the first dispatch alone (the readers sum the partials, ``matmul.deferred``)."""
     t = choose_tiling(g, kb.limits.cpu)
     splits, per = plan_splits(g, t, kb.limits)
     tiles_m, tiles_n = -(-g.m // t.bm), -(-g.n // t.bn)
@@ -206,7 +213,7 @@ def emit_gemm(
     groups = tiles_m * tiles_n * g.groups * splits
     body = "\n".join(s for s in lines if s)
     main = kb.finish(f"gemm{suffix}", body, THREADS, groups, helpers, flops=flops)
-    if splits == 1:
+    if splits == 1 or defer_sum:
         return [main]
     return [main, _sum_splits(kb, g, out, splits, key, suffix)]
 
@@ -221,7 +228,8 @@ def _sum_splits(
 ) -> KernelSource:
     """Sum the split-K partials into the output (plus the bias). With ``lanes`` threads per
     element, lane l sums chunks l, l + lanes, ... into two alternating accumulators; lanes
-    combine in lane order, so the result is deterministic."""
+    combine in lane order, so the result is deterministic (``matmul.deferred.SplitPartials``
+    repeats this order for readers summing partials themselves)."""
     kb = KernelBuilder(kb0.graph, kb0.node, kb0.limits)
     total = g.m * g.n * g.groups
     part = kb.scratch(key, splits * total, DType.f32, "partials")

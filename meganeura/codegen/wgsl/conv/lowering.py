@@ -29,7 +29,7 @@ from ..core.builder import KernelBuilder
 from ..core.layout import PER_THREAD, WG, element_slots
 from ..core.literals import u
 from ..elementwise.maps import lower_fill
-from .gemm import Gemm, Operand, Output, emit_gemm
+from .gemm import Gemm, Operand, Output, choose_tiling, emit_gemm, plan_splits
 
 
 def _div(e: str, n: int) -> str:
@@ -171,9 +171,12 @@ def _taps(r: int, p: int, k: int, d: int, s: int) -> _Taps:
     return _Taps(taps[0], step, len(taps), (r + p - taps[0] * d) // s, step * d // s)
 
 
-def lower_conv2d_backward_input(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
+def lower_conv2d_backward_input(
+    graph: Graph, node_id: int, limits: Limits, defer_sum: bool = False
+) -> list[KernelSource]:
     """Input gradient (a transposed convolution): one implicit GEMM per stride phase of the
-    input over the taps that reach it (4 GEMMs for stride 2, one for stride 1)."""
+    input over the taps that reach it (4 GEMMs for stride 2, one for stride 1). ``defer_sum``
+    (stride 1, split-K only): no summing dispatch (``backward_input_partials``)."""
     node, v = graph[node_id], _Conv.of(graph, node_id)
     (sh, sw), (ph, pw), (dh, dw) = v.stride, v.padding, v.dilation
     rows = {ry: _taps(ry, ph, v.kh, dh, sh) for ry in range(min(sh, v.h))}
@@ -187,8 +190,28 @@ def lower_conv2d_backward_input(graph: Graph, node_id: int, limits: Limits) -> l
         for rx, tw in cols.items():
             if th.count and tw.count:
                 kb = KernelBuilder(graph, node, limits)
-                kernels += _backward_input_phase(kb, v, (ry, rx), th, tw)
+                kernels += _backward_input_phase(kb, v, (ry, rx), th, tw, defer_sum)
     return kernels
+
+
+def backward_input_partials(graph: Graph, node_id: int, limits: Limits):
+    """(partials key, splits, elements per partial, WGSL GEMM index of output element ``i``)
+    of a stride-1 ``conv2d_backward_input`` that splits K, else None. Stride 1 is one GEMM
+    over every input pixel: C[grp, c, q = (n, h, w)] holds dx[n, grp * cg + c, h, w], so
+    element i = (n, ch, pix) of dx is GEMM element ch * (N * H * W) + n * H * W + pix."""
+    node, v = graph[node_id], _Conv.of(graph, node_id)
+    if node.type.numel == 0 or v.stride != (1, 1):
+        return None
+    g = Gemm(v.cg, v.n * v.hw, v.ocg * v.kk, v.groups)
+    splits, _ = plan_splits(g, choose_tiling(g, limits.cpu), limits)
+    if splits == 1:
+        return None
+    chw = v.c * v.hw
+    index = (
+        f"({_mod(_div('i', v.hw), v.c)}) * {u(v.n * v.hw)} + "
+        f"{_mul(_div('i', chw), v.hw)} + {_mod('i', v.hw)}"
+    )
+    return "partials", splits, g.m * g.n * g.groups, index
 
 
 def _zero_phases(graph, node_id, limits, v: _Conv, zero_rows, zero_cols) -> KernelSource:
@@ -211,7 +234,7 @@ def _zero_phases(graph, node_id, limits, v: _Conv, zero_rows, zero_cols) -> Kern
 
 
 def _backward_input_phase(
-    kb: KernelBuilder, v: _Conv, r: tuple[int, int], th: _Taps, tw: _Taps
+    kb: KernelBuilder, v: _Conv, r: tuple[int, int], th: _Taps, tw: _Taps, defer_sum=False
 ) -> list[KernelSource]:
     node = kb.node
     wt, gout = kb.read(node.inputs[1], "w"), kb.read(node.inputs[0], "g")
@@ -267,7 +290,7 @@ def _backward_input_phase(
 
     out = Output(col=col, row=lambda m: _mul(f"(grp * {u(v.cg)} + {m})", v.hw))
     g = Gemm(v.cg, v.n * hr * wr, v.ocg * nt, v.groups)
-    return emit_gemm(kb, g, a, b, out, "" if sh * sw == 1 else f" {ry},{rx}")
+    return emit_gemm(kb, g, a, b, out, "" if sh * sw == 1 else f" {ry},{rx}", defer_sum)
 
 
 def lower_conv2d_backward_weight(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:

@@ -19,7 +19,7 @@ Invariants kept here, so that each emitter cannot get them wrong on its own:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ....dtypes import DType
@@ -74,12 +74,15 @@ class Src:
 
     ``strides``: the value is read from another value's buffer (``passes.permute_views``)
     with these strides per dim of ``type``; ``at`` takes the flat row-major index of the value
-    as always and maps it."""
+    as always and maps it. ``summed``: the value is a split-K matmul product never stored;
+    ``name`` binds its partial sums and element i is the helper call ``summed(i)``
+    (``matmul.deferred``)."""
 
     type: TensorType
     name: str | None = None
     literal: str | None = None
     strides: tuple[int, ...] | None = None
+    summed: str | None = None
 
     @property
     def dtype(self) -> DType:
@@ -98,6 +101,8 @@ class Src:
         """``at`` for a storage offset (from ``row_offset``): no strides applied."""
         if self.literal is not None:
             return self.literal
+        if self.summed is not None:
+            return f"{self.summed}({offset})"
         if self.type.dtype is DType.f16:
             return f"f32({self.name}[{offset}])"
         return f"{self.name}[{offset}]"
@@ -155,15 +160,24 @@ class KernelBuilder:
         graph: the graph being lowered.
         node: the node this kernel belongs to (names the kernel, errors quote it).
         limits: adapter limits (binding sizes are checked against them).
+        deferred: split-K matmuls whose partial sums this kernel reads in place of the
+            product (``matmul.deferred.SplitPartials`` by node id): ``read`` binds the
+            partials and returns a ``Src`` summing them. Only kernels that read operands
+            through ``Src.at`` alone may be given any.
     """
 
-    def __init__(self, graph: Graph, node: Node, limits: Limits) -> None:
+    def __init__(
+        self, graph: Graph, node: Node, limits: Limits, deferred: Mapping | None = None
+    ) -> None:
         self.graph, self.node, self.limits = graph, node, limits
+        self.deferred = deferred or {}
         self._refs: list[ValueRef | ScratchRef | ArenaRef] = []
         self._decls: list[tuple[str, str]] = []  # (name, element type) per binding
         self._by_value: dict[int, int] = {}
         # binding -> (shape, strides) of the value written through it in another's buffer
         self._views: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._summed: dict[int, Src] = {}
+        self._helpers: list[str] = []
 
     def _bind_value(self, vid: int, name: str, write: bool) -> str:
         root = resolve_view(self.graph, vid)
@@ -192,15 +206,26 @@ class KernelBuilder:
         t = self.graph[vid].type
         if n.op == "constant":
             return Src(t, literal=literal(n.attr("value"), n.type.dtype))
+        if root in self.deferred:
+            if root not in self._summed:
+                part = self.deferred[root]
+                var = self.scratch(part.key, part.count, DType.f32, name, owner=root)
+                self._helpers.append(part.helper(f"sum_{var}", var, n.type.dtype))
+                self._summed[root] = Src(t, name=var, summed=f"sum_{var}")
+            return Src(t, name=self._summed[root].name, summed=self._summed[root].summed)
         if self.node.op in VIEW_READERS:
             view = read_view(self.graph, vid)
             if view is not None:
+                # a deferred split-K product is never read through a view: the permute it
+                # would feed runs no kernel, so it is not needed and the product keeps its sum
+                assert resolve_view(self.graph, view[0]) not in self.deferred, view
                 return Src(t, name=self._bind_value(view[0], name, False), strides=view[1])
         return Src(t, name=self._bind_value(vid, name, write=False))
 
     def is_bound(self, vid: int) -> bool:
         """Whether value ``vid`` (or the value owning its buffer) already has a binding."""
-        return resolve_view(self.graph, vid) in self._by_value
+        root = resolve_view(self.graph, vid)
+        return root in self._by_value or root in self._summed
 
     def read_vec4(self, vid: int, name: str) -> str:
         """Bind value ``vid`` for reading as ``array<vec4<T>>`` (T its storage type) and
@@ -211,6 +236,8 @@ class KernelBuilder:
         """
         if is_constant(self.graph, vid) or self.is_bound(vid):
             raise ValueError(f"%{vid} cannot get a vec4 binding: constant or already bound")
+        if resolve_view(self.graph, vid) in self.deferred:
+            raise ValueError(f"%{vid} is read as a sum of split-K partials, not as vec4")
         var = self._bind_value(vid, name, write=False)
         self.vectorize(var)
         return var
@@ -241,13 +268,24 @@ class KernelBuilder:
         shape, strides = self._views[var]
         return f"({view_index(row, shape[:-1], strides[:-1])})"
 
-    def scratch(self, key: str, count: int, dtype: DType, name: str) -> str:
-        """Bind node-private scratch storage of ``count`` elements of ``dtype``.
+    def scratch(
+        self,
+        key: str,
+        count: int,
+        dtype: DType,
+        name: str,
+        owner: int | None = None,
+        write: bool | None = None,
+    ) -> str:
+        """Bind node-private scratch storage of ``count`` elements of ``dtype`` (``owner``:
+        another node's scratch, read-only unless ``write``).
 
         Scratch holds partial sums and statistics, so it is kept in the compute type: an f16
         ``dtype`` (a node stored as f16) gets f32 scratch."""
         dtype = compute_dtype(dtype)
-        self._refs.append(ScratchRef(key, max(count, 1) * dtype.itemsize, dtype))
+        nbytes = max(count, 1) * dtype.itemsize
+        write = owner is None if write is None else write
+        self._refs.append(ScratchRef(key, nbytes, dtype, write=write, owner=owner))
         return self._declare(name, dtype)
 
     def arena(self, key: tuple, dtype: DType, name: str, write: bool) -> str:
@@ -332,6 +370,8 @@ class KernelBuilder:
             access = "read_write" if ref.write else "read"
             decls.append(f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{ty}>;")
         src = "\n".join(decls) + "\n\n"
+        if self._helpers:
+            helpers = "\n".join(self._helpers) + "\n" + helpers
         # f16 bindings, or an f16 conversion in the code (a fused cast to f16 not stored)
         if any(re.search(r"\bf16\b", ty) for _, ty in self._decls) or re.search(
             r"\bf16\b", body + helpers

@@ -19,6 +19,7 @@ that are not outputs are never bound.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 
 from ....graph.ir import Graph, resolve_view
@@ -167,8 +168,16 @@ class _MatmulEpilogue:
         return f"{{ {b.compute(loads, anchor=value)} {b.stores(flat, self.kb)} }}"
 
 
-def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
-    """The one dispatch computing every member of ``group`` and storing its outputs.
+def lower_group(
+    graph: Graph,
+    group: FusionGroup,
+    limits: Limits,
+    deferred: Mapping | None = None,
+    sum_only: bool = False,
+) -> list[KernelSource]:
+    """The one dispatch computing every member of ``group`` and storing its outputs
+    (``deferred``: split-K products read as sums of their partials, ``matmul.deferred``;
+    ``sum_only``: a split-K anchor's summing dispatch alone, ``matmul.split_group``).
 
     Raises:
         ValueError: as ``lower`` would for the members one by one: for the first value (in
@@ -185,9 +194,10 @@ def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[Kernel
         return lower_key_value(graph, group.anchor, value, limits)
     body = GroupBody(graph, group)
     if group.anchor is not None:
-        kernels = lower_matmul(graph, group.anchor, limits, epilogue=_MatmulEpilogue(body))
+        epilogue = _MatmulEpilogue(body)
+        kernels = lower_matmul(graph, group.anchor, limits, epilogue, deferred, sum_only=sum_only)
         return [replace(ks, name=body.name) for ks in kernels]
-    kb = KernelBuilder(graph, graph[group.sink], limits)
+    kb = KernelBuilder(graph, graph[group.sink], limits, deferred)
     body.bind(kb)
     n = math.prod(group.shape)
     reads = plan_vec4(group.shape, body.srcs, [body.strides(k) for k in range(len(body.srcs))])

@@ -19,7 +19,7 @@ from ``core.mathlib`` helper functions, emitted per kernel for the ops it comput
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -362,10 +362,13 @@ def lower_broadcast_to(graph: Graph, node_id: int, limits: Limits) -> list[Kerne
     return [emit_map(kb, node_id, [(x, broadcast_strides(x.type.shape, node.type.shape))], "v0")]
 
 
-def lower_permute(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
-    """Strided copy: output dim d reads input dim ``dims[d]``."""
+def lower_permute(
+    graph: Graph, node_id: int, limits: Limits, deferred: Mapping | None = None
+) -> list[KernelSource]:
+    """Strided copy: output dim d reads input dim ``dims[d]`` (``deferred``: a split-K
+    product read as the sum of its partials, ``matmul.deferred``)."""
     node = graph[node_id]
-    kb = KernelBuilder(graph, node, limits)
+    kb = KernelBuilder(graph, node, limits, deferred)
     x = kb.read(node.inputs[0], "x")
     st = contiguous_strides(x.type.shape)
     strides = tuple(st[d] for d in node.attr("dims"))

@@ -56,8 +56,8 @@ def plan_vec4(
         strides: per operand, its strides over ``shape`` (0 on broadcast dims).
     """
     n = math.prod(shape)
-    if not ENABLED or n == 0 or n % 4:
-        return None
+    if not ENABLED or n == 0 or n % 4 or any(s.summed is not None for s in srcs):
+        return None  # (a sum of split-K partials is read element by element)
     live = [k for k, s in enumerate(srcs) if s.literal is None]
     cshape, cst = coalesce(shape, [contiguous_strides(shape)] + [strides[k] for k in live])
     if not cshape or cshape[-1] % 4:

@@ -11,11 +11,15 @@ Every matmul lowers to one of two kernels, chosen per shape by a ``plan.Plan``:
     memory, each warp reading neighbouring addresses of the weight.
 Either can split K (``Plan.splits`` > 1): chunk s of K writes its partial product to scratch
 ``[split][batch][M][N]``, and a second dispatch sums the chunks in a fixed order
-(deterministic) and applies the store (or the fused epilogue). Loads past M, N or K read
-zero; stores past M or N are skipped.
+(deterministic) and applies the store (or the fused epilogue); or, for a product whose
+every reader can sum the partials itself (``deferred``), no second dispatch: the readers
+bind the partials and sum them in the same order. Loads past M, N or K read zero; stores
+past M or N are skipped.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from ....dtypes import DType
 from ....graph.ir import Graph
@@ -31,14 +35,39 @@ from .simd import SIMD, emit_simd
 from .tiled import emit_tiled
 
 
+def split_layout(graph: Graph, node_id: int, limits: Limits) -> tuple[int, int, int] | None:
+    """(splits, K per split, elements of one partial) of a matmul ``lower_matmul`` splits, or
+    None when it runs as one dispatch (or none: no elements, K = 0)."""
+    node = graph[node_id]
+    if node.type.numel == 0 or graph[node.inputs[0]].type.shape[-1] == 0:
+        return None
+    p = problem_of(graph, node_id)
+    plan = choose_plan(p.m, p.k, p.n, p.nb, p.layout, limits)
+    step = plan.tiling.bk if plan.kernel == "tiled" else 16
+    splits, chunk = _splits(plan.splits, p, step, limits)
+    return None if splits == 1 else (splits, chunk, p.nb * p.m * p.n)
+
+
 def lower_matmul(
-    graph: Graph, node_id: int, limits: Limits, epilogue: Epilogue | None = None
+    graph: Graph,
+    node_id: int,
+    limits: Limits,
+    epilogue: Epilogue | None = None,
+    deferred: Mapping | None = None,
+    defer_sum: bool = False,
+    sum_only: bool = False,
 ) -> list[KernelSource]:
     """Batched, broadcast matmul: one dispatch, or two with split-K.
 
     Args:
         epilogue: computes and stores the values derived from the product (a fusion group
             anchored here); None stores the product itself. The caller excludes K = 0.
+        deferred: split-K products the epilogue reads as sums of their partials
+            (``KernelBuilder``'s ``deferred``).
+        defer_sum: split-K only, no epilogue: emit the first dispatch alone; the product's
+            readers sum its partials (``deferred``).
+        sum_only: split-K only: emit the summing dispatch alone (``split_group`` computes
+            the partials with other products).
 
     Raises:
         ValueError: when a forced plan cannot run this shape (gemv for M > 8, a tile over
@@ -57,7 +86,9 @@ def lower_matmul(
     step = plan.tiling.bk if plan.kernel == "tiled" else 16
     splits, chunk = _splits(plan.splits, p, step, limits)
     emit = {"gemv": emit_gemv, "simd": emit_simd}.get(plan.kernel, emit_tiled)
-    kb = KernelBuilder(graph, node, limits)
+    if defer_sum and (splits == 1 or epilogue is not None):
+        raise ValueError(f"%{node_id}: only a split-K product without epilogue defers its sum")
+    kb = KernelBuilder(graph, node, limits, deferred)
     total = p.nb * p.m * p.n
     if splits == 1:
         store = _output_store(kb, node_id, epilogue)
@@ -82,9 +113,12 @@ def lower_matmul(
         main = kb.finish("", body, SIMD, groups, helpers, flops, nbytes, extra_args=extra)
     else:
         main = kb.finish("", body, WG, groups, helpers, flops=flops, nbytes=nbytes)
-    if splits == 1:
+    if splits == 1 or defer_sum:
+        if sum_only:
+            raise ValueError(f"%{node_id}: no summing dispatch to emit alone")
         return [main]
-    return [main, _sum_splits(graph, node_id, limits, splits, total, p.n, epilogue)]
+    summed = _sum_splits(graph, node_id, limits, splits, total, p.n, epilogue, deferred)
+    return [summed] if sum_only else [main, summed]
 
 
 def _output_store(kb: KernelBuilder, node_id: int, epilogue: Epilogue | None) -> Store:
@@ -116,11 +150,12 @@ def _splits(want: int, p: Problem, step: int, limits: Limits) -> tuple[int, int]
 
 def _sum_splits(
     graph: Graph, node_id: int, limits: Limits, splits: int, total: int, n: int,
-    epilogue: Epilogue | None,
+    epilogue: Epilogue | None, deferred: Mapping | None = None,
 ) -> KernelSource:  # fmt: skip
     """Second split-K dispatch: each element sums its ``splits`` partials in split order (a
-    deterministic result), then is stored (or run through the epilogue)."""
-    kb = KernelBuilder(graph, graph[node_id], limits)
+    deterministic result), then is stored (or run through the epilogue). ``deferred.
+    SplitPartials.helper`` is the same loop, for readers summing partials themselves."""
+    kb = KernelBuilder(graph, graph[node_id], limits, deferred)
     part = kb.scratch("splitk", splits * total, DType.f32, "part")
     store = _output_store(kb, node_id, epilogue)
     slots, groups, guard = element_slots(total)

@@ -1,0 +1,155 @@
+"""Dispatch counts of the big programs as the H200 compiles them, without a GPU and without
+timing: SmolLM2-135M prefill (128 tokens into a 512-slot cache, last token's argmax, as
+``bench/llm_profile.py``), its training step (seq 128, AdamW, as ``Trainer``), and ResNet-50's
+training step at batch 4 (SGD, cross-entropy). Random weights; each program is traced and
+compiled with ``H200`` limits (``Limits.cpu`` False, so the GPU's matmul plans and split-K
+apply), and its dispatch list is counted by kernel kind.
+
+``--split-sums dispatch`` compiles split-K products with their own summing dispatch (the
+program before ``codegen.wgsl.matmul.deferred``), for before/after figures from one commit.
+
+Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet] [--quick] [--json FILE]
+                                       [--split-sums deferred|dispatch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from meganeura.codegen.kernel import Limits  # noqa: E402
+
+# The H200's adapter limits (design.md). The storage-buffer count per stage is set high: with
+# it the training step's counts match bench/results/llm_profile_h200.txt (one found_inf pass).
+H200 = Limits(
+    max_workgroup_storage_size=49152,
+    max_invocations_per_workgroup=1024,
+    max_storage_buffer_binding_size=2**31 - 4,
+    max_storage_buffers_per_shader_stage=1024,
+    max_buffer_size=2**40,
+    shader_f16=True,
+    subgroups=True,
+)
+
+
+def kind(name: str) -> str:
+    """The kernel kind of a dispatch name: ``%12+13 matmul sum_splits`` -> ``matmul sum_splits``."""
+    words = name.split()
+    return " ".join(w for w in words if not w.startswith("%"))
+
+
+def count(program) -> dict:
+    kinds = collections.Counter(kind(d.name) for d in program.dispatches)
+    return {"dispatches": len(program.dispatches), "by_kind": dict(kinds.most_common())}
+
+
+def _train_options(optimizer):
+    from meganeura.compile import CompileOptions
+
+    return CompileOptions(
+        loss="loss", optimizer=optimizer, shared_parameters=True, nonfinite_guard="raise"
+    )
+
+
+def _trainable(traced) -> tuple[str, ...]:
+    from meganeura.nn import Parameter
+
+    objects = traced.trace.objects
+    return tuple(n for n, o in objects.items() if isinstance(o, Parameter) and o.requires_grad)
+
+
+def prefill(quick: bool):
+    import meganeura as mn
+    from meganeura.compile import CompileOptions, compile
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, vocab_size=4096) if quick else LlamaConfig()
+    model = LlamaForCausalLM(cfg)
+    seq = 16 if quick else 128
+    model.setup_cache(1, 512)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq), np.int32)
+    kwargs = {"cache_position": np.asarray(0, np.int32), "logits_to_keep": 1, "greedy": True}
+    traced = trace_call(model, model.forward, (ids,), kwargs)
+    return compile(traced.graph, CompileOptions(shared_parameters=True), H200)
+
+
+def train(quick: bool):
+    import dataclasses
+
+    import meganeura as mn
+    from meganeura.compile import compile
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, vocab_size=4096) if quick else LlamaConfig()
+    model = LlamaForCausalLM(cfg)
+    seq = 16 if quick else 128
+    ids = (np.arange(seq, dtype=np.int32) % cfg.vocab_size)[None]
+    labels = ((np.arange(seq) + 1) % cfg.vocab_size).astype(np.int32)[None]
+    traced = trace_call(model, lambda i, y: lm_loss(model, i, y), (ids, labels), {}, "loss")
+    options = dataclasses.replace(
+        _train_options(mn.optim.AdamW(lr=1e-5)), trainable=_trainable(traced)
+    )
+    return compile(traced.graph, options, H200)
+
+
+def resnet(quick: bool):
+    import dataclasses
+
+    import meganeura as mn
+    import meganeura.nn.functional as F
+    from meganeura.compile import compile
+    from meganeura.models.resnet import ResNet, ResNetConfig
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    layers, classes = ((1, 1, 1, 1), 10) if quick else ((3, 4, 6, 3), 1000)
+    model = ResNet(ResNetConfig("bottleneck", layers, classes)).train()
+    side, n = (32, 4) if quick else (224, 4)
+    x = np.sin(np.arange(n * 3 * side * side, dtype=np.float32)).reshape(n, 3, side, side)
+    labels = (np.arange(n) % classes).astype(np.int32)
+    traced = trace_call(model, lambda x, y: F.cross_entropy(model(x), y), (x, labels), {}, "loss")
+    options = dataclasses.replace(
+        _train_options(mn.optim.SGD(lr=1e-5)), trainable=_trainable(traced)
+    )
+    return compile(traced.graph, options, H200)
+
+
+PARTS = {"prefill": prefill, "train": train, "resnet": resnet}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="prefill,train,resnet")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", help="also write the counts to this file")
+    ap.add_argument("--split-sums", choices=("deferred", "dispatch"), default="deferred")
+    args = ap.parse_args()
+    from meganeura.codegen.wgsl.matmul import deferred
+
+    deferred.set_enabled(args.split_sums == "deferred")
+    result = {"split_sums": args.split_sums}
+    for part in args.parts.split(","):
+        c = result[part] = count(PARTS[part](args.quick))
+        print(f"== {part}: {c['dispatches']} dispatches")
+        for k, v in c["by_kind"].items():
+            print(f"  {v:5d}  {k}")
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, args.json)
+
+
+if __name__ == "__main__":
+    main()
