@@ -75,7 +75,7 @@ def test_chunked_steps_equal_one_submission_bit_for_bit():
         (200, 16, 0, [(0, 200)]),
         (5, 1, 2, [(0, 1), (1, 3), (3, 5)]),
     ],
-    ids=lambda v: str(v).replace(" ", ""),
+    ids=["short", "at_the_bound", "one_past", "four_chunks", "tail_merged", "size0", "tiny"],
 )
 def test_chunk_bounds_cover_the_plan_in_order(n, first, size, want):
     got = list(fastpath.chunk_bounds(n, first, size))
