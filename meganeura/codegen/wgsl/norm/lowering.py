@@ -1,22 +1,23 @@
 """WGSL lowerings of the normalization family (layer_norm, rms_norm, group_norm, batch_norm,
 their backward ops and the running-statistics update).
 
-Every norm kernel is first asked of the row archetype (``team``: one team per group,
-vec4 loads, subgroup reductions, the group in registers or walked in chunks). What it declines
-is lowered here by the general kernels: constant inputs, batch_norm channels and group_norm
-weight-gradient channel sums whose contiguous runs are shorter than ``team.MIN_SEG``
-(batch_norm of [N, C], say), and the channel sums of layer_norm / rms_norm weight gradients
-(one strided column per weight element). These walk the index maps of ``layout`` and
-schedule their sequences with ``rowwise.rows.plan_rows``: one workgroup per long contiguous
-group, 32 neighbouring groups per workgroup when a group is strided, one thread per group
-below 64 elements. Statistics are f32 and two-pass over ``x - shift`` (shift = the group's first
-element, so a large common offset cancels exactly): the group sum (blocked partial sums, then
-a pairwise tree) gives the mean, a second pass sums squared deviations (rms_norm: squares, no
-shift); ``rstd = inverseSqrt(var + eps)``. Backward kernels recompute the statistics from x
-(the group is read again, usually from cache) rather than saving them; the weight gradient
-first writes (shift, mean, rstd) per group to scratch, then sums ``g * xhat`` over each
-channel. batch_norm in eval mode is one elementwise map with the running statistics.
-"""
+A large group_norm with few groups is first asked of ``split`` (each group over several
+workgroups, two dispatches). Every norm kernel is then asked of the row archetype (``team``:
+one team per group, vec4 loads, subgroup reductions, the group in registers or walked in
+chunks). What it declines is lowered here by the general kernels: constant inputs, batch_norm
+channels and group_norm weight-gradient channel sums whose contiguous runs are shorter than
+``team.MIN_SEG`` (batch_norm of [N, C], say), and the channel sums of layer_norm / rms_norm
+weight gradients (one strided column per weight element). These walk the index maps of
+``layout`` and schedule their sequences with ``rowwise.rows.plan_rows``: one workgroup per long
+contiguous group, 32 neighbouring groups per workgroup when a group is strided, one thread per
+group below 64 elements. Statistics are f32 and two-pass over ``x - shift`` (shift = the
+group's first element, so a large common offset cancels exactly): the group sum (blocked
+partial sums, then a pairwise tree) gives the mean, a second pass sums squared deviations
+(rms_norm: squares, no shift); ``rstd = inverseSqrt(var + eps)``. Backward kernels recompute
+the statistics from x (the group is read again, usually from cache) rather than saving them;
+the weight gradient first writes (shift, mean, rstd) per group to scratch, then sums ``g *
+xhat`` over each channel. batch_norm in eval mode is one elementwise map with the running
+statistics."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from ..rowwise.rows import (
     tree,
 )
 from .layout import Layout, channel_layout, group_layout
+from .split import lower_group_norm_backward_split, lower_group_norm_split
 from .team import (
     kind_of,
     lower_norm_backward_team,
@@ -94,7 +96,8 @@ def lower_norm(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]
     kind = kind_of(node.op)
     if kind == "batch_norm" and not node.attr("training"):
         return _lower_batch_norm_eval(graph, node_id, limits)
-    ks = lower_norm_team(graph, node_id, limits)
+    ks = lower_group_norm_split(graph, node_id, limits) if kind == "group_norm" else None
+    ks = ks or lower_norm_team(graph, node_id, limits)
     if ks is not None:
         return ks
     lay = group_layout(node.type.shape, kind, node.attr_dict)
@@ -128,7 +131,8 @@ def lower_norm_backward(graph: Graph, node_id: int, limits: Limits) -> list[Kern
         # A one-element group normalizes to 0 whatever x is: dx is exactly 0. Computing it
         # as gw - mean(gw) leaves FMA rounding times rstd = 1/sqrt(eps) on some GPUs.
         return lower_fill(graph, node_id, limits, 0.0)
-    ks = lower_norm_backward_team(graph, node_id, limits)
+    ks = lower_group_norm_backward_split(graph, node_id, limits) if kind == "group_norm" else None
+    ks = ks or lower_norm_backward_team(graph, node_id, limits)
     if ks is not None:
         return ks
     plan = _plan(lay)

@@ -123,10 +123,14 @@ def _param(rk: RowKernel, src: Src | None, prefix: str, chan: Index | None):
     return lambda ch: lambda i: src.at(chan(ch.unit(i)))
 
 
-def _stats(rk: RowKernel, xv: str, rms: bool, eps: float, grad=None) -> Chunk | None:
+def _stats(
+    rk: RowKernel, xv: str, rms: bool, eps: float, grad=None, shift_unit: str = "rbase"
+) -> Chunk | None:
     """Statements leaving ``shift``, ``mean``, ``ssd`` and ``rstd`` of row ``rowc`` (and with
     ``grad = (g var, weight param)`` also ``d1 = sum gw`` and ``pg = sum gw * xc``). Register
-    mode returns its chunk, whose registers ``a*`` (``g*``, ``gw*``, ``xc*``) stay live."""
+    mode returns its chunk, whose registers ``a*`` (``g*``, ``gw*``, ``xc*``) stay live.
+    ``shift`` is the first element of unit ``shift_unit`` (default the row's first unit; the
+    split group_norm, ``norm.split``, shifts every chunk of a group by the group's first)."""
     p = rk.plan
     n = f32_literal(p.n)
 
@@ -146,7 +150,7 @@ def _stats(rk: RowKernel, xv: str, rms: bool, eps: float, grad=None) -> Chunk | 
         lane = ".x" if p.width == 4 else ""
         # The group's first element: every thread reads it (from cache) rather than wait for
         # a broadcast.
-        rk.line(f"let shift = {rk.kb.load(xv, 'rbase')}{lane};")
+        rk.line(f"let shift = {rk.kb.load(xv, shift_unit)}{lane};")
     names = ["ssd"] + (["d1"] if grad is not None and not rms else []) + (["pg"] if grad else [])
     if not p.chunked:
         ch = rk.registers()
