@@ -6,7 +6,8 @@ constant inlining and transpose folding), resolves views (``reshape``, ``stop_gr
 the value whose buffer they share, and measures each value's lifetime in dispatch positions.
 
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
-pairs attention gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges small-M matmuls
+pairs attention gradients, ``passes.fuse_norm.plan_norm_activation`` a group_norm with the
+SiLU reading it, ``passes.fuse_matmul.plan_matmul_groups`` merges small-M matmuls
 sharing a left operand, with the norm producing it, and ``passes.rope_cache`` joins rotary
 embeddings and KV-cache writes, and in a decode step the attention reading them); a group is
 lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
@@ -29,12 +30,14 @@ from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
 from ..codegen.wgsl.matmul.horizontal import NORM_MAX_K, gemv_key, group_fits, lower_matmul_group
+from ..codegen.wgsl.norm.lowering import norm_act_fusible
 from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
 from ..ops.attention import SDPA
 from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
 from ..passes.fuse_matmul import MatmulGroup, plan_matmul_groups
+from ..passes.fuse_norm import plan_norm_activation
 from ..passes.rope_cache import ROPE, attach_attention, plan_rope_cache
 from .planner import Interval
 from .update_groups import arena_roles, arena_value, plan_update_groups
@@ -118,7 +121,11 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             lambda n: rope_attention_fusible(graph, n, limits),
             max_bindings=bound,
         )
-        groups = tuple(sorted(fused + kv + rope, key=lambda g: g.sink))
+        taken = {m for g in fused + kv + rope for m in g.members}
+        norm_act = plan_norm_activation(
+            graph, needed, taken, lambda n: norm_act_fusible(graph, n, limits)
+        )
+        groups = tuple(sorted(fused + kv + rope + norm_act, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     dispatches = _lower_all(graph, needed, limits, groups, updates)
     clash = _arena_clashes(graph, dispatches, updates)

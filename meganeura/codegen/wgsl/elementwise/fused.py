@@ -180,6 +180,14 @@ def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[Kernel
             if i not in group.members and not is_constant(graph, i):
                 check_numel(graph, resolve_view(graph, i), limits)
         check_numel(graph, m, limits)
+    if group.anchor is not None and graph[group.anchor].op == "group_norm":
+        from ..norm.lowering import lower_norm_act  # norm imports elementwise maps
+
+        (act,) = (m for m in group.members if m != group.anchor)
+        ks = lower_norm_act(graph, group.anchor, act, group.anchor in group.outputs, limits)
+        if ks is None:  # pragma: no cover - plan_norm_activation asked norm_act_fusible
+            raise ValueError(f"group_norm %{group.anchor} + silu %{act}: no fused lowering")
+        return [replace(k, name=k.name.replace("group_norm", "group_norm+silu", 1)) for k in ks]
     if group.anchor is not None and graph[group.anchor].op == BWD_K:
         (value,) = (m for m in group.members if m != group.anchor)
         return lower_key_value(graph, group.anchor, value, limits)

@@ -43,6 +43,7 @@ from .team import (
     kind_of,
     lower_norm_backward_team,
     lower_norm_team,
+    plan_groups,
     stats_team,
     update_stats_stores,
     update_stats_team,
@@ -88,6 +89,27 @@ def _stats(plan: RowPlan, lay: Layout, x: Src, rms: bool, eps: float) -> str:
 
 
 _SQ = "fn sq(v: f32) -> f32 { return v * v; }\n"
+
+
+def lower_norm_act(
+    graph: Graph, node_id: int, act: int, store: bool, limits: Limits
+) -> list[KernelSource] | None:
+    """group_norm (``node_id``) with the SiLU node ``act`` reading it as one kernel (two when
+    split), y stored only with ``store``; None when only the general kernels serve it (the
+    pair then stays two dispatches: ``norm_act_fusible``)."""
+    ks = lower_group_norm_split(graph, node_id, limits, act, store)
+    return ks or lower_norm_team(graph, node_id, limits, act, store)
+
+
+def norm_act_fusible(graph: Graph, node_id: int, limits: Limits) -> bool:
+    """Whether ``lower_norm_act`` serves group_norm ``node_id`` (``passes.fuse_norm``)."""
+    node = graph[node_id]
+    if node.op != "group_norm" or node.type.numel == 0:
+        return False
+    shape = graph[node.inputs[0]].type.shape
+    if plan_groups(shape, "group_norm", node.attr_dict, limits) is None:
+        return False
+    return KernelBuilder(graph, node, limits).read(node.inputs[0], "x").literal is None
 
 
 def lower_norm(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:

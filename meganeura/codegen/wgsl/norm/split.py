@@ -40,7 +40,7 @@ from ..core.builder import KernelBuilder
 from ..core.literals import f32_literal, u
 from ..matmul.plan import SMS
 from ..rowwise.team import Chunk, RowKernel, TeamPlan, plan_team, sources_bound
-from .team import _param, _stats, plan_groups
+from .team import _param, _stats, act_helpers, bind_outputs, plan_groups, store_normalized
 
 SPLIT_BELOW = 2 * SMS  # one-team workgroups below which a large input is split
 SPLIT_MIN_NUMEL = 1 << 21  # elements (8 MiB of f32): smaller inputs keep one dispatch
@@ -162,9 +162,12 @@ def _merge(rk: RowKernel, kb: KernelBuilder, xv: str, p: int, eps: float, grad: 
     rk.line(f"let rstd = inverseSqrt(ssd / {f32_literal(length)} + {f32_literal(eps)});")
 
 
-def lower_group_norm_split(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource] | None:
+def lower_group_norm_split(
+    graph: Graph, node_id: int, limits: Limits, act: int | None = None, store: bool = True
+) -> list[KernelSource] | None:
     """group_norm forward as ``partial`` + ``apply`` over the group's chunks, or None (the plan
-    keeps one team per group, or an operand is a constant)."""
+    keeps one team per group, or an operand is a constant). ``act``, ``store``: a SiLU
+    epilogue, as ``team.lower_norm_team``."""
     st = _setup(graph, node_id, limits)
     if st is None:
         return None
@@ -182,7 +185,7 @@ def lower_group_norm_split(graph: Graph, node_id: int, limits: Limits) -> list[K
     shape = node.type.shape
     w = kb.read(node.inputs[1], "weight")
     b = kb.read(node.inputs[2], "bias") if len(node.inputs) > 2 else None
-    out = kb.write(node_id, "out")
+    outs = bind_outputs(kb, node_id, act, store)
     chan = _channel(rk, shape, node.attr("num_groups"), p)
     wp, bp = _param(rk, w, "w", chan), _param(rk, b, "b", chan)
     _merge(rk, kb, xv, p, eps, False)
@@ -191,9 +194,12 @@ def lower_group_norm_split(graph: Graph, node_id: int, limits: Limits) -> list[K
         rk.load(ch, xv, "a")
         wv, bv = wp(ch), bp(ch)
         plus = (lambda i: f" + {bv(i)}") if b is not None else (lambda i: "")
-        rk.store(ch, out, lambda i: f"((a{i} - shift) - mean) * rstd * {wv(i)}{plus(i)}")
+        value = lambda i: f"((a{i} - shift) - mean) * rstd * {wv(i)}{plus(i)}"  # noqa: E731
+        store_normalized(rk, ch, outs, value)
 
     rk.each_chunk(write)
+    if act is not None:
+        rk.extra_helpers = act_helpers(plan.width)
     return [partial, rk.finish("apply", 4 * node.type.numel, 2 * node.type.nbytes)]
 
 

@@ -233,15 +233,57 @@ def _setup(graph: Graph, node_id: int, limits: Limits, x_id: int):
     return node, kind, shape, kb, rk, rk.bind(x)
 
 
-def lower_norm_team(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource] | None:
-    """Forward ``((x - shift) - mean) * rstd * w + b`` as one team kernel, or None."""
+def act_helpers(width: int) -> str:
+    """WGSL ``act`` (SiLU, ``x * sigmoid_stable(x)`` as the elementwise ``silu`` map computes
+    it) on a unit of ``width`` elements, for a norm's activation epilogue (``norm.fuse``)."""
+    from ..core.mathlib import helper_source
+
+    h = helper_source(["sigmoid_stable"])
+    h += "fn act_s(x: f32) -> f32 { return x * sigmoid_stable(x); }\n"
+    if width == 4:
+        h += (
+            "fn act(v: vec4<f32>) -> vec4<f32> {\n"
+            "  return vec4<f32>(act_s(v.x), act_s(v.y), act_s(v.z), act_s(v.w));\n}\n"
+        )
+    else:
+        h += "fn act(v: f32) -> f32 { return act_s(v); }\n"
+    return h
+
+
+def store_normalized(rk: RowKernel, ch: Chunk, outs, value) -> None:
+    """Store ``value(i)`` (a normalized unit) to ``outs = (y binding or None, activation
+    binding or None)``: y as it is, the activation as ``act(y)``."""
+    y, act = outs
+    if act is None:
+        rk.store(ch, y, value)
+        return
+    for i in range(ch.m):
+        rk.line(f"let y{i} = {value(i)};")
+    if y is not None:
+        rk.store(ch, y, lambda i: f"y{i}")
+    rk.store(ch, act, lambda i: f"act(y{i})")
+
+
+def bind_outputs(kb: KernelBuilder, node_id: int, act: int | None, store: bool):
+    """(y binding or None, activation binding or None) of a norm with an optional SiLU
+    epilogue ``act`` (the silu node; ``store``: whether y itself is stored)."""
+    y = kb.write(node_id, "out") if store or act is None else None
+    return y, (None if act is None else kb.write(act, "act"))
+
+
+def lower_norm_team(
+    graph: Graph, node_id: int, limits: Limits, act: int | None = None, store: bool = True
+) -> list[KernelSource] | None:
+    """Forward ``((x - shift) - mean) * rstd * w + b`` as one team kernel, or None. With
+    ``act`` (a silu node reading this one) the kernel also stores ``silu(y)`` there, and y
+    only when ``store``."""
     st = _setup(graph, node_id, limits, graph[node_id].inputs[0])
     if st is None:
         return None
     node, kind, shape, kb, rk, xv = st
     w = kb.read(node.inputs[1], "weight")
     b = kb.read(node.inputs[2], "bias") if len(node.inputs) > 2 else None
-    out = kb.write(node_id, "out")
+    outs = bind_outputs(kb, node_id, act, store)
     chan = _channel(rk, kind, shape, node.attr_dict)
     wp, bp = _param(rk, w, "w", chan), _param(rk, b, "b", chan)
     regs = _stats(rk, xv, kind == "rms_norm", node.attr("eps"))
@@ -251,12 +293,16 @@ def lower_norm_team(graph: Graph, node_id: int, limits: Limits) -> list[KernelSo
             rk.load(ch, xv, "a")
         wv, bv = wp(ch), bp(ch)
         plus = (lambda i: f" + {bv(i)}") if b is not None else (lambda i: "")
-        rk.store(ch, out, lambda i: f"((a{i} - shift) - mean) * rstd * {wv(i)}{plus(i)}")
+        store_normalized(
+            rk, ch, outs, lambda i: f"((a{i} - shift) - mean) * rstd * {wv(i)}{plus(i)}"
+        )
 
     if regs is not None:
         write(regs)
     else:
         rk.each_chunk(write)
+    if act is not None:
+        rk.extra_helpers = act_helpers(rk.plan.width)
     return [rk.finish("", 8 * node.type.numel, 2 * node.type.nbytes)]
 
 
