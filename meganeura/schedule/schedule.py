@@ -6,17 +6,16 @@ constant inlining and transpose folding), resolves views (``reshape``, ``stop_gr
 the value whose buffer they share, and measures each value's lifetime in dispatch positions.
 
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
-pairs attention gradients, ``passes.fuse_norm.plan_norm_activation`` a group_norm with the
-SiLU reading it, ``passes.fuse_matmul.plan_matmul_groups`` merges small-M matmuls
-sharing a left operand, with the norm producing it, and ``passes.rope_cache`` joins rotary
-embeddings and KV-cache writes, and in a decode step the attention reading them); a group is
-lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
-``attention.rope_cache``, ``attention.rope_attention``) at its last member's position,
-binding the group's external inputs and its stored outputs only, so lifetimes come from those
-bindings; the other members get no kernel and no storage. Optimizer updates are grouped
-likewise (``update_groups``): one kernel per group at its last member's position, over arenas
-that the assembler lays out.
-"""
+pairs attention gradients, ``passes.fuse_norm.plan_norm_activation`` a group_norm with the SiLU
+reading it and their gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges small-M
+matmuls sharing a left operand, with the norm producing it, and ``passes.rope_cache`` joins
+rotary embeddings and KV-cache writes, and in a decode step the attention reading them); a
+group is lowered as one kernel (``codegen.wgsl.elementwise.fused``,
+``codegen.wgsl.matmul.horizontal``, ``attention.rope_cache``, ``attention.rope_attention``) at
+its last member's position, binding the group's external inputs and its stored outputs only, so
+lifetimes come from those bindings; the other members get no kernel and no storage. Optimizer
+updates are grouped likewise (``update_groups``): one kernel per group at its last member's
+position, over arenas that the assembler lays out."""
 
 from __future__ import annotations
 
@@ -123,7 +122,7 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         )
         taken = {m for g in fused + kv + rope for m in g.members}
         norm_act = plan_norm_activation(
-            graph, needed, taken, lambda n: norm_act_fusible(graph, n, limits)
+            graph, needed, taken, lambda n, a: norm_act_fusible(graph, n, a, limits)
         )
         groups = tuple(sorted(fused + kv + rope + norm_act, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()

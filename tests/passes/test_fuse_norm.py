@@ -15,6 +15,7 @@ from meganeura.compile import CompileOptions
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 from meganeura.ops.activation import silu
+from meganeura.ops.conv import conv2d
 from meganeura.ops.norm import group_norm
 from meganeura.passes.fuse_norm import plan_norm_activation
 from meganeura.schedule.schedule import needed_nodes, schedule
@@ -26,9 +27,9 @@ TF = torch.nn.functional
 
 
 def _graph(shape, groups, grads: bool):
-    """silu(group_norm(x)) @ up summed (a matmul reads the SiLU, as a conv does in a U-Net; an
-    elementwise reader would take the SiLU into its own group); with ``grads`` the graph
-    outputs dx, dw, db too."""
+    """conv2d(silu(group_norm(x)), up) summed, as in a U-Net's residual block (an elementwise
+    reader would take the SiLU into its own group, a matmul's epilogue the SiLU gradient);
+    with ``grads`` the graph outputs dx, dw, db too."""
     b = GraphBuilder()
     c = shape[1]
     x = b.input("x", shape)
@@ -37,8 +38,8 @@ def _graph(shape, groups, grads: bool):
     b.output("y", y)
     if not grads:
         return b.build()
-    up = b.input("up", (shape[-1], shape[-1]))
-    loss = b.output("loss", F.sum(F.matmul(y, up)))
+    up = b.input("up", (4, c, 3, 3))
+    loss = b.output("loss", F.sum(conv2d(y, up, padding=1)))
     g, gr = differentiate(b.build(), loss.id, [x.id, w.id, bias.id])
     gb = GraphBuilder(g)
     for name, leaf in zip(("dx", "dw", "db"), (x, w, bias), strict=True):
@@ -47,47 +48,70 @@ def _graph(shape, groups, grads: bool):
 
 
 @pytest.mark.parametrize("grads", [False, True], ids=["forward", "training"])
-def test_pair_forms_and_stores_y_only_when_read(grads):
+def test_pairs_form_and_store_only_what_is_read(grads):
     g = _graph((2, 8, 4, 4), 2, grads)
-    (grp,) = plan_norm_activation(g, needed_nodes(g))
-    norm, act = grp.members
-    assert (g[norm].op, g[act].op, grp.anchor) == ("group_norm", "silu", norm)
-    assert grp.outputs == ((norm, act) if grads else (act,))  # silu_backward reads y
+    pairs = plan_norm_activation(g, needed_nodes(g))
+    ops = [tuple(g[m].op for m in grp.members) for grp in pairs]
+    want = [("group_norm", "silu")] + [("silu_backward", "group_norm_backward")] * grads
+    assert ops == want
+    for grp in pairs:
+        first, last = grp.members
+        assert grp.anchor == (first if g[first].op == "group_norm" else last)
+        # In training silu_backward reads y, and the weight and bias gradients read g.
+        assert grp.outputs == ((first, last) if grads else (last,))
     dispatches = schedule(g, Limits(), fuse=True).dispatches
-    names = [ks.name for _, ks in dispatches]
-    assert sum("group_norm+silu" in n for n in names) == 1
-    assert not any(n.split()[-1] == "silu" for n in names)
-    (fused,) = [ks for _, ks in dispatches if "group_norm+silu" in ks.name]
-    bound = {r.node for r in fused.bindings if isinstance(r, ValueRef) and r.write}
-    assert bound == set(grp.outputs)
+    names = [ks.name.split()[-1] for _, ks in dispatches]
+    assert [n for n in names if "+" in n] == ["+".join(o) for o in want]
+    assert not {"silu", "silu_backward", "group_norm", "group_norm_backward"} & set(names)
+    for grp, ks in zip(pairs, [ks for _, ks in dispatches if "+" in ks.name], strict=True):
+        bound = {r.node for r in ks.bindings if isinstance(r, ValueRef) and r.write}
+        assert bound == set(grp.outputs)
 
 
-CASES = [((2, 16, 6, 6), 4, None), ((1, 8, 7, 5), 2, None), ((2, 64, 32, 32), 8, 4)]
+_MODE = {None: "team", 0: "team_chunked"}
+# (shape, groups, chunks): one-team kernels in register mode, the same walking chunks (teams
+# capped at 32 threads, below), and the split kernels.
+CASES = [
+    ((2, 16, 6, 6), 4, None),
+    ((1, 8, 7, 5), 2, None),
+    ((1, 8, 16, 17), 2, 0),
+    ((2, 64, 32, 32), 8, 4),
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "shape,groups,chunks", CASES, ids=[f"{shape_id(s)}-g{g}-p{p}" for s, g, p in CASES]
+    "shape,groups,chunks",
+    CASES,
+    ids=[f"{shape_id(s)}-g{g}-{_MODE.get(p, f'split{p}')}" for s, g, p in CASES],
 )
 def test_fused_values_match_torch(gpu_device, shape, groups, chunks, monkeypatch):
     from meganeura.codegen.wgsl.norm import split
+    from meganeura.codegen.wgsl.rowwise import team as rowwise
     from meganeura.training import compile_for
 
-    monkeypatch.setattr(split, "FORCE_CHUNKS", chunks)
+    monkeypatch.setattr(split, "FORCE_CHUNKS", chunks or None)
+    if chunks == 0:
+        monkeypatch.setattr(rowwise, "MAX_UNITS", 2)
+        monkeypatch.setattr(rowwise, "MAX_TEAM", 32)
     c = shape[1]
     feeds = {
         "x": (RNG.standard_normal(shape) * 2 + 5.0).astype(np.float32),
         "w": (1 + 0.2 * RNG.standard_normal(c)).astype(np.float32),
         "b": RNG.standard_normal(c).astype(np.float32),
-        "up": RNG.standard_normal((shape[-1], shape[-1])).astype(np.float32),
+        "up": RNG.standard_normal((4, c, 3, 3)).astype(np.float32),
     }
     prog, sess = compile_for(_graph(shape, groups, True), CompileOptions(), gpu_device)
     names = [d.name for d in prog.dispatches]
     assert sum("group_norm+silu" in n for n in names) == (2 if chunks else 1), names
+    assert sum("silu_backward+group_norm_backward" in n for n in names) == (2 if chunks else 1)
+    if chunks == 0:
+        (fused,) = [d for d in prog.dispatches if "group_norm_backward" in d.name]
+        assert "for (var cb" in fused.wgsl
     got = sess.run(feeds, ["y", "dx", "dw", "db"])
     t = {k: torch.from_numpy(v).double().requires_grad_(k != "up") for k, v in feeds.items()}
     ty = TF.silu(TF.group_norm(t["x"], groups, t["w"], t["b"], 1e-5))
-    (ty @ t["up"]).sum().backward()
+    TF.conv2d(ty, t["up"], padding=1).sum().backward()
     want = {"y": ty.detach().numpy(), "dx": t["x"].grad, "dw": t["w"].grad, "db": t["b"].grad}
     for k, w in want.items():
         w = np.asarray(w)

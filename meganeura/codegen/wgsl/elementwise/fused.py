@@ -167,6 +167,23 @@ class _MatmulEpilogue:
         return f"{{ {b.compute(loads, anchor=value)} {b.stores(flat, self.kb)} }}"
 
 
+def _lower_norm_pair(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
+    """A ``passes.fuse_norm`` pair: group_norm + silu, or silu_backward + group_norm_backward."""
+    from ..norm.lowering import lower_norm_act, lower_norm_backward_act  # norm imports maps
+
+    norm = group.anchor
+    (other,) = (m for m in group.members if m != norm)
+    if graph[norm].op == "group_norm":
+        ks = lower_norm_act(graph, norm, other, norm in group.outputs, limits)
+        name = ("group_norm", "group_norm+silu")
+    else:
+        ks = lower_norm_backward_act(graph, norm, other, other in group.outputs, limits)
+        name = ("group_norm_backward", "silu_backward+group_norm_backward")
+    if ks is None:  # pragma: no cover - plan_norm_activation asked norm_act_fusible
+        raise ValueError(f"{graph[norm].op} %{norm} + %{other}: no fused lowering")
+    return [replace(k, name=k.name.replace(*name, 1)) for k in ks]
+
+
 def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
     """The one dispatch computing every member of ``group`` and storing its outputs.
 
@@ -180,14 +197,8 @@ def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[Kernel
             if i not in group.members and not is_constant(graph, i):
                 check_numel(graph, resolve_view(graph, i), limits)
         check_numel(graph, m, limits)
-    if group.anchor is not None and graph[group.anchor].op == "group_norm":
-        from ..norm.lowering import lower_norm_act  # norm imports elementwise maps
-
-        (act,) = (m for m in group.members if m != group.anchor)
-        ks = lower_norm_act(graph, group.anchor, act, group.anchor in group.outputs, limits)
-        if ks is None:  # pragma: no cover - plan_norm_activation asked norm_act_fusible
-            raise ValueError(f"group_norm %{group.anchor} + silu %{act}: no fused lowering")
-        return [replace(k, name=k.name.replace("group_norm", "group_norm+silu", 1)) for k in ks]
+    if group.anchor is not None and graph[group.anchor].op.startswith("group_norm"):
+        return _lower_norm_pair(graph, group, limits)
     if group.anchor is not None and graph[group.anchor].op == BWD_K:
         (value,) = (m for m in group.members if m != group.anchor)
         return lower_key_value(graph, group.anchor, value, limits)

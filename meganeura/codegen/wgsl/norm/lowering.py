@@ -101,15 +101,37 @@ def lower_norm_act(
     return ks or lower_norm_team(graph, node_id, limits, act, store)
 
 
-def norm_act_fusible(graph: Graph, node_id: int, limits: Limits) -> bool:
-    """Whether ``lower_norm_act`` serves group_norm ``node_id`` (``passes.fuse_norm``)."""
+def lower_norm_backward_act(
+    graph: Graph, node_id: int, pro: int, store: bool, limits: Limits
+) -> list[KernelSource] | None:
+    """group_norm_backward (``node_id``) whose g is computed from the ``silu_backward`` node
+    ``pro``'s operands, as one kernel (two when split); g is stored only with ``store``."""
+    ks = lower_group_norm_backward_split(graph, node_id, limits, pro, store)
+    return ks or lower_norm_backward_team(graph, node_id, limits, pro, store)
+
+
+def norm_act_fusible(graph: Graph, node_id: int, other: int, limits: Limits) -> bool:
+    """Whether ``lower_norm_act`` (a group_norm) or ``lower_norm_backward_act`` (a
+    group_norm_backward, ``other`` the silu_backward producing its g) serves ``node_id``
+    (``passes.fuse_norm``): the team kernels plan its groups, and x (and the SiLU gradient's
+    operands) are not constants."""
     node = graph[node_id]
-    if node.op != "group_norm" or node.type.numel == 0:
+    kb = KernelBuilder(graph, node, limits)
+    if node.op == "group_norm_backward":
+        gy, y = graph[other].inputs
+        if kb.read(gy, "gy").literal is not None or kb.read(y, "y").literal is not None:
+            return False
+    if node.op not in ("group_norm", "group_norm_backward") or node.type.numel == 0:
         return False
     shape = graph[node.inputs[0]].type.shape
     if plan_groups(shape, "group_norm", node.attr_dict, limits) is None:
         return False
-    return KernelBuilder(graph, node, limits).read(node.inputs[0], "x").literal is None
+    if (
+        node.op == "group_norm_backward"
+        and group_layout(shape, "group_norm", node.attr_dict).length == 1
+    ):
+        return False  # lowered as a fill
+    return kb.read(node.inputs[0], "x").literal is None
 
 
 def lower_norm(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:

@@ -40,7 +40,8 @@ from ..core.builder import KernelBuilder
 from ..core.literals import f32_literal, u
 from ..matmul.plan import SMS
 from ..rowwise.team import Chunk, RowKernel, TeamPlan, plan_team, sources_bound
-from .team import _param, _stats, act_helpers, bind_outputs, plan_groups, store_normalized
+from .activation import GradIn, act_helpers, bind_outputs, store_normalized
+from .team import _param, _stats, plan_groups
 
 SPLIT_BELOW = 2 * SMS  # one-team workgroups below which a large input is split
 SPLIT_MIN_NUMEL = 1 << 21  # elements (8 MiB of f32): smaller inputs keep one dispatch
@@ -203,24 +204,27 @@ def lower_group_norm_split(
     return [partial, rk.finish("apply", 4 * node.type.numel, 2 * node.type.nbytes)]
 
 
-def _backward_kernel(graph, node_id, limits, plan: TeamPlan, p: int, stage: str):
-    """The ``partial`` or ``apply`` kernel of the input gradient, or None (constant operand)."""
+def _backward_kernel(graph, node_id, limits, plan: TeamPlan, p: int, stage: str, pro, store):
+    """The ``partial`` or ``apply`` kernel of the input gradient, or None (constant operand);
+    ``pro``, ``store``: a SiLU-gradient prologue (``activation.GradIn``), stored by
+    ``apply``."""
     first = _begin(graph, node_id, limits, plan, p)
     if first is None:
         return None
     node, kb, rk, xv = first
     eps = node.attr("eps")
     w = kb.read(node.inputs[1], "weight")
-    g = kb.read(node.inputs[2], "g")
-    if not sources_bound(g):
+    gin = GradIn(rk, node, pro, store and stage == "apply")
+    if not gin.bound:
         return None
-    gv = rk.bind(g)
     wp = _param(rk, w, "w", _channel(rk, node.type.shape, node.attr("num_groups"), p))
+    rk.extra_helpers = gin.helpers()
     if stage == "partial":
-        _stats(rk, xv, False, eps, (gv, wp), shift_unit="gstart")
+        _stats(rk, xv, False, eps, (gin, wp), shift_unit="gstart")
         _store_parts(rk, kb, ["mean", "ssd", "d1", "pg"], plan.rows)
         return rk.finish("partial", 8 * node.type.numel, 2 * node.type.nbytes)
     out = kb.write(node_id, "dx")
+    gin.bind_output()
     _merge(rk, kb, xv, p, eps, True)
     inv_n = f32_literal(1.0 / (plan.n * p))
     rk.line(f"let c1 = d1 * {inv_n};")
@@ -228,25 +232,27 @@ def _backward_kernel(graph, node_id, limits, plan: TeamPlan, p: int, stage: str)
 
     def write(ch: Chunk) -> None:
         rk.load(ch, xv, "a")
-        rk.load(ch, gv, "g")
+        gin(ch)
         wv = wp(ch)
         for i in range(ch.m):
             rk.line(f"let gw{i} = g{i} * {wv(i)};")
             rk.line(f"let xc{i} = (a{i} - shift) - mean;")
         rk.store(ch, out, lambda i: f"rstd * (gw{i} - c1 - (xc{i} * rstd) * c2)")
+        gin.store(ch)
 
     rk.each_chunk(write)
     return rk.finish("apply", 8 * node.type.numel, 3 * node.type.nbytes)
 
 
 def lower_group_norm_backward_split(
-    graph: Graph, node_id: int, limits: Limits
+    graph: Graph, node_id: int, limits: Limits, pro: int | None = None, store: bool = True
 ) -> list[KernelSource] | None:
     """group_norm's input gradient as ``partial`` + ``apply`` over the group's chunks, or
-    None."""
+    None. ``pro``, ``store``: a SiLU-gradient prologue, as ``team.lower_norm_backward_team``."""
     st = _setup(graph, node_id, limits)
     if st is None:
         return None
     p, plan = st
-    ks = [_backward_kernel(graph, node_id, limits, plan, p, s) for s in ("partial", "apply")]
+    stages = ("partial", "apply")
+    ks = [_backward_kernel(graph, node_id, limits, plan, p, s, pro, store) for s in stages]
     return None if None in ks else ks

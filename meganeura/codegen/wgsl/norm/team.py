@@ -46,6 +46,7 @@ from ..core.builder import KernelBuilder, Src
 from ..core.literals import f32_literal, u
 from ..optim import is_nonfinite
 from ..rowwise.team import Chunk, RowKernel, TeamPlan, plan_team, sources_bound
+from .activation import GradIn, act_helpers, bind_outputs, store_normalized
 
 MIN_SEG = 16  # elements per segment below which a segmented row is left to the rows kernels
 
@@ -138,7 +139,7 @@ def _stats(
         rk.load(ch, xv, "a")
         if grad is not None:
             gv, wparam = grad
-            rk.load(ch, gv, "g")
+            gv(ch) if callable(gv) else rk.load(ch, gv, "g")
             w = wparam(ch)
             for i in range(ch.m):
                 rk.line(f"let gw{i} = g{i} * {w(i)};")
@@ -233,44 +234,6 @@ def _setup(graph: Graph, node_id: int, limits: Limits, x_id: int):
     return node, kind, shape, kb, rk, rk.bind(x)
 
 
-def act_helpers(width: int) -> str:
-    """WGSL ``act`` (SiLU, ``x * sigmoid_stable(x)`` as the elementwise ``silu`` map computes
-    it) on a unit of ``width`` elements, for a norm's activation epilogue (``norm.fuse``)."""
-    from ..core.mathlib import helper_source
-
-    h = helper_source(["sigmoid_stable"])
-    h += "fn act_s(x: f32) -> f32 { return x * sigmoid_stable(x); }\n"
-    if width == 4:
-        h += (
-            "fn act(v: vec4<f32>) -> vec4<f32> {\n"
-            "  return vec4<f32>(act_s(v.x), act_s(v.y), act_s(v.z), act_s(v.w));\n}\n"
-        )
-    else:
-        h += "fn act(v: f32) -> f32 { return act_s(v); }\n"
-    return h
-
-
-def store_normalized(rk: RowKernel, ch: Chunk, outs, value) -> None:
-    """Store ``value(i)`` (a normalized unit) to ``outs = (y binding or None, activation
-    binding or None)``: y as it is, the activation as ``act(y)``."""
-    y, act = outs
-    if act is None:
-        rk.store(ch, y, value)
-        return
-    for i in range(ch.m):
-        rk.line(f"let y{i} = {value(i)};")
-    if y is not None:
-        rk.store(ch, y, lambda i: f"y{i}")
-    rk.store(ch, act, lambda i: f"act(y{i})")
-
-
-def bind_outputs(kb: KernelBuilder, node_id: int, act: int | None, store: bool):
-    """(y binding or None, activation binding or None) of a norm with an optional SiLU
-    epilogue ``act`` (the silu node; ``store``: whether y itself is stored)."""
-    y = kb.write(node_id, "out") if store or act is None else None
-    return y, (None if act is None else kb.write(act, "act"))
-
-
 def lower_norm_team(
     graph: Graph, node_id: int, limits: Limits, act: int | None = None, store: bool = True
 ) -> list[KernelSource] | None:
@@ -307,10 +270,12 @@ def lower_norm_team(
 
 
 def lower_norm_backward_team(
-    graph: Graph, node_id: int, limits: Limits
+    graph: Graph, node_id: int, limits: Limits, pro: int | None = None, store: bool = True
 ) -> list[KernelSource] | None:
     """Input gradient ``rstd * (gw - d1 / n - xc rstd * (rstd pg / n))`` as one team kernel
-    (rms_norm: no ``d1`` term), or None."""
+    (rms_norm: no ``d1`` term), or None. With ``pro`` (the ``silu_backward`` node producing
+    g) g is computed from its operands (``activation.GradIn``) and stored there only with
+    ``store``."""
     node = graph[node_id]
     st = _setup(graph, node_id, limits, node.inputs[0])
     if st is None:
@@ -318,13 +283,13 @@ def lower_norm_backward_team(
     node, kind, shape, kb, rk, xv = st
     rms = kind == "rms_norm"
     w = kb.read(node.inputs[1], "weight")
-    g = kb.read(node.inputs[2], "g")
-    if not sources_bound(g):
+    gin = GradIn(rk, node, pro, store)
+    if not gin.bound:
         return None
     out = kb.write(node_id, "dx")
-    gv = rk.bind(g)
+    gin.bind_output()
     wp = _param(rk, w, "w", _channel(rk, kind, shape, node.attr_dict))
-    regs = _stats(rk, xv, rms, node.attr("eps"), (gv, wp))
+    regs = _stats(rk, xv, rms, node.attr("eps"), (gin, wp))
     inv_n = f32_literal(1.0 / rk.plan.n)
     centre = "" if rms else " - c1"
     if not rms:
@@ -333,18 +298,21 @@ def lower_norm_backward_team(
     value = lambda i: f"rstd * (gw{i}{centre} - (xc{i} * rstd) * c2)"  # noqa: E731
     if regs is not None:
         rk.store(regs, out, value)
+        gin.store(regs)
     else:
 
         def write(ch: Chunk) -> None:
             rk.load(ch, xv, "a")
-            rk.load(ch, gv, "g")
+            gin(ch)
             wv = wp(ch)
             for i in range(ch.m):
                 rk.line(f"let gw{i} = g{i} * {wv(i)};")
                 rk.line(f"let xc{i} = (a{i} - shift) - mean;")
             rk.store(ch, out, value)
+            gin.store(ch)
 
         rk.each_chunk(write)
+    rk.extra_helpers = gin.helpers()
     return [rk.finish("", 14 * node.type.numel, 3 * node.type.nbytes)]
 
 
