@@ -33,7 +33,8 @@ def plan_norm_activation(
     """Groups (group_norm, silu) where the silu's operand is the norm's output itself, and
     (silu_backward, group_norm_backward) where the norm gradient's g is the SiLU gradient.
 
-    A pair forms when both are needed and in no other group (``taken``), both have one type,
+    A pair forms when both are needed and in no other group (``taken``), both have one shape
+    (their storage dtypes may differ in the fast mode's storage plan),
     neither value is written through a placed view, every reader of the earlier member
     outside the pair comes after the later one (the kernel runs there), no op with in-place
     effects lies between them, and ``accept(norm node, other member)`` (the lowering serves
@@ -67,7 +68,7 @@ def plan_norm_activation(
             first, last = g, node.id
         else:
             continue
-        if graph[first].type != graph[last].type:
+        if graph[first].type.shape != graph[last].type.shape:
             continue
         if any(u != last and u < last for u in users[first]):
             continue

@@ -132,3 +132,33 @@ def test_forward_only_stores_the_activation_alone(gpu_device):
     t = [torch.from_numpy(a).double() for a in (x, w, b)]
     want = TF.silu(TF.group_norm(t[0], groups, t[1], t[2], 1e-5)).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["strict", "fast"])
+@pytest.mark.parametrize("chunks", [None, 4], ids=["team", "split4"])
+def test_fused_equals_unfused(gpu_device, precision, chunks, monkeypatch):
+    """The pairs compute what the kernels they replace compute, bit for bit on lavapipe, also
+    in the fast mode (y and g rounded to their f16 storage before use, stored or not)."""
+    import meganeura.schedule.schedule as sched
+    from meganeura.codegen.wgsl.norm import split
+    from meganeura.training import compile_for
+
+    monkeypatch.setattr(split, "FORCE_CHUNKS", chunks)
+    shape, groups, c = (2, 16, 8, 8), 4, 16
+    feeds = {
+        "x": (RNG.standard_normal(shape) * 2 + 5.0).astype(np.float32),
+        "w": (1 + 0.2 * RNG.standard_normal(c)).astype(np.float32),
+        "b": RNG.standard_normal(c).astype(np.float32),
+        "up": RNG.standard_normal((4, c, 3, 3)).astype(np.float32),
+    }
+    got = []
+    for fuse in (True, False):
+        if not fuse:
+            monkeypatch.setattr(sched, "plan_norm_activation", lambda *a, **k: ())
+        options = CompileOptions(precision=precision)
+        prog, sess = compile_for(_graph(shape, groups, True), options, gpu_device)
+        assert any("+group_norm_backward" in d.name for d in prog.dispatches) is fuse
+        got.append(sess.run(feeds, ["y", "dx", "dw", "db"]))
+    for k in got[1]:
+        np.testing.assert_array_equal(got[0][k], got[1][k], err_msg=k)

@@ -6,6 +6,7 @@ elementwise ``silu_backward`` map lane by lane), stored only when read elsewhere
 
 from __future__ import annotations
 
+from ....dtypes import DType
 from ..core.builder import KernelBuilder
 from ..rowwise.team import Chunk, RowKernel, sources_bound
 
@@ -21,24 +22,34 @@ def act_helpers(width: int) -> str:
 
 
 def store_normalized(rk: RowKernel, ch: Chunk, outs, value) -> None:
-    """Store ``value(i)`` (a normalized unit) to ``outs = (y binding or None, activation
-    binding or None)``: y as it is, the activation as ``act(y)``."""
-    y, act = outs
+    """Store ``value(i)`` (a normalized unit) to ``outs`` (``bind_outputs``): y as it is, the
+    activation as ``act(y)`` of y rounded to y's storage type (f16 in the fast mode, stored or
+    not), so the pair computes what the two kernels it replaces compute."""
+    y, act, half = outs
     if act is None:
         rk.store(ch, y, value)
         return
     for i in range(ch.m):
-        rk.line(f"let y{i} = {value(i)};")
+        v = value(i)
+        rk.line(f"let y{i} = {as_stored(v, rk.plan.width) if half else v};")
     if y is not None:
         rk.store(ch, y, lambda i: f"y{i}")
     rk.store(ch, act, lambda i: f"act(y{i})")
 
 
 def bind_outputs(kb: KernelBuilder, node_id: int, act: int | None, store: bool):
-    """(y binding or None, activation binding or None) of a norm with an optional SiLU
-    epilogue ``act`` (the silu node; ``store``: whether y itself is stored)."""
+    """(y binding or None, activation binding or None, whether y is stored as f16) of a norm
+    with an optional SiLU epilogue ``act`` (the silu node; ``store``: whether y itself is
+    stored)."""
     y = kb.write(node_id, "out") if store or act is None else None
-    return y, (None if act is None else kb.write(act, "act"))
+    half = kb.graph[node_id].type.dtype is DType.f16
+    return y, (None if act is None else kb.write(act, "act")), half
+
+
+def as_stored(expr: str, width: int) -> str:
+    """``expr`` (f32 or vec4<f32>) rounded to f16 and widened back: what a kernel reading
+    an f16-stored value sees."""
+    return f"vec4<f32>(vec4<f16>({expr}))" if width == 4 else f"f32(f16({expr}))"
 
 
 def _lanes(name: str, scalar: str, width: int) -> str:
@@ -52,7 +63,8 @@ def _lanes(name: str, scalar: str, width: int) -> str:
 class GradIn:
     """How an input-gradient kernel gets ``g``: loaded from operand 2 of ``node``, or with
     ``pro`` (a ``silu_backward`` node, operands ``(gy, y)``) computed as ``gy * silu_grad(y)``
-    and, with ``store``, stored to ``pro``'s value. Calling it emits ``g{i}`` for a chunk."""
+    (rounded to f16 when ``pro`` is stored so, as the unfused kernels read it) and, with
+    ``store``, stored to ``pro``'s value. Calling it emits ``g{i}`` for a chunk."""
 
     def __init__(self, rk: RowKernel, node, pro: int | None, store: bool) -> None:
         self.rk, self.kb, self.pro, self._store = rk, rk.kb, pro, store
@@ -78,8 +90,10 @@ class GradIn:
             return
         self.rk.load(ch, self.vars[0], "gy")
         self.rk.load(ch, self.vars[1], "ay")
+        half = self.kb.graph[self.pro].type.dtype is DType.f16
         for i in range(ch.m):
-            self.rk.line(f"let g{i} = gy{i} * act_grad(ay{i});")
+            g = f"gy{i} * act_grad(ay{i})"
+            self.rk.line(f"let g{i} = {as_stored(g, self.rk.plan.width) if half else g};")
 
     def store(self, ch: Chunk) -> None:
         if self.out is not None:
