@@ -1,15 +1,18 @@
 """Pair a group_norm with the SiLU that reads it, and the SiLU's gradient with the norm's input
-gradient, for one kernel to compute each pair (the normalize-then-activate of a U-Net's or a
-diffusion model's residual blocks).
+gradient (and the weight gradient's statistics with it), for one kernel to compute each pair
+(the normalize-then-activate of a U-Net's or a diffusion model's residual blocks).
 
 The norm kernel stores ``silu(y)`` from its registers (``codegen.wgsl.norm.activation
 .store_normalized``), and y itself only when something else reads it (in training the SiLU's
 gradient does), so the pair costs one dispatch instead of two and the SiLU's read of y goes.
 The input-gradient kernel computes its ``g = gy * silu_grad(y)`` from the SiLU gradient's
 operands (``activation.GradIn``) and stores g only when read elsewhere (in training the
-weight and bias gradients read it).
-The graph is not rewritten: as ``passes.fuse`` groups, the pair is a ``FusionGroup`` anchored
-on the norm, lowered at the SiLU's position.
+weight and bias gradients read it). A group_norm_weight_backward of the same x and g joins the
+input gradient: its kernel leaves the group statistics in the weight gradient's scratch, so
+only the channel sums remain (its own statistics kernel goes).
+
+The graph is not rewritten: as ``passes.fuse`` groups, a group is a ``FusionGroup`` anchored
+on the norm, lowered at its last member's position.
 """
 
 from __future__ import annotations
@@ -28,22 +31,26 @@ def plan_norm_activation(
     graph: Graph,
     needed: Sequence[bool],
     taken: Collection[int] = (),
-    accept: Callable[[int, int], bool] = lambda n, a: True,
+    accept: Callable[[int, tuple[int, ...]], bool] = lambda n, o: True,
 ) -> tuple[FusionGroup, ...]:
-    """Groups (group_norm, silu) where the silu's operand is the norm's output itself, and
-    (silu_backward, group_norm_backward) where the norm gradient's g is the SiLU gradient.
+    """Groups anchored on a norm node: (group_norm, silu) where the silu's operand is the
+    norm's output itself; and a group_norm_backward with the silu_backward producing its g
+    and / or the group_norm_weight_backward reading the same x and g (its kernel leaves the
+    group statistics for the weight gradient's channel sums).
 
-    A pair forms when both are needed and in no other group (``taken``), both have one shape
-    (their storage dtypes may differ in the fast mode's storage plan),
-    neither value is written through a placed view, every reader of the earlier member
-    outside the pair comes after the later one (the kernel runs there), no op with in-place
-    effects lies between them, and ``accept(norm node, other member)`` (the lowering serves
-    it: ``codegen.wgsl.norm.lowering.norm_act_fusible``). A norm read by several silus pairs
-    with the first.
+    A member joins when it is needed and in no other group (``taken``), has the norm's shape
+    (group_norm / silu pairs; storage dtypes may differ in the fast mode's storage plan), is
+    not written through a placed view, every reader outside the group of every member but
+    the last comes after the last (the kernel runs there), no op with in-place effects lies
+    between the first and the last, and ``accept(norm node, the other members)`` (the lowering
+    serves it: ``codegen.wgsl.norm.lowering.norm_act_fusible``). A norm read by several silus
+    pairs with the first.
 
     Returns:
-        Groups ordered by their last member, anchored on the norm node; outputs: the later
-        member, and the earlier one when it is a graph output or read outside the pair.
+        Groups ordered by their last member, anchored on the norm node. Outputs: the last
+        member, every other member that is a graph output or read outside the group, and the
+        silu_backward's g whenever the weight gradient is in the group (its channel sums read
+        g from memory).
     """
     users = graph.users()
     outs = {v for _, v in graph.outputs}
@@ -51,6 +58,13 @@ def plan_norm_activation(
 
     def free(v: int) -> bool:
         return needed[v] and v not in taken and write_view(graph, v) is None
+
+    def valid(members: list[int]) -> bool:
+        last = max(members)
+        for m in members:
+            if any(u not in members and u < last for u in users[m]):
+                return False
+        return not any(min(members) < e < last for e in effects)
 
     groups = []
     for node in graph.nodes:
@@ -60,23 +74,47 @@ def plan_norm_activation(
             acts = [u for u in users[node.id] if graph[u].op in ACTIVATIONS and free(u)]
             if not acts or graph[acts[0]].inputs != (node.id,):
                 continue
-            first, last = node.id, acts[0]
-        elif node.op == "group_norm_backward":
-            g = node.inputs[2]
-            if graph[g].op != "silu_backward" or not free(g) or g in node.inputs[:2]:
+            if graph[acts[0]].type.shape != node.type.shape:
                 continue
-            first, last = g, node.id
+            members = [node.id, acts[0]]
+        elif node.op == "group_norm_backward":
+            x, _, g = node.inputs
+            members = [node.id]
+            if (
+                graph[g].op == "silu_backward"
+                and free(g)
+                and g not in node.inputs[:2]
+                and graph[g].type.shape == node.type.shape
+                and valid([g, node.id])
+            ):
+                members.insert(0, g)
+            wgrads = [
+                u
+                for u in users[x]
+                if graph[u].op == "group_norm_weight_backward"
+                and graph[u].inputs == (x, g)
+                and graph[u].attrs == node.attrs
+                and u > node.id
+                and free(u)
+            ]
+            if wgrads and valid([*members, wgrads[0]]):
+                members.append(wgrads[0])
         else:
             continue
-        if graph[first].type.shape != graph[last].type.shape:
+        if len(members) < 2 or not valid(members):
             continue
-        if any(u != last and u < last for u in users[first]):
+        if not accept(node.id, tuple(m for m in members if m != node.id)):
             continue
-        if any(first < e < last for e in effects):
-            continue
-        if not accept(node.id, last if first == node.id else first):
-            continue
-        stored = first in outs or any(u != last for u in users[first])
-        outputs = (first, last) if stored else (last,)
-        groups.append(FusionGroup((first, last), outputs, graph[last].type.shape, node.id))
-    return tuple(groups)
+        member_set = set(members)
+        wgrad = graph[members[-1]].op == "group_norm_weight_backward"
+        outputs = tuple(
+            m
+            for m in members
+            if m == members[-1]
+            or m in outs
+            or any(u not in member_set for u in users[m])
+            or (wgrad and graph[m].op == "silu_backward")
+        )
+        shape = graph[node.id].type.shape
+        groups.append(FusionGroup(tuple(members), outputs, shape, node.id))
+    return tuple(sorted(groups, key=lambda grp: grp.sink))

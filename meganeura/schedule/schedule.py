@@ -122,7 +122,7 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         )
         taken = {m for g in fused + kv + rope for m in g.members}
         norm_act = plan_norm_activation(
-            graph, needed, taken, lambda n, a: norm_act_fusible(graph, n, a, limits)
+            graph, needed, taken, lambda n, o: norm_act_fusible(graph, n, o, limits)
         )
         groups = tuple(sorted(fused + kv + rope + norm_act, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()

@@ -48,24 +48,30 @@ def _graph(shape, groups, grads: bool):
 
 
 @pytest.mark.parametrize("grads", [False, True], ids=["forward", "training"])
-def test_pairs_form_and_store_only_what_is_read(grads):
+def test_groups_form_and_store_only_what_is_read(grads):
     g = _graph((2, 8, 4, 4), 2, grads)
-    pairs = plan_norm_activation(g, needed_nodes(g))
-    ops = [tuple(g[m].op for m in grp.members) for grp in pairs]
-    want = [("group_norm", "silu")] + [("silu_backward", "group_norm_backward")] * grads
-    assert ops == want
-    for grp in pairs:
-        first, last = grp.members
-        assert grp.anchor == (first if g[first].op == "group_norm" else last)
+    groups = plan_norm_activation(g, needed_nodes(g))
+    ops = [tuple(g[m].op for m in grp.members) for grp in groups]
+    bwd = ("silu_backward", "group_norm_backward", "group_norm_weight_backward")
+    assert ops == [("group_norm", "silu")] + [bwd] * grads
+    for grp in groups:
+        assert g[grp.anchor].op in ("group_norm", "group_norm_backward")
         # In training silu_backward reads y, and the weight and bias gradients read g.
-        assert grp.outputs == ((first, last) if grads else (last,))
+        assert grp.outputs == (grp.members if grads else grp.members[1:])
     dispatches = schedule(g, Limits(), fuse=True).dispatches
-    names = [ks.name.split()[-1] for _, ks in dispatches]
-    assert [n for n in names if "+" in n] == ["+".join(o) for o in want]
-    assert not {"silu", "silu_backward", "group_norm", "group_norm_backward"} & set(names)
-    for grp, ks in zip(pairs, [ks for _, ks in dispatches if "+" in ks.name], strict=True):
-        bound = {r.node for r in ks.bindings if isinstance(r, ValueRef) and r.write}
-        assert bound == set(grp.outputs)
+    names = [ks.name.split(maxsplit=1)[1] for _, ks in dispatches]
+    want = ["group_norm+silu"]
+    if grads:
+        want += ["silu_backward+group_norm_backward", "group_norm_weight_backward reduce"]
+    assert [n for n in names if "norm" in n or "silu" in n] == want
+    for grp in groups:
+        kernels = [ks for nid, ks in dispatches if nid == grp.sink]
+        bound = {r.node for ks in kernels for r in ks.bindings if isinstance(r, ValueRef)}
+        written = {
+            r.node for ks in kernels for r in ks.bindings if isinstance(r, ValueRef) and r.write
+        }
+        assert written == set(grp.outputs)
+        assert not (set(grp.members) - set(grp.outputs)) & bound  # no storage for the rest
 
 
 _MODE = {None: "team", 0: "team_chunked"}
@@ -105,6 +111,7 @@ def test_fused_values_match_torch(gpu_device, shape, groups, chunks, monkeypatch
     names = [d.name for d in prog.dispatches]
     assert sum("group_norm+silu" in n for n in names) == (2 if chunks else 1), names
     assert sum("silu_backward+group_norm_backward" in n for n in names) == (2 if chunks else 1)
+    assert not any("stats" in n for n in names)  # the weight gradient reads the pair's
     if chunks == 0:
         (fused,) = [d for d in prog.dispatches if "group_norm_backward" in d.name]
         assert "for (var cb" in fused.wgsl
@@ -138,8 +145,11 @@ def test_forward_only_stores_the_activation_alone(gpu_device):
 @pytest.mark.parametrize("precision", ["strict", "fast"])
 @pytest.mark.parametrize("chunks", [None, 4], ids=["team", "split4"])
 def test_fused_equals_unfused(gpu_device, precision, chunks, monkeypatch):
-    """The pairs compute what the kernels they replace compute, bit for bit on lavapipe, also
-    in the fast mode (y and g rounded to their f16 storage before use, stored or not)."""
+    """The groups compute what the kernels they replace compute, bit for bit on lavapipe, also
+    in the fast mode (y and g rounded to their f16 storage before use, stored or not); except
+    the weight gradient of split groups, whose statistics are the input gradient's merged
+    partials rather than the one-team statistics kernel's (the same formulas, summed in
+    another order)."""
     import meganeura.schedule.schedule as sched
     from meganeura.codegen.wgsl.norm import split
     from meganeura.training import compile_for
@@ -161,4 +171,8 @@ def test_fused_equals_unfused(gpu_device, precision, chunks, monkeypatch):
         assert any("+group_norm_backward" in d.name for d in prog.dispatches) is fuse
         got.append(sess.run(feeds, ["y", "dx", "dw", "db"]))
     for k in got[1]:
-        np.testing.assert_array_equal(got[0][k], got[1][k], err_msg=k)
+        if k == "dw" and chunks:
+            tol = 1e-6 * np.abs(got[1][k]).max()  # dw sums cancel: scale to the largest
+            np.testing.assert_allclose(got[0][k], got[1][k], rtol=1e-5, atol=tol, err_msg=k)
+        else:
+            np.testing.assert_array_equal(got[0][k], got[1][k], err_msg=k)

@@ -168,20 +168,23 @@ class _MatmulEpilogue:
 
 
 def _lower_norm_pair(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
-    """A ``passes.fuse_norm`` pair: group_norm + silu, or silu_backward + group_norm_backward."""
+    """A ``passes.fuse_norm`` group: group_norm + silu, or group_norm_backward with its
+    silu_backward and / or group_norm_weight_backward."""
     from ..norm.lowering import lower_norm_act, lower_norm_backward_act  # norm imports maps
 
     norm = group.anchor
-    (other,) = (m for m in group.members if m != norm)
+    role = {graph[m].op: m for m in group.members if m != norm}
     if graph[norm].op == "group_norm":
-        ks = lower_norm_act(graph, norm, other, norm in group.outputs, limits)
-        name = ("group_norm", "group_norm+silu")
+        ks = lower_norm_act(graph, norm, role["silu"], norm in group.outputs, limits)
     else:
-        ks = lower_norm_backward_act(graph, norm, other, other in group.outputs, limits)
-        name = ("group_norm_backward", "silu_backward+group_norm_backward")
+        pro = role.get("silu_backward")
+        wgrad = role.get("group_norm_weight_backward")
+        ks = lower_norm_backward_act(graph, norm, pro, pro in group.outputs, wgrad, limits)
     if ks is None:  # pragma: no cover - plan_norm_activation asked norm_act_fusible
-        raise ValueError(f"{graph[norm].op} %{norm} + %{other}: no fused lowering")
-    return [replace(k, name=k.name.replace(*name, 1)) for k in ks]
+        raise ValueError(f"{graph[norm].op} %{norm} + {role}: no fused lowering")
+    ops = [graph[m].op for m in group.members if graph[m].op != "group_norm_weight_backward"]
+    joined = "+".join(ops)
+    return [replace(k, name=k.name.replace(graph[norm].op, joined, 1)) for k in ks]
 
 
 def lower_group(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:

@@ -21,6 +21,8 @@ statistics."""
 
 from __future__ import annotations
 
+import math
+
 from ....graph.ir import Graph
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src, indent
@@ -40,6 +42,7 @@ from ..rowwise.rows import (
 from .layout import Layout, channel_layout, group_layout
 from .split import lower_group_norm_backward_split, lower_group_norm_split
 from .team import (
+    _plan_channels,
     kind_of,
     lower_norm_backward_team,
     lower_norm_team,
@@ -102,36 +105,48 @@ def lower_norm_act(
 
 
 def lower_norm_backward_act(
-    graph: Graph, node_id: int, pro: int, store: bool, limits: Limits
+    graph: Graph, node_id: int, pro: int | None, store: bool, wgrad: int | None, limits: Limits
 ) -> list[KernelSource] | None:
     """group_norm_backward (``node_id``) whose g is computed from the ``silu_backward`` node
-    ``pro``'s operands, as one kernel (two when split); g is stored only with ``store``."""
-    ks = lower_group_norm_backward_split(graph, node_id, limits, pro, store)
-    return ks or lower_norm_backward_team(graph, node_id, limits, pro, store)
+    ``pro``'s operands (None: g read as usual), g stored only with ``store``; with ``wgrad``
+    (its group_norm_weight_backward) the kernel also leaves the group statistics, and the
+    weight gradient's channel sums follow, reading them. One kernel (two when split), plus
+    the channel sums; None when a part has no such lowering."""
+    ks = lower_group_norm_backward_split(graph, node_id, limits, pro, store, wgrad is not None)
+    ks = ks or lower_norm_backward_team(graph, node_id, limits, pro, store, wgrad is not None)
+    if ks is None or wgrad is None:
+        return ks
+    sums = weight_backward_team(graph, wgrad, limits, with_stats=False)
+    return None if sums is None else ks + sums
 
 
-def norm_act_fusible(graph: Graph, node_id: int, other: int, limits: Limits) -> bool:
-    """Whether ``lower_norm_act`` (a group_norm) or ``lower_norm_backward_act`` (a
-    group_norm_backward, ``other`` the silu_backward producing its g) serves ``node_id``
-    (``passes.fuse_norm``): the team kernels plan its groups, and x (and the SiLU gradient's
-    operands) are not constants."""
+def norm_act_fusible(graph: Graph, node_id: int, others: tuple[int, ...], limits: Limits) -> bool:
+    """Whether ``lower_norm_act`` (a group_norm, ``others`` its silu) or
+    ``lower_norm_backward_act`` (a group_norm_backward, ``others`` its silu_backward and / or
+    group_norm_weight_backward) serves ``node_id`` (``passes.fuse_norm``): the team kernels plan
+    its groups (and the weight gradient's channels), and x, g or the SiLU gradient's operands
+    are not constants."""
     node = graph[node_id]
-    kb = KernelBuilder(graph, node, limits)
-    if node.op == "group_norm_backward":
-        gy, y = graph[other].inputs
-        if kb.read(gy, "gy").literal is not None or kb.read(y, "y").literal is not None:
-            return False
     if node.op not in ("group_norm", "group_norm_backward") or node.type.numel == 0:
         return False
+    kb = KernelBuilder(graph, node, limits)
     shape = graph[node.inputs[0]].type.shape
+    reads = [node.inputs[0]]
+    for o in others:
+        if graph[o].op == "silu_backward":
+            reads += list(graph[o].inputs)
+        elif graph[o].op == "group_norm_weight_backward":
+            n, c, s = shape[0], shape[1], math.prod(shape[2:])
+            if _plan_channels(n, c, s, limits) is None:
+                return False
+            reads.append(node.inputs[2])
+    if any(kb.read(v, f"v{k}").literal is not None for k, v in enumerate(reads)):
+        return False
     if plan_groups(shape, "group_norm", node.attr_dict, limits) is None:
         return False
-    if (
-        node.op == "group_norm_backward"
-        and group_layout(shape, "group_norm", node.attr_dict).length == 1
-    ):
-        return False  # lowered as a fill
-    return kb.read(node.inputs[0], "x").literal is None
+    if node.op == "group_norm_backward":
+        return group_layout(shape, "group_norm", node.attr_dict).length > 1  # else a fill
+    return True
 
 
 def lower_norm(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:

@@ -41,7 +41,7 @@ from ..core.literals import f32_literal, u
 from ..matmul.plan import SMS
 from ..rowwise.team import Chunk, RowKernel, TeamPlan, plan_team, sources_bound
 from .activation import GradIn, act_helpers, bind_outputs, store_normalized
-from .team import _param, _stats, plan_groups
+from .team import _param, _stats, plan_groups, stats_store
 
 SPLIT_BELOW = 2 * SMS  # one-team workgroups below which a large input is split
 SPLIT_MIN_NUMEL = 1 << 21  # elements (8 MiB of f32): smaller inputs keep one dispatch
@@ -204,10 +204,11 @@ def lower_group_norm_split(
     return [partial, rk.finish("apply", 4 * node.type.numel, 2 * node.type.nbytes)]
 
 
-def _backward_kernel(graph, node_id, limits, plan: TeamPlan, p: int, stage: str, pro, store):
+def _backward_kernel(graph, node_id, limits, plan: TeamPlan, p: int, stage: str, pro, store, stats):
     """The ``partial`` or ``apply`` kernel of the input gradient, or None (constant operand);
     ``pro``, ``store``: a SiLU-gradient prologue (``activation.GradIn``), stored by
-    ``apply``."""
+    ``apply``; ``stats``: ``apply`` also leaves the merged statistics for the weight gradient
+    (``team.stats_store``)."""
     first = _begin(graph, node_id, limits, plan, p)
     if first is None:
         return None
@@ -226,6 +227,8 @@ def _backward_kernel(graph, node_id, limits, plan: TeamPlan, p: int, stage: str,
     out = kb.write(node_id, "dx")
     gin.bind_output()
     _merge(rk, kb, xv, p, eps, True)
+    if stats:
+        stats_store(rk, f"row / {u(p)}", plan.rows // p, f" && row % {u(p)} == 0u")
     inv_n = f32_literal(1.0 / (plan.n * p))
     rk.line(f"let c1 = d1 * {inv_n};")
     rk.line(f"let c2 = rstd * pg * {inv_n};")
@@ -245,14 +248,19 @@ def _backward_kernel(graph, node_id, limits, plan: TeamPlan, p: int, stage: str,
 
 
 def lower_group_norm_backward_split(
-    graph: Graph, node_id: int, limits: Limits, pro: int | None = None, store: bool = True
+    graph: Graph,
+    node_id: int,
+    limits: Limits,
+    pro: int | None = None,
+    store: bool = True,
+    stats: bool = False,
 ) -> list[KernelSource] | None:
     """group_norm's input gradient as ``partial`` + ``apply`` over the group's chunks, or
-    None. ``pro``, ``store``: a SiLU-gradient prologue, as ``team.lower_norm_backward_team``."""
+    None. ``pro``, ``store``, ``stats``: as ``team.lower_norm_backward_team``."""
     st = _setup(graph, node_id, limits)
     if st is None:
         return None
     p, plan = st
     stages = ("partial", "apply")
-    ks = [_backward_kernel(graph, node_id, limits, plan, p, s, pro, store) for s in stages]
+    ks = [_backward_kernel(graph, node_id, limits, plan, p, s, pro, store, stats) for s in stages]
     return None if None in ks else ks

@@ -270,12 +270,18 @@ def lower_norm_team(
 
 
 def lower_norm_backward_team(
-    graph: Graph, node_id: int, limits: Limits, pro: int | None = None, store: bool = True
+    graph: Graph,
+    node_id: int,
+    limits: Limits,
+    pro: int | None = None,
+    store: bool = True,
+    stats: bool = False,
 ) -> list[KernelSource] | None:
     """Input gradient ``rstd * (gw - d1 / n - xc rstd * (rstd pg / n))`` as one team kernel
     (rms_norm: no ``d1`` term), or None. With ``pro`` (the ``silu_backward`` node producing
     g) g is computed from its operands (``activation.GradIn``) and stored there only with
-    ``store``."""
+    ``store``. With ``stats`` the kernel also leaves each group's statistics for the weight
+    gradient's channel sums (``stats_store``)."""
     node = graph[node_id]
     st = _setup(graph, node_id, limits, node.inputs[0])
     if st is None:
@@ -290,6 +296,8 @@ def lower_norm_backward_team(
     gin.bind_output()
     wp = _param(rk, w, "w", _channel(rk, kind, shape, node.attr_dict))
     regs = _stats(rk, xv, rms, node.attr("eps"), (gin, wp))
+    if stats:
+        stats_store(rk, "row", rk.plan.rows)
     inv_n = f32_literal(1.0 / rk.plan.n)
     centre = "" if rms else " - c1"
     if not rms:
@@ -331,10 +339,14 @@ def stats_team(graph: Graph, node_id: int, limits: Limits, x_id: int) -> KernelS
     return rk.finish("stats")
 
 
-def weight_backward_team(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource] | None:
+def weight_backward_team(
+    graph: Graph, node_id: int, limits: Limits, with_stats: bool = True
+) -> list[KernelSource] | None:
     """batch_norm's ``dweight[c] = rstd * sum g * xc`` over channel c as one team kernel; group
     norm's channel sums of ``g * xhat`` with the group statistics from scratch (the stats
-    kernel comes first); None for the other norms and layouts the teams do not serve."""
+    kernel comes first; without ``with_stats`` only the sums, the statistics left in scratch
+    by the input gradient's kernel: ``stats_store``); None for the other norms and layouts the
+    teams do not serve."""
     node = graph[node_id]
     x_id, g_id = node.inputs
     kind = kind_of(node.op)
@@ -354,8 +366,8 @@ def weight_backward_team(graph: Graph, node_id: int, limits: Limits) -> list[Ker
     shape = graph[x_id].type.shape
     n, c, s = _segments(shape)
     plan = _plan_channels(n, c, s, limits)
-    stats_k = stats_team(graph, node_id, limits, x_id)
-    if plan is None or stats_k is None:
+    stats_k = stats_team(graph, node_id, limits, x_id) if with_stats else None
+    if plan is None or (with_stats and stats_k is None):
         return None
     groups = node.attr("num_groups")
     kb = KernelBuilder(graph, node, limits)
@@ -383,7 +395,18 @@ def weight_backward_team(graph: Graph, node_id: int, limits: Limits) -> list[Ker
     rk.each_chunk(body)
     rk.reduce("acc", "+", "total")
     rk.line(f"if (live && y == 0u) {{ {kb.store(out, 'row', 'total')} }}")
-    return [stats_k, rk.finish("reduce")]
+    return [stats_k, rk.finish("reduce")] if with_stats else [rk.finish("reduce")]
+
+
+def stats_store(rk: RowKernel, group: str, count: int, cond: str = "") -> None:
+    """Store ``shift, mean, rstd`` of group ``group`` into scratch ``stats`` [3 * count] (the
+    weight gradient's, ``weight_backward_team``) from thread 0 of live rows (``cond``: a further
+    WGSL condition, `` && ...``)."""
+    st = rk.kb.scratch("stats", 3 * count, rk.kb.node.type.dtype, "stats")
+    rk.line(f"if (live && y == 0u{cond}) {{")
+    for k, v in enumerate(("shift", "mean", "rstd")):
+        rk.line(f"  {st}[3u * ({group}) + {u(k)}] = {v};")
+    rk.line("}")
 
 
 def update_stats_stores(kb: KernelBuilder, node, m: int) -> tuple[str, list[str]]:
