@@ -9,7 +9,8 @@ The input-gradient kernel computes its ``g = gy * silu_grad(y)`` from the SiLU g
 operands (``activation.GradIn``) and stores g only when read elsewhere (in training the
 weight and bias gradients read it). A group_norm_weight_backward of the same x and g joins the
 input gradient: its kernel leaves the group statistics in the weight gradient's scratch, so
-only the channel sums remain (its own statistics kernel goes).
+only the channel sums remain (its own statistics kernel goes); the bias gradient's sum of g over
+the channels joins those.
 
 The graph is not rewritten: as ``passes.fuse`` groups, a group is a ``FusionGroup`` anchored
 on the norm, lowered at its last member's position.
@@ -36,7 +37,8 @@ def plan_norm_activation(
     """Groups anchored on a norm node: (group_norm, silu) where the silu's operand is the
     norm's output itself; and a group_norm_backward with the silu_backward producing its g
     and / or the group_norm_weight_backward reading the same x and g (its kernel leaves the
-    group statistics for the weight gradient's channel sums).
+    group statistics for the weight gradient's channel sums) and then the bias gradient's
+    ``sum`` of g over the same channels (the channel sums take it too).
 
     A member joins when it is needed and in no other group (``taken``), has the norm's shape
     (group_norm / silu pairs; storage dtypes may differ in the fast mode's storage plan), is
@@ -99,6 +101,18 @@ def plan_norm_activation(
             ]
             if wgrads and valid([*members, wgrads[0]]):
                 members.append(wgrads[0])
+                dims = (0, *range(2, len(graph[x].type.shape)))
+                sums = [
+                    u
+                    for u in users[g]
+                    if graph[u].op == "sum"
+                    and graph[u].attr_dict == {"dims": dims, "keepdim": False}
+                    and graph[u].type.shape == (graph[x].type.shape[1],)
+                    and u > wgrads[0]
+                    and free(u)
+                ]
+                if sums and valid([*members, sums[0]]):
+                    members.append(sums[0])
         else:
             continue
         if len(members) < 2 or not valid(members):
@@ -106,7 +120,7 @@ def plan_norm_activation(
         if not accept(node.id, tuple(m for m in members if m != node.id)):
             continue
         member_set = set(members)
-        wgrad = graph[members[-1]].op == "group_norm_weight_backward"
+        wgrad = any(graph[m].op == "group_norm_weight_backward" for m in members)
         outputs = tuple(
             m
             for m in members

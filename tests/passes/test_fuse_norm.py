@@ -52,11 +52,11 @@ def test_groups_form_and_store_only_what_is_read(grads):
     g = _graph((2, 8, 4, 4), 2, grads)
     groups = plan_norm_activation(g, needed_nodes(g))
     ops = [tuple(g[m].op for m in grp.members) for grp in groups]
-    bwd = ("silu_backward", "group_norm_backward", "group_norm_weight_backward")
+    bwd = ("silu_backward", "group_norm_backward", "group_norm_weight_backward", "sum")
     assert ops == [("group_norm", "silu")] + [bwd] * grads
     for grp in groups:
         assert g[grp.anchor].op in ("group_norm", "group_norm_backward")
-        # In training silu_backward reads y, and the weight and bias gradients read g.
+        # In training silu_backward reads y; the channel sums read g from memory.
         assert grp.outputs == (grp.members if grads else grp.members[1:])
     dispatches = schedule(g, Limits(), fuse=True).dispatches
     names = [ks.name.split(maxsplit=1)[1] for _, ks in dispatches]
@@ -147,9 +147,10 @@ def test_forward_only_stores_the_activation_alone(gpu_device):
 def test_fused_equals_unfused(gpu_device, precision, chunks, monkeypatch):
     """The groups compute what the kernels they replace compute, bit for bit on lavapipe, also
     in the fast mode (y and g rounded to their f16 storage before use, stored or not); except
-    the weight gradient of split groups, whose statistics are the input gradient's merged
-    partials rather than the one-team statistics kernel's (the same formulas, summed in
-    another order)."""
+    the sums a group takes in another order: the bias gradient (the channel sums' team
+    reduction instead of the sum kernel's) and the weight gradient of split groups (its
+    statistics are the input gradient's merged partials, not the one-team statistics
+    kernel's)."""
     import meganeura.schedule.schedule as sched
     from meganeura.codegen.wgsl.norm import split
     from meganeura.training import compile_for
@@ -171,8 +172,8 @@ def test_fused_equals_unfused(gpu_device, precision, chunks, monkeypatch):
         assert any("+group_norm_backward" in d.name for d in prog.dispatches) is fuse
         got.append(sess.run(feeds, ["y", "dx", "dw", "db"]))
     for k in got[1]:
-        if k == "dw" and chunks:
-            tol = 1e-6 * np.abs(got[1][k]).max()  # dw sums cancel: scale to the largest
+        if k == "db" or (k == "dw" and chunks):
+            tol = 1e-6 * np.abs(got[1][k]).max()  # the sums cancel: scale to the largest
             np.testing.assert_allclose(got[0][k], got[1][k], rtol=1e-5, atol=tol, err_msg=k)
         else:
             np.testing.assert_array_equal(got[0][k], got[1][k], err_msg=k)

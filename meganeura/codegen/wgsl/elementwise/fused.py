@@ -179,10 +179,12 @@ def _lower_norm_pair(graph: Graph, group: FusionGroup, limits: Limits) -> list[K
     else:
         pro = role.get("silu_backward")
         wgrad = role.get("group_norm_weight_backward")
-        ks = lower_norm_backward_act(graph, norm, pro, pro in group.outputs, wgrad, limits)
+        bias = role.get("sum")
+        ks = lower_norm_backward_act(graph, norm, pro, pro in group.outputs, wgrad, limits, bias)
     if ks is None:  # pragma: no cover - plan_norm_activation asked norm_act_fusible
         raise ValueError(f"{graph[norm].op} %{norm} + {role}: no fused lowering")
-    ops = [graph[m].op for m in group.members if graph[m].op != "group_norm_weight_backward"]
+    ops = [graph[m].op for m in group.members if graph[m].op in ("silu", "silu_backward")]
+    ops.insert(0 if graph[norm].op == "group_norm" else len(ops), graph[norm].op)
     joined = "+".join(ops)
     return [replace(k, name=k.name.replace(graph[norm].op, joined, 1)) for k in ks]
 

@@ -105,18 +105,25 @@ def lower_norm_act(
 
 
 def lower_norm_backward_act(
-    graph: Graph, node_id: int, pro: int | None, store: bool, wgrad: int | None, limits: Limits
+    graph: Graph,
+    node_id: int,
+    pro: int | None,
+    store: bool,
+    wgrad: int | None,
+    limits: Limits,
+    bias: int | None = None,
 ) -> list[KernelSource] | None:
     """group_norm_backward (``node_id``) whose g is computed from the ``silu_backward`` node
     ``pro``'s operands (None: g read as usual), g stored only with ``store``; with ``wgrad``
     (its group_norm_weight_backward) the kernel also leaves the group statistics, and the
-    weight gradient's channel sums follow, reading them. One kernel (two when split), plus
-    the channel sums; None when a part has no such lowering."""
+    weight gradient's channel sums follow, reading them (and with ``bias``, the bias
+    gradient's ``sum`` node, summing g too). One kernel (two when split), plus the channel
+    sums; None when a part has no such lowering."""
     ks = lower_group_norm_backward_split(graph, node_id, limits, pro, store, wgrad is not None)
     ks = ks or lower_norm_backward_team(graph, node_id, limits, pro, store, wgrad is not None)
     if ks is None or wgrad is None:
         return ks
-    sums = weight_backward_team(graph, wgrad, limits, with_stats=False)
+    sums = weight_backward_team(graph, wgrad, limits, with_stats=False, bias=bias)
     return None if sums is None else ks + sums
 
 

@@ -340,13 +340,14 @@ def stats_team(graph: Graph, node_id: int, limits: Limits, x_id: int) -> KernelS
 
 
 def weight_backward_team(
-    graph: Graph, node_id: int, limits: Limits, with_stats: bool = True
+    graph: Graph, node_id: int, limits: Limits, with_stats: bool = True, bias: int | None = None
 ) -> list[KernelSource] | None:
     """batch_norm's ``dweight[c] = rstd * sum g * xc`` over channel c as one team kernel; group
     norm's channel sums of ``g * xhat`` with the group statistics from scratch (the stats
     kernel comes first; without ``with_stats`` only the sums, the statistics left in scratch
-    by the input gradient's kernel: ``stats_store``); None for the other norms and layouts the
-    teams do not serve."""
+    by the input gradient's kernel: ``stats_store``; with ``bias``, the ``sum`` node of the
+    bias gradient over the same channels, whose ``sum g`` the channel walk also takes); None
+    for the other norms and layouts the teams do not serve."""
     node = graph[node_id]
     x_id, g_id = node.inputs
     kind = kind_of(node.op)
@@ -376,15 +377,19 @@ def weight_backward_team(
         return None
     st = kb.scratch("stats", 3 * n * groups, node.type.dtype, "stats")
     out = kb.write(node_id, "dweight")
+    bout = None if bias is None else kb.write(bias, "dbias")
     rk = RowKernel(kb, plan)
     xv, gv = rk.bind(x), rk.bind(g)
     segu = s // plan.width
     rk.line(f"let gj = rowc / {u(c // groups)};")
     rk.line("var acc = 0.0;")
+    rk.line("var bacc = 0.0;")
 
     def body(ch: Chunk) -> None:
         rk.load(ch, xv, "a")
         rk.load(ch, gv, "g")
+        if bout is not None:
+            rk.line(f"bacc = bacc + {ch.sum(lambda i: f'g{i}')};")
         for i in range(ch.m):
             j = ch.unit(i)
             sample = f"({j}) / {u(segu)}" if plan.segmented else "0u"
@@ -393,8 +398,13 @@ def weight_backward_team(
         rk.line(f"acc = acc + {ch.sum(term)};")
 
     rk.each_chunk(body)
-    rk.reduce("acc", "+", "total")
-    rk.line(f"if (live && y == 0u) {{ {kb.store(out, 'row', 'total')} }}")
+    if bout is None:
+        rk.reduce("acc", "+", "total")
+        rk.line(f"if (live && y == 0u) {{ {kb.store(out, 'row', 'total')} }}")
+    else:
+        rk.reduce_sums(["acc", "bacc"], ["total", "btotal"])
+        stores = f"{kb.store(out, 'row', 'total')} {kb.store(bout, 'row', 'btotal')}"
+        rk.line(f"if (live && y == 0u) {{ {stores} }}")
     return [stats_k, rk.finish("reduce")] if with_stats else [rk.finish("reduce")]
 
 
