@@ -4,7 +4,7 @@ H200-like limits without running anything (no GPU needed).
 
 Per group_norm shape: groups x elements per group, the one-team plan (threads per team,
 workgroups) and the chunks per group ``norm.split`` chooses; then the step's dispatches by
-kernel name. ``--no-pairs`` leaves out ``passes.fuse_norm``'s norm + SiLU pairs and
+kernel name. ``--no-pairs`` leaves out ``passes.fuse_norm``'s groups (norm + SiLU, gradients) and
 ``--no-split`` the split (``norm.split.FORCE_CHUNKS = 1``): both give the kernels before them.
 
 Usage: python bench/norm_plan.py [--size small|tiny] [--batch 2] [--no-pairs] [--no-split]
