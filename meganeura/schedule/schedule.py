@@ -6,16 +6,20 @@ constant inlining and transpose folding), resolves views (``reshape``, ``stop_gr
 the value whose buffer they share, and measures each value's lifetime in dispatch positions.
 
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
-pairs attention gradients, ``passes.fuse_norm.plan_norm_activation`` a group_norm with the SiLU
-reading it and their gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges small-M
-matmuls sharing a left operand, with the norm producing it, and ``passes.rope_cache`` joins
-rotary embeddings and KV-cache writes, and in a decode step the attention reading them); a
-group is lowered as one kernel (``codegen.wgsl.elementwise.fused``,
-``codegen.wgsl.matmul.horizontal``, ``attention.rope_cache``, ``attention.rope_attention``) at
-its last member's position, binding the group's external inputs and its stored outputs only, so
-lifetimes come from those bindings; the other members get no kernel and no storage. Optimizer
-updates are grouped likewise (``update_groups``): one kernel per group at its last member's
-position, over arenas that the assembler lays out."""
+pairs attention gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges small-M matmuls
+sharing a left operand, with the norm producing it, and ``passes.rope_cache`` joins rotary
+embeddings and KV-cache writes, and in a decode step the attention reading them); a group is
+lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
+``attention.rope_cache``, ``attention.rope_attention``) at its last member's position,
+binding the group's external inputs and its stored outputs only, so lifetimes come from those
+bindings; the other members get no kernel and no storage. Optimizer updates are grouped
+likewise (``update_groups``): one kernel per group at its last member's position, over arenas
+that the assembler lays out.
+``passes.fuse_norm.plan_norm_activation`` groups a group_norm with the SiLU reading it, and a
+group_norm_backward with the silu_backward, weight gradient and bias sum around it; such a
+group is lowered by the norm lowerings (one or two kernels, and the weight gradient's channel
+sums) at its last member's position.
+"""
 
 from __future__ import annotations
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from ....dtypes import DType
 from ..core.builder import KernelBuilder
+from ..core.mathlib import helper_source
 from ..rowwise.team import Chunk, RowKernel, sources_bound
 
 
 def act_helpers(width: int) -> str:
     """WGSL ``act`` (SiLU, ``x * sigmoid_stable(x)`` as the elementwise ``silu`` map computes
-    it) on a unit of ``width`` elements, for a norm's activation epilogue (``norm.fuse``)."""
-    from ..core.mathlib import helper_source
-
+    it) on a unit of ``width`` elements, for a norm's activation epilogue (``passes.fuse_norm``)."""
     h = helper_source(["sigmoid_stable"])
     h += "fn act_s(x: f32) -> f32 { return x * sigmoid_stable(x); }\n"
     return h + _lanes("act", "act_s", width)
@@ -102,6 +101,4 @@ class GradIn:
     def helpers(self) -> str:
         if self.pro is None:
             return ""
-        from ..core.mathlib import helper_source
-
         return helper_source(["silu_grad"]) + _lanes("act_grad", "silu_grad", self.rk.plan.width)

@@ -1,23 +1,27 @@
 """WGSL lowerings of the normalization family (layer_norm, rms_norm, group_norm, batch_norm,
 their backward ops and the running-statistics update).
 
+Every norm kernel is first asked of the row archetype (``team``: one team per group,
+vec4 loads, subgroup reductions, the group in registers or walked in chunks). What it declines
+is lowered here by the general kernels: constant inputs, batch_norm channels and group_norm
+weight-gradient channel sums whose contiguous runs are shorter than ``team.MIN_SEG``
+(batch_norm of [N, C], say), and the channel sums of layer_norm / rms_norm weight gradients
+(one strided column per weight element). These walk the index maps of ``layout`` and
+schedule their sequences with ``rowwise.rows.plan_rows``: one workgroup per long contiguous
+group, 32 neighbouring groups per workgroup when a group is strided, one thread per group
+below 64 elements. Statistics are f32 and two-pass over ``x - shift`` (shift = the group's first
+element, so a large common offset cancels exactly): the group sum (blocked partial sums, then
+a pairwise tree) gives the mean, a second pass sums squared deviations (rms_norm: squares, no
+shift); ``rstd = inverseSqrt(var + eps)``. Backward kernels recompute the statistics from x
+(the group is read again, usually from cache) rather than saving them; the weight gradient
+first writes (shift, mean, rstd) per group to scratch, then sums ``g * xhat`` over each
+channel. batch_norm in eval mode is one elementwise map with the running statistics.
+
 A large group_norm with few groups is first asked of ``split`` (each group over several
-workgroups, two dispatches). Every norm kernel is then asked of the row archetype (``team``:
-one team per group, vec4 loads, subgroup reductions, the group in registers or walked in
-chunks). What it declines is lowered here by the general kernels: constant inputs, batch_norm
-channels and group_norm weight-gradient channel sums whose contiguous runs are shorter than
-``team.MIN_SEG`` (batch_norm of [N, C], say), and the channel sums of layer_norm / rms_norm
-weight gradients (one strided column per weight element). These walk the index maps of
-``layout`` and schedule their sequences with ``rowwise.rows.plan_rows``: one workgroup per long
-contiguous group, 32 neighbouring groups per workgroup when a group is strided, one thread per
-group below 64 elements. Statistics are f32 and two-pass over ``x - shift`` (shift = the
-group's first element, so a large common offset cancels exactly): the group sum (blocked
-partial sums, then a pairwise tree) gives the mean, a second pass sums squared deviations
-(rms_norm: squares, no shift); ``rstd = inverseSqrt(var + eps)``. Backward kernels recompute
-the statistics from x (the group is read again, usually from cache) rather than saving them;
-the weight gradient first writes (shift, mean, rstd) per group to scratch, then sums ``g *
-xhat`` over each channel. batch_norm in eval mode is one elementwise map with the running
-statistics."""
+workgroups, two dispatches), and ``passes.fuse_norm``'s groups (group_norm + silu; the input
+gradient with the SiLU gradient, the weight gradient's statistics and the bias sum) come
+through ``lower_norm_act`` / ``lower_norm_backward_act`` (``activation``).
+"""
 
 from __future__ import annotations
 
