@@ -32,6 +32,8 @@ switches flipped, suffixing the case name with @variant, to compare them with th
                   CHUNKED = False)
   chunked         norms walk their rows in chunks whenever a thread would hold more than one
                   unit (rowwise.MAX_UNITS = 1); softmax then takes the general kernels
+  nosplit         group_norm with one team per group, never split across workgroups
+                  (norm.split.FORCE_CHUNKS = 1: the kernels before the split)
 
 Usage: python bench/bandwidth.py [--quick] [--repeats 10] [--out-name bandwidth] [--variants all]
 """
@@ -73,6 +75,7 @@ VARIANTS = {
     "units8": [("rowwise.team", "TARGET_UNITS", 8)],
     "general": [("rowwise.team", "MAX_UNITS", 0), ("rowwise.team", "CHUNKED", False)],
     "chunked": [("rowwise.team", "MAX_UNITS", 1)],
+    "nosplit": [("norm.split", "FORCE_CHUNKS", 1)],
 }
 
 

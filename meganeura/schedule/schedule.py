@@ -19,6 +19,10 @@ one's position (``matmul.split_group``); scratch bound by another node's kernel 
 owner``) lives until its last reader. Optimizer updates are grouped
 likewise (``update_groups``): one kernel per group at its last member's position, over arenas
 that the assembler lays out.
+``passes.fuse_norm.plan_norm_activation`` groups a group_norm with the SiLU reading it, and a
+group_norm_backward with the silu_backward, weight gradient and bias sum around it; such a
+group is lowered by the norm lowerings (one or two kernels, and the weight gradient's channel
+sums) at its last member's position.
 """
 
 from __future__ import annotations
@@ -37,12 +41,14 @@ from ..codegen.wgsl.matmul.deferred import SplitPartials, plan_deferred_sums
 from ..codegen.wgsl.matmul.horizontal import NORM_MAX_K, gemv_key, group_fits, lower_matmul_group
 from ..codegen.wgsl.matmul.lowering import lower_matmul
 from ..codegen.wgsl.matmul.split_group import SplitGroup, lower_split_group, plan_split_groups
+from ..codegen.wgsl.norm.lowering import norm_act_fusible
 from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph, resolve_view
 from ..ops import OPS
 from ..ops.attention import SDPA
 from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
 from ..passes.fuse_matmul import MatmulGroup, plan_matmul_groups
+from ..passes.fuse_norm import plan_norm_activation
 from ..passes.rope_cache import ROPE, attach_attention, plan_rope_cache
 from .planner import Interval
 from .update_groups import arena_roles, arena_value, plan_update_groups
@@ -126,7 +132,11 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             lambda n: rope_attention_fusible(graph, n, limits),
             max_bindings=bound,
         )
-        groups = tuple(sorted(fused + kv + rope, key=lambda g: g.sink))
+        taken = {m for g in fused + kv + rope for m in g.members}
+        norm_act = plan_norm_activation(
+            graph, needed, taken, lambda n, o: norm_act_fusible(graph, n, o, limits)
+        )
+        groups = tuple(sorted(fused + kv + rope + norm_act, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     deferred = plan_deferred_sums(graph, needed, groups, limits) if fuse else {}
     split_groups = plan_split_groups(graph, deferred, limits, groups, needed) if fuse else ()

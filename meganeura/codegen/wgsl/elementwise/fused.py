@@ -168,6 +168,28 @@ class _MatmulEpilogue:
         return f"{{ {b.compute(loads, anchor=value)} {b.stores(flat, self.kb)} }}"
 
 
+def _lower_norm_pair(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
+    """A ``passes.fuse_norm`` group: group_norm + silu, or group_norm_backward with its
+    silu_backward and / or group_norm_weight_backward."""
+    from ..norm.lowering import lower_norm_act, lower_norm_backward_act  # norm imports maps
+
+    norm = group.anchor
+    role = {graph[m].op: m for m in group.members if m != norm}
+    if graph[norm].op == "group_norm":
+        ks = lower_norm_act(graph, norm, role["silu"], norm in group.outputs, limits)
+    else:
+        pro = role.get("silu_backward")
+        wgrad = role.get("group_norm_weight_backward")
+        bias = role.get("sum")
+        ks = lower_norm_backward_act(graph, norm, pro, pro in group.outputs, wgrad, limits, bias)
+    if ks is None:  # pragma: no cover - plan_norm_activation asked norm_act_fusible
+        raise ValueError(f"{graph[norm].op} %{norm} + {role}: no fused lowering")
+    ops = [graph[m].op for m in group.members if graph[m].op in ("silu", "silu_backward")]
+    ops.insert(0 if graph[norm].op == "group_norm" else len(ops), graph[norm].op)
+    joined = "+".join(ops)
+    return [replace(k, name=k.name.replace(graph[norm].op, joined, 1)) for k in ks]
+
+
 def lower_group(
     graph: Graph,
     group: FusionGroup,
@@ -189,6 +211,8 @@ def lower_group(
             if i not in group.members and not is_constant(graph, i):
                 check_numel(graph, resolve_view(graph, i), limits)
         check_numel(graph, m, limits)
+    if group.anchor is not None and graph[group.anchor].op.startswith("group_norm"):
+        return _lower_norm_pair(graph, group, limits)
     if group.anchor is not None and graph[group.anchor].op == BWD_K:
         (value,) = (m for m in group.members if m != group.anchor)
         return lower_key_value(graph, group.anchor, value, limits)

@@ -16,9 +16,16 @@ shift); ``rstd = inverseSqrt(var + eps)``. Backward kernels recompute the statis
 (the group is read again, usually from cache) rather than saving them; the weight gradient
 first writes (shift, mean, rstd) per group to scratch, then sums ``g * xhat`` over each
 channel. batch_norm in eval mode is one elementwise map with the running statistics.
+
+A large group_norm with few groups is first asked of ``split`` (each group over several
+workgroups, two dispatches), and ``passes.fuse_norm``'s groups (group_norm + silu; the input
+gradient with the SiLU gradient, the weight gradient's statistics and the bias sum) come
+through ``lower_norm_act`` / ``lower_norm_backward_act`` (``activation``).
 """
 
 from __future__ import annotations
+
+import math
 
 from ....graph.ir import Graph
 from ...kernel import KernelSource, Limits
@@ -37,10 +44,13 @@ from ..rowwise.rows import (
     tree,
 )
 from .layout import Layout, channel_layout, group_layout
+from .split import lower_group_norm_backward_split, lower_group_norm_split
 from .team import (
+    _plan_channels,
     kind_of,
     lower_norm_backward_team,
     lower_norm_team,
+    plan_groups,
     stats_team,
     update_stats_stores,
     update_stats_team,
@@ -88,13 +98,76 @@ def _stats(plan: RowPlan, lay: Layout, x: Src, rms: bool, eps: float) -> str:
 _SQ = "fn sq(v: f32) -> f32 { return v * v; }\n"
 
 
+def lower_norm_act(
+    graph: Graph, node_id: int, act: int, store: bool, limits: Limits
+) -> list[KernelSource] | None:
+    """group_norm (``node_id``) with the SiLU node ``act`` reading it as one kernel (two when
+    split), y stored only with ``store``; None when only the general kernels serve it (the
+    pair then stays two dispatches: ``norm_act_fusible``)."""
+    ks = lower_group_norm_split(graph, node_id, limits, act, store)
+    return ks or lower_norm_team(graph, node_id, limits, act, store)
+
+
+def lower_norm_backward_act(
+    graph: Graph,
+    node_id: int,
+    pro: int | None,
+    store: bool,
+    wgrad: int | None,
+    limits: Limits,
+    bias: int | None = None,
+) -> list[KernelSource] | None:
+    """group_norm_backward (``node_id``) whose g is computed from the ``silu_backward`` node
+    ``pro``'s operands (None: g read as usual), g stored only with ``store``; with ``wgrad``
+    (its group_norm_weight_backward) the kernel also leaves the group statistics, and the
+    weight gradient's channel sums follow, reading them (and with ``bias``, the bias
+    gradient's ``sum`` node, summing g too). One kernel (two when split), plus the channel
+    sums; None when a part has no such lowering."""
+    ks = lower_group_norm_backward_split(graph, node_id, limits, pro, store, wgrad is not None)
+    ks = ks or lower_norm_backward_team(graph, node_id, limits, pro, store, wgrad is not None)
+    if ks is None or wgrad is None:
+        return ks
+    sums = weight_backward_team(graph, wgrad, limits, with_stats=False, bias=bias)
+    return None if sums is None else ks + sums
+
+
+def norm_act_fusible(graph: Graph, node_id: int, others: tuple[int, ...], limits: Limits) -> bool:
+    """Whether ``lower_norm_act`` (a group_norm, ``others`` its silu) or
+    ``lower_norm_backward_act`` (a group_norm_backward, ``others`` its silu_backward and / or
+    group_norm_weight_backward) serves ``node_id`` (``passes.fuse_norm``): the team kernels plan
+    its groups (and the weight gradient's channels), and x, g or the SiLU gradient's operands
+    are not constants."""
+    node = graph[node_id]
+    if node.op not in ("group_norm", "group_norm_backward") or node.type.numel == 0:
+        return False
+    kb = KernelBuilder(graph, node, limits)
+    shape = graph[node.inputs[0]].type.shape
+    reads = [node.inputs[0]]
+    for o in others:
+        if graph[o].op == "silu_backward":
+            reads += list(graph[o].inputs)
+        elif graph[o].op == "group_norm_weight_backward":
+            n, c, s = shape[0], shape[1], math.prod(shape[2:])
+            if _plan_channels(n, c, s, limits) is None:
+                return False
+            reads.append(node.inputs[2])
+    if any(kb.read(v, f"v{k}").literal is not None for k, v in enumerate(reads)):
+        return False
+    if plan_groups(shape, "group_norm", node.attr_dict, limits) is None:
+        return False
+    if node.op == "group_norm_backward":
+        return group_layout(shape, "group_norm", node.attr_dict).length > 1  # else a fill
+    return True
+
+
 def lower_norm(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
     """layer_norm / rms_norm / group_norm / batch_norm (training): one kernel per group."""
     node = graph[node_id]
     kind = kind_of(node.op)
     if kind == "batch_norm" and not node.attr("training"):
         return _lower_batch_norm_eval(graph, node_id, limits)
-    ks = lower_norm_team(graph, node_id, limits)
+    ks = lower_group_norm_split(graph, node_id, limits) if kind == "group_norm" else None
+    ks = ks or lower_norm_team(graph, node_id, limits)
     if ks is not None:
         return ks
     lay = group_layout(node.type.shape, kind, node.attr_dict)
@@ -128,7 +201,8 @@ def lower_norm_backward(graph: Graph, node_id: int, limits: Limits) -> list[Kern
         # A one-element group normalizes to 0 whatever x is: dx is exactly 0. Computing it
         # as gw - mean(gw) leaves FMA rounding times rstd = 1/sqrt(eps) on some GPUs.
         return lower_fill(graph, node_id, limits, 0.0)
-    ks = lower_norm_backward_team(graph, node_id, limits)
+    ks = lower_group_norm_backward_split(graph, node_id, limits) if kind == "group_norm" else None
+    ks = ks or lower_norm_backward_team(graph, node_id, limits)
     if ks is not None:
         return ks
     plan = _plan(lay)

@@ -46,6 +46,7 @@ from ..core.builder import KernelBuilder, Src
 from ..core.literals import f32_literal, u
 from ..optim import is_nonfinite
 from ..rowwise.team import Chunk, RowKernel, TeamPlan, plan_team, sources_bound
+from .activation import GradIn, act_helpers, bind_outputs, store_normalized
 
 MIN_SEG = 16  # elements per segment below which a segmented row is left to the rows kernels
 
@@ -123,10 +124,14 @@ def _param(rk: RowKernel, src: Src | None, prefix: str, chan: Index | None):
     return lambda ch: lambda i: src.at(chan(ch.unit(i)))
 
 
-def _stats(rk: RowKernel, xv: str, rms: bool, eps: float, grad=None) -> Chunk | None:
+def _stats(
+    rk: RowKernel, xv: str, rms: bool, eps: float, grad=None, shift_unit: str = "rbase"
+) -> Chunk | None:
     """Statements leaving ``shift``, ``mean``, ``ssd`` and ``rstd`` of row ``rowc`` (and with
     ``grad = (g var, weight param)`` also ``d1 = sum gw`` and ``pg = sum gw * xc``). Register
-    mode returns its chunk, whose registers ``a*`` (``g*``, ``gw*``, ``xc*``) stay live."""
+    mode returns its chunk, whose registers ``a*`` (``g*``, ``gw*``, ``xc*``) stay live.
+    ``shift`` is the first element of unit ``shift_unit`` (default the row's first unit; the
+    split group_norm, ``norm.split``, shifts every chunk of a group by the group's first)."""
     p = rk.plan
     n = f32_literal(p.n)
 
@@ -134,7 +139,7 @@ def _stats(rk: RowKernel, xv: str, rms: bool, eps: float, grad=None) -> Chunk | 
         rk.load(ch, xv, "a")
         if grad is not None:
             gv, wparam = grad
-            rk.load(ch, gv, "g")
+            gv(ch) if callable(gv) else rk.load(ch, gv, "g")
             w = wparam(ch)
             for i in range(ch.m):
                 rk.line(f"let gw{i} = g{i} * {w(i)};")
@@ -146,7 +151,7 @@ def _stats(rk: RowKernel, xv: str, rms: bool, eps: float, grad=None) -> Chunk | 
         lane = ".x" if p.width == 4 else ""
         # The group's first element: every thread reads it (from cache) rather than wait for
         # a broadcast.
-        rk.line(f"let shift = {rk.kb.load(xv, 'rbase')}{lane};")
+        rk.line(f"let shift = {rk.kb.load(xv, shift_unit)}{lane};")
     names = ["ssd"] + (["d1"] if grad is not None and not rms else []) + (["pg"] if grad else [])
     if not p.chunked:
         ch = rk.registers()
@@ -229,15 +234,19 @@ def _setup(graph: Graph, node_id: int, limits: Limits, x_id: int):
     return node, kind, shape, kb, rk, rk.bind(x)
 
 
-def lower_norm_team(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource] | None:
-    """Forward ``((x - shift) - mean) * rstd * w + b`` as one team kernel, or None."""
+def lower_norm_team(
+    graph: Graph, node_id: int, limits: Limits, act: int | None = None, store: bool = True
+) -> list[KernelSource] | None:
+    """Forward ``((x - shift) - mean) * rstd * w + b`` as one team kernel, or None. With
+    ``act`` (a silu node reading this one) the kernel also stores ``silu(y)`` there, and y
+    only when ``store``."""
     st = _setup(graph, node_id, limits, graph[node_id].inputs[0])
     if st is None:
         return None
     node, kind, shape, kb, rk, xv = st
     w = kb.read(node.inputs[1], "weight")
     b = kb.read(node.inputs[2], "bias") if len(node.inputs) > 2 else None
-    out = kb.write(node_id, "out")
+    outs = bind_outputs(kb, node_id, act, store)
     chan = _channel(rk, kind, shape, node.attr_dict)
     wp, bp = _param(rk, w, "w", chan), _param(rk, b, "b", chan)
     regs = _stats(rk, xv, kind == "rms_norm", node.attr("eps"))
@@ -247,20 +256,32 @@ def lower_norm_team(graph: Graph, node_id: int, limits: Limits) -> list[KernelSo
             rk.load(ch, xv, "a")
         wv, bv = wp(ch), bp(ch)
         plus = (lambda i: f" + {bv(i)}") if b is not None else (lambda i: "")
-        rk.store(ch, out, lambda i: f"((a{i} - shift) - mean) * rstd * {wv(i)}{plus(i)}")
+        store_normalized(
+            rk, ch, outs, lambda i: f"((a{i} - shift) - mean) * rstd * {wv(i)}{plus(i)}"
+        )
 
     if regs is not None:
         write(regs)
     else:
         rk.each_chunk(write)
+    if act is not None:
+        rk.extra_helpers = act_helpers(rk.plan.width)
     return [rk.finish("", 8 * node.type.numel, 2 * node.type.nbytes)]
 
 
 def lower_norm_backward_team(
-    graph: Graph, node_id: int, limits: Limits
+    graph: Graph,
+    node_id: int,
+    limits: Limits,
+    pro: int | None = None,
+    store: bool = True,
+    stats: bool = False,
 ) -> list[KernelSource] | None:
     """Input gradient ``rstd * (gw - d1 / n - xc rstd * (rstd pg / n))`` as one team kernel
-    (rms_norm: no ``d1`` term), or None."""
+    (rms_norm: no ``d1`` term), or None. With ``pro`` (the ``silu_backward`` node producing
+    g) g is computed from its operands (``activation.GradIn``) and stored there only with
+    ``store``. With ``stats`` the kernel also leaves each group's statistics for the weight
+    gradient's channel sums (``stats_store``)."""
     node = graph[node_id]
     st = _setup(graph, node_id, limits, node.inputs[0])
     if st is None:
@@ -268,13 +289,15 @@ def lower_norm_backward_team(
     node, kind, shape, kb, rk, xv = st
     rms = kind == "rms_norm"
     w = kb.read(node.inputs[1], "weight")
-    g = kb.read(node.inputs[2], "g")
-    if not sources_bound(g):
+    gin = GradIn(rk, node, pro, store)
+    if not gin.bound:
         return None
     out = kb.write(node_id, "dx")
-    gv = rk.bind(g)
+    gin.bind_output()
     wp = _param(rk, w, "w", _channel(rk, kind, shape, node.attr_dict))
-    regs = _stats(rk, xv, rms, node.attr("eps"), (gv, wp))
+    regs = _stats(rk, xv, rms, node.attr("eps"), (gin, wp))
+    if stats:
+        stats_store(rk, "row", rk.plan.rows)
     inv_n = f32_literal(1.0 / rk.plan.n)
     centre = "" if rms else " - c1"
     if not rms:
@@ -283,18 +306,21 @@ def lower_norm_backward_team(
     value = lambda i: f"rstd * (gw{i}{centre} - (xc{i} * rstd) * c2)"  # noqa: E731
     if regs is not None:
         rk.store(regs, out, value)
+        gin.store(regs)
     else:
 
         def write(ch: Chunk) -> None:
             rk.load(ch, xv, "a")
-            rk.load(ch, gv, "g")
+            gin(ch)
             wv = wp(ch)
             for i in range(ch.m):
                 rk.line(f"let gw{i} = g{i} * {wv(i)};")
                 rk.line(f"let xc{i} = (a{i} - shift) - mean;")
             rk.store(ch, out, value)
+            gin.store(ch)
 
         rk.each_chunk(write)
+    rk.extra_helpers = gin.helpers()
     return [rk.finish("", 14 * node.type.numel, 3 * node.type.nbytes)]
 
 
@@ -313,10 +339,15 @@ def stats_team(graph: Graph, node_id: int, limits: Limits, x_id: int) -> KernelS
     return rk.finish("stats")
 
 
-def weight_backward_team(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource] | None:
+def weight_backward_team(
+    graph: Graph, node_id: int, limits: Limits, with_stats: bool = True, bias: int | None = None
+) -> list[KernelSource] | None:
     """batch_norm's ``dweight[c] = rstd * sum g * xc`` over channel c as one team kernel; group
     norm's channel sums of ``g * xhat`` with the group statistics from scratch (the stats
-    kernel comes first); None for the other norms and layouts the teams do not serve."""
+    kernel comes first; without ``with_stats`` only the sums, the statistics left in scratch
+    by the input gradient's kernel: ``stats_store``; with ``bias``, the ``sum`` node of the
+    bias gradient over the same channels, whose ``sum g`` the channel walk also takes); None
+    for the other norms and layouts the teams do not serve."""
     node = graph[node_id]
     x_id, g_id = node.inputs
     kind = kind_of(node.op)
@@ -336,8 +367,8 @@ def weight_backward_team(graph: Graph, node_id: int, limits: Limits) -> list[Ker
     shape = graph[x_id].type.shape
     n, c, s = _segments(shape)
     plan = _plan_channels(n, c, s, limits)
-    stats_k = stats_team(graph, node_id, limits, x_id)
-    if plan is None or stats_k is None:
+    stats_k = stats_team(graph, node_id, limits, x_id) if with_stats else None
+    if plan is None or (with_stats and stats_k is None):
         return None
     groups = node.attr("num_groups")
     kb = KernelBuilder(graph, node, limits)
@@ -346,15 +377,19 @@ def weight_backward_team(graph: Graph, node_id: int, limits: Limits) -> list[Ker
         return None
     st = kb.scratch("stats", 3 * n * groups, node.type.dtype, "stats")
     out = kb.write(node_id, "dweight")
+    bout = None if bias is None else kb.write(bias, "dbias")
     rk = RowKernel(kb, plan)
     xv, gv = rk.bind(x), rk.bind(g)
     segu = s // plan.width
     rk.line(f"let gj = rowc / {u(c // groups)};")
     rk.line("var acc = 0.0;")
+    rk.line("var bacc = 0.0;")
 
     def body(ch: Chunk) -> None:
         rk.load(ch, xv, "a")
         rk.load(ch, gv, "g")
+        if bout is not None:
+            rk.line(f"bacc = bacc + {ch.sum(lambda i: f'g{i}')};")
         for i in range(ch.m):
             j = ch.unit(i)
             sample = f"({j}) / {u(segu)}" if plan.segmented else "0u"
@@ -363,9 +398,25 @@ def weight_backward_team(graph: Graph, node_id: int, limits: Limits) -> list[Ker
         rk.line(f"acc = acc + {ch.sum(term)};")
 
     rk.each_chunk(body)
-    rk.reduce("acc", "+", "total")
-    rk.line(f"if (live && y == 0u) {{ {kb.store(out, 'row', 'total')} }}")
-    return [stats_k, rk.finish("reduce")]
+    if bout is None:
+        rk.reduce("acc", "+", "total")
+        rk.line(f"if (live && y == 0u) {{ {kb.store(out, 'row', 'total')} }}")
+    else:
+        rk.reduce_sums(["acc", "bacc"], ["total", "btotal"])
+        stores = f"{kb.store(out, 'row', 'total')} {kb.store(bout, 'row', 'btotal')}"
+        rk.line(f"if (live && y == 0u) {{ {stores} }}")
+    return [stats_k, rk.finish("reduce")] if with_stats else [rk.finish("reduce")]
+
+
+def stats_store(rk: RowKernel, group: str, count: int, cond: str = "") -> None:
+    """Store ``shift, mean, rstd`` of group ``group`` into scratch ``stats`` [3 * count] (the
+    weight gradient's, ``weight_backward_team``) from thread 0 of live rows (``cond``: a further
+    WGSL condition, `` && ...``)."""
+    st = rk.kb.scratch("stats", 3 * count, rk.kb.node.type.dtype, "stats")
+    rk.line(f"if (live && y == 0u{cond}) {{")
+    for k, v in enumerate(("shift", "mean", "rstd")):
+        rk.line(f"  {st}[3u * ({group}) + {u(k)}] = {v};")
+    rk.line("}")
 
 
 def update_stats_stores(kb: KernelBuilder, node, m: int) -> tuple[str, list[str]]:

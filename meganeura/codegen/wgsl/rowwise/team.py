@@ -211,6 +211,7 @@ class RowKernel:
             f"  let rbase = rowc * {u(step)};\n"
         )
         self.shared: dict[str, str] = {}
+        self.extra_helpers = ""  # WGSL functions the caller's expressions use
         self._pad = "  "
 
     def line(self, stmt: str) -> None:
@@ -352,7 +353,7 @@ class RowKernel:
             )
         for ty, name in self.shared.items():
             h += f"var<workgroup> {name}: array<{ty}, {p.wg}>;\n"
-        return h
+        return h + self.extra_helpers
 
     def finish(self, suffix: str, flops: int = 0, nbytes: int = 0):
         p = self.plan

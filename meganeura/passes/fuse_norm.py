@@ -1,0 +1,134 @@
+"""Pair a group_norm with the SiLU that reads it, and the SiLU's gradient with the norm's input
+gradient (and the weight gradient's statistics with it), for one kernel to compute each pair
+(the normalize-then-activate of a U-Net's or a diffusion model's residual blocks).
+
+The norm kernel stores ``silu(y)`` from its registers (``codegen.wgsl.norm.activation
+.store_normalized``), and y itself only when something else reads it (in training the SiLU's
+gradient does), so the pair costs one dispatch instead of two and the SiLU's read of y goes.
+The input-gradient kernel computes its ``g = gy * silu_grad(y)`` from the SiLU gradient's
+operands (``activation.GradIn``) and stores g only when read elsewhere (in training the
+weight and bias gradients read it). A group_norm_weight_backward of the same x and g joins the
+input gradient: its kernel leaves the group statistics in the weight gradient's scratch, so
+only the channel sums remain (its own statistics kernel goes); the bias gradient's sum of g over
+the channels joins those.
+
+The graph is not rewritten: as ``passes.fuse`` groups, a group is a ``FusionGroup`` anchored
+on the norm, lowered at its last member's position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+
+from ..graph.ir import Graph
+from ..ops import OPS
+from .fuse import FusionGroup
+from .permute_views import write_view
+
+ACTIVATIONS = ("silu",)
+
+
+def plan_norm_activation(
+    graph: Graph,
+    needed: Sequence[bool],
+    taken: Collection[int] = (),
+    accept: Callable[[int, tuple[int, ...]], bool] = lambda n, o: True,
+) -> tuple[FusionGroup, ...]:
+    """Groups anchored on a norm node: (group_norm, silu) where the silu's operand is the
+    norm's output itself; and a group_norm_backward with the silu_backward producing its g
+    and / or the group_norm_weight_backward reading the same x and g (its kernel leaves the
+    group statistics for the weight gradient's channel sums) and then the bias gradient's
+    ``sum`` of g over the same channels (the channel sums take it too).
+
+    A member joins when it is needed and in no other group (``taken``), has the norm's shape
+    (group_norm / silu pairs; storage dtypes may differ in the fast mode's storage plan), is
+    not written through a placed view, every reader outside the group of every member but
+    the last comes after the last (the kernel runs there), no op with in-place effects lies
+    between the first and the last, and ``accept(norm node, the other members)`` (the lowering
+    serves it: ``codegen.wgsl.norm.lowering.norm_act_fusible``). A norm read by several silus
+    pairs with the first.
+
+    Returns:
+        Groups ordered by their last member, anchored on the norm node. Outputs: the last
+        member, every other member that is a graph output or read outside the group, and the
+        silu_backward's g whenever the weight gradient is in the group (its channel sums read
+        g from memory).
+    """
+    users = graph.users()
+    outs = {v for _, v in graph.outputs}
+    effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
+
+    def free(v: int) -> bool:
+        return needed[v] and v not in taken and write_view(graph, v) is None
+
+    def valid(members: list[int]) -> bool:
+        last = max(members)
+        for m in members:
+            if any(u not in members and u < last for u in users[m]):
+                return False
+        return not any(min(members) < e < last for e in effects)
+
+    groups = []
+    for node in graph.nodes:
+        if not free(node.id):
+            continue
+        if node.op == "group_norm":
+            acts = [u for u in users[node.id] if graph[u].op in ACTIVATIONS and free(u)]
+            if not acts or graph[acts[0]].inputs != (node.id,):
+                continue
+            if graph[acts[0]].type.shape != node.type.shape:
+                continue
+            members = [node.id, acts[0]]
+        elif node.op == "group_norm_backward":
+            x, _, g = node.inputs
+            members = [node.id]
+            if (
+                graph[g].op == "silu_backward"
+                and free(g)
+                and g not in node.inputs[:2]
+                and graph[g].type.shape == node.type.shape
+                and valid([g, node.id])
+            ):
+                members.insert(0, g)
+            wgrads = [
+                u
+                for u in users[x]
+                if graph[u].op == "group_norm_weight_backward"
+                and graph[u].inputs == (x, g)
+                and graph[u].attrs == node.attrs
+                and u > node.id
+                and free(u)
+            ]
+            if wgrads and valid([*members, wgrads[0]]):
+                members.append(wgrads[0])
+                dims = (0, *range(2, len(graph[x].type.shape)))
+                sums = [
+                    u
+                    for u in users[g]
+                    if graph[u].op == "sum"
+                    and graph[u].attr_dict == {"dims": dims, "keepdim": False}
+                    and graph[u].type.shape == (graph[x].type.shape[1],)
+                    and u > wgrads[0]
+                    and free(u)
+                ]
+                if sums and valid([*members, sums[0]]):
+                    members.append(sums[0])
+        else:
+            continue
+        if len(members) < 2 or not valid(members):
+            continue
+        if not accept(node.id, tuple(m for m in members if m != node.id)):
+            continue
+        member_set = set(members)
+        wgrad = any(graph[m].op == "group_norm_weight_backward" for m in members)
+        outputs = tuple(
+            m
+            for m in members
+            if m == members[-1]
+            or m in outs
+            or any(u not in member_set for u in users[m])
+            or (wgrad and graph[m].op == "silu_backward")
+        )
+        shape = graph[node.id].type.shape
+        groups.append(FusionGroup(tuple(members), outputs, shape, node.id))
+    return tuple(sorted(groups, key=lambda grp: grp.sink))
