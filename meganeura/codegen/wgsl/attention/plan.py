@@ -20,7 +20,8 @@ from ..core.layout import next_pow2
 THREADS = 64
 TARGET_GROUPS = 256  # shrink row tiles until this many workgroups (or 4-row tiles) exist
 MAX_PER_LANE = 8  # stream entries per lane per tile (each a named score register)
-QUERY_ROW_MODES = ("fwd", "stats", "dq")  # rows are queries; the others (dk, dv, dkv) rows are keys
+QUERY_ROW_MODES = ("fwd", "stats", "lse", "dq")  # rows are queries; dk, dv, dkv: keys
+SOFTMAX_MODES = ("fwd", "stats", "lse")  # an online softmax (running max and sum) per row
 
 
 @dataclass(frozen=True)
@@ -73,19 +74,19 @@ def segments(mode: str, dims: Dims) -> list[tuple[str, int]]:
     """Workgroup-memory segments of one stream entry: (name, vec4 count)."""
     if mode in ("fwd", "dq"):
         return [("k", dims.d4), ("v", dims.dv4)]
-    if mode == "stats":
+    if mode in ("stats", "lse"):
         return [("k", dims.d4)]
     return [("q", dims.d4), ("g", dims.dv4), ("st", 1)]
 
 
 def merge_slot(mode: str, dims: Dims) -> int:
     """vec4s of one lane's partial state in a merge round."""
-    return accumulators(mode, dims) + (1 if mode in ("fwd", "stats") else 0)
+    return accumulators(mode, dims) + (1 if mode in SOFTMAX_MODES else 0)
 
 
 def accumulators(mode: str, dims: Dims) -> int:
     """vec4 accumulators a row keeps: its output row (``dkv``: the dk row and the dv row)."""
-    return {"fwd": dims.dv4, "stats": 0, "dq": dims.d4, "dk": dims.d4, "dv": dims.dv4,
+    return {"fwd": dims.dv4, "stats": 0, "lse": 0, "dq": dims.d4, "dk": dims.d4, "dv": dims.dv4,
             "dkv": dims.d4 + dims.dv4}[mode]  # fmt: skip
 
 
@@ -314,6 +315,13 @@ def choose_block_plan(
         if best is None or groups > best[0]:
             best = (groups, plan)
     return best[1] if best else None
+
+
+# ---- the forward writing its log-sum-exp -------------------------------------------------------
+# True: where ``lowering.lse_fusible`` allows, the forward's kernel also writes the rows'
+# log-sum-exp that the backward reads (``passes.fuse.plan_attention_lse``); False: the backward
+# computes it in its own pass over the keys (the programs before; benchmarks compare both).
+SAVE_LSE = True
 
 
 # ---- dk and dv in one pass ("dkv") -----------------------------------------------------------
