@@ -5,6 +5,7 @@ the totals, with the current plan rules, and with the attention forward writing 
 log-sum-exp switched off (``--no-lse``: the backward's separate lse pass) for comparison.
 
 Usage: python bench/attention_dispatches.py [--quick] [--no-lse] [--fuse-kv {auto,on,off}]
+       [--dkv-half]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ H200 = {
     "max_workgroup_storage_size": 49152,
     "max_invocations_per_workgroup": 1024,
     "max_storage_buffer_binding_size": 2**31 - 4,
+    "subgroups": True,
 }
 
 
@@ -57,11 +59,13 @@ def main() -> None:
     ap.add_argument("--no-lse", action="store_true", help="forward without its log-sum-exp")
     kv_help = "dk and dv in one dkv kernel: by the plan's rule, forced, forbidden"
     ap.add_argument("--fuse-kv", choices=("auto", "on", "off"), default="auto", help=kv_help)
+    ap.add_argument("--dkv-half", action="store_true", help="plan.DKV_HALF on (needs subgroups)")
     args = ap.parse_args()
     from meganeura.codegen.wgsl.attention import plan
 
     plan.FUSE_KEY_VALUE = {"auto": None, "on": True, "off": False}[args.fuse_kv]
     plan.SAVE_LSE = not args.no_lse
+    plan.DKV_HALF = args.dkv_half
     program = build_program(args.quick)
     names = [d.name for d in program.dispatches]
     attention = [n for n in names if "attention" in n]

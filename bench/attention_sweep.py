@@ -12,7 +12,7 @@ Torch: CUDA events around ``sdpa`` and ``sdpa`` + ``o.backward(go)``. The summar
 takes the fastest plan per kernel, and the faster of dkv and dk + dv (what a tuned
 plan table would give). Outputs and gradients are checked against torch.
 
-``--quick`` (a lavapipe smoke test): Whisper at L=96 and three variants only.
+``--quick`` (a lavapipe smoke test): Whisper at L=96 and the first four variants only.
 
 Usage: python bench/attention_sweep.py [--quick] [--repeats 20] [--out-name attention_sweep]
 """
@@ -56,7 +56,8 @@ SWEEP_CASES = ("whisper", "smollm2")
 
 def variants() -> list[tuple[str, dict, bool | None]]:
     """(label, BLOCK_OVERRIDE, FUSE_KEY_VALUE) per variant; ``-nolse`` variants run with
-    ``SAVE_LSE`` off (the backward's own lse pass instead of the forward writing it)."""
+    ``SAVE_LSE`` off (the backward's own lse pass instead of the forward writing it),
+    ``-dkvhalf`` ones with ``DKV_HALF`` on (dk and dv fused over half head dims per thread)."""
     from meganeura.codegen.wgsl.attention.plan import BLOCK_PLANS
 
     lane = {m: None for m in KERNELS}
@@ -64,6 +65,7 @@ def variants() -> list[tuple[str, dict, bool | None]]:
         ("auto", {}, None),
         ("auto-sep", {}, False),
         ("auto-nolse", {}, None),
+        ("auto-dkvhalf", {}, None),
         ("lane", lane, True),
         ("lane-sep", lane, False),
     ]
@@ -126,11 +128,12 @@ def main() -> None:
         print(head)
         best: dict[str, tuple[float, str]] = {}
         saved_lse = False  # some variant's forward wrote the lse: no lse pass is needed
-        for label, override, fuse in variants()[: 3 if args.quick else None]:
+        for label, override, fuse in variants()[: 4 if args.quick else None]:
             attention_plan.BLOCK_OVERRIDE.clear()
             attention_plan.BLOCK_OVERRIDE.update(override)
             attention_plan.FUSE_KEY_VALUE = fuse
             attention_plan.SAVE_LSE = not label.endswith("-nolse")
+            attention_plan.DKV_HALF = label.endswith("-dkvhalf")
             try:
                 graph = build(b, hq, hkv, lq, lk, d, causal, True)
                 program, sess = compile_for(graph, device=device)
@@ -138,6 +141,7 @@ def main() -> None:
                 attention_plan.BLOCK_OVERRIDE.clear()
                 attention_plan.FUSE_KEY_VALUE = None
                 attention_plan.SAVE_LSE = True
+                attention_plan.DKV_HALF = False
             try:
                 sess.load_state_dict(arrays)
                 out = sess.run({}, fetch=("o", "dq", "dk", "dv"))

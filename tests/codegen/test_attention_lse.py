@@ -7,9 +7,14 @@ fast."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
+from meganeura.codegen.wgsl.attention import plan as attention_plan
+from meganeura.codegen.wgsl.attention.dkv_half import half_fits
+from meganeura.codegen.wgsl.attention.plan import Dims, fuses_key_value
 from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops.attention import DELTA, LSE, SDPA
@@ -141,3 +146,63 @@ def test_delta_type_errors_name_the_operands():
     g = b.parameter("g", (1, 2, 5, 3))
     with pytest.raises(Exception, match="out and its gradient"):
         b.add(DELTA, [b.parameter("l2", (1, 2, 5)), o, g])
+
+
+# ---- dk and dv over half head dims (``dkv_half``, opt-in through plan.DKV_HALF) ----------------
+@pytest.fixture
+def dkv_half():
+    saved = attention_plan.DKV_HALF
+    attention_plan.DKV_HALF = True
+    yield
+    attention_plan.DKV_HALF = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "qs,ks,vs,masked,kw",
+    [((1, 2, 45, 16), (1, 2, 45, 16), (1, 2, 45, 8), True, {"is_causal": True}),
+     ((2, 6, 37, 8), (2, 2, 41, 8), (2, 2, 41, 16), True, {"enable_gqa": True}),
+     ((1, 2, 70, 64), (1, 2, 70, 64), (1, 2, 70, 64), False, {})],
+    ids=["causal_mask", "gqa_mask_cross", "full_d64"],
+)  # fmt: skip
+def test_dkv_half_gradients_match_torch(qs, ks, vs, masked, kw, gpu_device, dkv_half):
+    if not device_limits(gpu_device).subgroups:
+        pytest.skip("the dkv half kernel needs subgroups")
+    gen = np.random.default_rng(5)
+    mshape = (1, 1, qs[2], ks[2])
+    graph, ids = _graph(qs, ks, vs, mshape if masked else None, **kw)
+    b = GraphBuilder(graph)
+    for n in "qkv":
+        b.output("d" + n, b.tensor(ids[n]))
+    graph = b.build_unverified()
+    params = {n: gen.standard_normal(s, np.float32) for n, s in zip("qkv", (qs, ks, vs))}
+    feeds = {"w": gen.standard_normal(graph[ids["out"]].type.shape, np.float32)}
+    mask = None
+    if masked:
+        mask = np.where(gen.random(mshape) < 0.2, -np.inf, gen.standard_normal(mshape))
+        feeds["mask"] = mask.astype(np.float32)
+        if kw.get("is_causal"):
+            future = np.arange(ks[2])[None, :] > np.arange(qs[2])[:, None]
+            mask = np.where(future, -np.inf, mask)
+    program = compile(graph, CompileOptions(), device_limits(gpu_device))
+    assert any(d.name.endswith("dkv half") for d in program.dispatches)
+    with Session(program, gpu_device) as sess:
+        sess.load_state_dict(params)
+        res = sess.run(feeds, ("out", "dq", "dk", "dv"))
+    want = _torch(params, feeds["w"], mask, **{k: v for k, v in kw.items() if k != "is_causal"})
+    for n, w in zip(("dk", "dv", "dq"), "kvq"):
+        assert _rel(res[n], want[w]) < 2e-6, n
+
+
+def test_dkv_half_plan_rule(dkv_half):
+    """With DKV_HALF, Whisper's pair fuses onto the half kernel where subgroups exist; without
+    subgroups (or head dims not divisible by 8) the lane rule stands (dk and dv apart)."""
+    whisper = Dims(1, 6, 1, 1500, 1500, 64, 64)
+    with_sg = replace(H200, subgroups=True)
+    assert half_fits(whisper, with_sg) and fuses_key_value(whisper, with_sg)
+    assert not half_fits(whisper, H200) and not fuses_key_value(whisper, H200)
+    assert not half_fits(Dims(1, 6, 1, 1500, 1500, 60, 60), with_sg)
+    graph = _whisper_sized(1500)
+    names = [d.name for d in compile(graph, CompileOptions(), with_sg).dispatches]
+    assert [n.split()[2] for n in names if "attention" in n][-2:] == ["dq", "dkv"]
+    assert any(n.endswith("dkv half") for n in names)

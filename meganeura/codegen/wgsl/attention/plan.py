@@ -338,6 +338,11 @@ LANE_KV_MAX_STREAM = 512
 # True forces the dkv kernel wherever a graph has both gradients, False forbids it; None
 # chooses by ``fuses_key_value``'s rule. Benchmarks compare both ways through this.
 FUSE_KEY_VALUE: bool | None = None
+# True: fused pairs run the "dkv half" kernel (``dkv_half``: each key row over two threads by
+# head dim, 32 vec4 registers at D = 64, so no spills) wherever it fits the adapter, and pairs
+# the lane dkv would spill on (Whisper) fuse too. Off until bench/attention_sweep.py's
+# ``lane-dkvhalf`` variant has timed it on the H200 (docs/attention.md).
+DKV_HALF = False
 
 
 def fuses_key_value(dims: Dims, limits: Limits) -> bool:
@@ -348,5 +353,10 @@ def fuses_key_value(dims: Dims, limits: Limits) -> bool:
         return FUSE_KEY_VALUE
     if choose_block_plan("dkv", dims, limits) is not None:
         return True
+    if DKV_HALF:
+        from .dkv_half import half_fits  # dkv_half imports this module
+
+        if half_fits(dims, limits):
+            return True
     fits = 2 * (dims.d4 + dims.dv4) <= LANE_KV_MAX_VEC4
     return fits or dims.lq * dims.group <= LANE_KV_MAX_STREAM
