@@ -14,7 +14,7 @@ import pytest
 
 from meganeura.codegen.wgsl.attention import plan as attention_plan
 from meganeura.codegen.wgsl.attention.dkv_half import half_fits
-from meganeura.codegen.wgsl.attention.plan import Dims, fuses_key_value
+from meganeura.codegen.wgsl.attention.plan import Dims, fuses_key_value, uses_dkv_half
 from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops.attention import DELTA, LSE, SDPA
@@ -215,3 +215,7 @@ def test_dkv_half_plan_rule(dkv_half):
     names = [d.name for d in compile(graph, CompileOptions(), with_sg).dispatches]
     assert [n.split()[2] for n in names if "attention" in n][-2:] == ["dq", "dkv"]
     assert any(n.endswith("dkv half") for n in names)
+    # auto (None): only where the lane dkv would spill, not at SmolLM2's short streams
+    attention_plan.DKV_HALF = None
+    assert uses_dkv_half(whisper, with_sg)
+    assert not uses_dkv_half(Dims(1, 3, 3, 128, 128, 64, 64), with_sg)

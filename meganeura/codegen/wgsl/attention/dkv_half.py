@@ -18,7 +18,7 @@ entries through workgroup memory (q, dO, stats), ``UNROLL`` entries per unrolled
 causality (a key sees queries from its own index on) and GQA (the stream runs over each head
 of the kv head's group) as in ``lane``. Needs subgroups (``Limits.subgroups``, subgroup size
 at least 2) and head dims that are multiples of 8. Not the default until timed:
-``plan.DKV_HALF`` selects it.
+``plan.DKV_HALF`` selects it (``plan.uses_dkv_half``).
 """
 
 from __future__ import annotations

@@ -19,9 +19,16 @@ from ..core.layout import WG
 from . import plan as attention_plan
 from .block import lower_block
 from .decode import lower_split
-from .dkv_half import half_fits, lower_dkv_half
+from .dkv_half import lower_dkv_half
 from .lane import _load4, dims_of, lower_flash
-from .plan import choose_block_plan, choose_plan, choose_split, extents, fuses_key_value
+from .plan import (
+    choose_block_plan,
+    choose_plan,
+    choose_split,
+    extents,
+    fuses_key_value,
+    uses_dkv_half,
+)
 
 
 def lower_attention(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[KernelSource]:
@@ -66,12 +73,12 @@ def lower_key_value(
 ) -> list[KernelSource]:
     """One dispatch writing dk (node ``key_node``, a ``..._backward_key``) and dv (node
     ``value_node``, the ``..._backward_value`` of the same attention): the block kernel
-    when a ``dkv`` block plan fits, else with ``plan.DKV_HALF`` the half-head-dim kernel
-    (``dkv_half``) where it fits, else the lane kernel. Named
+    when a ``dkv`` block plan fits, else the half-head-dim kernel (``dkv_half``) where
+    ``plan.uses_dkv_half`` says so, else the lane kernel. Named
     ``%<key>+<value> scaled_dot_product_attention_backward_key_value ...``."""
     dims = dims_of(graph, graph[key_node], "dkv")
     plan = choose_block_plan("dkv", dims, limits)
-    if plan is None and attention_plan.DKV_HALF and half_fits(dims, limits):
+    if plan is None and uses_dkv_half(dims, limits):
         kernels = lower_dkv_half(graph, key_node, value_node, limits)
     elif plan is None:
         kernels = lower_flash(graph, key_node, limits, "dkv", value_node)

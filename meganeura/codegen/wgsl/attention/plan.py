@@ -338,25 +338,37 @@ LANE_KV_MAX_STREAM = 512
 # True forces the dkv kernel wherever a graph has both gradients, False forbids it; None
 # chooses by ``fuses_key_value``'s rule. Benchmarks compare both ways through this.
 FUSE_KEY_VALUE: bool | None = None
-# True: fused pairs run the "dkv half" kernel (``dkv_half``: each key row over two threads by
-# head dim, 32 vec4 registers at D = 64, so no spills) wherever it fits the adapter, and pairs
-# the lane dkv would spill on (Whisper) fuse too. Off until bench/attention_sweep.py's
-# ``lane-dkvhalf`` variant has timed it on the H200 (docs/attention.md).
-DKV_HALF = False
+# The "dkv half" kernel (``dkv_half``: each key row over two threads by head dim, 32 vec4
+# registers at D = 64, so no spills): True runs every fused pair on it where it fits the
+# adapter; None (auto) only the pairs the lane dkv would spill on (Whisper), which then fuse
+# instead of running dk and dv apart; False never. False until bench/attention_sweep.py's
+# ``auto-dkvhalf`` variant has timed it on the H200 (docs/attention.md); then None.
+DKV_HALF: bool | None = False
+
+
+def _lane_fuses(dims: Dims) -> bool:
+    """The lane dkv's rule: its registers fit, or the query stream is short."""
+    fits = 2 * (dims.d4 + dims.dv4) <= LANE_KV_MAX_VEC4
+    return fits or dims.lq * dims.group <= LANE_KV_MAX_STREAM
+
+
+def uses_dkv_half(dims: Dims, limits: Limits) -> bool:
+    """Whether a fused dk + dv pair without a block plan runs the ``dkv_half`` kernel
+    (``DKV_HALF``)."""
+    if DKV_HALF is False:
+        return False
+    from .dkv_half import half_fits  # dkv_half imports this module
+
+    return half_fits(dims, limits) and (DKV_HALF is True or not _lane_fuses(dims))
 
 
 def fuses_key_value(dims: Dims, limits: Limits) -> bool:
     """Whether one ``dkv`` kernel should compute dk and dv (else a dk and a dv kernel): with a
-    block plan, or with the lane kernel when its registers fit ``LANE_KV_MAX_VEC4`` or each
-    key row streams over at most ``LANE_KV_MAX_STREAM`` query rows."""
+    block plan, with the ``dkv_half`` kernel (``uses_dkv_half``), or with the lane kernel when
+    its registers fit ``LANE_KV_MAX_VEC4`` or each key row streams over at most
+    ``LANE_KV_MAX_STREAM`` query rows."""
     if FUSE_KEY_VALUE is not None:
         return FUSE_KEY_VALUE
     if choose_block_plan("dkv", dims, limits) is not None:
         return True
-    if DKV_HALF:
-        from .dkv_half import half_fits  # dkv_half imports this module
-
-        if half_fits(dims, limits):
-            return True
-    fits = 2 * (dims.d4 + dims.dv4) <= LANE_KV_MAX_VEC4
-    return fits or dims.lq * dims.group <= LANE_KV_MAX_STREAM
+    return uses_dkv_half(dims, limits) or _lane_fuses(dims)
