@@ -219,3 +219,30 @@ def test_dkv_half_plan_rule(dkv_half):
     attention_plan.DKV_HALF = None
     assert uses_dkv_half(whisper, with_sg)
     assert not uses_dkv_half(Dims(1, 3, 3, 128, 128, 64, 64), with_sg)
+
+
+@pytest.mark.gpu
+def test_one_pass_stats_op_matches_torch(gpu_device):
+    """``..._stats(q, k, out, g, mask)``, no longer emitted by the gradient rule, still gives
+    (logsumexp of the masked scaled scores, rowsum(g * out)) per query row."""
+    import torch
+
+    gen = np.random.default_rng(9)
+    q, k = gen.standard_normal((1, 2, 20, 8)), gen.standard_normal((1, 2, 23, 8))
+    out, g = gen.standard_normal((1, 2, 20, 5)), gen.standard_normal((1, 2, 20, 5))
+    mask = np.where(gen.random((1, 1, 20, 23)) < 0.25, -np.inf, gen.standard_normal((1, 1, 20, 23)))
+    b = GraphBuilder()
+    ins = [
+        b.input(n, a.shape) for n, a in zip(("q", "k", "out", "g", "mask"), (q, k, out, g, mask))
+    ]
+    b.output("stats", b.add(f"{SDPA}_stats", ins, {"is_causal": False, "scale": 0.25}))
+    program = compile(b.build(), CompileOptions(), device_limits(gpu_device))
+    feeds = {
+        n: a.astype(np.float32)
+        for n, a in zip(("q", "k", "out", "g", "mask"), (q, k, out, g, mask))
+    }
+    with Session(program, gpu_device) as sess:
+        got = sess.run(feeds, ("stats",))["stats"]
+    s = torch.tensor(q) @ torch.tensor(k).transpose(-1, -2) * 0.25 + torch.tensor(mask)
+    assert _rel(got[..., 0], torch.logsumexp(s, -1).numpy()) < 2e-6
+    assert _rel(got[..., 1], (g * out).sum(-1)) < 2e-6

@@ -44,7 +44,6 @@ from . import OpInfo, Sample
 
 SDPA_OPS = (
     "scaled_dot_product_attention",
-    "scaled_dot_product_attention_stats",
     "scaled_dot_product_attention_lse",
     "scaled_dot_product_attention_delta",
     "scaled_dot_product_attention_backward_query",
