@@ -6,12 +6,13 @@ Each variant forces one plan for all attention kernels (``BLOCK_OVERRIDE``; a pl
 does not fit the adapter falls back to the lane kernel, visible in ``kernels``) and dk and dv
 in one ``dkv`` pass or in two (``FUSE_KEY_VALUE``; ``-sep`` variants run them apart),
 compiles the forward + backward program of ``bench/attention.py`` and reports per-kernel GPU
-times (``Session.profile``): fwd, stats, dq, dk, dv, dkv (0 for kernels a variant does not
-run). Torch: CUDA events around ``sdpa`` and ``sdpa`` + ``o.backward(go)``. The summary row
-``best`` takes the fastest plan per kernel, and the faster of dkv and dk + dv (what a tuned
+times (``Session.profile``): fwd, stats, lse, delta, dq, dk, dv, dkv (0 for kernels a variant
+does not run; fwd includes the log-sum-exp store where the forward writes it, ``fwd+lse``).
+Torch: CUDA events around ``sdpa`` and ``sdpa`` + ``o.backward(go)``. The summary row ``best``
+takes the fastest plan per kernel, and the faster of dkv and dk + dv (what a tuned
 plan table would give). Outputs and gradients are checked against torch.
 
-``--quick`` (a lavapipe smoke test): Whisper at L=96 and three variants only.
+``--quick`` (a lavapipe smoke test): Whisper at L=96 and the first four variants only.
 
 Usage: python bench/attention_sweep.py [--quick] [--repeats 20] [--out-name attention_sweep]
 """
@@ -42,7 +43,9 @@ from bench.common import (  # noqa: E402
 SDPA = "scaled_dot_product_attention"
 KERNELS = {
     "fwd": SDPA,
-    "stats": f"{SDPA}_stats",
+    "stats": f"{SDPA}_stats",  # lse and delta in one pass (what the backward used before lse)
+    "lse": f"{SDPA}_lse",  # the log-sum-exp pass (0 where the forward writes it: fwd+lse)
+    "delta": f"{SDPA}_delta",  # (lse, rowsum(dO * O)) for the gradient kernels
     "dq": f"{SDPA}_backward_query",
     "dk": f"{SDPA}_backward_key",
     "dv": f"{SDPA}_backward_value",
@@ -52,13 +55,17 @@ SWEEP_CASES = ("whisper", "smollm2")
 
 
 def variants() -> list[tuple[str, dict, bool | None]]:
-    """(label, BLOCK_OVERRIDE, FUSE_KEY_VALUE) per variant."""
+    """(label, BLOCK_OVERRIDE, FUSE_KEY_VALUE) per variant; ``-nolse`` variants run with
+    ``SAVE_LSE`` off (the backward's own lse pass instead of the forward writing it),
+    ``-dkvhalf`` ones with ``DKV_HALF`` on (dk and dv fused over half head dims per thread)."""
     from meganeura.codegen.wgsl.attention.plan import BLOCK_PLANS
 
     lane = {m: None for m in KERNELS}
     out = [
         ("auto", {}, None),
         ("auto-sep", {}, False),
+        ("auto-nolse", {}, None),
+        ("auto-dkvhalf", {}, None),
         ("lane", lane, True),
         ("lane-sep", lane, False),
     ]
@@ -120,16 +127,21 @@ def main() -> None:
               f"fwd+bwd {torch_fb * 1e3:.1f} us; ours in us")  # fmt: skip
         print(head)
         best: dict[str, tuple[float, str]] = {}
-        for label, override, fuse in variants()[: 3 if args.quick else None]:
+        saved_lse = False  # some variant's forward wrote the lse: no lse pass is needed
+        for label, override, fuse in variants()[: 4 if args.quick else None]:
             attention_plan.BLOCK_OVERRIDE.clear()
             attention_plan.BLOCK_OVERRIDE.update(override)
             attention_plan.FUSE_KEY_VALUE = fuse
+            attention_plan.SAVE_LSE = not label.endswith("-nolse")
+            attention_plan.DKV_HALF = label.endswith("-dkvhalf")
             try:
                 graph = build(b, hq, hkv, lq, lk, d, causal, True)
                 program, sess = compile_for(graph, device=device)
             finally:
                 attention_plan.BLOCK_OVERRIDE.clear()
                 attention_plan.FUSE_KEY_VALUE = None
+                attention_plan.SAVE_LSE = True
+                attention_plan.DKV_HALF = False
             try:
                 sess.load_state_dict(arrays)
                 out = sess.run({}, fetch=("o", "dq", "dk", "dv"))
@@ -145,6 +157,7 @@ def main() -> None:
                     best[m] = (t, label)
             bwd = sum(t for m, t in ms.items() if m != "fwd")
             kernels = [x.name for x in program.dispatches if "attention" in x.name]
+            saved_lse = saved_lse or any("fwd+lse" in x for x in kernels)
             row = result(
                 f"sdpa_{name}_{label}",
                 "ms",
@@ -165,6 +178,8 @@ def main() -> None:
         if "dkv" in best and split is not None:  # keep the faster way to get dk and dv
             for m in ("dkv",) if best["dkv"][0] > split else ("dk", "dv"):
                 del best[m]
+        if saved_lse:  # the forward's lse store costs next to nothing; drop the separate pass
+            best.pop("lse", None)
         total = sum(t for t, _ in best.values())
         choice = {m: lbl for m, (_, lbl) in best.items()}
         rec.add(

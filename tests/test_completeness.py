@@ -28,6 +28,9 @@ from .opinfo.runner import entry_samples, symbolic_graph
 
 # Ops exempt from (c) besides *_backward ops, each with the reason and where it is tested.
 INTERNAL: dict[str, str] = {
+    "scaled_dot_product_attention_stats": "attention's one-pass (lse, delta), which the gradient "
+    "rule no longer emits (the forward writes the lse, a delta op adds delta); tested against "
+    "torch in tests/codegen/test_attention_lse.py",
     "sgd_update": "optimizer effect op (writes in place, returns a token); tested against "
     "torch.optim.SGD in tests/codegen/test_optim.py and tests/optim",
     "sgd_momentum_update": "optimizer effect op; tested against torch.optim.SGD with momentum "

@@ -10,14 +10,20 @@ gives zeros and zero gradients, where PyTorch gives NaN. An entry counts as mask
 mask value is exactly -inf or the causal rule excludes it; finite masks, however negative
 (HF's finfo.min), are added like any other value.
 
-The forward cannot save its per-row log-sum-exp (one output per node in this IR), so the
-backward recomputes it once, in a separate stats op run by the same kernel design; inference
-pays nothing for it. Gradients come from dedicated ops (not differentiated again) that
+A node has one output in this IR, so the forward's per-row log-sum-exp is its own node,
+``..._lse(q, k, mask?)``, which the backward creates; inference pays nothing for it. With
+fusion on, the scheduler has the forward's kernel write it too (FlashAttention-2 saves L in
+its forward: Dao 2023, Algorithm 1), at the forward's position (``passes.fuse
+.plan_attention_lse``), so no pass over the keys is repeated; unfused, it is one more pass.
+Gradients come from dedicated ops (not differentiated again) that
 recompute the probabilities ``p = exp(s - lse)`` tile by tile, as FlashAttention-2 does
 (Dao 2023, Algorithm 2):
-  * ``..._stats(q, k, out, g, mask?)`` -> f32[B,Hq,Lq,2]: per query row the log-sum-exp of
-    its scores (0 for a fully masked row, whose probabilities are all zero anyway) and
-    ``delta = sum(g * out)``; one pass over the keys, in the backward only;
+  * ``..._lse(q, k, mask?)`` -> f32[B,Hq,Lq]: per query row the log-sum-exp of its scores
+    (0 for a fully masked row, whose probabilities are all zero anyway);
+  * ``..._delta(lse, out, g)`` -> f32[B,Hq,Lq,2]: the stats the gradient ops read, per query
+    row ``(lse, delta = sum(g * out))``: one cheap pass over out and g;
+  * ``..._stats(q, k, out, g, mask?)`` -> f32[B,Hq,Lq,2]: the same stats in one pass over the
+    keys (what the backward used before ``_lse``; kept for graphs that name it);
   * ``..._backward_query/key/value`` read it: ``dp = g v^T``, ``ds = p (dp - delta)``,
     ``dq = scale ds k``, ``dk = scale ds^T q``, ``dv = p^T g``; dk and dv sum over the query
     heads that share a kv head; each op recomputes ``q k^T`` (four passes in all, where a
@@ -60,6 +66,8 @@ from .registry import OpDef, ShapeError
 
 SDPA = "scaled_dot_product_attention"
 STATS = f"{SDPA}_stats"
+LSE = f"{SDPA}_lse"
+DELTA = f"{SDPA}_delta"
 BWD_Q, BWD_K, BWD_V = (f"{SDPA}_backward_{s}" for s in ("query", "key", "value"))
 MAX_POSITION = 2**31  # positions are u32 in the kernel; keep clear of the top bit
 
@@ -138,6 +146,24 @@ def _stats_type(types, attrs):
     if out.ndim != 4 or out.shape[:3] != (b, hq, lq) or g != out or out.dtype is not q.dtype:
         raise ShapeError(f"out and its gradient must be [{b}, {hq}, {lq}, Dv], got {out}, {g}")
     return TensorType((b, hq, lq, 2), DType.f32)
+
+
+def _lse_type(types, attrs):
+    _check_attrs(attrs)
+    mask = _opt(types, 2)
+    b, hq, _, lq, _, _, _ = attention_dims(types[0], types[1], None, mask)
+    return TensorType((b, hq, lq), DType.f32)
+
+
+def _delta_type(types, attrs):
+    if len(types) != 3:
+        raise ShapeError(f"expects (lse, out, g), got {len(types)} operands")
+    lse, out, g = types
+    if out.ndim != 4 or not out.dtype.is_floating or g != out:
+        raise ShapeError(f"out and its gradient must be one floating [B, H, L, Dv], got {out}, {g}")
+    if lse != TensorType(out.shape[:3], DType.f32):
+        raise ShapeError(f"lse must be f32{list(out.shape[:3])}, got {lse}")
+    return TensorType(out.shape[:3] + (2,), DType.f32)
 
 
 def _check_backward(q, k, v, g, stats, mask) -> None:
@@ -219,6 +245,18 @@ def _stats_np(xs, attrs):
     return np.stack([lse, np.sum(g * out, axis=-1)], axis=-1).astype(q.dtype)
 
 
+def _lse_np(xs, attrs):
+    s, masked = _scores(xs[0], xs[1], xs[2] if len(xs) > 2 else None, attrs)
+    return _softmax_rows(s, masked)[1].astype(np.result_type(xs[0].dtype, np.float32))
+
+
+def _delta_np(xs, attrs):
+    lse, out, g = xs
+    dtype = np.result_type(lse.dtype, out.dtype, np.float32)  # f32, or f64 (interpret float64)
+    delta = np.sum(g.astype(dtype) * out.astype(dtype), axis=-1)
+    return np.stack([lse.astype(dtype), delta], axis=-1)
+
+
 def _probs_from_stats(q, k, stats, mask, attrs):
     s, masked = _scores(q, k, mask, attrs)
     lse = stats[..., 0:1].astype(q.dtype)
@@ -264,7 +302,8 @@ def _sdpa_grad(node, ins, out, g):
             "(it serves decoding with a KV cache); differentiate an attention without it"
         )
     b, a = q.builder, node.attr_dict
-    stats = b.add(STATS, [q, k, out, g, *mask], a)
+    lse = b.add(LSE, [q, k, *mask], a)  # fused into the forward's kernel where it can be
+    stats = b.add(DELTA, [lse, out, g])
     dq = b.add(BWD_Q, [q, k, v, g, stats, *mask], a)
     dk = b.add(BWD_K, [q, k, v, g, stats, *mask], a)
     dv = b.add(BWD_V, [q, k, g, stats, *mask], a)
@@ -319,6 +358,8 @@ def _rope_grad(node, ins, out, g):
 DEFS = [
     OpDef(SDPA, _sdpa_type, _sdpa_np, _sdpa_grad),
     OpDef(STATS, _stats_type, _stats_np, differentiable=False),
+    OpDef(LSE, _lse_type, _lse_np, differentiable=False),
+    OpDef(DELTA, _delta_type, _delta_np, differentiable=False),
     OpDef(BWD_Q, _bwd_type(0), _bwd_q_np, differentiable=False),
     OpDef(BWD_K, _bwd_type(1), _bwd_k_np, differentiable=False),
     OpDef(BWD_V, _bwd_v_type, _bwd_v_np, differentiable=False),

@@ -3,7 +3,9 @@
 ``plan_fusion`` groups elementwise nodes with their elementwise producers, and optionally one
 ``matmul`` whose result feeds them (an epilogue: bias, activation, residual computed in the
 matmul's store stage). ``plan_attention_key_value`` pairs the key and value gradients of one
-attention, which one kernel computes in one pass over the probabilities. The typed IR stays
+attention, which one kernel computes in one pass over the probabilities;
+``plan_attention_lse`` has an attention's forward kernel also write its ``..._lse`` node (the
+one group that runs at its first member). The typed IR stays
 the source of truth: the graph is not rewritten, the interpreter and autodiff never see a
 fused op; the scheduler lowers each group as one kernel (``codegen.wgsl.elementwise.fused``)
 at the position of its last member.
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 
 from ..graph.ir import VIEW_OPS, Graph, resolve_view
 from ..ops import OPS
-from ..ops.attention import BWD_K, BWD_V
+from ..ops.attention import BWD_K, BWD_V, LSE, SDPA
 
 
 @dataclass(frozen=True)
@@ -235,4 +237,43 @@ def plan_attention_key_value(
             continue
         del values[((q, k, g, stats, *mask), n.attrs)]
         groups.append(FusionGroup((first, last), (first, last), graph[n.id].type.shape, n.id))
+    return tuple(sorted(groups, key=lambda grp: grp.sink))
+
+
+def plan_attention_lse(
+    graph: Graph,
+    needed: Sequence[bool],
+    accept: Callable[[int], bool] = lambda _: True,
+    taken: Collection[int] = (),
+) -> tuple[FusionGroup, ...]:
+    """Pair each attention forward with the ``..._lse`` node of its backward, for the
+    forward's kernel to write the rows' log-sum-exp too (FlashAttention-2 saves it in its
+    forward: Dao 2023, Algorithm 1, line 13), so no pass over the keys is repeated.
+
+    A pair is a needed forward node (q, k, v, mask?) not in ``taken`` (other groups' members)
+    and a needed ``..._lse`` node reading the same q, k and mask with the same attributes,
+    when ``accept(forward node)`` holds (``codegen.wgsl.attention.lowering.lse_fusible``).
+    Unlike every other group, the kernel runs at the FIRST member's position (the forward's:
+    its output is read long before the backward): the lse node reads only values the forward
+    reads, so its operands exist there, and no op with in-place effects may lie between the
+    two (the values it reads are the ones the forward saw).
+
+    Returns:
+        Groups of (forward, lse), both stored, anchored on the forward node.
+    """
+    effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
+    forwards: dict[tuple, int] = {}
+    for n in graph.nodes:
+        if n.op == SDPA and needed[n.id] and n.id not in taken:
+            q, k, _, *extra = n.inputs
+            forwards.setdefault(((q, k, *extra), n.attrs), n.id)
+    groups = []
+    for n in graph.nodes:
+        if n.op != LSE or not needed[n.id]:
+            continue
+        fwd = forwards.get((n.inputs, n.attrs))
+        if fwd is None or not accept(fwd) or any(fwd < e < n.id for e in effects):
+            continue
+        del forwards[(n.inputs, n.attrs)]
+        groups.append(FusionGroup((fwd, n.id), (fwd, n.id), graph[fwd].type.shape, fwd))
     return tuple(sorted(groups, key=lambda grp: grp.sink))

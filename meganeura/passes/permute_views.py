@@ -43,13 +43,13 @@ Invariants (each check conservative; a permute that fails one keeps its copy ker
 from __future__ import annotations
 
 from ..graph.ir import VIEW_OPS, Graph
-from ..ops.attention import BWD_K, BWD_Q, BWD_V, SDPA, STATS
+from ..ops.attention import BWD_K, BWD_Q, BWD_V, DELTA, LSE, SDPA, STATS
 from ..ops.inplace import INDEX_COPY
 
 ROPE = "apply_rotary_emb"
 # Ops whose kernels read every operand through ``Src.at`` of ``KernelBuilder.read`` (strides
 # applied there), in every lowering of the op and of the groups they join.
-VIEW_READERS = frozenset({SDPA, STATS, BWD_Q, BWD_K, BWD_V, ROPE, INDEX_COPY})
+VIEW_READERS = frozenset({SDPA, STATS, LSE, DELTA, BWD_Q, BWD_K, BWD_V, ROPE, INDEX_COPY})
 # Ops whose kernels store their output only through ``KernelBuilder.store``.
 PLACED_PRODUCERS = frozenset({SDPA, BWD_Q, BWD_K, BWD_V, ROPE})
 # False: every permute is a copy kernel (the programs before this pass).

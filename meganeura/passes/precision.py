@@ -61,6 +61,8 @@ WIDE_OPS = frozenset(
         "cross_entropy",
         "binary_cross_entropy_with_logits",
         "scaled_dot_product_attention_stats",
+        "scaled_dot_product_attention_lse",
+        "scaled_dot_product_attention_delta",
         "arange",
         "amax",
         "amin",

@@ -10,7 +10,9 @@ pairs attention gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges smal
 sharing a left operand, with the norm producing it, and ``passes.rope_cache`` joins rotary
 embeddings and KV-cache writes, and in a decode step the attention reading them); a group is
 lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
-``attention.rope_cache``, ``attention.rope_attention``) at its last member's position,
+``attention.rope_cache``, ``attention.rope_attention``) at its last member's position (an
+attention forward paired with its backward's ``..._lse`` node, ``plan_attention_lse``: at the
+forward's),
 binding the group's external inputs and its stored outputs only, so lifetimes come from those
 bindings; the other members get no kernel and no storage. Split-K products whose readers all
 sum the partials themselves (``matmul.deferred``) get no summing dispatch and no storage, and
@@ -31,7 +33,12 @@ from dataclasses import dataclass
 
 from ..codegen.kernel import ArenaRef, KernelSource, Limits, ScratchRef, UpdateGroup, ValueRef
 from ..codegen.wgsl import lower, reads
-from ..codegen.wgsl.attention.lowering import key_value_fusible, rope_attention_fusible
+from ..codegen.wgsl.attention.lowering import (
+    key_value_fusible,
+    lower_forward_lse,
+    lse_fusible,
+    rope_attention_fusible,
+)
 from ..codegen.wgsl.attention.rope_attention import lower_rope_attention
 from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
 from ..codegen.wgsl.conv.lowering import lower_conv2d_backward_input
@@ -46,7 +53,12 @@ from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph, resolve_view
 from ..ops import OPS
 from ..ops.attention import SDPA
-from ..passes.fuse import FusionGroup, plan_attention_key_value, plan_fusion
+from ..passes.fuse import (
+    FusionGroup,
+    plan_attention_key_value,
+    plan_attention_lse,
+    plan_fusion,
+)
 from ..passes.fuse_matmul import MatmulGroup, plan_matmul_groups
 from ..passes.fuse_norm import plan_norm_activation
 from ..passes.rope_cache import ROPE, attach_attention, plan_rope_cache
@@ -136,7 +148,13 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
         norm_act = plan_norm_activation(
             graph, needed, taken, lambda n, o: norm_act_fusible(graph, n, o, limits)
         )
-        groups = tuple(sorted(fused + kv + rope + norm_act, key=lambda g: g.sink))
+        lse = plan_attention_lse(
+            graph,
+            needed,
+            lambda n: lse_fusible(graph, n, limits),
+            taken={m for g in rope for m in g.members},
+        )
+        groups = tuple(sorted(fused + kv + rope + norm_act + lse, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     deferred = plan_deferred_sums(graph, needed, groups, limits) if fuse else {}
     split_groups = plan_split_groups(graph, deferred, limits, groups, needed) if fuse else ()
@@ -222,6 +240,11 @@ def _lower_all(
                 kernels = lower_permute(graph, node.id, limits, deferred)
             elif group is None:
                 kernels = lower(graph, node.id, limits)
+            elif group.anchor is not None and graph[group.anchor].op == SDPA:
+                # the forward + lse pair runs at its FIRST member (plan_attention_lse)
+                first, second = group.members
+                at_first = node.id == first
+                kernels = lower_forward_lse(graph, first, second, limits) if at_first else []
             elif node.id != group.sink:
                 kernels = []
             elif isinstance(group, MatmulGroup):

@@ -12,6 +12,7 @@ from meganeura.autodiff import differentiate
 from meganeura.codegen.kernel import Limits
 from meganeura.codegen.wgsl import lower
 from meganeura.codegen.wgsl.attention import plan as attention_plan
+from meganeura.codegen.wgsl.attention.lowering import lower_forward_lse
 from meganeura.codegen.wgsl.attention.plan import (
     BLOCK_PLANS,
     BlockPlan,
@@ -25,7 +26,7 @@ from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder, GraphTypeError
 from meganeura.graph.interpret import interpret
 from meganeura.ops import functional as F
-from meganeura.ops.attention import apply_rotary_emb, scaled_dot_product_attention
+from meganeura.ops.attention import SDPA, apply_rotary_emb, scaled_dot_product_attention
 
 from ..ids import attention_dims_id, plan_id
 from ..opinfo.attention import _rope_ref, _sdpa_ref
@@ -238,11 +239,14 @@ def test_block_plans_fit_or_fall_back(mode):
 def test_kernel_text_has_no_private_arrays_or_inf_literals():
     graph, ids = _graph((1, 6, 7, 8), (1, 2, 9, 8), (1, 2, 9, 8), (7, 9), enable_gqa=True)
     kernels = [k for n in graph.nodes if "attention" in n.op for k in lower(graph, n.id, Limits())]
-    assert len(kernels) == 5
+    fwd, lse = (next(n.id for n in graph.nodes if n.op == op) for op in (SDPA, f"{SDPA}_lse"))
+    kernels += lower_forward_lse(graph, fwd, lse, Limits())
+    assert len(kernels) == 7  # fwd, lse, delta, dq, dk, dv, and the forward writing its lse
     for k in kernels:
         assert "var<private>" not in k.wgsl and "array<f32," not in k.wgsl
         assert "inf" not in k.wgsl.replace("info", "") and "nan" not in k.wgsl.lower()
-        assert k.wgsl.count("workgroupBarrier") >= 2
+        if "delta" not in k.name:  # one thread per row: no workgroup memory
+            assert k.wgsl.count("workgroupBarrier") >= 2
 
 
 # ---- rotary embedding -------------------------------------------------------------------------

@@ -44,7 +44,8 @@ from . import OpInfo, Sample
 
 SDPA_OPS = (
     "scaled_dot_product_attention",
-    "scaled_dot_product_attention_stats",
+    "scaled_dot_product_attention_lse",
+    "scaled_dot_product_attention_delta",
     "scaled_dot_product_attention_backward_query",
     "scaled_dot_product_attention_backward_key",
     "scaled_dot_product_attention_backward_value",

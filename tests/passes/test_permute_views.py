@@ -199,8 +199,8 @@ def test_reads_report_the_buffers_kernels_bind():
     v_param = graph.find("v").id
     assert v_param in reads(graph, sdpa.id)
     assert reads(graph, perm) == (sdpa.id,)
-    stats = next(n for n in graph.nodes if n.op == "scaled_dot_product_attention_stats")
-    assert perm in reads(graph, stats.id) and sdpa.id not in reads(graph, stats.id)
+    delta = next(n for n in graph.nodes if n.op == "scaled_dot_product_attention_delta")
+    assert perm in reads(graph, delta.id) and sdpa.id not in reads(graph, delta.id)
 
 
 def _case_values(device, case, monkeypatch, seed=7):

@@ -20,10 +20,10 @@ from functools import partial
 
 from ...graph.ir import LEAF_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph, resolve_view
 from ...ops import OPS
-from ...ops.attention import BWD_K, BWD_Q, BWD_V, SDPA, STATS
+from ...ops.attention import BWD_K, BWD_Q, BWD_V, DELTA, LSE, SDPA, STATS
 from ...passes.permute_views import placed_source, view_reads
 from ..kernel import KernelSource, Limits
-from .attention.lowering import lower_attention
+from .attention.lowering import lower_attention, lower_delta
 from .attention.rope import lower_rope
 from .conv.lowering import (
     lower_conv2d,
@@ -114,6 +114,8 @@ LOWERINGS: dict[str, Lowering] = {
     # attention and rotary embedding (attention/)
     SDPA: partial(lower_attention, mode="fwd"),
     STATS: partial(lower_attention, mode="stats"),
+    LSE: partial(lower_attention, mode="lse"),
+    DELTA: lower_delta,
     BWD_Q: partial(lower_attention, mode="dq"),
     BWD_K: partial(lower_attention, mode="dk"),
     BWD_V: partial(lower_attention, mode="dv"),

@@ -40,8 +40,10 @@ from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.layout import broadcast_strides
 from ..core.literals import NEG_INF_BITS, f32_literal, u
+from .common import dims_of, kv_limit, read_extras, stride_sum
 from .plan import (
     QUERY_ROW_MODES,
+    SOFTMAX_MODES,
     SPLIT_MAX_LQ,
     Dims,
     Plan,
@@ -59,6 +61,7 @@ XYZW = "xyzw"
 OPERANDS = {
     "fwd": ("v",),
     "stats": ("o", "dout"),
+    "lse": (),
     "dq": ("v", "dout", "st"),
     "dk": ("v", "dout", "st"),
     "dv": ("dout", "st"),
@@ -112,12 +115,6 @@ class _Kernel:
         return f"{u(off)} + jj{j} * {u(stride)}" if stride != 1 else f"{u(off)} + jj{j}"
 
 
-def stride_sum(terms: list[tuple[str, int]]) -> str:
-    """u32 expression ``sum(var * stride)`` without zero strides."""
-    parts = [v if s == 1 else f"{v} * {u(s)}" for v, s in terms if s]
-    return " + ".join(parts) or "0u"
-
-
 def _load4(src: Src, base: str, c: int, n: int) -> str:
     """vec4 of elements 4c..4c+3 of a row starting at storage offset ``base``
     (``Src.row_offset``; 0 past the row's n)."""
@@ -135,34 +132,6 @@ def _sum(terms: list[str]) -> str:
     return " + ".join(terms)
 
 
-def read_extras(kb: KernelBuilder, graph: Graph, extras) -> tuple[Src | None, Src | None]:
-    """(mask, kv_length) sources of an attention node's operands after its fixed ones: an
-    optional floating mask, then an optional i32 kv_length (the forward only)."""
-    extras = list(extras)
-    kvlen = None
-    if extras and not graph[extras[-1]].type.dtype.is_floating:
-        kvlen = kb.read(extras.pop(), "kvlen")
-    return (kb.read(extras[0], "mask") if extras else None), kvlen
-
-
-def kv_limit(kvlen: Src, lk: int) -> str:
-    """WGSL statement defining ``kvl``: the batch row's key count clamped to [0, Lk] (``b``
-    is the workgroup's batch row)."""
-    n = kvlen.at("b" if kvlen.type.shape else "0u")
-    return f"  let kvl = min(u32(max({n}, 0i)), {u(lk)});"
-
-
-def dims_of(graph: Graph, node, mode: str) -> Dims:
-    """Problem sizes of attention node ``node`` lowered in ``mode`` (dkv: the key-gradient
-    node)."""
-    ins = node.inputs
-    b, hq, lq, d = graph[ins[0]].type.shape
-    _, hkv, lk, _ = graph[ins[1]].type.shape
-    # Dv: of the output (fwd, dv), of ``out`` (stats) or of ``v`` (dq, dk, dkv)
-    dv = (node.type if mode in ("fwd", "dv") else graph[ins[2]].type).shape[3]
-    return Dims(b, hkv, hq // hkv, lq, lk, d, dv)
-
-
 def lower_flash(
     graph: Graph,
     node_id: int,
@@ -171,10 +140,13 @@ def lower_flash(
     value_node: int | None = None,
     split: Split | None = None,
     prologue=None,
+    lse_node: int | None = None,
 ) -> list[KernelSource]:
     """One dispatch of the flash kernel in ``mode`` for node ``node_id``; in ``dkv`` mode
     ``node_id`` is the key-gradient node and ``value_node`` its value-gradient sibling, whose
-    output the kernel writes too.
+    output the kernel writes too. With ``lse_node`` (``fwd``, no split) the forward also
+    writes that ``..._lse`` node's per-row log-sum-exp (``plan_attention_lse``); ``lse`` mode
+    computes it alone (one pass over the keys, no output row).
 
     With ``split`` (``fwd`` only, ``plan.choose_split``) the keys are cut into
     ``split.chunks`` chunks of ``split.length``, one workgroup per (row tile, chunk); each
@@ -218,6 +190,10 @@ def lower_flash(
                 split, kb, outs["out"], prologue)  # fmt: skip
     if mode == "dkv":
         outs["dv"] = kb.write(value_node, "dv")
+    if lse_node is not None:
+        if mode != "fwd" or split is not None:
+            raise ValueError(f"only an unsplit forward writes a log-sum-exp, not {mode!r}")
+        outs["lse"] = kb.write(lse_node, "lse")
 
     lines = [] if split is None else [f"  let chunk = wg % {u(chunks)};"]
     wgt = "wg" if split is None else f"(wg / {u(chunks)})"
@@ -241,8 +217,8 @@ def lower_flash(
     helpers = f"var<workgroup> sh: array<vec4<f32>, {total}>;\n"
     if prologue is not None:
         helpers += prologue.helpers()
-    per_pair = {"fwd": d + dv, "stats": d, "dq": 2 * d + dv, "dk": 2 * d + dv, "dv": d + dv,
-                "dkv": 2 * d + 2 * dv}  # fmt: skip
+    per_pair = {"fwd": d + dv, "stats": d, "lse": d, "dq": 2 * d + dv, "dk": 2 * d + dv,
+                "dv": d + dv, "dkv": 2 * d + 2 * dv}  # fmt: skip
     flops = 2 * b * hq * lq * lk * per_pair[mode] // (2 if k.causal else 1)
     groups = b * hkv * tiles * chunks
     suffix = mode if split is None else f"{mode} split {chunks}x{split.length}"
@@ -280,7 +256,7 @@ def _row_registers(k: _Kernel) -> list[str]:
             lines.append(f"  let vb = {k.src['v'].row_offset('krow')};")
             lines += [f"  let v{c} = {_load4(k.src['v'], 'vb', c, dv)};" for c in range(k.dims.dv4)]
     lines += [f"  var {a} = vec4<f32>(0.0);" for a in k.accs]
-    if k.mode in ("fwd", "stats"):
+    if k.mode in SOFTMAX_MODES:
         lines += [f"  var m = {LOWEST};", "  var l = 0.0;"]
     return lines
 
@@ -454,7 +430,7 @@ def _entries(k: _Kernel) -> list[str]:
         lines.append(f"    let ok{j} = {' && '.join(conds) if conds else 'true'};")
         lines.append(f"    let sc{j} = {score};")
     ps = [f"p{j}" for j in range(NJ)]
-    if k.mode in ("fwd", "stats"):
+    if k.mode in SOFTMAX_MODES:
         lines += [f"    let x{j} = select({LOWEST}, sc{j}, ok{j});" for j in range(NJ)]
         mt = "x0"
         for j in range(1, NJ):
@@ -499,7 +475,7 @@ def _entries(k: _Kernel) -> list[str]:
 def _merge(k: _Kernel) -> list[str]:
     """Pairwise merge of the lanes of each row into lane 0, halving the lanes each round."""
     T = k.plan.lanes
-    softmax = k.mode in ("fwd", "stats")
+    softmax = k.mode in SOFTMAX_MODES
     acc = k.accs
     slot = len(acc) + (1 if softmax else 0)
     first = 1 if softmax else 0
@@ -572,6 +548,10 @@ def _finish(k: _Kernel, kb: KernelBuilder, outs: dict[str, str]) -> list[str]:
         ob = kb.row_offset(out, "qrow", dv)
         lines += ["    let inv = select(0.0, 1.0 / l, l > 0.0);", f"    let ob = {ob};"]
         lines += _store(kb, out, "ob", dv, k.dims.dv4, " * inv", offset=True)
+        if "lse" in outs:
+            lines.append("    " + kb.store(outs["lse"], "qrow", "select(0.0, m + log(l), l > 0.0)"))
+    elif k.mode == "lse":
+        lines.append("    " + kb.store(out, "qrow", "select(0.0, m + log(l), l > 0.0)"))
     elif k.mode == "stats":
         lines.append(f"    let gb = {k.src['dout'].row_offset('qrow')};")
         lines.append(f"    let ob = {k.src['o'].row_offset('qrow')};")

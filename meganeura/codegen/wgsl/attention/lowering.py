@@ -14,10 +14,21 @@ from dataclasses import replace
 from ....graph.ir import Graph
 from ....ops.attention import BWD_K, SDPA
 from ...kernel import KernelSource, Limits
+from ..core.builder import KernelBuilder
+from ..core.layout import WG
+from . import plan as attention_plan
 from .block import lower_block
 from .decode import lower_split
-from .lane import dims_of, lower_flash
-from .plan import choose_block_plan, choose_plan, choose_split, extents, fuses_key_value
+from .dkv_half import lower_dkv_half
+from .lane import _load4, dims_of, lower_flash
+from .plan import (
+    choose_block_plan,
+    choose_plan,
+    choose_split,
+    extents,
+    fuses_key_value,
+    uses_dkv_half,
+)
 
 
 def lower_attention(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[KernelSource]:
@@ -25,6 +36,8 @@ def lower_attention(graph: Graph, node_id: int, limits: Limits, mode: str) -> li
     the split-key lane kernel and its merge (``decode``). Otherwise the register-tiled kernel
     (``block``) when a block plan fits the adapter, else the lane kernel (``lane``);
     ``plan.BLOCK_OVERRIDE`` forces either."""
+    if mode == "lse":  # the lane kernel only (the block kernel has no lse-only mode)
+        return lower_flash(graph, node_id, limits, mode)
     dims = dims_of(graph, graph[node_id], mode)
     split = choose_split(dims, limits) if mode == "fwd" else None
     if split is not None:
@@ -60,14 +73,74 @@ def lower_key_value(
 ) -> list[KernelSource]:
     """One dispatch writing dk (node ``key_node``, a ``..._backward_key``) and dv (node
     ``value_node``, the ``..._backward_value`` of the same attention): the block kernel
-    when a ``dkv`` block plan fits, else the lane kernel. Named
+    when a ``dkv`` block plan fits, else the half-head-dim kernel (``dkv_half``) where
+    ``plan.uses_dkv_half`` says so, else the lane kernel. Named
     ``%<key>+<value> scaled_dot_product_attention_backward_key_value ...``."""
     dims = dims_of(graph, graph[key_node], "dkv")
     plan = choose_block_plan("dkv", dims, limits)
-    if plan is None:
+    if plan is None and uses_dkv_half(dims, limits):
+        kernels = lower_dkv_half(graph, key_node, value_node, limits)
+    elif plan is None:
         kernels = lower_flash(graph, key_node, limits, "dkv", value_node)
     else:
         kernels = lower_block(graph, key_node, limits, "dkv", dims, plan, value_node)
     head = f"%{key_node} {BWD_K}"
     name = f"%{key_node}+{value_node} {KEY_VALUE}"
     return [replace(ks, name=name + ks.name.removeprefix(head)) for ks in kernels]
+
+
+def lse_fusible(graph: Graph, forward_node: int, limits: Limits) -> bool:
+    """Whether forward attention ``forward_node``'s kernel may also write the log-sum-exp of
+    its rows (an ``..._lse`` node, ``passes.fuse.plan_attention_lse``): it runs on the lane
+    kernel (no key split, no block plan), whose rows keep their softmax state to the end;
+    ``plan.SAVE_LSE`` switches it off."""
+    if not attention_plan.SAVE_LSE:
+        return False
+    dims = dims_of(graph, graph[forward_node], "fwd")
+    return choose_split(dims, limits) is None and choose_block_plan("fwd", dims, limits) is None
+
+
+def lower_forward_lse(
+    graph: Graph, forward_node: int, lse_node: int, limits: Limits
+) -> list[KernelSource]:
+    """One dispatch writing the forward's output (node ``forward_node``) and the log-sum-exp
+    of its rows (node ``lse_node``), at the forward's position. Named
+    ``%<forward>+<lse> scaled_dot_product_attention fwd+lse``."""
+    kernels = lower_flash(graph, forward_node, limits, "fwd", lse_node=lse_node)
+    head = f"%{forward_node} {SDPA} fwd"
+    name = f"%{forward_node}+{lse_node} {SDPA} fwd+lse"
+    return [replace(ks, name=name + ks.name.removeprefix(head)) for ks in kernels]
+
+
+def lower_delta(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
+    """``..._delta(lse, out, g)``: one thread per query row writes ``(lse, sum(g * out))``
+    (FlashAttention-2's D = rowsum(dO o O), Dao 2023, Algorithm 2 line 4), reading out and g
+    through their views (rows stay contiguous: ``permute_views``)."""
+    node = graph[node_id]
+    if node.type.numel == 0:
+        return []
+    lse_id, out_id, g_id = node.inputs
+    kb = KernelBuilder(graph, node, limits)
+    lse, o, g = kb.read(lse_id, "lse"), kb.read(out_id, "o"), kb.read(g_id, "dout")
+    out = kb.write(node_id, "out")
+    rows, dv = graph[lse_id].type.numel, graph[out_id].type.shape[3]
+    lines = [
+        f"  let row = wg * {WG}u + lid;",
+        f"  if (row < {rows}u) {{",
+        f"    let ob = {o.row_offset('row')};",
+        f"    let gb = {g.row_offset('row')};",
+        "    var delta = 0.0;",
+    ]
+    for c in range(-(-dv // 4)):
+        lines.append(
+            f"    delta = delta + dot({_load4(g, 'gb', c, dv)}, {_load4(o, 'ob', c, dv)});"
+        )
+    lines += [
+        "    " + kb.store(out, "row * 2u", lse.at("row")),
+        "    " + kb.store(out, "row * 2u + 1u", "delta"),
+        "  }",
+    ]
+    nbytes = 2 * graph[out_id].type.nbytes + 12 * rows
+    return [
+        kb.finish("delta", "\n".join(lines), WG, -(-rows // WG), flops=2 * rows * dv, nbytes=nbytes)
+    ]

@@ -20,7 +20,8 @@ from ..core.layout import next_pow2
 THREADS = 64
 TARGET_GROUPS = 256  # shrink row tiles until this many workgroups (or 4-row tiles) exist
 MAX_PER_LANE = 8  # stream entries per lane per tile (each a named score register)
-QUERY_ROW_MODES = ("fwd", "stats", "dq")  # rows are queries; the others (dk, dv, dkv) rows are keys
+QUERY_ROW_MODES = ("fwd", "stats", "lse", "dq")  # rows are queries; dk, dv, dkv: keys
+SOFTMAX_MODES = ("fwd", "stats", "lse")  # an online softmax (running max and sum) per row
 
 
 @dataclass(frozen=True)
@@ -73,19 +74,19 @@ def segments(mode: str, dims: Dims) -> list[tuple[str, int]]:
     """Workgroup-memory segments of one stream entry: (name, vec4 count)."""
     if mode in ("fwd", "dq"):
         return [("k", dims.d4), ("v", dims.dv4)]
-    if mode == "stats":
+    if mode in ("stats", "lse"):
         return [("k", dims.d4)]
     return [("q", dims.d4), ("g", dims.dv4), ("st", 1)]
 
 
 def merge_slot(mode: str, dims: Dims) -> int:
     """vec4s of one lane's partial state in a merge round."""
-    return accumulators(mode, dims) + (1 if mode in ("fwd", "stats") else 0)
+    return accumulators(mode, dims) + (1 if mode in SOFTMAX_MODES else 0)
 
 
 def accumulators(mode: str, dims: Dims) -> int:
     """vec4 accumulators a row keeps: its output row (``dkv``: the dk row and the dv row)."""
-    return {"fwd": dims.dv4, "stats": 0, "dq": dims.d4, "dk": dims.d4, "dv": dims.dv4,
+    return {"fwd": dims.dv4, "stats": 0, "lse": 0, "dq": dims.d4, "dk": dims.d4, "dv": dims.dv4,
             "dkv": dims.d4 + dims.dv4}[mode]  # fmt: skip
 
 
@@ -316,6 +317,13 @@ def choose_block_plan(
     return best[1] if best else None
 
 
+# ---- the forward writing its log-sum-exp -------------------------------------------------------
+# True: where ``lowering.lse_fusible`` allows, the forward's kernel also writes the rows'
+# log-sum-exp that the backward reads (``passes.fuse.plan_attention_lse``); False: the backward
+# computes it in its own pass over the keys (the programs before; benchmarks compare both).
+SAVE_LSE = True
+
+
 # ---- dk and dv in one pass ("dkv") -----------------------------------------------------------
 # The lane kernel in dkv mode keeps the key row's k and v and both accumulators in registers:
 # 2 (D4 + Dv4) vec4s per thread, where dk alone keeps 2 D4 + Dv4: 48 vec4s at D = Dv = 64.
@@ -330,15 +338,37 @@ LANE_KV_MAX_STREAM = 512
 # True forces the dkv kernel wherever a graph has both gradients, False forbids it; None
 # chooses by ``fuses_key_value``'s rule. Benchmarks compare both ways through this.
 FUSE_KEY_VALUE: bool | None = None
+# The "dkv half" kernel (``dkv_half``: each key row over two threads by head dim, 32 vec4
+# registers at D = 64, so no spills): True runs every fused pair on it where it fits the
+# adapter; None (auto) only the pairs the lane dkv would spill on (Whisper), which then fuse
+# instead of running dk and dv apart; False never. False until bench/attention_sweep.py's
+# ``auto-dkvhalf`` variant has timed it on the H200 (docs/attention.md); then None.
+DKV_HALF: bool | None = False
+
+
+def _lane_fuses(dims: Dims) -> bool:
+    """The lane dkv's rule: its registers fit, or the query stream is short."""
+    fits = 2 * (dims.d4 + dims.dv4) <= LANE_KV_MAX_VEC4
+    return fits or dims.lq * dims.group <= LANE_KV_MAX_STREAM
+
+
+def uses_dkv_half(dims: Dims, limits: Limits) -> bool:
+    """Whether a fused dk + dv pair without a block plan runs the ``dkv_half`` kernel
+    (``DKV_HALF``)."""
+    if DKV_HALF is False:
+        return False
+    from .dkv_half import half_fits  # dkv_half imports this module
+
+    return half_fits(dims, limits) and (DKV_HALF is True or not _lane_fuses(dims))
 
 
 def fuses_key_value(dims: Dims, limits: Limits) -> bool:
     """Whether one ``dkv`` kernel should compute dk and dv (else a dk and a dv kernel): with a
-    block plan, or with the lane kernel when its registers fit ``LANE_KV_MAX_VEC4`` or each
-    key row streams over at most ``LANE_KV_MAX_STREAM`` query rows."""
+    block plan, with the ``dkv_half`` kernel (``uses_dkv_half``), or with the lane kernel when
+    its registers fit ``LANE_KV_MAX_VEC4`` or each key row streams over at most
+    ``LANE_KV_MAX_STREAM`` query rows."""
     if FUSE_KEY_VALUE is not None:
         return FUSE_KEY_VALUE
     if choose_block_plan("dkv", dims, limits) is not None:
         return True
-    fits = 2 * (dims.d4 + dims.dv4) <= LANE_KV_MAX_VEC4
-    return fits or dims.lq * dims.group <= LANE_KV_MAX_STREAM
+    return uses_dkv_half(dims, limits) or _lane_fuses(dims)

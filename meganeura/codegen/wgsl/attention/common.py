@@ -1,0 +1,45 @@
+"""Helpers shared by the attention kernels (``lane``, ``block``, ``decode``, ``lowering``):
+problem sizes of a node, its optional operands, strided index sums."""
+
+from __future__ import annotations
+
+from ....graph.ir import Graph
+from ..core.builder import KernelBuilder, Src
+from ..core.literals import u
+from .plan import Dims
+
+
+def stride_sum(terms: list[tuple[str, int]]) -> str:
+    """u32 expression ``sum(var * stride)`` without zero strides."""
+    parts = [v if s == 1 else f"{v} * {u(s)}" for v, s in terms if s]
+    return " + ".join(parts) or "0u"
+
+
+def read_extras(kb: KernelBuilder, graph: Graph, extras) -> tuple[Src | None, Src | None]:
+    """(mask, kv_length) sources of an attention node's operands after its fixed ones: an
+    optional floating mask, then an optional i32 kv_length (the forward only)."""
+    extras = list(extras)
+    kvlen = None
+    if extras and not graph[extras[-1]].type.dtype.is_floating:
+        kvlen = kb.read(extras.pop(), "kvlen")
+    return (kb.read(extras[0], "mask") if extras else None), kvlen
+
+
+def kv_limit(kvlen: Src, lk: int) -> str:
+    """WGSL statement defining ``kvl``: the batch row's key count clamped to [0, Lk] (``b``
+    is the workgroup's batch row)."""
+    n = kvlen.at("b" if kvlen.type.shape else "0u")
+    return f"  let kvl = min(u32(max({n}, 0i)), {u(lk)});"
+
+
+def dims_of(graph: Graph, node, mode: str) -> Dims:
+    """Problem sizes of attention node ``node`` lowered in ``mode`` (dkv: the key-gradient
+    node)."""
+    ins = node.inputs
+    b, hq, lq, d = graph[ins[0]].type.shape
+    _, hkv, lk, _ = graph[ins[1]].type.shape
+    # Dv: of the output (fwd, dv), of ``out`` (stats) or of ``v`` (dq, dk, dkv); lse has none
+    if mode == "lse":
+        return Dims(b, hkv, hq // hkv, lq, lk, d, d)
+    dv = (node.type if mode in ("fwd", "dv") else graph[ins[2]].type).shape[3]
+    return Dims(b, hkv, hq // hkv, lq, lk, d, dv)

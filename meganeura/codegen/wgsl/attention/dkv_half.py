@@ -1,0 +1,178 @@
+"""dk and dv in one pass with each key row split over two threads by head dim ("dkv half").
+
+The lane kernel's ``dkv`` mode keeps a key row's k, v and both accumulators in one thread:
+``2 (D/4 + Dv/4)`` vec4 registers, 64 at D = Dv = 64, which spills on NVIDIA (255 registers a
+thread) and made the fused pass slower than separate dk and dv kernels at long query streams
+(Whisper: 1319 us against 955 on the H200, ``plan.fuses_key_value``). Here thread ``h`` (0 or
+1) of a pair owns half of the head dims: half of k, v, dk and dv (32 vec4s at D = Dv = 64, fewer
+than the dk kernel's 48). Per query entry each thread forms half of ``s = q.k`` and of
+``dp = dO.v`` and adds its partner's halves with one ``subgroupShuffleXor`` of a vec2 (the
+pair is lids 2r, 2r + 1, in one subgroup), so both hold the full score, then
+``p = exp(s * scale + mask - lse)``, ``ds = p (dp - delta)`` and update their halves:
+``dk += ds q``, ``dv += p dO`` (FlashAttention-2's backward inner loop, Dao 2023, Algorithm 2,
+with the reduction over the head dim split across two threads). 256 FMAs per (key, query)
+pair, against the 320 of separate dk and dv kernels; the Q, dO and stats tiles are read once.
+
+Layout: ``ROWS`` key rows per workgroup (64 threads), the query stream in tiles of ``TILE``
+entries through workgroup memory (q, dO, stats), ``UNROLL`` entries per unrolled step. Masks,
+causality (a key sees queries from its own index on) and GQA (the stream runs over each head
+of the kv head's group) as in ``lane``. Needs subgroups (``Limits.subgroups``, subgroup size
+at least 2) and head dims that are multiples of 8. Not the default until timed:
+``plan.DKV_HALF`` selects it (``plan.uses_dkv_half``).
+"""
+
+from __future__ import annotations
+
+from ....graph.ir import Graph
+from ...kernel import KernelSource, Limits
+from ..core.builder import KernelBuilder
+from ..core.layout import broadcast_strides
+from ..core.literals import NEG_INF_BITS, f32_literal, u
+from .common import dims_of, read_extras, stride_sum
+from .lane import _Kernel, _load4, _load_tile, _store
+from .plan import Dims, Plan
+
+ROWS = 32  # key rows per workgroup, two threads each
+TILE = 32  # query entries per workgroup-memory tile
+UNROLL = 4  # entries per unrolled step of the tile loop
+
+
+def _layout(dims: Dims) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(vec4s of workgroup memory, {segment: (offset, stride)}): q, dO (``g``), stats."""
+    q, g = TILE * dims.d4, TILE * dims.dv4
+    return q + g + TILE, {"q": (0, dims.d4), "g": (q, dims.dv4), "st": (q + g, 1)}
+
+
+def half_fits(dims: Dims, limits: Limits) -> bool:
+    """Whether the adapter and the head dims allow this kernel."""
+    return (
+        limits.subgroups
+        and dims.d % 8 == 0
+        and dims.dv % 8 == 0
+        and 2 * ROWS <= limits.max_invocations_per_workgroup
+        and 16 * _layout(dims)[0] <= limits.max_workgroup_storage_size
+    )
+
+
+def lower_dkv_half(
+    graph: Graph, key_node: int, value_node: int, limits: Limits
+) -> list[KernelSource]:
+    """One dispatch writing dk (``key_node``) and dv (``value_node``), see the module
+    docstring.
+
+    Raises:
+        ValueError: where ``half_fits`` does not hold.
+    """
+    node = graph[key_node]
+    ins = node.inputs
+    dims = dims_of(graph, node, "dkv")
+    if not half_fits(dims, limits):
+        raise ValueError(f"dkv half: needs subgroups and head dims divisible by 8, got {dims}")
+    b, hkv, G, lq, lk, d, dv = dims.b, dims.hkv, dims.group, dims.lq, dims.lk, dims.d, dims.dv
+    hq = hkv * G
+    d4h, dv4h = dims.d4 // 2, dims.dv4 // 2
+    tiles = -(-lk // ROWS)
+    kb = KernelBuilder(graph, node, limits)
+    src = {n: kb.read(v, n) for n, v in zip(("q", "k", "v", "dout", "st"), ins[:5], strict=True)}
+    mask, _ = read_extras(kb, graph, ins[5:])
+    strides = broadcast_strides(mask.type.shape, (b, hq, lq, lk)) if mask else (0, 0, 0, 0)
+    total, layout = _layout(dims)
+    causal = bool(node.attr("is_causal"))
+    scale = f32_literal(node.attr("scale"))
+    # _Kernel for lane's tile loads: 64 threads (plan.size), TILE entries, query stream
+    k = _Kernel("dkv", dims, Plan(ROWS, 2, TILE), layout, src, mask, strides, scale, causal)
+    out = kb.write(key_node, "out")
+    dv_out = kb.write(value_node, "dv")
+
+    lines = [
+        f"  let tile = wg % {u(tiles)};",
+        f"  let bh = wg / {u(tiles)};",
+        f"  let b = bh / {u(hkv)};",
+        f"  let hk = bh % {u(hkv)};",
+        "  let h = lid & 1u;",
+        f"  let row = tile * {u(ROWS)} + (lid >> 1u);",
+        f"  let live = row < {u(lk)};",
+        f"  let rowc = min(row, {u(lk - 1)});",
+        f"  let krow = bh * {u(lk)} + rowc;",
+        f"  let ko = {src['k'].row_offset('krow')} + h * {u(d // 2)};",
+        f"  let vo = {src['v'].row_offset('krow')} + h * {u(dv // 2)};",
+    ]
+    lines += [f"  let k{c} = {_load4(src['k'], 'ko', c, d // 2)};" for c in range(d4h)]
+    lines += [f"  let v{c} = {_load4(src['v'], 'vo', c, dv // 2)};" for c in range(dv4h)]
+    lines += [f"  var acc{c} = vec4<f32>(0.0);" for c in range(d4h)]
+    lines += [f"  var vacc{c} = vec4<f32>(0.0);" for c in range(dv4h)]
+
+    row = f"(bh * {u(G)} + hg) * {u(lq)} + sr"
+    loads = _load_tile(k, "q", src["q"], row, d)
+    loads += _load_tile(k, "g", src["dout"], row, dv)
+    loads += _load_tile(k, "st", src["st"], row, 2)
+    sb, sh, si, sj = strides
+    head = f"(hk * {u(G)} + hg)"
+    start = f"tile * {u(ROWS)}" if causal else "0u"
+    lines += [
+        f"  for (var hg = 0u; hg < {u(G)}; hg = hg + 1u) {{",
+        f"  let mcol = {stride_sum([('b', sb), (head, sh), ('rowc', sj)])};",
+        f"  for (var s0 = {start}; s0 < {u(lq)}; s0 = s0 + {u(TILE)}) {{",
+        "    workgroupBarrier();",
+        *loads,
+        "    workgroupBarrier();",
+        f"    for (var e0 = 0u; e0 < {u(TILE)}; e0 = e0 + {u(UNROLL)}) {{",
+        *_entries(k, d4h, dv4h),
+        "    }",
+        "  }",
+        "  }",
+        "  if (live) {",
+        f"    let kob = {kb.row_offset(out, 'krow', d)} + h * {u(d // 2)};",
+        *_store(kb, out, "kob", d // 2, d4h, f" * {scale}", offset=True),
+        f"    let vob = {kb.row_offset(dv_out, 'krow', dv)} + h * {u(dv // 2)};",
+        *_store(kb, dv_out, "vob", dv // 2, dv4h, acc="vacc", offset=True),
+        "  }",
+    ]
+    helpers = f"var<workgroup> sh: array<vec4<f32>, {total}>;\n"
+    flops = 2 * b * hq * lq * lk * (2 * d + 2 * dv) // (2 if causal else 1)
+    groups = b * hkv * tiles
+    return [kb.finish("dkv half", "\n".join(lines), 2 * ROWS, groups, helpers, flops=flops)]
+
+
+def _entries(k: _Kernel, d4h: int, dv4h: int) -> list[str]:
+    """``UNROLL`` entries of the tile: half dot products, the pair's exchange, the updates."""
+    (q_off, q_stride), (g_off, g_stride), (st_off, _) = (k.layout[s] for s in ("q", "g", "st"))
+    lq = k.dims.lq
+    ragged = lq % TILE != 0 or k.causal
+    lines = []
+    for j in range(UNROLL):
+        lines += [
+            f"      let jj{j} = e0 + {u(j)};",
+            f"      let j{j} = s0 + jj{j};",
+            f"      let a{j} = {u(q_off)} + jj{j} * {u(q_stride)} + h * {u(d4h)};",
+            f"      let b{j} = {u(g_off)} + jj{j} * {u(g_stride)} + h * {u(dv4h)};",
+        ]
+        sp = " + ".join(f"dot(k{c}, sh[a{j} + {u(c)}])" for c in range(d4h))
+        dp = " + ".join(f"dot(v{c}, sh[b{j} + {u(c)}])" for c in range(dv4h))
+        lines.append(f"      let x{j} = vec2<f32>({sp}, {dp});")
+    # every thread of the subgroup reaches the shuffles (trip counts are uniform)
+    lines += [f"      let y{j} = x{j} + subgroupShuffleXor(x{j}, 1u);" for j in range(UNROLL)]
+    for j in range(UNROLL):
+        conds = [f"j{j} < {u(lq)}"] if ragged else []
+        if k.causal:
+            conds.append(f"rowc <= j{j}")
+        score = f"y{j}.x * {k.scale}"
+        if k.mask is not None:
+            idx = stride_sum([("mcol", 1), (f"min(j{j}, {u(lq - 1)})", k.mask_strides[2])])
+            lines.append(f"      let mv{j} = {k.mask.at(idx)};")
+            if k.mask.literal is None:
+                conds.append(f"bitcast<u32>(mv{j}) != {NEG_INF_BITS}")
+            score += f" + mv{j}"
+        lines += [
+            f"      let ok{j} = {' && '.join(conds) if conds else 'true'};",
+            f"      let st{j} = sh[{u(st_off)} + jj{j}];",
+            f"      let p{j} = select(0.0, exp({score} - st{j}.x), ok{j});",
+            f"      let ds{j} = p{j} * (y{j}.y - st{j}.y);",
+        ]
+    for c in range(d4h):
+        terms = " + ".join(f"ds{j} * sh[a{j} + {u(c)}]" for j in range(UNROLL))
+        lines.append(f"      acc{c} = acc{c} + {terms};")
+    for c in range(dv4h):
+        terms = " + ".join(f"p{j} * sh[b{j} + {u(c)}]" for j in range(UNROLL))
+        lines.append(f"      vacc{c} = vacc{c} + {terms};")
+    return lines
