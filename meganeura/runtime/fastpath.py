@@ -231,31 +231,15 @@ def map_read(device: wgpu.GPUDevice, buffer: wgpu.GPUBuffer, offset: int, size: 
             return bytes(buffer.read_mapped(offset, size, copy=False))
         finally:
             buffer.unmap()
-    key = _next_id[0] = _next_id[0] + 1
-    _pending[key] = None
-    info = ffi.new(
-        "WGPUBufferMapCallbackInfo *",
-        {
-            "mode": _ALLOW_PROCESS_EVENTS,
-            "callback": _on_mapped,
-            "userdata1": ffi.cast("void *", key),
-        },
-    )
-    buf, dev = raw_handle(buffer), raw_handle(device)
+    key = map_async(buffer, offset, size)
+    dev = raw_handle(device)
     try:
-        _MAP_ASYNC(buf, _MAP_READ, offset, size, info[0])
         while _pending[key] is None:
             _POLL(dev, True, ffi.NULL)  # blocks until the queue is idle, then fires callbacks
-        status = _pending[key]
-    finally:
+    except BaseException:
         _pending.pop(key, None)
-    if status != _MAP_SUCCESS:
-        raise RuntimeError(f"mapping {buffer.label!r} for reading failed (wgpu status {status})")
-    try:
-        ptr = _MAPPED_RANGE(buf, offset, size)
-        return bytes(ffi.buffer(ptr, size))
-    finally:
-        _UNMAP(buf)
+        raise
+    return mapped_copy(key, buffer, offset, size)
 
 
 def create_shader_module(gpu: wgpu.GPUDevice, label: str, wgsl: str, checks: bool):
