@@ -11,6 +11,14 @@ bar (loss, tokens/s) and the loss curve (``loss.png``).
 Output folder: ``model/`` (an HF folder: config, safetensors, tokenizer; LoRA runs merge their
 adapters into it unless ``--no-merge``) and, with LoRA, ``adapter/`` (PEFT's files), both
 loadable by ``meganeura generate --model ...`` (``--lora-adapter`` for the unmerged adapter).
+
+``distributed`` (``mpiexec -n N meganeura finetune --distributed``): data-parallel over the
+ranks (``meganeura.distributed``). Every rank tokenizes the file and draws the same seeded
+window order, so every rank holds the same global batch of ``batch_size`` windows; each takes
+its equal shard of those windows (``distributed.shard``: whole sequences, never a cut
+sequence) and a ``DistributedTrainer`` averages the gradients, so a step equals one process on
+the global batch (Llama has no BatchNorm: every window's loss is its own). Rank 0 alone shows
+the bar and writes the output folder; the others learn whether its writes succeeded.
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ class FinetuneConfig:
     seed: int = 0
     merge: bool = True
     precision: str = "strict"
+    # data-parallel over the ranks of ``mpiexec -n N`` (``meganeura.distributed``, initialized
+    # first); batch_size is the global batch of windows, split in equal shards across ranks
+    distributed: bool = False
 
 
 def token_windows(ids: list[int], seq_len: int) -> np.ndarray:
@@ -91,12 +102,23 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
     from ..models.llama import LlamaForCausalLM, lm_loss
     from ..nn import lora
     from ..optim.schedules import get_schedule
-    from .plotting import plot_losses
+    from ..random import manual_seed
 
     if cfg.batch_size < 1 or cfg.seq_len < 1 or cfg.epochs < 1 or cfg.log_every < 1:
         raise ValueError("batch_size, seq_len, epochs and log_every must be >= 1")
     if not Path(cfg.data).is_file():
         raise FileNotFoundError(f"no data file {cfg.data!r} (a UTF-8 text file)")
+    world, main = 1, True
+    if cfg.distributed:
+        from .. import distributed as dist
+
+        ctx = dist.init()  # the CLI initialized it with the adapter
+        world, main, device = ctx.world_size, ctx.rank == 0, device or ctx.device
+        if cfg.batch_size % world:
+            raise ValueError(
+                f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks (each "
+                "rank takes an equal shard of every batch of windows)"
+            )
     model = LlamaForCausalLM.from_pretrained(cfg.model)
     tok = model.tokenizer
     if tok is None:
@@ -107,6 +129,7 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
             f"{len(windows)} windows of {cfg.seq_len + 1} tokens, fewer than one batch of "
             f"{cfg.batch_size} (lower --batch-size or --seq-len)"
         )
+    manual_seed(cfg.seed)  # the adapters' initial A (rank 0's are broadcast when distributed)
     if cfg.lora:
         lora.apply_lora(model, cfg.lora_targets, r=cfg.lora_r, alpha=cfg.lora_alpha)
     steps_per_epoch = len(windows) // cfg.batch_size
@@ -115,7 +138,10 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
         if cfg.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {cfg.max_steps}")
         total = cfg.max_steps
-    trainer = mn.Trainer(
+    trainer_cls = mn.Trainer
+    if cfg.distributed:
+        trainer_cls = dist.DistributedTrainer
+    trainer = trainer_cls(
         model,
         mn.optim.AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay),
         lm_loss,
@@ -131,8 +157,8 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
     losses: list[list[float]] = []
     tokens = 0
     t0 = time.perf_counter()
-    bar = tqdm(total=total, desc="finetune", disable=not progress)
-    step = 0
+    bar = tqdm(total=total, desc="finetune", disable=not progress or not main)
+    step, reduce_s = 0, 0.0
     while step < total:
         order = rng.permutation(len(windows))
         for k in range(steps_per_epoch):
@@ -140,19 +166,23 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
                 break
             batch = windows[order[k * cfg.batch_size : (k + 1) * cfg.batch_size]]
             log = step % cfg.log_every == 0 or step == total - 1
+            tokens += batch.shape[0] * cfg.seq_len  # the global batch's
+            if world > 1:  # this rank's windows of the global batch
+                batch = dist.shard(batch)
             loss = trainer.step(batch[:, :-1], batch[:, 1:], return_loss=log)
-            tokens += batch.shape[0] * cfg.seq_len
+            reduce_s += getattr(trainer, "reduce_seconds", 0.0)
             step += 1
             bar.update(1)
             if log:
                 losses.append([step, float(loss)])
                 rate = tokens / (time.perf_counter() - t0)
-                bar.set_postfix(loss=f"{loss:.4f}", tokens_s=f"{rate:,.0f}")
+                shown = {"loss": f"{loss:.4f}", "tokens_s": f"{rate:,.0f}"}
+                if cfg.distributed:  # the reduce time the backward did not hide
+                    shown["reduce_ms"] = f"{1e3 * trainer.reduce_seconds:.2f}"
+                bar.set_postfix(shown)
     bar.close()
     seconds = time.perf_counter() - t0
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     summary = {
         "steps": step,
         "trainable_parameters": int(trainable),
@@ -160,7 +190,38 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
         "train_seconds": seconds,
         "final_loss": losses[-1][1] if losses else None,
         "losses": losses,
+        "world_size": world,
+        "main": main,
     }
+    if cfg.distributed:
+        summary["reduce_ms_per_step"] = 1e3 * reduce_s / max(step, 1)
+        summary["reduce_bytes"] = trainer.reduce_bytes
+    error = None
+    if main:  # rank 0 alone writes; the parameters are the same bits on every rank
+        try:
+            _write_outputs(cfg, model, summary)
+        except Exception as e:
+            if not cfg.distributed:
+                raise
+            error = e
+    if cfg.distributed:  # every rank learns whether rank 0's writes succeeded
+        failed = ctx.comm.bcast(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        if failed is not None:
+            raise dist.DistributedError(f"rank 0 failed writing {cfg.out}: {failed}", {0: failed})
+    return summary
+
+
+def _write_outputs(cfg: FinetuneConfig, model, summary: dict) -> None:
+    """The output folder (module docstring) of a trained ``model``; adds its paths to
+    ``summary``."""
+    from ..nn import lora
+    from .plotting import plot_losses
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    losses = summary["losses"]
     if cfg.lora:
         lora.save_lora(model, out / "adapter")
         summary["adapter"] = str(out / "adapter")
@@ -174,4 +235,3 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
         summary["loss_plot"] = str(out / "loss.png")
     meta = {"config": asdict(cfg), **{k: v for k, v in summary.items() if k != "losses"}}
     (out / "finetune.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
-    return summary

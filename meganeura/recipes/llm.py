@@ -67,6 +67,12 @@ def add_commands(sub) -> None:
     f.add_argument("--log-every", type=int, default=5, help="read the loss back every N steps")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    f.add_argument(
+        "--distributed",
+        action="store_true",
+        help="data-parallel over the ranks of mpiexec -n N (pip install "
+        "'meganeura[distributed]'); --batch-size is the global batch; rank 0 logs and writes",
+    )
     _precision_flag(f)
     f.set_defaults(handler=cmd_finetune)
 
@@ -207,7 +213,7 @@ def cmd_chat(args, stdin=None, out=None) -> int:
 
 
 def cmd_finetune(args) -> int:
-    from ..cli import _device
+    from ..cli import _device, _distributed_device
     from .finetune import FinetuneConfig, finetune
 
     cfg = FinetuneConfig(
@@ -229,18 +235,29 @@ def cmd_finetune(args) -> int:
         seed=args.seed,
         merge=not args.no_merge,
         precision=args.precision,
+        distributed=args.distributed,
     )
+    dev, main = _distributed_device(args) if args.distributed else (_device(args), True)
     try:
-        summary = finetune(cfg, device=_device(args), progress=not args.no_progress)
+        summary = finetune(cfg, device=dev, progress=not args.no_progress)
     except ImportError as e:
         raise SystemExit(f"{e}\n(the language-model commands need: {LLM_EXTRA})") from None
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(str(e)) from None
+    if not main:  # rank 0 alone reports
+        return 0
     print(
         f"{summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
         f"{summary['tokens_per_second']:,.0f} tokens/s, "
         f"{summary['trainable_parameters']:,} trainable parameters"
     )
+    if "reduce_ms_per_step" in summary:
+        print(
+            f"distributed: {summary['world_size']} ranks, "
+            f"{summary['tokens_per_second'] / summary['world_size']:,.0f} tokens/s per rank, "
+            f"{summary['reduce_ms_per_step']:.3f} ms per step of reading back and all-reducing "
+            f"{summary['reduce_bytes']:,} B of gradients not hidden by the backward pass"
+        )
     for key in ("model", "adapter", "loss_plot"):
         if key in summary:
             print(f"{key}: {summary[key]}")

