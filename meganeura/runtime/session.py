@@ -14,7 +14,9 @@ Invariants:
     been checked, so a rejected step leaves parameters and state untouched;
   * every validation failure raises: compile and binding errors at construction
     (:class:`KernelError`), command-recording errors at ``finish`` before submission (wgpu-native
-    aborts the process on an invalid submit, so nothing invalid is ever submitted);
+    aborts the process on an invalid submit, so nothing invalid is ever submitted); the step is
+    recorded once at construction with the chunks ``run`` uses, so a chunk that ``finish``
+    rejects is found there, before any real step has run part of the program;
   * ``bool`` slots are ``u32`` (0/1) on the GPU and ``np.bool_`` on the host;
   * reads always follow a submit, so they never return stale data.
 """
