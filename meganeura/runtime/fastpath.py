@@ -180,16 +180,16 @@ class Recorder:
 
 
 def chunk_bounds(n: int, first: int, size: int) -> tuple[tuple[int, int], ...]:
-    """``(start, stop)`` ranges covering ``n`` dispatches: ``first`` dispatches, then ``size``
-    at a time (the last chunk takes the remainder, merged into the previous one when it would
-    be shorter than ``first``). ``size`` <= 0 or ``n`` <= ``first + size``: one chunk.
+    """``(start, stop)`` ranges covering ``n`` dispatches: ``first`` dispatches (none when 0),
+    then ``size`` at a time (the last chunk takes the remainder, merged into the previous one
+    when it would be shorter than ``first``). ``size`` <= 0 or ``n`` <= ``first + size``: one chunk.
 
     A small first chunk starts the GPU soon; later chunks are long enough that encoding one
     (host) takes less than running the one before it (GPU), so the GPU never waits again.
     """
     if size <= 0 or n <= first + size:
         return ((0, n),)
-    bounds = [(0, first)]
+    bounds = [(0, first)] if first > 0 else []
     start = first
     while start < n:
         stop = min(start + size, n)

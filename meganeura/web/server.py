@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.server
 import json
 import posixpath
+import signal
 import threading
 import urllib.parse
 from pathlib import Path
@@ -159,9 +160,25 @@ def serve_web(
                 "(use 127.0.0.1, an SSH tunnel, or https)"
             )
         out(f"serving {Path(bundle).resolve()} at {url_of(server)} (Ctrl-C stops)", flush=True)
+        previous = _stop_on_sigterm()
         try:
             server.serve_forever()
         except KeyboardInterrupt:
             pass
         finally:
             server.server_close()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_on_sigterm():
+    """Make SIGTERM (``kill``, ``timeout``) stop the server as Ctrl-C does, so the temporary
+    folder is removed; returns the previous handler (None off the main thread, where Python
+    cannot set one)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(_signum, _frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, stop)

@@ -74,13 +74,15 @@ def test_chunked_steps_equal_one_submission_bit_for_bit():
         (150, 16, 64, [(0, 16), (16, 80), (80, 150)]),
         (200, 16, 0, [(0, 200)]),
         (5, 1, 2, [(0, 1), (1, 3), (3, 5)]),
+        (10, 0, 4, [(0, 4), (4, 8), (8, 10)]),
     ],
-    ids=["short", "at_the_bound", "one_past", "four_chunks", "tail_merged", "size0", "tiny"],
+    ids=["short", "at_bound", "one_past", "four", "tail_merged", "size0", "tiny", "first0"],
 )
 def test_chunk_bounds_cover_the_plan_in_order(n, first, size, want):
     got = list(fastpath.chunk_bounds(n, first, size))
     assert got == want
     assert got[0][0] == 0 and got[-1][1] == n
+    assert all(a < b for a, b in got)  # no empty chunk
     assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
 
 
