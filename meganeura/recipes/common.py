@@ -1,11 +1,14 @@
-"""What the image-classification training recipes (``mnist``, ``resnet``) share: the checks
-of ``meganeura train``'s settings, its ``--schedule`` and the AdamW ``Trainer`` built from a
-recipe's settings.
+"""What the training recipes share: the checks of ``meganeura train``'s settings, its
+``--schedule`` and the AdamW ``Trainer`` built from a recipe's settings (``mnist``, ``resnet``),
+and how a recipe runs data-parallel over MPI ranks (``data_parallel``; ``finetune`` too).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from ..optim import AdamW
 from ..optim.schedules import Schedule, get_schedule
@@ -83,3 +86,52 @@ def check_train_settings(cfg, minimums: tuple[tuple[str, int, int], ...] = ()) -
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"--out {cfg.out}: is a file, expected a folder (or a new path)")
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Where a recipe's run stands among ``mpiexec``'s ranks (:func:`data_parallel`).
+
+    Attributes:
+        world_size: ranks (1 without ``--distributed``).
+        main: whether this is rank 0, which alone logs and writes.
+        device: the runtime Device to train on.
+        context: ``distributed.Context`` with ``--distributed``, else None.
+    """
+
+    world_size: int
+    main: bool
+    device: object
+    context: object | None
+
+    def shard(self, array: np.ndarray) -> np.ndarray:
+        """This rank's equal part of a global batch array along dim 0 (the array itself
+        with one rank; ``distributed.shard``)."""
+        if self.context is None:
+            return array
+        from ..distributed import shard
+
+        return shard(array)
+
+
+def data_parallel(distributed: bool, batch_size: int, device=None, unit: str = "batch"):
+    """A recipe's :class:`DataParallel`: one rank on ``device`` unless ``distributed``, where
+    ``distributed.init()`` (which the CLI calls first, with the adapter) gives the ranks and
+    the device.
+
+    Raises:
+        ValueError: ``batch_size`` is not divisible by the world size (each rank takes an
+            equal shard of every ``unit``).
+    """
+    if not distributed:
+        return DataParallel(1, True, device, None)
+    from .. import distributed as dist
+
+    ctx = dist.init()
+    world = ctx.world_size
+    if batch_size % world:
+        raise ValueError(
+            f"--batch-size {batch_size} must be divisible by the {world} ranks (each rank "
+            f"takes an equal shard of every {unit})"
+        )
+    return DataParallel(world, ctx.rank == 0, device or ctx.device, ctx)

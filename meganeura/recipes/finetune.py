@@ -103,22 +103,14 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
     from ..nn import lora
     from ..optim.schedules import get_schedule
     from ..random import manual_seed
+    from .common import data_parallel
 
     if cfg.batch_size < 1 or cfg.seq_len < 1 or cfg.epochs < 1 or cfg.log_every < 1:
         raise ValueError("batch_size, seq_len, epochs and log_every must be >= 1")
     if not Path(cfg.data).is_file():
         raise FileNotFoundError(f"no data file {cfg.data!r} (a UTF-8 text file)")
-    world, main = 1, True
-    if cfg.distributed:
-        from .. import distributed as dist
-
-        ctx = dist.init()  # the CLI initialized it with the adapter
-        world, main, device = ctx.world_size, ctx.rank == 0, device or ctx.device
-        if cfg.batch_size % world:
-            raise ValueError(
-                f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks (each "
-                "rank takes an equal shard of every batch of windows)"
-            )
+    dp = data_parallel(cfg.distributed, cfg.batch_size, device, "batch of windows")
+    world, main, device = dp.world_size, dp.main, dp.device
     model = LlamaForCausalLM.from_pretrained(cfg.model)
     tok = model.tokenizer
     if tok is None:
@@ -140,7 +132,7 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
         total = cfg.max_steps
     trainer_cls = mn.Trainer
     if cfg.distributed:
-        trainer_cls = dist.DistributedTrainer
+        from ..distributed import DistributedTrainer as trainer_cls
     trainer = trainer_cls(
         model,
         mn.optim.AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay),
@@ -167,8 +159,7 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
             batch = windows[order[k * cfg.batch_size : (k + 1) * cfg.batch_size]]
             log = step % cfg.log_every == 0 or step == total - 1
             tokens += batch.shape[0] * cfg.seq_len  # the global batch's
-            if world > 1:  # this rank's windows of the global batch
-                batch = dist.shard(batch)
+            batch = dp.shard(batch)  # this rank's windows of the global batch
             loss = trainer.step(batch[:, :-1], batch[:, 1:], return_loss=log)
             reduce_s += getattr(trainer, "reduce_seconds", 0.0)
             step += 1
@@ -205,11 +196,15 @@ def finetune(cfg: FinetuneConfig, device=None, progress: bool = True) -> dict:
                 raise
             error = e
     if cfg.distributed:  # every rank learns whether rank 0's writes succeeded
-        failed = ctx.comm.bcast(None if error is None else f"{type(error).__name__}: {error}")
+        from ..distributed import DistributedError
+
+        failed = dp.context.comm.bcast(
+            None if error is None else f"{type(error).__name__}: {error}"
+        )
         if error is not None:
             raise error
         if failed is not None:
-            raise dist.DistributedError(f"rank 0 failed writing {cfg.out}: {failed}", {0: failed})
+            raise DistributedError(f"rank 0 failed writing {cfg.out}: {failed}", {0: failed})
     return summary
 
 

@@ -27,7 +27,7 @@ from ..nn.init import empty_weights
 from ..nn.module import StateDictError
 from ..random import manual_seed
 from ..training import Trainer
-from .common import adamw_trainer, check_train_settings
+from .common import adamw_trainer, check_train_settings, data_parallel
 
 
 @dataclass(frozen=True)
@@ -164,17 +164,8 @@ def train(
         CheckpointError: a ``resume`` checkpoint that does not fit (nothing is loaded).
     """
     check_config(cfg)
-    world, main = 1, True
-    if cfg.distributed:
-        from .. import distributed as dist
-
-        ctx = dist.init()  # the CLI initialized it with the adapter
-        world, main, device = ctx.world_size, ctx.rank == 0, device or ctx.device
-        if cfg.batch_size % world:
-            raise ValueError(
-                f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks (each "
-                "rank takes an equal shard of every batch)"
-            )
+    dp = data_parallel(cfg.distributed, cfg.batch_size, device)
+    world, main, device = dp.world_size, dp.main, dp.device
     data = load_mnist(cfg.data, seed=cfg.seed)
     x_train, mean, std = standardize(data.x_train)
     x_test, _, _ = standardize(data.x_test, mean, std)
@@ -214,8 +205,7 @@ def train(
             step = trainer.step_count
             log = step % cfg.log_every == 0
             x, y = x_train[idx], data.y_train[idx]
-            if world > 1:  # this rank's shard of the global batch
-                x, y = dist.shard(x), dist.shard(y)
+            x, y = dp.shard(x), dp.shard(y)  # this rank's shard of the global batch
             loss = trainer.step(x, y, return_loss=log)
             seen += len(idx)
             reduce_s += getattr(trainer, "reduce_seconds", 0.0)

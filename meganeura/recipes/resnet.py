@@ -45,7 +45,7 @@ from ..nn.compiled import compile as compile_module
 from ..nn.init import empty_weights
 from ..nn.module import StateDictError
 from ..random import manual_seed
-from .common import adamw_trainer, check_train_settings
+from .common import adamw_trainer, check_train_settings, data_parallel
 
 
 @dataclass(frozen=True)
@@ -194,21 +194,12 @@ def train(
         CheckpointError: a ``resume`` checkpoint that does not fit (nothing is loaded).
     """
     check_config(cfg)
-    world, main = 1, True
-    if cfg.distributed:
-        from .. import distributed as dist
-
-        ctx = dist.init()  # the CLI initialized it with the adapter
-        world, main, device = ctx.world_size, ctx.rank == 0, device or ctx.device
     train_ds, test_ds, pre = load_data(cfg)
     classes = train_ds.classes
     resume_meta = _resume_meta(resume, cfg, classes) if resume else None  # before compiling
     batch = min(cfg.batch_size, len(train_ds.y))
-    if batch % world:
-        raise ValueError(
-            f"--batch-size {batch} must be divisible by the {world} ranks (each rank takes an "
-            "equal shard of every batch)"
-        )
+    dp = data_parallel(cfg.distributed, batch, device)
+    world, main, device = dp.world_size, dp.main, dp.device
     steps_per_epoch = num_batches(len(train_ds.y), batch)
     total = steps_per_epoch * cfg.epochs
     manual_seed(cfg.seed)
@@ -240,8 +231,7 @@ def train(
             step = trainer.step_count
             log = step % cfg.log_every == 0
             x, y = train_ds.x[idx], train_ds.y[idx]
-            if world > 1:  # this rank's shard of the global batch
-                x, y = dist.shard(x), dist.shard(y)
+            x, y = dp.shard(x), dp.shard(y)  # this rank's shard of the global batch
             loss = trainer.step(x, y, return_loss=log)
             seen += len(idx)
             reduce_s += getattr(trainer, "reduce_seconds", 0.0)
