@@ -30,7 +30,7 @@ from typing import Any
 
 from meganeura.io._optional import require
 
-__all__ = ["IncrementalDecoder", "Tokenizer", "TokenizerError"]
+__all__ = ["IncrementalDecoder", "Tokenizer", "TokenizerError", "attach_tokenizer"]
 
 # GPT-2's pre-tokenizer split, which ByteLevel(use_regex=True) applies.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -376,6 +376,17 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template: {e}") from e
+
+
+def attach_tokenizer(model: Any, checkpoint: Any) -> None:
+    """Give ``model`` (read back by its ``tokenizer`` property) ``checkpoint.tokenizer()``, or
+    None when the checkpoint has none (``FileNotFoundError``); the models' ``from_pretrained``
+    call it after loading the weights."""
+    try:
+        tokenizer = checkpoint.tokenizer()
+    except FileNotFoundError:
+        tokenizer = None
+    object.__setattr__(model, "_tokenizer", tokenizer)
 
 
 def _byte_level_pre_tokenizer(tk: Any, split: str) -> Any:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import nn
+from ..io.tokenizer import attach_tokenizer
 from ..nn import functional as F
 from ..nn import init
 
@@ -298,11 +299,7 @@ class BertModel(nn.Module):
         with init.empty_weights():  # every value is loaded next: draw nothing
             model = cls(cfg, add_pooling_layer="pooler.dense.weight" in state)
         model.load_state_dict(state)
-        try:
-            tokenizer = ckpt.tokenizer()
-        except FileNotFoundError:
-            tokenizer = None
-        object.__setattr__(model, "_tokenizer", tokenizer)
+        attach_tokenizer(model, ckpt)
         return model.eval()  # as transformers' from_pretrained: dropout off until train()
 
     @property

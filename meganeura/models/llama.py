@@ -39,6 +39,7 @@ import numpy as np
 
 from .. import nn
 from ..graph.builder import Tensor
+from ..io.tokenizer import attach_tokenizer
 from ..nn import functional as F
 from ..nn import init
 
@@ -470,11 +471,7 @@ class LlamaForCausalLM(nn.Module):
         model.load_state_dict(state)
         if weights != "f32":
             model.quantize_(weights, ckpt)
-        try:
-            tokenizer = ckpt.tokenizer()
-        except FileNotFoundError:
-            tokenizer = None
-        object.__setattr__(model, "_tokenizer", tokenizer)
+        attach_tokenizer(model, ckpt)
         return model
 
     def quantize_(self, qtype: str, checkpoint=None) -> list[str]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..io.tokenizer import attach_tokenizer
 from ..nn import init
 
 
@@ -113,11 +114,7 @@ def load_pretrained(cls, path=None, attn_implementation: str = "sdpa"):
         model = cls(WhisperConfig.from_dict(config), attn_implementation=attn_implementation)
     state.setdefault("proj_out.weight", state.get("model.decoder.embed_tokens.weight"))
     model.load_state_dict(state)
-    try:
-        tokenizer = ckpt.tokenizer()
-    except FileNotFoundError:
-        tokenizer = None
-    object.__setattr__(model, "_tokenizer", tokenizer)
+    attach_tokenizer(model, ckpt)
     return model
 
 
