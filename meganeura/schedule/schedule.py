@@ -43,14 +43,14 @@ from ..codegen.wgsl.attention.rope_attention import lower_rope_attention
 from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
 from ..codegen.wgsl.conv.lowering import lower_conv2d_backward_input
 from ..codegen.wgsl.elementwise.fused import lower_group
-from ..codegen.wgsl.elementwise.maps import FUSIBLE, lower_permute
+from ..codegen.wgsl.elementwise.maps import FUSIBLE
 from ..codegen.wgsl.matmul.deferred import SplitPartials, plan_deferred_sums
 from ..codegen.wgsl.matmul.horizontal import NORM_MAX_K, gemv_key, group_fits, lower_matmul_group
 from ..codegen.wgsl.matmul.lowering import lower_matmul
 from ..codegen.wgsl.matmul.split_group import SplitGroup, lower_split_group, plan_split_groups
 from ..codegen.wgsl.norm.lowering import norm_act_fusible
 from ..codegen.wgsl.optim import lower_update_group
-from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph, resolve_view
+from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
 from ..ops.attention import SDPA
 from ..passes.fuse import (
@@ -236,10 +236,8 @@ def _lower_all(
                 kernels = lower_matmul(graph, node.id, limits, defer_sum=True)
             elif node.id in deferred:
                 kernels = lower_conv2d_backward_input(graph, node.id, limits, defer_sum=True)
-            elif group is None and node.op == "permute" and _reads_deferred(graph, node, deferred):
-                kernels = lower_permute(graph, node.id, limits, deferred)
             elif group is None:
-                kernels = lower(graph, node.id, limits)
+                kernels = lower(graph, node.id, limits, deferred)
             elif group.anchor is not None and graph[group.anchor].op == SDPA:
                 # the forward + lse pair runs at its FIRST member (plan_attention_lse)
                 first, second = group.members
@@ -259,13 +257,6 @@ def _lower_all(
                 kernels = lower_group(graph, group, limits, deferred, sum_only)
             dispatches.extend((node.id, ks) for ks in kernels)
     return dispatches
-
-
-def _reads_deferred(graph: Graph, node, deferred: dict[int, SplitPartials]) -> bool:
-    """Whether ``node`` reads a split-K product whose sum is deferred to its readers; other
-    permutes go through ``lower`` (a permute written in place by its producer,
-    ``passes.permute_views``, gets no kernel there)."""
-    return any(resolve_view(graph, i) in deferred for i in node.inputs)
 
 
 def _arena_clashes(

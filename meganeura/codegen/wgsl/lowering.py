@@ -15,7 +15,7 @@ output.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 
 from ...graph.ir import LEAF_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph, resolve_view
@@ -155,13 +155,17 @@ LOWERINGS: dict[str, Lowering] = {
 EFFECT_OPS = frozenset(name for name, d in OPS.items() if d.writes)
 
 
-def lower(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
+def lower(
+    graph: Graph, node_id: int, limits: Limits, deferred: Mapping | None = None
+) -> list[KernelSource]:
     """The dispatches computing node ``node_id``, in the order they must run.
 
     Args:
         graph: a verified graph.
         node_id: the node to lower.
         limits: the adapter's limits (grid folding, binding sizes, workgroup memory).
+        deferred: split-K products never stored, read as the sums of their partials
+            (``matmul.deferred``; only a ``permute`` reads them among single-node kernels).
 
     Returns:
         Kernels, possibly none: leaves, views (``reshape``, ``stop_gradient``), row-block
@@ -185,6 +189,8 @@ def lower(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
         raise KeyError(f"no WGSL lowering for op {node.op!r} (node %{node_id})")
     if node.type.numel == 0 and node.op not in EFFECT_OPS:
         return []
+    if node.op == "permute" and deferred:
+        return lower_permute(graph, node_id, limits, deferred)
     return LOWERINGS[node.op](graph, node_id, limits)
 
 
