@@ -11,6 +11,9 @@ from pathlib import Path
 KEYS = ("case", "metric", "ours", "torch", "speedup", "gate", "gate_figures", "peak_bytes")
 
 
+_WALL = ("process_wall_s", "child_wall_s", "build_wall_s", "timing_wall_s", "gate_wall_s")
+
+
 def case_id(wl, case_name: str, precision: str, mode: str, metric: str = "ms") -> str:
     mid = "" if metric == "ms" else f"_{metric}"
     return f"{wl.id}_{wl.name}_{case_name}{mid}_{precision}_vs_{mode}"
@@ -67,6 +70,11 @@ def rows_for(wl, case, precision, docs: dict, quick: bool = False) -> list[dict]
                 "torch_warm": doc.get("warm_first_call_s"),
             }
             row["ours_stages"] = ours.get("stages")
+            # where each child's wall time went (the harness's own cost, for run planning)
+            row["wall_s"] = {
+                "ours": {k: ours.get(k) for k in _WALL},
+                "torch": {k: doc.get(k) for k in _WALL},
+            }
             row["ours_precision"] = ours.get("precision_compiled")
             prof = ours.get("profile") or {}
             if "top" in prof and metric in ("ms", "ms_per_token"):
