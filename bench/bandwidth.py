@@ -34,6 +34,8 @@ switches flipped, suffixing the case name with @variant, to compare them with th
                   unit (rowwise.MAX_UNITS = 1); softmax then takes the general kernels
   nosplit         group_norm with one team per group, never split across workgroups
                   (norm.split.FORCE_CHUNKS = 1: the kernels before the split)
+  split           group_norm split where its plan would (norm.split.SPLIT = True; off by
+                  default since the H200 timed it slower)
 
 Usage: python bench/bandwidth.py [--quick] [--repeats 10] [--out-name bandwidth] [--variants all]
 """
@@ -76,6 +78,7 @@ VARIANTS = {
     "general": [("rowwise.team", "MAX_UNITS", 0), ("rowwise.team", "CHUNKED", False)],
     "chunked": [("rowwise.team", "MAX_UNITS", 1)],
     "nosplit": [("norm.split", "FORCE_CHUNKS", 1)],
+    "split": [("norm.split", "SPLIT", True)],
 }
 
 

@@ -99,7 +99,10 @@ H200 = Limits(max_invocations_per_workgroup=1024, subgroups=True, max_workgroup_
     ],
     ids=["unet", "chunked", "resnet", "w5"],
 )
-def test_split_plan(shape, groups, want):
+def test_split_plan(shape, groups, want, monkeypatch):
+    attrs = {"num_groups": groups, "eps": 1e-5}
+    assert split.split_chunks(shape, attrs, H200) == 1  # off by default (slower on the H200)
+    monkeypatch.setattr(split, "SPLIT", True)
     attrs = {"num_groups": groups, "eps": 1e-5}
     assert split.split_chunks(shape, attrs, H200) == want
     assert split.split_chunks(shape, attrs, dataclasses.replace(H200, cpu=True)) == 1

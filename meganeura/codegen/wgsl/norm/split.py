@@ -21,7 +21,8 @@ multiple of 4), each chunk a team row of its own, in two dispatches:
     xc rstd * rstd pg / L)``).
 
 x is read twice (as the chunked team kernels do); the partials are ``8 P`` or ``16 P`` bytes
-per group. The plan (``split_chunks``): only on GPUs (not ``Limits.cpu``), only when the
+per group. The plan (``split_chunks``): only when ``SPLIT`` is on (off by default: it lost on the
+H200, see ``SPLIT``), only on GPUs (not ``Limits.cpu``), only when the
 one-team kernel would have fewer than ``SPLIT_BELOW`` workgroups and the input has at least
 ``SPLIT_MIN_NUMEL`` elements (below that the second dispatch, ~17 us on the H200's timestamp
 floor, costs more than the idle multiprocessors: the W5 U-Net's groups of 2048-4096 elements
@@ -43,6 +44,12 @@ from ..rowwise.team import Chunk, RowKernel, TeamPlan, plan_team, sources_bound
 from .activation import GradIn, act_helpers, bind_outputs, store_normalized
 from .team import _param, _stats, plan_groups, stats_store
 
+# Off: on the H200 the split lost at every size timed (bench/results/bandwidth_gn_split_h200.json,
+# forward 18.8 us split against 12.1 one-team at [4, 128, 64, 64], 27.4 against 24.8 at
+# [2, 256, 64, 64]; forward + backward 49.2 against 34.8 and 69.9 against 66.7): the second
+# dispatch costs more than the idle multiprocessors do. Kept for larger inputs and other GPUs
+# (``bench/bandwidth.py --variants split`` times it); True: the plan below decides.
+SPLIT = False
 SPLIT_BELOW = 2 * SMS  # one-team workgroups below which a large input is split
 SPLIT_MIN_NUMEL = 1 << 21  # elements (8 MiB of f32): smaller inputs keep one dispatch
 TARGET_GROUPS = 8 * SMS  # chunk rows the split aims at
@@ -70,7 +77,7 @@ def split_chunks(shape, attrs, limits: Limits) -> int:
         want = FORCE_CHUNKS
     else:
         plan = plan_groups(shape, "group_norm", attrs, limits)
-        if limits.cpu or plan is None or plan.groups >= SPLIT_BELOW:
+        if not SPLIT or limits.cpu or plan is None or plan.groups >= SPLIT_BELOW:
             return 1
         if count * length < SPLIT_MIN_NUMEL:
             return 1
