@@ -123,3 +123,38 @@ def test_without_timestamp_queries_it_times_the_wall_clock(gpu_device, tmp_path,
     assert set(r.times) == {r.default_plan, "gemv32"} and all(t > 0 for t in r.times.values())
     saved = tc.load(tc.device_key(gpu_device), tmp_path).matmul
     assert all(e.timing == "wall" for e in saved.values())
+
+
+@pytest.mark.gpu
+def test_a_training_step_with_device_plans_matches_the_defaults(gpu_device, tmp_path):
+    """The MNIST MLP's step (forward, backward, SGD) with every product on a non-default
+    device plan (split-K, tiles, gemv-free) gives the loss and parameters of the defaults."""
+    from meganeura.models.mlp import build_mlp
+    from meganeura.optim import SGD
+    from meganeura.training import GraphTrainer
+
+    net = build_mlp(16, (784, 32, 10), labels=True)
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((16, 784), dtype=np.float32),
+             "y": rng.integers(0, 10, 16, dtype=np.int32)}  # fmt: skip
+    params = {k: np.asarray(v) for k, v in net.state_dict().items()}
+
+    def step():
+        with GraphTrainer(net.graph, SGD(lr=0.1), device=gpu_device) as tr:
+            tr.load_parameters(params)
+            loss = float(tr.step(feeds)["loss"])
+            return tr.program.meta["matmuls"], loss, tr.parameters()
+
+    base_choices, base_loss, base_params = step()
+    plans = ["64x64x16/s2", "128x64x16/np", "64x64x32"]
+    tc.set_cache_dir(tmp_path)
+    tc.save(tc.TuningCache(tc.device_key(gpu_device), {
+        (c["m"], c["k"], c["n"], c["layout"], c["batch"]): tc.MatmulEntry(plans[i % 3], 1, "x", 2)
+        for i, c in enumerate(base_choices)
+    }))  # fmt: skip
+    choices, loss, got = step()
+    assert {c["source"] for c in choices} == {"device"}
+    assert [c["plan"] for c in choices] != [c["plan"] for c in base_choices]
+    assert loss == pytest.approx(base_loss, rel=1e-5)
+    for name, value in base_params.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6)
