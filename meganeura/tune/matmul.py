@@ -93,7 +93,7 @@ class TuneReport:
             d = "-" if r.default_us is None else f"{r.default_us:.1f}"
             b = "-" if r.best_us is None else f"{r.best_us:.1f}"
             g = "-" if r.gain is None else f"{r.gain:.2f}x"
-            mark = " *" if r.recorded else ""
+            mark = " *" if r.recorded else " (not confirmed)" if r.best_plan in r.rejected else ""
             lines.append(
                 f"{tc.format_shape(r.key):<28} {r.default_plan:<16} {d:>10} "
                 f"{r.best_plan or '-':<16} {b:>10} {g:>6}{mark}"
