@@ -1,8 +1,10 @@
 """Command line: ``meganeura info|train|predict|classify|profile|generate|chat|finetune|embed|
-transcribe|export|serve-web``.
+transcribe|export|serve-web|tune``.
 
 This is the only place that reads environment variables (``MEGANEURA_ADAPTER``: a substring
-of the adapter to use, e.g. ``nvidia`` or ``llvmpipe``). The runtime only sets one Vulkan
+of the adapter to use, e.g. ``nvidia`` or ``llvmpipe``; ``MEGANEURA_CACHE_DIR``: the folder
+whose ``tuning/`` holds the per-device tuning cache, default ``~/.cache/meganeura``, for every
+command: ``meganeura.tune.set_cache_dir``). The runtime only sets one Vulkan
 loader variable before the first adapter request (``runtime/device.py``,
 ``_quiet_vulkan_device_select``).
 """
@@ -396,17 +398,29 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
     w.set_defaults(handler=cmd_serve_web)
 
-    from .recipes import embed, export, llm, transcribe
+    from .recipes import embed, export, llm, transcribe, tune
 
     llm.add_commands(sub)
     embed.add_commands(sub)
     transcribe.add_commands(sub)
     export.add_commands(sub)
+    tune.add_commands(sub)
     return p
+
+
+def _tuning_cache_from_env() -> None:
+    from pathlib import Path
+
+    from .tune import set_cache_dir
+
+    root = os.environ.get("MEGANEURA_CACHE_DIR")
+    if root:
+        set_cache_dir(Path(root).expanduser() / "tuning")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _tuning_cache_from_env()
     handlers = {"info": cmd_info, "train": cmd_train, "predict": cmd_predict}
     handlers["classify"] = cmd_classify
     handler = getattr(args, "handler", None) or {**handlers, "profile": cmd_profile}[args.command]

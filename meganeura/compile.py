@@ -17,6 +17,7 @@ from typing import Literal
 
 from .autodiff import differentiate, missing_loss
 from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
+from .codegen.wgsl.matmul.lowering import matmul_choices
 from .dtypes import DType
 from .graph.builder import GraphBuilder
 from .graph.ir import PLACED_OPS, SUBRANGE_OPS, Graph, resolve_view
@@ -241,7 +242,8 @@ def compile(
         ``assemble`` (buffer table and dispatches); ``meta`` also holds the options.
 
         ``meta["precision"]`` is the precision compiled (``"strict"`` or ``"fast"``) and
-        ``meta["precision_requested"]`` the one asked for.
+        ``meta["precision_requested"]`` the one asked for. ``meta["matmuls"]`` lists each
+        matmul's shape and plan with the plan's source (``matmul.lowering.matmul_choices``).
 
     Raises:
         GraphError: when ``graph`` breaks an IR invariant (a cycle, a mis-typed node, an
@@ -301,6 +303,7 @@ def compile(
     meta["compile_seconds"] = times
     meta["num_nodes"] = len(graph.nodes)
     meta["max_storage_binding_bytes"] = limits.max_storage_buffer_binding_size
+    meta["matmuls"] = matmul_choices(graph, limits)
     if options.optimizer is not None:
         meta["optimizer"] = options.optimizer.config()
         meta["max_grad_norm"] = options.max_grad_norm

@@ -76,6 +76,19 @@ def _own_generator(request, monkeypatch):
             monkeypatch.setattr(module, name, np.random.default_rng(seed))
 
 
+@pytest.fixture(autouse=True)
+def _no_tuning_cache(monkeypatch):
+    """Keep the user's tuning cache (~/.cache/meganeura/tuning, ``meganeura.tune``) out of
+    tests: plans come from the static sources unless a test points the cache at its own
+    folder; and a test's ``meganeura tune`` (``MEGANEURA_CACHE_DIR``) does not leak to the next."""
+    from meganeura.tune import set_cache_dir
+
+    monkeypatch.delenv("MEGANEURA_CACHE_DIR", raising=False)
+    set_cache_dir(None)
+    yield
+    set_cache_dir(None)
+
+
 @pytest.fixture(scope="session")
 def gpu_device():
     """The default meganeura runtime Device; skips when no WebGPU adapter is available."""

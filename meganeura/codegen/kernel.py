@@ -7,7 +7,7 @@ them to buffers after memory planning. Constants are inlined as literals and nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..dtypes import DType
 
@@ -36,6 +36,13 @@ class Limits:
     # workgroup's invocations as SIMD lanes in loops, where workgroup memory, barriers and
     # per-lane loads cost far more than on a GPU, so some kernels pick other plans there.
     cpu: bool = False
+    # Matmul plans measured on this very adapter (``meganeura.tune``: the per-device tuning
+    # cache, loaded by ``training.device_limits``): ((M, K, N, layout, batch), plan name) pairs,
+    # sorted. Part of the Limits so that codegen reads no file and a compile stays a function of
+    # (graph, options, limits).
+    matmul_plans: tuple[tuple[tuple[int, int, int, str, int], str], ...] = field(
+        default=(), repr=False
+    )
 
 
 @dataclass(frozen=True)

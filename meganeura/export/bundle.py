@@ -295,6 +295,8 @@ def trace_program(
             changes[field] = min(getattr(limits, field), target_limits[key])
     if cpu is not None:
         changes["cpu"] = cpu
+    # A bundle runs on another adapter (a browser's WebGPU): plans tuned on this one do not apply.
+    changes["matmul_plans"] = ()
     limits = dataclasses.replace(limits, **changes)
     traced = trace_call(model, model.forward, tuple(example_inputs), {})
     program = compile_graph(traced.graph, CompileOptions(precision=precision), limits)

@@ -29,7 +29,10 @@ from .guard import StepGuard, StepRun, check_finite_feeds, check_mode
 
 
 def device_limits(device) -> Limits:
-    """The codegen Limits of a runtime Device."""
+    """The codegen Limits of a runtime Device, with the matmul plans tuned on it
+    (``meganeura.tune``: its file in the tuning cache, if there is one)."""
+    from ..tune.cache import device_plans
+
     return Limits(
         max_workgroups_per_dimension=device.max_compute_workgroups_per_dimension,
         max_workgroup_storage_size=device.max_compute_workgroup_storage_size,
@@ -41,6 +44,7 @@ def device_limits(device) -> Limits:
         shader_f16="shader-f16" in device.features,
         subgroups="subgroup" in device.features,
         cpu=str(device.info.get("adapter_type", "")).upper() == "CPU",
+        matmul_plans=device_plans(device),
     )
 
 

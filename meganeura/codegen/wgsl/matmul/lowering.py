@@ -29,10 +29,31 @@ from ..core.layout import PER_THREAD, element_slots
 from ..core.literals import u
 from ..elementwise.maps import lower_fill
 from .gemv import emit_gemv
-from .plan import GEMV_MAX_M, MAX_SCRATCH, WG, choose_plan
+from .plan import GEMV_MAX_M, MAX_SCRATCH, WG, choose_plan, plan_source
 from .problem import Epilogue, Problem, Store, problem_of
 from .simd import SIMD, emit_simd
 from .tiled import emit_tiled
+
+
+def matmul_choices(graph: Graph, limits: Limits) -> list[dict]:
+    """The plan of each matmul of ``graph`` with a product to compute (no empty output, K > 0),
+    in node order: ``{"node", "m", "k", "n", "batch", "layout", "plan", "source"}`` with M, K,
+    N and batch after batch folding (``problem_of``), the key of ``TUNED`` and of the tuning
+    cache, and ``source`` as ``plan.plan_source`` gives it. What ``compile`` records in
+    ``Program.meta["matmuls"]``, and what ``meganeura.tune`` tunes."""
+    out = []
+    for node in graph.nodes:
+        if node.op != "matmul" or node.type.numel == 0:
+            continue
+        if graph[node.inputs[0]].type.shape[-1] == 0:
+            continue
+        p = problem_of(graph, node.id)
+        plan, source = plan_source(p.m, p.k, p.n, p.nb, p.layout, limits)
+        out.append(
+            {"node": node.id, "m": p.m, "k": p.k, "n": p.n, "batch": p.nb, "layout": p.layout,
+             "plan": plan.name, "source": source}
+        )  # fmt: skip
+    return out
 
 
 def split_layout(graph: Graph, node_id: int, limits: Limits) -> tuple[int, int, int] | None:

@@ -2,15 +2,19 @@
 
 A ``Plan`` names one way to run a product (``"128x128x8/d2"``, ``"64x64x16/s8"``,
 ``"gemv16"``; ``parse_plan`` gives the grammar). ``choose_plan`` picks it per shape:
-``force_plan`` (benchmark sweeps) overrides everything; on a CPU adapter (``Limits.cpu``:
-llvmpipe, CI's lavapipe) ``cpu_plan``; then ``tuned.TUNED``, the measured best plan per
-(M, K, N, layout) on the H200, which ``bench/matmul_sweep.py`` prints for pasting there; then
-``heuristic_plan``, documented on the function. A tiled plan that needs more workgroup
-memory than the adapter has falls back to one buffer, then to the small tile.
+``force_plan`` (benchmark sweeps) overrides everything; then the plan measured on this very
+adapter (``Limits.matmul_plans``, from the per-device tuning cache that ``meganeura.tune``
+writes: docs/tuning.md); on a CPU adapter (``Limits.cpu``: llvmpipe, CI's lavapipe)
+``cpu_plan``; then ``tuned.TUNED``, the measured best plan per (M, K, N, layout) on the H200,
+which ``bench/matmul_sweep.py`` prints for pasting there (the seed for adapters without a
+cache); then ``heuristic_plan``, documented on the function. A device entry overrides the CPU
+plan: it was measured on that adapter, the CPU plan is a rule. A tiled plan that needs more
+workgroup memory than the adapter has falls back to one buffer, then to the small tile.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 
@@ -255,13 +259,29 @@ def cpu_plan(m: int, k: int, n: int, layout: str = "nn", subgroups: bool = False
 
 def choose_plan(m: int, k: int, n: int, batch: int, layout: str, limits: Limits) -> Plan:
     """The plan for one product (see the module docstring for the order of sources)."""
+    return plan_source(m, k, n, batch, layout, limits)[0]
+
+
+# Where a plan came from (``plan_source``), as the compiled Program records it.
+SOURCES = ("forced", "device", "cpu", "tuned", "heuristic")
+
+
+def plan_source(
+    m: int, k: int, n: int, batch: int, layout: str, limits: Limits
+) -> tuple[Plan, str]:
+    """``choose_plan``'s plan and its source, one of ``SOURCES``: ``"device"`` for an entry of
+    ``limits.matmul_plans`` (measured on the adapter), ``"tuned"`` for ``TUNED``."""
     if _forced:
-        return parse_plan(_forced[0])
-    if limits.cpu:
-        plan = cpu_plan(m, k, n, layout, limits.subgroups)
+        return parse_plan(_forced[0]), "forced"
+    plan = device_plan(m, k, n, batch, layout, limits)
+    if plan is not None:
+        source = "device"
+    elif limits.cpu:
+        plan, source = cpu_plan(m, k, n, layout, limits.subgroups), "cpu"
     else:
         name = TUNED.get((m, k, n, layout)) if batch == 1 else None
         plan = parse_plan(name) if name else heuristic_plan(m, k, n, batch)
+        source = "tuned" if name else "heuristic"
     if plan.kernel == "tiled":
         # WebGPU guarantees only 16 KiB of workgroup memory: drop the second buffer, then
         # fall back to the small tile, where the adapter has less.
@@ -274,8 +294,33 @@ def choose_plan(m: int, k: int, n: int, batch: int, layout: str, limits: Limits)
                 tiled_shared_bytes(fallback.tiling, fallback.prefetch)
                 <= limits.max_workgroup_storage_size
             ):
-                return fallback
+                return fallback, source
+    return plan, source
+
+
+def device_plan(m: int, k: int, n: int, batch: int, layout: str, limits: Limits) -> Plan | None:
+    """The plan ``limits.matmul_plans`` holds for this product, or None: none recorded, or one
+    this adapter cannot run whatever the tile (gemv for M > ``GEMV_MAX_M``, simd without
+    subgroups), or a name this version cannot parse (the cache is checked when loaded)."""
+    if not limits.matmul_plans:
+        return None
+    name = _plan_table(limits.matmul_plans).get((m, k, n, layout, batch))
+    if name is None:
+        return None
+    try:
+        plan = parse_plan(name)
+    except ValueError:
+        return None
+    if (plan.kernel == "gemv" and m > GEMV_MAX_M) or (
+        plan.kernel == "simd" and not limits.subgroups
+    ):
+        return None
     return plan
+
+
+@functools.lru_cache(maxsize=16)
+def _plan_table(plans: tuple) -> dict:
+    return dict(plans)
 
 
 def choose_tiling(m: int, n: int, k: int, batch: int = 1) -> Tiling:

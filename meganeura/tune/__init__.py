@@ -1,0 +1,47 @@
+"""Per-device tuning: matmul plans measured on the adapter at hand, kept for the next run.
+
+``tune_matmuls`` times the candidate plans of a Program's products (or of given shapes) on a
+device and records the winners in that device's file of the tuning cache (``cache``);
+``training.device_limits`` loads them into ``Limits.matmul_plans``, which ``choose_plan``
+reads ahead of the CPU plan and the static table. ``meganeura tune`` is the command line;
+docs/tuning.md the user's guide.
+"""
+
+from .cache import (
+    DeviceKey,
+    MatmulEntry,
+    TuningCache,
+    TuningCacheWarning,
+    cache_dir,
+    cache_path,
+    clear,
+    default_cache_dir,
+    device_key,
+    load,
+    parse_shape,
+    save,
+    set_cache_dir,
+)
+from .matmul import MIN_GAIN, ShapeResult, TuneReport, candidates, shapes_of, tune_matmuls
+
+__all__ = [
+    "MIN_GAIN",
+    "DeviceKey",
+    "MatmulEntry",
+    "ShapeResult",
+    "TuneReport",
+    "TuningCache",
+    "TuningCacheWarning",
+    "cache_dir",
+    "cache_path",
+    "candidates",
+    "clear",
+    "default_cache_dir",
+    "device_key",
+    "load",
+    "parse_shape",
+    "save",
+    "set_cache_dir",
+    "shapes_of",
+    "tune_matmuls",
+]
