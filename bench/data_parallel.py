@@ -163,7 +163,10 @@ def ours(name, args, ctx, MPI, rows, info):
             one = interleaved(steps, MPI.COMM_SELF, args.warmup, args.repeats)
             one["self_overlap_buckets"] = ov.buckets
     idle(comm)
-    parts = {o: {"gpu_wait": [], "readback": [], "allreduce": [], "exposed": []} for o in (0, 1)}
+    parts = {
+        o: {"gpu_wait": [], "readback": [], "allreduce": [], "exposed": [], "apply": []}
+        for o in (0, 1)
+    }
 
     def step(t, p):
         t.step(*arrays)
@@ -171,6 +174,7 @@ def ours(name, args, ctx, MPI, rows, info):
         p["readback"].append(t.readback_seconds * 1e3)
         p["allreduce"].append(t.allreduce_seconds * 1e3)
         p["exposed"].append(t.reduce_seconds * 1e3)
+        p["apply"].append(t.apply_seconds * 1e3)
 
     with trainer(overlap=False) as no, trainer(overlap=True) as ov:
         times = interleaved(
@@ -279,7 +283,7 @@ def add_rows(name, info, rows):
     ov, no = d[f"ours_{n}ranks"], d[f"ours_{n}ranks_no_overlap"]
     t1, tn = d["ours_1rank_ms"], ov["median_ms"]
     th1, thn = t.get("1rank_ms"), t.get(f"{n}ranks_ms")
-    extra = {k: ov[k] for k in ("gpu_wait", "readback", "allreduce", "exposed", "buckets")}
+    extra = {k: ov[k] for k in ("gpu_wait", "readback", "allreduce", "exposed", "apply", "buckets")}
     rows.append(result(f"{name}_train_step_1rank", "ms", t1, th1, per_rank_batch=bs))
     rows.append(
         result(
@@ -303,6 +307,7 @@ def add_rows(name, info, rows):
             gpu_wait_ms=no["gpu_wait"],
             readback_ms=no["readback"],
             allreduce_ms=no["allreduce"],
+            apply_ms=no["apply"],
         )
     )
     rows.append(
@@ -382,7 +387,12 @@ def main() -> None:
         if ctx.rank == 0:
             add_rows(name, info, rows)
             for r in rows[-6:]:
-                print(f"{r['case']}: ours {r['ours']:.3f} torch {r['torch']}", flush=True)
+                more = {
+                    k: round(v, 3) if isinstance(v, float) else v
+                    for k, v in r.items()
+                    if k.endswith("_ms") or k in ("buckets", "reduce_bytes", "overlap_achieved")
+                }
+                print(f"{r['case']}: ours {r['ours']:.3f} torch {r['torch']} {more}", flush=True)
     if ctx.rank == 0:
         devices = ctx.comm.gather(ctx.device.name, root=0)
         extra = {

@@ -328,6 +328,9 @@ class DistributedTrainer(Trainer):
             overlap: copying the mapped buckets out).
         allreduce_seconds: the ``Allreduce`` (without overlap; with overlap 0: it is spread
             over the buckets, inside ``reduce_seconds`` where not hidden).
+        apply_seconds: the update program with the reduced gradients: their upload, and the
+            update itself where the step reads a guard output (``return_loss`` with the
+            non-finite guard); else only what is not left queued on the GPU.
         buckets: buckets of the last step (1 without overlap).
         reduce_bytes: bytes all-reduced per step (float64 gradients and the loss).
     """
@@ -351,7 +354,7 @@ class DistributedTrainer(Trainer):
         self.overlap = bool(overlap)
         self._reducer = BucketReducer(bucket_cap_mb)
         self.reduce_seconds = self.readback_seconds = self.allreduce_seconds = 0.0
-        self.gpu_wait_seconds = 0.0
+        self.gpu_wait_seconds = self.apply_seconds = 0.0
         self.reduce_bytes = self.buckets = 0
         broadcast_parameters(model, self.comm)
 
@@ -434,6 +437,7 @@ class DistributedTrainer(Trainer):
             else:
                 grads, loss = self._reduced(flat, names, divisor, read_seconds)
                 self.gpu_wait_seconds = gpu_wait
+            t_apply = time.perf_counter()
             prog, feeds = self._prepare("apply", (np.float32(loss), grads), {}, fn=self._apply)
             inputs = prog.entry.runner.program.inputs
             if HYPER_INPUT in inputs:
@@ -442,6 +446,7 @@ class DistributedTrainer(Trainer):
                 feeds[GUARD_RESET_INPUT] = self._guard.reset_feed()
             guarded = GUARD_OUTPUT in prog.entry.runner.program.outputs
             out = self._run(prog, feeds, (GUARD_OUTPUT,) if return_loss and guarded else ())
+            self.apply_seconds = time.perf_counter() - t_apply
             if self._pending_stats:
                 self._commit_running_stats(_finite(loss, grads, self._options.max_grad_norm))
         except Exception:

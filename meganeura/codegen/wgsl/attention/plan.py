@@ -342,7 +342,7 @@ FUSE_KEY_VALUE: bool | None = None
 # registers at D = 64, so no spills): True runs every fused pair on it where it fits the
 # adapter; None (auto) only the pairs the lane dkv would spill on (Whisper), which then fuse
 # instead of running dk and dv apart; False never. None since the H200 timed it
-# (bench/results/attention_sweep_h200.json, docs/attention.md): at Whisper dkv half 688 us
+# (bench/results/attention_sweep_h200.txt, docs/attention.md): at Whisper dkv half 688 us
 # against dk + dv 953, the backward 1310 against 1571; at SmolLM2 the lane dkv stays (59.6
 # against dkv half's 95.4), which None keeps.
 DKV_HALF: bool | None = None

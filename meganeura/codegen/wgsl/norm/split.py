@@ -44,7 +44,7 @@ from ..rowwise.team import Chunk, RowKernel, TeamPlan, plan_team, sources_bound
 from .activation import GradIn, act_helpers, bind_outputs, store_normalized
 from .team import _param, _stats, plan_groups, stats_store
 
-# Off: on the H200 the split lost at every size timed (bench/results/bandwidth_gn_split_h200.json,
+# Off: on the H200 the split lost at every size timed (bench/results/bandwidth_gn_split_h200.txt,
 # forward 18.8 us split against 12.1 one-team at [4, 128, 64, 64], 27.4 against 24.8 at
 # [2, 256, 64, 64]; forward + backward 49.2 against 34.8 and 69.9 against 66.7): the second
 # dispatch costs more than the idle multiprocessors do. Kept for larger inputs and other GPUs
