@@ -55,7 +55,15 @@ def section(path: Path) -> str:
 
 
 def main() -> None:
-    files = sorted((ROOT / "bench" / "results").glob("*.json"))
+    import json
+
+    # result files in the common shape (``bench.common.write``); other JSON there (the
+    # dispatch-count listings of bench/dispatch_counts.py) are documents of their own
+    files = [
+        f
+        for f in sorted((ROOT / "bench" / "results").glob("*.json"))
+        if "results" in json.loads(f.read_text())
+    ]
     body = "\n".join(section(f) for f in files)
     text = DOC.read_text()
     head, rest = text.split(BEGIN, 1)

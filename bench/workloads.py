@@ -62,6 +62,12 @@ def parse(argv=None):
     ap.add_argument("--machine", default=None, help="result-file suffix (default: detected)")
     ap.add_argument("--out", type=Path, default=None, help="result file (default: by machine)")
     ap.add_argument("--fresh", action="store_true", help="replace the result file, not merge")
+    ap.add_argument(
+        "--commit",
+        default=None,
+        help="the commit measured, stamped on every row (default: git rev-parse --short HEAD;"
+        " pass it where the checkout's .git is not the tree's, as on the GPU machine)",
+    )
     ap.add_argument("--timeout", type=int, default=600, help="seconds per child")
     ap.add_argument(
         "--skip-done",
@@ -139,13 +145,34 @@ def header(args) -> dict:
     }
 
 
+def measured_stamp(args) -> dict:
+    """``{"commit", "date"}`` stamped on every row: a file filled over several GPU sessions
+    says which commit each cell was measured at."""
+    import datetime
+    import subprocess
+
+    commit = args.commit
+    if commit is None:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"commit": commit, "date": datetime.datetime.now(datetime.UTC).date().isoformat()}
+
+
 def run(args) -> Path:
     from bench.workloads_lib.runner import done_cells
 
     items = plan(args)
     if args.skip_done:
         want = {(wl.id, c.name, p): m for wl, c, p, m in items if c is not None}
-        done = done_cells(result_path(args), want)
+        done = done_cells(result_path(args), want, args.commit)
         items = [it for it in items if it[1] is None or (it[0].id, it[1].name, it[2]) not in done]
         print(f"--skip-done: {len(done)} cells already measured", flush=True)
     est = estimate_seconds(items, args)
@@ -156,6 +183,7 @@ def run(args) -> Path:
             print(f"  {wl.id} {case.name if case else '-'} {p} {modes}")
         return result_path(args)
     path = result_path(args)
+    stamp = measured_stamp(args)
     t0 = time.perf_counter()
     first = True
     for wl, case, p, modes in items:
@@ -176,6 +204,8 @@ def run(args) -> Path:
                 )
                 if prof:
                     print(f"  profile: {prof}", flush=True)
+        for r in rows:
+            r["measured"] = stamp
         R.merge_write(path, rows, header(args), fresh=args.fresh and first)
         first = False
     print(f"wrote {path} in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -178,7 +178,15 @@ def merge_write(path: Path, rows: list[dict], header: dict, fresh: bool) -> Path
         and not (r.get("metric") == "n/a" and r.get("workload") in workloads)
     ]
     doc.update(header)
-    doc["results"] = kept + rows
+    # a re-measured cell keeps its place in the file (and so in the generated table)
+    place: dict = {}
+    for r in doc.get("results", []):
+        place.setdefault((r.get("workload"), r.get("cell"), r.get("precision")), len(place))
+    merged = kept + rows
+    doc["results"] = sorted(
+        merged,
+        key=lambda r: place.get((r.get("workload"), r.get("cell"), r.get("precision")), len(place)),
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(_clean(doc), indent=1) + "\n")

@@ -65,9 +65,10 @@ def priority(item) -> tuple:
     return (1, p != "strict", not headline, case.name.startswith("train_adam"), wl.id)
 
 
-def done_cells(path: Path, modes_by_cell: dict) -> set:
+def done_cells(path: Path, modes_by_cell: dict, commit: str | None = None) -> set:
     """(workload, case, precision) whose rows in the result file at ``path`` cover every
-    requested mode without an error (``--skip-done``)."""
+    requested mode without an error (``--skip-done``); with ``commit``, only rows measured
+    at that commit count (a file holding an older run's rows is resumed, not skipped)."""
     if not path.exists():
         return set()
     import json
@@ -75,6 +76,8 @@ def done_cells(path: Path, modes_by_cell: dict) -> set:
     seen: dict = {}
     for r in json.loads(path.read_text()).get("results", []):
         if r.get("metric") in ("n/a", "s") or r.get("gate") == "ERROR" or "torch_error" in r:
+            continue
+        if commit is not None and (r.get("measured") or {}).get("commit") != commit:
             continue
         seen.setdefault((r["workload"], r["cell"], r["precision"]), set()).add(r["mode"])
     return {k for k, modes in seen.items() if set(modes_by_cell.get(k, ())) <= modes}

@@ -155,6 +155,18 @@ def markdown(path: Path) -> str:
             + f" | {paper} | {_mib(peak.get('ours'))} / {_mib(torch_peak)} | "
             f"{'-' if tf is None else f'{tf:.3g}'} | {first} |"
         )
+    stamps: dict = {}
+    for (w, c, p, _), modes in _cells(rows).items():
+        at = next(iter(modes.values())).get("measured") or {}
+        key = f"{at.get('commit', 'unrecorded')} ({at.get('date', '?')})"
+        stamps.setdefault(key, []).append(f"{w} {c} {p}")
+    if len(stamps) > 1:
+        lines += [
+            "",
+            "Measured at: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in stamps.items()),
+        ]
+    elif stamps:
+        lines += ["", f"Measured at {next(iter(stamps))}."]
     lines += _compile_table(rows)
     s = summary(rows)
     lines += [

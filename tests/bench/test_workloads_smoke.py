@@ -139,8 +139,23 @@ def test_result_file_merges_runs_and_resume_skips_measured_cells(results, tmp_pa
     merge_write(path, rows[1:], {"machine": {}}, fresh=True)
     merge_write(path, rows[:2], {"machine": {}}, fresh=False)  # row 1 replaced, row 0 added
     doc = json.loads(path.read_text())
-    assert [r["case"] for r in doc["results"]] == [r["case"] for r in rows[2:] + rows[:2]]
+    cases = [r["case"] for r in doc["results"]]
+    assert sorted(cases) == sorted(r["case"] for r in rows) and len(set(cases)) == len(cases)
+
+    def cell(r):
+        return (r["workload"], r["cell"], r["precision"])
+
+    # a re-measured cell keeps its place: the cells appear in the first file's order, then
+    # the new ones
+    order = list(dict.fromkeys(cell(r) for r in rows[1:]))
+    order += [c for c in dict.fromkeys(cell(r) for r in rows[:1]) if c not in order]
+    assert list(dict.fromkeys(cell(r) for r in doc["results"])) == order
     first = rows[0]
-    key = (first["workload"], first["cell"], first["precision"])
+    key = cell(first)
     assert key in done_cells(path, {key: ["eager"]})
     assert key not in done_cells(path, {key: ["eager", "compile"]})
+    # --skip-done --commit: rows of another commit do not count as measured
+    doc["results"] = [dict(r, measured={"commit": "aaa", "date": "x"}) for r in doc["results"]]
+    path.write_text(json.dumps(doc))
+    assert key in done_cells(path, {key: ["eager"]}, "aaa")
+    assert key not in done_cells(path, {key: ["eager"]}, "bbb")
