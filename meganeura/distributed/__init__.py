@@ -19,7 +19,8 @@ A step of :class:`DistributedTrainer` on each rank's local batch:
      failed, every rank raises :class:`DistributedError` naming the failed ranks, before
      anything is updated (parameters and optimizer state untouched on every rank);
   3. the last micro-batch runs (without overlap it ran in step 1) and the gradients are
-     summed across ranks in float64 and divided by ``world_size * accumulation_steps``
+     summed across ranks in ``reduce_dtype`` (float32, the gradients' dtype, as DDP; or
+     float64) and divided by ``world_size * accumulation_steps``
      (DDP's and Hugging Face's mean of the per-rank, per-micro-batch means): with
      ``overlap`` (default) in buckets of ``bucket_cap_mb`` read back and ``Iallreduce``-d
      while the rest of the backward pass runs (``distributed.overlap``), else read back
@@ -36,12 +37,15 @@ A step of :class:`DistributedTrainer` on each rank's local batch:
      skipped as non-finite.
 
 Determinism: every rank feeds the same bytes to the same update program, so the parameters
-stay identical on every rank. What this relies on: float32 values summed in float64 (exact
-for 2 ranks; for more, exact unless the summands' exponents span more than ~29 binades), and
-MPICH's ``Allreduce``/``Iallreduce`` for a fixed communicator, message size and op choosing a
-fixed algorithm and combination order (it never combines in arrival order) that gives every
-rank the same result, as the MPI standard advises (MPI 4.1, section 6.9.1, "Advice to
-implementors"). Overlap changes neither the kernels' inputs nor the sums: same bits.
+stay identical on every rank. What this relies on: the MPI library's
+``Allreduce``/``Iallreduce`` for a fixed communicator, message size and op choosing a fixed
+algorithm and combination order (MPICH and Open MPI never combine in arrival order) that gives
+every rank the same result, as the MPI standard advises (MPI 4.1, section 6.9.1, "Advice to
+implementors"): a run repeats bit for bit. With ``reduce_dtype=np.float64`` the float32 values
+are summed exactly (for 2 ranks always; for more unless the summands' exponents span more than
+~29 binades), so the order does not matter at all and overlap (bucketed reduces) gives the same
+bits as one vector; in float32 that holds for 2 ranks (``a + b`` is one rounding either way),
+and with more ranks the two may differ by a rounding.
 
 Dropout: rank ``r`` feeds :func:`rank_seed` ``(seed, r)`` where a Trainer feeds ``seed``, so
 every rank draws its own mask, deterministically (rank 0 the Trainer's own).
@@ -311,6 +315,10 @@ class DistributedTrainer(Trainer):
             pass and reduce them in one ``Allreduce``. The results are the same bits.
         bucket_cap_mb: MiB of float32 gradients per bucket with ``overlap`` (PyTorch DDP's
             name and default, 25).
+        reduce_dtype: ``np.float32`` (default: the gradients' dtype, as DDP reduces; half
+            the bytes) or ``np.float64`` (every bucket summed exactly, so the result does not
+            depend on the MPI library's reduction order: bucketed and one-vector reduces give
+            the same bits at any number of ranks).
 
     Construction broadcasts rank 0's parameters and buffers (:func:`broadcast_parameters`),
     as ``torch.nn.parallel.DistributedDataParallel`` does. Dropout draws a different mask on
@@ -332,7 +340,8 @@ class DistributedTrainer(Trainer):
             update itself where the step reads a guard output (``return_loss`` with the
             non-finite guard); else only what is not left queued on the GPU.
         buckets: buckets of the last step (1 without overlap).
-        reduce_bytes: bytes all-reduced per step (float64 gradients and the loss).
+        reduce_bytes: bytes all-reduced per step (the gradients and the loss, in
+            ``reduce_dtype``).
     """
 
     def __init__(
@@ -345,6 +354,7 @@ class DistributedTrainer(Trainer):
         device=None,
         overlap: bool = True,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        reduce_dtype=np.float32,
         **kwargs,
     ) -> None:
         ctx = _context() if comm is None or device is None else None
@@ -352,7 +362,8 @@ class DistributedTrainer(Trainer):
         self.comm = comm or ctx.comm
         self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
         self.overlap = bool(overlap)
-        self._reducer = BucketReducer(bucket_cap_mb)
+        self._reducer = BucketReducer(bucket_cap_mb, reduce_dtype)
+        self.reduce_dtype = self._reducer.reduce_dtype
         self.reduce_seconds = self.readback_seconds = self.allreduce_seconds = 0.0
         self.gpu_wait_seconds = self.apply_seconds = 0.0
         self.reduce_bytes = self.buckets = 0
@@ -411,8 +422,8 @@ class DistributedTrainer(Trainer):
                 gpu_wait = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 held = [self._accumulators[params[n]] for n in names] + [self._loss_accumulator]
-                parts = [a.astype(np.float64).ravel() for a in _read_many(held)]
-                flat = np.concatenate(parts)
+                flat = np.concatenate([a.ravel() for a in _read_many(held)])
+                flat = flat.astype(self.reduce_dtype, copy=False)
                 read_seconds = time.perf_counter() - t0
         except Exception as e:
             error, exc = _describe(e), e
@@ -501,7 +512,9 @@ class DistributedTrainer(Trainer):
         for n in names:
             p = params[n]
             size = int(np.prod(p.shape, dtype=np.int64))
-            grads[n] = flat[offset : offset + size].reshape(p.shape).astype(p.dtype.numpy)
+            grads[n] = (
+                flat[offset : offset + size].reshape(p.shape).astype(p.dtype.numpy, copy=False)
+            )
             offset += size
         return grads, float(np.float32(flat[-1]))
 
@@ -514,11 +527,11 @@ class DistributedTrainer(Trainer):
         for effect in runner.traced.trace.host_effects:  # as Trainer._run
             effect()
         params = dict(self.model.named_parameters())
-        grads = {n: means[n].astype(params[n].dtype.numpy) for n in names}
+        grads = {n: means[n].astype(params[n].dtype.numpy, copy=False) for n in names}
         self.readback_seconds, self.gpu_wait_seconds = times.readback, times.gpu_wait
         self.allreduce_seconds, self.reduce_seconds = 0.0, times.exposed
         self.buckets = times.buckets
-        self.reduce_bytes = 8 * (1 + sum(g.size for g in grads.values()))
+        self.reduce_bytes = self.reduce_dtype.itemsize * (1 + sum(g.size for g in grads.values()))
         return grads, float(np.float32(loss))
 
     def close(self) -> None:

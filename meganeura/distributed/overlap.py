@@ -6,18 +6,23 @@ step is cut where a bucket of about ``bucket_cap_mb`` megabytes of gradients (Py
 name and default, 25) is final. Backward produces the last layers' gradients first, so bucket 0
 holds the last layers. Every segment is submitted at once, each with a copy of its bucket
 into a mappable staging buffer. For bucket k in order, the host waits for segment k, copies
-the bucket out as float64 and starts a non-blocking ``Iallreduce`` (``MPI.SUM``) of it, then
-waits for segment k+1 while that reduce proceeds: the GPU computes the rest of the backward
-pass while the host reads back and the network reduces.
+the mapped bucket straight into a host vector kept for it (one copy; float32, the gradients'
+own dtype, as PyTorch DDP reduces; with ``reduce_dtype=float64`` widened into a second vector)
+and starts a non-blocking ``Iallreduce`` (``MPI.SUM``) of it in place, then waits for segment
+k+1 while that reduce proceeds: the GPU computes the rest of the backward pass while the host
+reads back and the network reduces.
 
 MPICH moves a non-blocking collective forward only inside MPI calls (no progress thread by
 default), so while a reduce is in flight the wait for the next segment polls the GPU without
 blocking and calls ``Testall`` in between (20 us sleeps); once every reduce has completed it
 blocks on the GPU.
 
-Results: the kernels read the same bytes as in program order and each bucket is summed in
-float64 as the one-vector ``Allreduce`` sums it, so a step with overlap gives the same bits as
-one without (tested at 2 and 3 ranks).
+Results: the kernels read the same bytes as in program order. In float64 each bucket is
+summed exactly (a sum of float32 values over a few ranks fits float64's mantissa), in any
+order, so a step with overlap gives the same bits as one without (tested at 2 and 3 ranks).
+In float32 two ranks' sum ``a + b`` is also one rounding in any order; with three or more the
+MPI library's reduction order (chosen by message size, not timing: the same run repeats bit for
+bit) may differ between the bucketed and the one-vector reduce by a rounding.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ class ReduceTimes:
 
     Attributes:
         gpu_wait: waiting for segments to finish (the backward pass as the host sees it).
-        readback: copying mapped buckets out and widening them to float64.
+        readback: copying mapped buckets out (and widening them with ``reduce_dtype``
+            float64).
         exposed: from the last segment's end until every bucket is reduced: the part of
             readback + all-reduce the backward pass did not hide.
         buckets: number of buckets.
@@ -61,11 +67,13 @@ class BucketReducer:
             closes at the first gradient that reaches it.
     """
 
-    def __init__(self, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
+    def __init__(self, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, reduce_dtype=np.float32):
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         self.cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.reduce_dtype = check_reduce_dtype(reduce_dtype)
         self._runs: dict[int, tuple[object, SegmentedRun]] = {}
+        self._wide: dict[tuple[int, int], np.ndarray] = {}  # float64 buckets, reused
 
     def segmented(self, runner, names: list[str]) -> SegmentedRun:
         """The SegmentedRun of ``runner``'s current Session over the accumulators of
@@ -76,6 +84,7 @@ class BucketReducer:
             return held[1]
         if held is not None:
             held[1].close()
+            self._wide = {k: v for k, v in self._wide.items() if k[0] != id(held[1])}
         program = session.program
         slots = [grad_accumulator(n) for n in names] + [LOSS_ACCUMULATOR]
         sizes = {s: program.state[s].nbytes for s in slots}
@@ -103,26 +112,31 @@ class BucketReducer:
             return bool(pending)
 
         t0 = time.perf_counter()
-        for k, group in enumerate(run.plan.groups):
-            arrays = run.wait(k, progress)
+        for k in range(len(run.plan.groups)):
+            t_wait, g_wait = time.perf_counter(), run.gpu_wait_seconds
+            run.wait(k, progress)  # the map copied straight into the bucket's host vector
             t0 = time.perf_counter()
-            flat = np.concatenate([arrays[s].astype(np.float64).ravel() for s in group])
+            times.readback += (t0 - t_wait) - (run.gpu_wait_seconds - g_wait)  # the copy
+            flat, layout = run.bucket(k)
+            if self.reduce_dtype == np.float64:
+                wide = self._wide.get((id(run), k))
+                if wide is None:
+                    wide = self._wide[(id(run), k)] = np.empty(flat.size, np.float64)
+                np.copyto(wide, flat)
+                flat = wide
             times.readback += time.perf_counter() - t0
             pending.append(comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM))
-            held.append((group, flat))
+            held.append((layout, flat))
         times.gpu_wait = run.gpu_wait_seconds
         MPI.Request.Waitall(pending)
         times.exposed = time.perf_counter() - t0  # from the last segment's end
         grads, loss = {}, 0.0
         by_slot = {grad_accumulator(n): n for n in names}
-        for group, flat in held:
+        for layout, flat in held:
             flat /= divisor
-            offset = 0
-            for s in group:
+            for s, first, size in layout:
                 shape = run.session.program.state[s].shape
-                size = int(np.prod(shape, dtype=np.int64))
-                value = flat[offset : offset + size].reshape(shape)
-                offset += size
+                value = flat[first : first + size].reshape(shape)
                 if s == LOSS_ACCUMULATOR:
                     loss = float(value)
                 else:
@@ -132,4 +146,16 @@ class BucketReducer:
     def close(self) -> None:
         for _, run in self._runs.values():
             run.close()
-        self._runs = {}
+        self._runs, self._wide = {}, {}
+
+
+def check_reduce_dtype(dtype):
+    """``np.float32`` or ``np.float64`` (what ``reduce_dtype`` accepts), as a numpy dtype.
+
+    Raises:
+        ValueError: any other dtype.
+    """
+    dt = np.dtype(dtype)
+    if dt not in (np.float32, np.float64):
+        raise ValueError(f"reduce_dtype must be float32 or float64, got {dt}")
+    return dt

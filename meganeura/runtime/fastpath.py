@@ -334,6 +334,39 @@ def poll(device: wgpu.GPUDevice, wait: bool, index: int | None = None) -> None:
     _POLL(raw_handle(device), bool(wait), idx)
 
 
+def mapped_into(key, buffer: wgpu.GPUBuffer, offset: int, out: np.ndarray) -> np.ndarray:
+    """Copy a completed :func:`map_async` map's first ``out.nbytes`` bytes from ``offset``
+    straight into ``out`` (C-contiguous, writable; no intermediate bytes object); the buffer
+    is unmapped. Returns ``out``.
+
+    Raises:
+        RuntimeError: the map failed (the message gives wgpu's status code).
+        ValueError: ``out`` is not C-contiguous and writable.
+    """
+    if not (out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("mapped_into: out must be a C-contiguous, writable array")
+    size = out.nbytes
+    if not AVAILABLE:
+        key.sync_wait()
+        try:
+            src = np.frombuffer(buffer.read_mapped(offset, size, copy=False), np.uint8)
+            out.reshape(-1).view(np.uint8)[:] = src
+            return out
+        finally:
+            buffer.unmap()
+    status = _pending.pop(key, None)
+    if status != _MAP_SUCCESS:
+        raise RuntimeError(f"mapping {buffer.label!r} for reading failed (wgpu status {status})")
+    buf = raw_handle(buffer)
+    try:
+        ffi.memmove(
+            ffi.from_buffer(out, require_writable=True), _MAPPED_RANGE(buf, offset, size), size
+        )
+        return out
+    finally:
+        _UNMAP(buf)
+
+
 def mapped_copy(key, buffer: wgpu.GPUBuffer, offset: int, size: int) -> bytes:
     """The bytes of a completed :func:`map_async` map, copied out; the buffer is unmapped.
 

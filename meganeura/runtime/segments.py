@@ -182,6 +182,9 @@ class SegmentedRun:
         ]
         self._keys: list[int] = []
         self._indices: list[int] = []
+        # host copies of the staging buffers, allocated at the first wait and reused: the
+        # arrays ``wait`` returns are views into them, valid until the next ``start``
+        self._host: list[np.ndarray | None] = [None] * len(self._staging)
         self.gpu_wait_seconds = 0.0
 
     def start(self, feeds: Mapping[str, np.ndarray]) -> None:
@@ -227,7 +230,9 @@ class SegmentedRun:
                 fastpath.poll(s._gpu, True, self._indices[k])
         self.gpu_wait_seconds += time.perf_counter() - t0
         st = self._staging[k]
-        raw = fastpath.mapped_copy(key, st, 0, st.size)
+        if self._host[k] is None:
+            self._host[k] = np.zeros(st.size, np.uint8)
+        raw = fastpath.mapped_into(key, st, 0, self._host[k])
         out = {}
         for name, at, _ in self._layout[k]:
             b = s._bound[name]
@@ -235,6 +240,26 @@ class SegmentedRun:
                 raw, b.slot.dtype.numpy, b.slot.nbytes // b.slot.dtype.itemsize, at
             ).reshape(b.slot.shape)
         return out
+
+    def bucket(self, k: int) -> tuple[np.ndarray, list[tuple[str, int, int]]]:
+        """Group ``k``'s host copy from the last :meth:`wait` as one float32 vector (its
+        slots at their staging offsets, zeros between them) and the layout: (slot name,
+        first element, elements) per slot. The vector is a view, valid until the next
+        ``start``.
+
+        Raises:
+            ValueError: a slot of the group is not float32, or ``wait(k)`` has not run.
+        """
+        s = self.session
+        if self._host[k] is None:
+            raise ValueError(f"bucket {k} has not been read back (call wait({k}) first)")
+        layout = []
+        for name, at, length in self._layout[k]:
+            dt = s._bound[name].slot.dtype.numpy
+            if np.dtype(dt) != np.float32:
+                raise ValueError(f"slot {name!r} of bucket {k} is {np.dtype(dt)}, not float32")
+            layout.append((name, at // 4, length // 4))
+        return self._host[k].view(np.float32), layout
 
     def close(self) -> None:
         for st in self._staging:

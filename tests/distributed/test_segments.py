@@ -57,8 +57,18 @@ def test_segmented_run_equals_session_run(cap, gpu_device):
         run = SegmentedRun(session, plan)
         run.start(feeds)
         got = {}
+        with pytest.raises(ValueError, match="bucket 0 has not been read back"):
+            run.bucket(0)
         for k in range(len(plan.groups)):
             got.update(run.wait(k))
+            # the bucket's one float32 vector: every slot at its offset, zeros in between
+            flat, layout = run.bucket(k)
+            assert [name for name, _, _ in layout] == list(plan.groups[k])
+            covered = np.zeros(flat.size, bool)
+            for name, first, size in layout:
+                assert np.array_equal(flat[first : first + size], want[name].ravel()), name
+                covered[first : first + size] = True
+            assert not flat[~covered].any()
         run.close()
         for n in slots:
             assert np.array_equal(got[n], want[n]), n
@@ -83,3 +93,12 @@ def test_bucket_cap_must_be_positive():
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive, got 0"):
         BucketReducer(0)
     assert BucketReducer(25).cap_bytes == 25 * 1024 * 1024  # MiB, as PyTorch DDP
+
+
+def test_reduce_dtype_is_float32_or_float64():
+    from meganeura.distributed.overlap import BucketReducer
+
+    assert BucketReducer(25).reduce_dtype == np.float32  # DDP reduces in the gradients' dtype
+    assert BucketReducer(25, np.float64).reduce_dtype == np.float64
+    with pytest.raises(ValueError, match="reduce_dtype must be float32 or float64, got float16"):
+        BucketReducer(25, np.float16)

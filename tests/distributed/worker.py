@@ -2,7 +2,8 @@
 
 ``parity``: every configuration of ``workloads.CONFIGS`` trained ``STEPS`` steps with
 ``DistributedTrainer`` on each rank's shard, with the overlapped bucketed reduce (several
-buckets) and without; rank 0 writes ``OUT/parity.npz`` (losses and parameters of the
+buckets) and without, and "adamw" again with ``reduce_dtype=float64`` (``adamw_f64/``); rank 0
+writes ``OUT/parity.npz`` (losses and parameters of the
 overlapped runs per configuration), whether every rank ended with rank 0's exact bytes,
 whether the runs without overlap gave the same bits, whether a run resumed from a checkpoint
 after step 1 ends bit-identical to the "adamw" run, and, for a loss with dropout fed the same
@@ -59,6 +60,22 @@ def parity(out: Path) -> None:
         results[f"{name}/losses"] = np.asarray(losses, np.float64)
         for k, v in sd.items():
             results[f"{name}/{k}"] = v
+    # reduce_dtype float64: every bucket summed exactly, so the bucketed and the one-vector
+    # reduce give the same bits at any number of ranks
+    make_opt, clip, k = CONFIGS["adamw"]
+    wide = {}
+    for overlap in (False, True):
+        kwargs = dict(max_grad_norm=clip, accumulation_steps=k, overlap=overlap)
+        kwargs.update(bucket_cap_mb=BUCKET_CAP_MB, reduce_dtype=np.float64)
+        with dist.DistributedTrainer(make_model(), make_opt(), loss_fn, **kwargs) as t:
+            losses = [t.step(dist.shard(x), dist.shard(y)) for x, y in batches()]
+            wide[overlap] = (losses, t.state_dict())
+    f64_same_bits = wide[True][0] == wide[False][0] and all(
+        np.array_equal(v, wide[False][1][k]) for k, v in wide[True][1].items()
+    )
+    results["adamw_f64/losses"] = np.asarray(wide[True][0], np.float64)
+    for key, v in wide[True][1].items():
+        results[f"adamw_f64/{key}"] = v
     # resuming: 1 step, a checkpoint, a fresh trainer (other initial weights) loading it on
     # every rank, 2 more steps: bit-identical to the uninterrupted "adamw" run
     make_opt = CONFIGS["adamw"][0]
@@ -90,6 +107,7 @@ def parity(out: Path) -> None:
             all(np.array_equal(v, repeat[1][k]) for k, v in repeat[0].items())
         )
         results["overlap_same_bits"] = np.asarray(same_bits)
+        results["f64_overlap_same_bits"] = np.asarray(f64_same_bits)
         results["buckets"] = np.asarray(buckets)
     else:
         ctx.comm.gather(local[0], root=0)
