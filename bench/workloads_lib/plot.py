@@ -61,7 +61,18 @@ def plot(result_path: Path, png: Path) -> Path:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
     ax.set_xticks(range(len(cells)))
-    labels = [f"{w} {c} {p}" + ("" if m == "ms" else f" ({m})") for w, c, p, m in cells]
+    # where the file holds cells measured at different commits, each label says its commit
+    at = {
+        (r["workload"], r["cell"], r["precision"], r["metric"]): (r.get("measured") or {}).get(
+            "commit", "?"
+        )
+        for r in rows
+    }
+    mixed = len(set(at.values())) > 1
+    labels = [
+        f"{w} {c} {p}" + ("" if m == "ms" else f" ({m})") + (f" @{at[w, c, p, m]}" if mixed else "")
+        for w, c, p, m in cells
+    ]
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("speedup over PyTorch (torch ms / ours ms, log)")
     machine = doc.get("machine", {}).get("torch_device", "")
