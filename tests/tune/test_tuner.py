@@ -115,14 +115,14 @@ def test_tune_cli_shapes_list_clear(gpu_device, tmp_path, monkeypatch, capsys):
 def test_tune_cli_a_built_in_model(gpu_device, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEGANEURA_CACHE_DIR", str(tmp_path))
     argv = ["tune", "mnist", "--batch-size", "16", "--hidden", "32", "--plans", "64x64x16/np",
-            "--repeats", "1", "--warmup", "0", "--dry-run"]  # fmt: skip
+            "--repeats", "1", "--warmup", "0", "--no-save"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     # the training step's products (forward, input-free backward) and the forward's
-    assert "mnist (train, forward): 5 distinct products" in out
+    assert "mnist (batch 16, hidden 32; train, forward): 5 distinct products" in out
     for shape in ("16,784,32,nt,1", "16,32,10,nt,1", "16,10,32,nn,1", "10,16,32,tn,1"):
         assert shape in out
-    assert not (tmp_path / "tuning").exists()  # --dry-run writes nothing
+    assert not (tmp_path / "tuning").exists()  # --no-save writes nothing
 
 
 @pytest.mark.gpu
