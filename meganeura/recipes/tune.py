@@ -13,6 +13,7 @@ cache file rewritten) as soon as it is tuned, so a run cut short keeps what it p
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import textwrap
 
@@ -104,6 +105,7 @@ def _description() -> str:
 
 def cmd_tune(args) -> int:
     from ..cli import _device
+    from ..codegen.wgsl.matmul.plan import parse_plan
     from ..tune import cache as tc
 
     if args.list or args.clear:
@@ -144,6 +146,8 @@ def cmd_tune(args) -> int:
             )
     try:
         shapes = [tc.parse_shape(s) for s in args.shapes or ()]
+        for name in args.plans or ():
+            parse_plan(name)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     dev = _device(args)
@@ -168,7 +172,7 @@ def cmd_tune(args) -> int:
         report = tm.tune_matmuls(
             shapes, dev, repeats=args.repeats, warmup=args.warmup, budget_s=args.budget_s,
             plans=args.plans, save=not args.no_save, progress=_flushed if args.verbose else None,
-            shape_done=_shape_line,
+            shape_done=functools.partial(_shape_line, saved=not args.no_save),
         )  # fmt: skip
     except (ValueError, OSError) as e:
         raise SystemExit(str(e)) from None
@@ -226,9 +230,9 @@ def dry_run_total(shapes, limits, plans=None) -> str:
     total = sum(len(tm.plans_to_time(key, limits, plans)) for key in shapes)
     est = tm.estimate_seconds(total, len(shapes))
     return (
-        f"{len(shapes)} distinct products, {total} plans to time with this adapter's "
-        f"candidates: about {est:.0f} s ({est / 60:.1f} min) on an H200 (~{tm.PLAN_SECONDS} s "
-        "a plan, confirmations included); nothing timed, nothing written"
+        f"{len(shapes)} distinct products, {total} plans to time on this adapter: "
+        f"about {est:.0f} s ({est / 60:.1f} min) at the H200's ~{tm.PLAN_SECONDS} s a plan "
+        "(confirmations included); nothing timed, nothing written"
     )
 
 
@@ -242,15 +246,15 @@ def _flushed(line: str) -> None:
     print(line, flush=True)
 
 
-def _shape_line(i: int, count: int, r, seconds: float) -> None:
-    """One line per tuned product, printed as soon as it is in the cache file."""
+def _shape_line(i: int, count: int, r, seconds: float, saved: bool = True) -> None:
+    """One line per tuned product, printed as soon as it is in the cache file (``saved``)."""
     d = "-" if r.default_us is None else f"{r.default_us:.1f}"
     b = "-" if r.best_us is None else f"{r.best_us:.1f}"
     g = "" if r.gain is None else f" {r.gain:.2f}x"
     if r.default_us is None:
         state = "default failed"
     elif r.recorded:
-        state = "recorded"
+        state = "recorded" if saved else "to record (--no-save)"
     else:
         state = "not confirmed" if r.best_plan in r.rejected else "default kept"
     print(
