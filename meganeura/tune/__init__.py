@@ -3,8 +3,9 @@
 ``tune_matmuls`` times the candidate plans of a Program's products (or of given shapes) on a
 device and records the winners in that device's file of the tuning cache (``cache``);
 ``training.device_limits`` loads them into ``Limits.matmul_plans``, which ``choose_plan``
-reads ahead of the CPU plan and the static table. ``meganeura tune`` is the command line;
-docs/tuning.md the user's guide.
+reads ahead of the CPU plan and the static table. ``models`` compiles the built-in models
+(the paper's workloads at their benchmark sizes) whose products ``meganeura tune MODEL`` and
+``--workloads`` tune. ``meganeura tune`` is the command line; docs/tuning.md the user's guide.
 """
 
 from .cache import (
@@ -22,10 +23,20 @@ from .cache import (
     save,
     set_cache_dir,
 )
-from .matmul import MIN_GAIN, ShapeResult, TuneReport, candidates, shapes_of, tune_matmuls
+from .matmul import (
+    MIN_GAIN,
+    PLAN_SECONDS,
+    ShapeResult,
+    TuneReport,
+    candidates,
+    estimate_seconds,
+    shapes_of,
+    tune_matmuls,
+)
 
 __all__ = [
     "MIN_GAIN",
+    "PLAN_SECONDS",
     "DeviceKey",
     "MatmulEntry",
     "ShapeResult",
@@ -38,6 +49,7 @@ __all__ = [
     "clear",
     "default_cache_dir",
     "device_key",
+    "estimate_seconds",
     "load",
     "parse_shape",
     "save",

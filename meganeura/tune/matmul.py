@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 
 MIN_GAIN = 1.03  # a plan is recorded only when this much faster than the default
 MAX_REL_ERR = 1e-4  # max |candidate - default| / max |default| (split-K reorders the sums)
+# Wall seconds one candidate costs on the H200 (compile, pipeline creation on a cold driver
+# cache, a run and read-back, warm-up and timed steps): bench/matmul_sweep.py, which times a
+# plan the same way, ran 278 plans in 57.5 s there (0.21 s a plan, its PyTorch timings
+# included) and the small products' 326 in 41.6 s (0.13 s). ``estimate_seconds`` uses it.
+PLAN_SECONDS = 0.2
 
 
 @dataclass
@@ -167,6 +172,21 @@ def candidates(key: ShapeKey, limits: Limits) -> list[str]:
     return seen
 
 
+def estimate_seconds(plans: int, shapes: int = 0) -> float:
+    """Rough wall seconds of tuning ``plans`` candidate plans (defaults included) of
+    ``shapes`` products on the H200: ``PLAN_SECONDS`` a plan, plus the second timing of the
+    default and the best plan of each product whose gain is to be confirmed (an upper bound:
+    every product). Other adapters differ (lavapipe: seconds a plan)."""
+    return PLAN_SECONDS * (plans + 2 * shapes)
+
+
+def plans_to_time(key: ShapeKey, limits: Limits, plans: Sequence[str] | None = None) -> list[str]:
+    """The plans ``tune_matmuls`` times for ``key``: the default first, then ``plans`` (or
+    ``candidates``) without it."""
+    default = default_plan(key, limits)
+    return [default] + [p for p in (plans or candidates(key, limits)) if p != default]
+
+
 def build_matmul(key: ShapeKey):
     """A graph of the one product ``key`` over parameters ``a`` and ``b`` (output ``y``).
 
@@ -196,6 +216,7 @@ def tune_matmuls(
     directory=None,
     save: bool = True,
     progress=None,
+    shape_done=None,
 ) -> TuneReport:
     """Time the candidate plans of each product on ``device`` and record the winners.
 
@@ -212,6 +233,9 @@ def tune_matmuls(
         directory: the cache folder; default ``cache.cache_dir()``.
         save: write the results to the device's cache file.
         progress: called with one line of text per timed plan (e.g. ``print``).
+        shape_done: called after each product, once its result is in the cache file, as
+            ``shape_done(index, count, result, seconds)``: its 0-based index among ``count``
+            distinct products, its ``ShapeResult``, wall seconds since the start.
 
     Returns:
         A ``TuneReport``.
@@ -241,20 +265,26 @@ def tune_matmuls(
         deadline = None if budget_s is None else t0 + budget_s * (i + 1) / len(keys)
         result = _tune_one(shape, device, limits, repeats, warmup, plans, deadline, progress)
         results.append(result)
-        if store is None:
-            continue
-        if result.recorded:
-            store.matmul[shape] = tc.MatmulEntry(
-                plan=result.best_plan,
-                gpu_us=round(result.best_us, 3),
-                default_plan=result.default_plan,
-                heuristic_us=round(result.default_us, 3),
-                timing=timing,
-            )
-        elif result.default_us is not None:  # the default measured as good: drop an old entry
-            store.matmul.pop(shape, None)
-        path = str(tc.save(store, directory))
+        if store is not None:
+            path = _store(store, shape, result, timing, directory)
+        if shape_done is not None:
+            shape_done(i, len(keys), result, time.perf_counter() - t0)
     return TuneReport(device.name, timing, results, path, time.perf_counter() - t0)
+
+
+def _store(store, shape, result, timing, directory) -> str:
+    """Record ``result`` in ``store`` and rewrite its file; returns the file's path."""
+    if result.recorded:
+        store.matmul[shape] = tc.MatmulEntry(
+            plan=result.best_plan,
+            gpu_us=round(result.best_us, 3),
+            default_plan=result.default_plan,
+            heuristic_us=round(result.default_us, 3),
+            timing=timing,
+        )
+    elif result.default_us is not None:  # the default measured as good: drop an old entry
+        store.matmul.pop(shape, None)
+    return str(tc.save(store, directory))
 
 
 def _keys(what) -> list[ShapeKey]:
@@ -287,7 +317,7 @@ def _tune_one(shape, device, limits, repeats, warmup, plans, deadline, progress)
     a = rng.standard_normal(a_shape, dtype=np.float32)
     b = rng.standard_normal(b_shape, dtype=np.float32) / np.float32(np.sqrt(k))
     ref = _numpy_product(a, b, layout)
-    todo = [default] + [p for p in (plans or candidates(shape, limits)) if p != default]
+    todo = plans_to_time(shape, limits, plans)
     reference = None
     for name in todo:
         if name != default and deadline is not None and time.perf_counter() > deadline:
