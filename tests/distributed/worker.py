@@ -49,6 +49,7 @@ def parity(out: Path) -> None:
             kwargs = dict(max_grad_norm=clip, accumulation_steps=k, overlap=overlap)
             kwargs["bucket_cap_mb"] = BUCKET_CAP_MB
             with dist.DistributedTrainer(make_model(), make_opt(), loss_fn, **kwargs) as t:
+                assert t.reduce_via == "shm", "reduce='auto' on one host: shared memory"
                 losses = [t.step(dist.shard(x), dist.shard(y)) for x, y in batches()]
                 runs[overlap] = (losses, t.state_dict())
                 buckets = max(buckets, t.buckets)
@@ -60,6 +61,23 @@ def parity(out: Path) -> None:
         results[f"{name}/losses"] = np.asarray(losses, np.float64)
         for k, v in sd.items():
             results[f"{name}/{k}"] = v
+    # reduce="mpi" (MPI's Iallreduce/Allreduce), against the shared-memory reduce that
+    # "auto" chose above on this one host: within rounding of each other
+    make_opt, clip, k = CONFIGS["adamw"]
+    via_mpi = {}
+    for overlap in (False, True):
+        kwargs = dict(max_grad_norm=clip, accumulation_steps=k, overlap=overlap)
+        kwargs.update(bucket_cap_mb=BUCKET_CAP_MB, reduce="mpi")
+        with dist.DistributedTrainer(make_model(), make_opt(), loss_fn, **kwargs) as t:
+            assert t.reduce_via == "mpi"
+            losses = [t.step(dist.shard(x), dist.shard(y)) for x, y in batches()]
+            via_mpi[overlap] = (losses, t.state_dict())
+            everyone = ctx.comm.allgather({k: v.tobytes() for k, v in t.state_dict().items()})
+            identical &= all(e == everyone[0] for e in everyone)
+    for overlap, (losses, sd) in via_mpi.items():
+        results[f"adamw_mpi{int(overlap)}/losses"] = np.asarray(losses, np.float64)
+        for key, v in sd.items():
+            results[f"adamw_mpi{int(overlap)}/{key}"] = v
     # reduce_dtype float64: every bucket summed exactly, so the bucketed and the one-vector
     # reduce give the same bits at any number of ranks
     make_opt, clip, k = CONFIGS["adamw"]
@@ -141,12 +159,48 @@ def parity(out: Path) -> None:
         t.step(dist.shard(data[2][0]), dist.shard(data[2][1]))
         goes_on = t.step_count == 2 and all(np.isfinite(v).all() for v in t.state_dict().values())
     nan_ok = all(ctx.comm.allgather(raised and unchanged and goes_on))
+    hosts_ok = _hierarchical(ctx.comm)
     if dist.is_main():
+        results["hierarchical_exact"] = np.asarray(hosts_ok)
         results["nan_step_skipped_everywhere"] = np.asarray(nan_ok)
         results["resume_identical"] = np.asarray(resumed)
         results["identical"] = np.asarray(identical)
         results["world_size"] = np.asarray(ctx.world_size)
         np.savez(out / "parity.npz", **results)
+
+
+def _hierarchical(comm) -> bool:
+    """``SharedMemoryReducer`` with a host communicator that pretends rank ``r`` lives on host
+    ``r % 2`` (2 hosts; at 3 ranks ranks 0 and 2 share one): every rank must get
+    ``(host sums in rank order, added by the leaders' Allreduce) / divisor``, the same bits
+    everywhere, through windows of 2 slots reused over 5 vectors of different lengths."""
+    from meganeura.distributed.shm import SharedMemoryReducer
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    red = SharedMemoryReducer(comm, np.float32, comm.Split(rank % 2, key=rank))
+    ok = red.hosts == min(size, 2)
+    try:
+        for i, n in enumerate([1000, 37, 4096, 999, 3]):
+            red.reserve(n)
+            every = [
+                np.random.default_rng([i, r]).standard_normal(n).astype(np.float32)
+                for r in range(size)
+            ]
+            red.slot()[:n] = every[rank]
+            out = np.full(n + 1, 7, np.float32)
+            red.allreduce(n, out, float(size))
+            hosts = []
+            for h in range(min(size, 2)):
+                mine = [every[r] for r in range(size) if r % 2 == h]
+                total = mine[0].copy()
+                for x in mine[1:]:
+                    total += x
+                hosts.append(total)
+            want = (hosts[0] + hosts[1] if len(hosts) > 1 else hosts[0]) / np.float32(size)
+            ok &= np.array_equal(out[:n], want) and out[n] == 7
+    finally:
+        red.close()
+    return all(comm.allgather(bool(ok)))
 
 
 def failure(out: Path) -> None:
