@@ -22,9 +22,11 @@ A step of :class:`DistributedTrainer` on each rank's local batch:
      summed across ranks in ``reduce_dtype`` (float32, the gradients' dtype, as DDP; or
      float64) and divided by ``world_size * accumulation_steps``
      (DDP's and Hugging Face's mean of the per-rank, per-micro-batch means): with
-     ``overlap`` (default) in buckets of ``bucket_cap_mb`` read back and ``Iallreduce``-d
-     while the rest of the backward pass runs (``distributed.overlap``), else read back
-     after it into one vector and ``Allreduce``-d;
+     ``overlap`` (default) in buckets of ``bucket_cap_mb`` read back and reduced while the
+     rest of the backward pass runs (``distributed.overlap``), else read back after it into
+     one vector and reduced; the reduce goes through a shared-memory window among the ranks
+     of one host (``distributed.shm``, ``reduce="auto"`` on one host) or MPI's
+     ``Iallreduce``/``Allreduce`` (``reduce="mpi"``);
   4. the update program applies clipping, the non-finite guard and the optimizer to that mean
      gradient, given as an input. It is the compiled step of the surrogate loss
      ``L + sum_p sum(g_p * p)`` (``g_p`` and the mean loss ``L`` inputs), whose gradient with
@@ -45,7 +47,9 @@ implementors"): a run repeats bit for bit. With ``reduce_dtype=np.float64`` the 
 are summed exactly (for 2 ranks always; for more unless the summands' exponents span more than
 ~29 binades), so the order does not matter at all and overlap (bucketed reduces) gives the same
 bits as one vector; in float32 that holds for 2 ranks (``a + b`` is one rounding either way),
-and with more ranks the two may differ by a rounding.
+and with more ranks the two may differ by a rounding through MPI. The shared-memory reduce
+sums every element in rank order on one host (``distributed.shm``), so there bucketed and
+one-vector reduces give the same bits at any number of ranks in float32 too.
 
 Dropout: rank ``r`` feeds :func:`rank_seed` ``(seed, r)`` where a Trainer feeds ``seed``, so
 every rank draws its own mask, deterministically (rank 0 the Trainer's own).

@@ -12,6 +12,12 @@ and starts a non-blocking ``Iallreduce`` (``MPI.SUM``) of it in place, then wait
 k+1 while that reduce proceeds: the GPU computes the rest of the backward pass while the host
 reads back and the network reduces.
 
+With the shared-memory reduce (``reduce="shm"``, ``distributed.shm``; the default on one host)
+the float32 bucket is mapped straight into this rank's slot of the host's shared window and
+reduced there, blocking, at once: the later segments are already submitted, so the GPU keeps
+computing while the host sums. Every element is summed in rank order whatever the bucket, so
+with and without overlap the results are the same bits at any number of ranks.
+
 MPICH moves a non-blocking collective forward only inside MPI calls (no progress thread by
 default), so while a reduce is in flight the wait for the next segment polls the GPU without
 blocking and calls ``Testall`` in between (20 us sleeps); once every reduce has completed it

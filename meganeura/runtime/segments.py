@@ -237,6 +237,13 @@ class SegmentedRun:
             ValueError: ``into`` too small, not C-contiguous or not writable.
         """
         s = self.session
+        if into is not None:
+            size = self._staging[k].size
+            if into.nbytes < size or not (into.flags.c_contiguous and into.flags.writeable):
+                raise ValueError(
+                    f"wait({k}): into must be a C-contiguous, writable array of at least "
+                    f"{size} bytes, got {into.nbytes} bytes"
+                )
         t0 = time.perf_counter()
         key = self._keys[k]
         while not fastpath.map_done(key):
@@ -248,11 +255,6 @@ class SegmentedRun:
         self.gpu_wait_seconds += time.perf_counter() - t0
         st = self._staging[k]
         if into is not None:
-            if into.nbytes < st.size or not (into.flags.c_contiguous and into.flags.writeable):
-                raise ValueError(
-                    f"wait({k}): into must be a C-contiguous, writable array of at least "
-                    f"{st.size} bytes, got {into.nbytes} bytes"
-                )
             self._host[k] = into.reshape(-1).view(np.uint8)[: st.size]
         else:
             if self._own[k] is None:

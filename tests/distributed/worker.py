@@ -2,8 +2,11 @@
 
 ``parity``: every configuration of ``workloads.CONFIGS`` trained ``STEPS`` steps with
 ``DistributedTrainer`` on each rank's shard, with the overlapped bucketed reduce (several
-buckets) and without, and "adamw" again with ``reduce_dtype=float64`` (``adamw_f64/``); rank 0
-writes ``OUT/parity.npz`` (losses and parameters of the
+buckets) and without (``reduce="auto"``: the shared-memory reduce on this one host),
+"adamw" again with ``reduce="mpi"`` (``adamw_mpi0/``, ``adamw_mpi1/``: without and with
+overlap) and with ``reduce_dtype=float64`` (``adamw_f64/``), and the multi-host shared-memory
+reduce on a host split that pretends to be 2 hosts (``hierarchical_exact``); rank 0 writes
+``OUT/parity.npz`` (losses and parameters of the
 overlapped runs per configuration), whether every rank ended with rank 0's exact bytes,
 whether the runs without overlap gave the same bits, whether a run resumed from a checkpoint
 after step 1 ends bit-identical to the "adamw" run, and, for a loss with dropout fed the same
