@@ -25,9 +25,9 @@ the bucketed (overlapped) and one-vector reduces give the same bits at any numbe
 A rank writes slot ``s`` again two vectors later, after the first barrier of the vector in
 between, which every rank enters only after it finished reading slot ``s``: two barriers per
 vector. The alternative, every rank summing the whole vector over all slots into its own result
-(one barrier, N x the reads), measured as fast at 2 and 3 ranks on the 2-core sandbox
-(docs/distributed.md; ``bench/shm_reduce.py``), but its memory traffic grows with N x N: at 8
-ranks a host reads 64 vectors per vector reduced instead of 16.
+(one barrier, N x the reads), measured no faster at 2 ranks and 10-30% slower at 3 on the
+2-core sandbox (docs/distributed.md; ``bench/shm_reduce.py``), and its memory traffic grows
+with N x N: at 8 ranks a host reads 64 vectors per vector reduced instead of 16.
 
 Several hosts (the host communicator smaller than the world): the host's leader (its rank 0)
 gathers the host's sum (reduce-scattered as above, not divided), ``Allreduce``-s it with the
