@@ -7,6 +7,7 @@ Usage (every rank runs this script; rank 0 writes the result file):
 
     mpiexec -n 2 python bench/data_parallel.py --machine h200 [--workloads smollm2,resnet50]
     mpiexec -n 2 python bench/data_parallel.py --quick     # lavapipe smoke test
+    mpiexec -n 2 python bench/data_parallel.py --quick --reduce mpi   # MPI, not shared memory
 
 For each workload, weak scaling (the per-rank batch is fixed, the global batch is ranks x it):
 

@@ -84,6 +84,7 @@ def test_equals_one_process_on_the_concatenated_batch(ranks, gpu_device, tmp_pat
     # the shared-memory reduce ("auto" on one host) sums in rank order whatever the vector's
     # length: float32 results with and without overlap are the same bits at any rank count
     assert bool(got["overlap_same_bits"]), "the overlapped reduce changed the results"
+    assert bool(got["shm_exact"]), "the shared-memory reduce is not the rank-order sum"
     assert bool(got["hierarchical_exact"]), "the multi-host shared-memory reduce is wrong"
     assert bool(got["f64_overlap_same_bits"]), "float64 reduce: overlap changed the results"
     assert int(got["buckets"]) == 2, "the overlapped runs did not reduce in 2 buckets"

@@ -4,8 +4,9 @@
 ``DistributedTrainer`` on each rank's shard, with the overlapped bucketed reduce (several
 buckets) and without (``reduce="auto"``: the shared-memory reduce on this one host),
 "adamw" again with ``reduce="mpi"`` (``adamw_mpi0/``, ``adamw_mpi1/``: without and with
-overlap) and with ``reduce_dtype=float64`` (``adamw_f64/``), and the multi-host shared-memory
-reduce on a host split that pretends to be 2 hosts (``hierarchical_exact``); rank 0 writes
+overlap) and with ``reduce_dtype=float64`` (``adamw_f64/``), and the shared-memory
+reduce alone, on this host and on a host split that pretends to be 2 hosts (``shm_exact``,
+``hierarchical_exact``); rank 0 writes
 ``OUT/parity.npz`` (losses and parameters of the
 overlapped runs per configuration), whether every rank ended with rank 0's exact bytes,
 whether the runs without overlap gave the same bits, whether a run resumed from a checkpoint
@@ -162,8 +163,9 @@ def parity(out: Path) -> None:
         t.step(dist.shard(data[2][0]), dist.shard(data[2][1]))
         goes_on = t.step_count == 2 and all(np.isfinite(v).all() for v in t.state_dict().values())
     nan_ok = all(ctx.comm.allgather(raised and unchanged and goes_on))
-    hosts_ok = _hierarchical(ctx.comm)
+    one_host_ok, hosts_ok = _shm_exact(ctx.comm, 1), _shm_exact(ctx.comm, 2)
     if dist.is_main():
+        results["shm_exact"] = np.asarray(one_host_ok)
         results["hierarchical_exact"] = np.asarray(hosts_ok)
         results["nan_step_skipped_everywhere"] = np.asarray(nan_ok)
         results["resume_identical"] = np.asarray(resumed)
@@ -172,16 +174,18 @@ def parity(out: Path) -> None:
         np.savez(out / "parity.npz", **results)
 
 
-def _hierarchical(comm) -> bool:
-    """``SharedMemoryReducer`` with a host communicator that pretends rank ``r`` lives on host
-    ``r % 2`` (2 hosts; at 3 ranks ranks 0 and 2 share one): every rank must get
-    ``(host sums in rank order, added by the leaders' Allreduce) / divisor``, the same bits
-    everywhere, through windows of 2 slots reused over 5 vectors of different lengths."""
+def _shm_exact(comm, hosts: int) -> bool:
+    """``SharedMemoryReducer`` on this one host (``hosts=1``), or with a host communicator
+    that pretends rank ``r`` lives on host ``r % 2`` (``hosts=2``; at 3 ranks ranks 0 and 2
+    share one): every rank must get ``(host sums in rank order, added by the leaders'
+    Allreduce) / divisor``, the same bits everywhere, through windows of 2 slots reused over
+    5 vectors of different lengths (the window grown once), ``out`` past ``n`` untouched."""
     from meganeura.distributed.shm import SharedMemoryReducer
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    red = SharedMemoryReducer(comm, np.float32, comm.Split(rank % 2, key=rank))
-    ok = red.hosts == min(size, 2)
+    node = comm.Split(rank % 2, key=rank) if hosts == 2 else None
+    red = SharedMemoryReducer(comm, np.float32, node)
+    ok = red.hosts == min(size, hosts)
     try:
         for i, n in enumerate([1000, 37, 4096, 999, 3]):
             red.reserve(n)
@@ -192,14 +196,14 @@ def _hierarchical(comm) -> bool:
             red.slot()[:n] = every[rank]
             out = np.full(n + 1, 7, np.float32)
             red.allreduce(n, out, float(size))
-            hosts = []
-            for h in range(min(size, 2)):
-                mine = [every[r] for r in range(size) if r % 2 == h]
+            sums = []
+            for h in range(red.hosts):
+                mine = [every[r] for r in range(size) if r % red.hosts == h]
                 total = mine[0].copy()
                 for x in mine[1:]:
                     total += x
-                hosts.append(total)
-            want = (hosts[0] + hosts[1] if len(hosts) > 1 else hosts[0]) / np.float32(size)
+                sums.append(total)
+            want = (sums[0] + sums[1] if len(sums) > 1 else sums[0]) / np.float32(size)
             ok &= np.array_equal(out[:n], want) and out[n] == 7
     finally:
         red.close()
