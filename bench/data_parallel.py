@@ -7,6 +7,7 @@ Usage (every rank runs this script; rank 0 writes the result file):
 
     mpiexec -n 2 python bench/data_parallel.py --machine h200 [--workloads smollm2,resnet50]
     mpiexec -n 2 python bench/data_parallel.py --quick     # lavapipe smoke test
+    mpiexec -n 2 python bench/data_parallel.py --quick --reduce mpi   # MPI, not shared memory
 
 For each workload, weak scaling (the per-rank batch is fixed, the global batch is ranks x it):
 
@@ -144,7 +145,12 @@ def ours(name, args, ctx, MPI, rows, info):
 
     def trainer(**kw):
         return dist.DistributedTrainer(
-            fresh(), mn.optim.AdamW(lr=LR), loss_fn, bucket_cap_mb=args.bucket_cap_mb, **kw
+            fresh(),
+            mn.optim.AdamW(lr=LR),
+            loss_fn,
+            bucket_cap_mb=args.bucket_cap_mb,
+            reduce=args.reduce,
+            **kw,
         )
 
     one = {}
@@ -189,6 +195,7 @@ def ours(name, args, ctx, MPI, rows, info):
                 **{k: med(v[args.warmup :]) for k, v in parts[o].items()},
                 "buckets": t.buckets,
                 "reduce_bytes": t.reduce_bytes,
+                "reduce_via": t.reduce_via,
             }
             for o, t in ((0, no), (1, ov))
         }
@@ -284,6 +291,7 @@ def add_rows(name, info, rows):
     t1, tn = d["ours_1rank_ms"], ov["median_ms"]
     th1, thn = t.get("1rank_ms"), t.get(f"{n}ranks_ms")
     extra = {k: ov[k] for k in ("gpu_wait", "readback", "allreduce", "exposed", "apply", "buckets")}
+    extra["reduce_via"] = ov["reduce_via"]
     rows.append(result(f"{name}_train_step_1rank", "ms", t1, th1, per_rank_batch=bs))
     rows.append(
         result(
@@ -294,7 +302,7 @@ def add_rows(name, info, rows):
             per_rank_batch=bs,
             reduce_bytes=ov["reduce_bytes"],
             overlap_achieved=d["overlap_achieved"],
-            **{f"{k}_ms" if k != "buckets" else k: v for k, v in extra.items()},
+            **{f"{k}_ms" if k not in ("buckets", "reduce_via") else k: v for k, v in extra.items()},
             torch_backend=t.get("backend"),
         )
     )
@@ -355,6 +363,12 @@ def main() -> None:
         default=None,
         help="PyTorch DDP's name; default 25 (quick 0.25: the tiny models then have buckets)",
     )
+    ap.add_argument(
+        "--reduce",
+        default="auto",
+        choices=("auto", "mpi", "shm"),
+        help="DistributedTrainer's reduce: auto (shared memory on one host), mpi, shm",
+    )
     ap.add_argument("--warmup", type=int, default=None, help="default 3 (quick 1)")
     ap.add_argument("--repeats", type=int, default=None, help="default 10 (quick 3)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch DDP side")
@@ -390,7 +404,8 @@ def main() -> None:
                 more = {
                     k: round(v, 3) if isinstance(v, float) else v
                     for k, v in r.items()
-                    if k.endswith("_ms") or k in ("buckets", "reduce_bytes", "overlap_achieved")
+                    if k.endswith("_ms")
+                    or k in ("buckets", "reduce_bytes", "overlap_achieved", "reduce_via")
                 }
                 print(f"{r['case']}: ours {r['ours']:.3f} torch {r['torch']} {more}", flush=True)
     if ctx.rank == 0:

@@ -22,9 +22,11 @@ A step of :class:`DistributedTrainer` on each rank's local batch:
      summed across ranks in ``reduce_dtype`` (float32, the gradients' dtype, as DDP; or
      float64) and divided by ``world_size * accumulation_steps``
      (DDP's and Hugging Face's mean of the per-rank, per-micro-batch means): with
-     ``overlap`` (default) in buckets of ``bucket_cap_mb`` read back and ``Iallreduce``-d
-     while the rest of the backward pass runs (``distributed.overlap``), else read back
-     after it into one vector and ``Allreduce``-d;
+     ``overlap`` (default) in buckets of ``bucket_cap_mb`` read back and reduced while the
+     rest of the backward pass runs (``distributed.overlap``), else read back after it into
+     one vector and reduced; the reduce goes through a shared-memory window among the ranks
+     of one host (``distributed.shm``, ``reduce="auto"`` on one host) or MPI's
+     ``Iallreduce``/``Allreduce`` (``reduce="mpi"``);
   4. the update program applies clipping, the non-finite guard and the optimizer to that mean
      gradient, given as an input. It is the compiled step of the surrogate loss
      ``L + sum_p sum(g_p * p)`` (``g_p`` and the mean loss ``L`` inputs), whose gradient with
@@ -45,7 +47,9 @@ implementors"): a run repeats bit for bit. With ``reduce_dtype=np.float64`` the 
 are summed exactly (for 2 ranks always; for more unless the summands' exponents span more than
 ~29 binades), so the order does not matter at all and overlap (bucketed reduces) gives the same
 bits as one vector; in float32 that holds for 2 ranks (``a + b`` is one rounding either way),
-and with more ranks the two may differ by a rounding.
+and with more ranks the two may differ by a rounding through MPI. The shared-memory reduce
+sums every element in rank order on one host (``distributed.shm``), so there bucketed and
+one-vector reduces give the same bits at any number of ranks in float32 too.
 
 Dropout: rank ``r`` feeds :func:`rank_seed` ``(seed, r)`` where a Trainer feeds ``seed``, so
 every rank draws its own mask, deterministically (rank 0 the Trainer's own).
@@ -319,6 +323,13 @@ class DistributedTrainer(Trainer):
             the bytes) or ``np.float64`` (every bucket summed exactly, so the result does not
             depend on the MPI library's reduction order: bucketed and one-vector reduces give
             the same bits at any number of ranks).
+        reduce: how the sums cross ranks: ``"shm"``, through an MPI shared-memory window
+            among the ranks of each host (``distributed.shm``: summed in rank order, so
+            bucketed and one-vector reduces give the same bits at any number of ranks; on
+            several hosts the hosts' sums are then ``Allreduce``-d among one leader per host);
+            ``"mpi"``, MPI's ``Iallreduce``/``Allreduce``; ``"auto"`` (default): ``"shm"``
+            when every rank of ``comm`` is on one host and there are at least 2, else
+            ``"mpi"``. ``reduce_via`` holds the choice.
 
     Construction broadcasts rank 0's parameters and buffers (:func:`broadcast_parameters`),
     as ``torch.nn.parallel.DistributedDataParallel`` does. Dropout draws a different mask on
@@ -342,6 +353,11 @@ class DistributedTrainer(Trainer):
         buckets: buckets of the last step (1 without overlap).
         reduce_bytes: bytes all-reduced per step (the gradients and the loss, in
             ``reduce_dtype``).
+        reduce_via: ``"shm"`` or ``"mpi"``: what ``reduce`` resolved to.
+
+    Raises:
+        ValueError: ``reduce`` not one of "auto", "mpi", "shm"; a ``reduce_dtype`` other than
+            float32 or float64; ``bucket_cap_mb`` not positive.
     """
 
     def __init__(
@@ -355,8 +371,11 @@ class DistributedTrainer(Trainer):
         overlap: bool = True,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         reduce_dtype=np.float32,
+        reduce: str = "auto",
         **kwargs,
     ) -> None:
+        if reduce not in ("auto", "mpi", "shm"):
+            raise ValueError(f"reduce must be 'auto', 'mpi' or 'shm', got {reduce!r}")
         ctx = _context() if comm is None or device is None else None
         super().__init__(model, optimizer, loss_fn, device=device or ctx.device, **kwargs)
         self.comm = comm or ctx.comm
@@ -367,6 +386,16 @@ class DistributedTrainer(Trainer):
         self.reduce_seconds = self.readback_seconds = self.allreduce_seconds = 0.0
         self.gpu_wait_seconds = self.apply_seconds = 0.0
         self.reduce_bytes = self.buckets = 0
+        self._shm = None
+        if reduce != "mpi":
+            from .shm import SharedMemoryReducer, host_comm
+
+            node = host_comm(self.comm)
+            if reduce == "shm" or (node.Get_size() == self.world_size > 1):
+                self._shm = SharedMemoryReducer(self.comm, self.reduce_dtype, node)
+            else:
+                node.Free()
+        self.reduce_via = "mpi" if self._shm is None else "shm"
         broadcast_parameters(model, self.comm)
 
     def _prepare(self, kind, batch, kwargs, return_grads=False, fn=None):
@@ -501,8 +530,16 @@ class DistributedTrainer(Trainer):
         """The one-vector reduce (no overlap): ({name: mean gradient}, mean loss)."""
         MPI = _mpi()
         t0 = time.perf_counter()
-        self.comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
-        flat /= divisor
+        if self._shm is not None:  # in chunks of the slots' size (at least a bucket's)
+            shm = self._shm
+            shm.reserve(min(flat.size, self._reducer.cap_bytes // 4))
+            for a in range(0, flat.size, shm.capacity):
+                b = min(a + shm.capacity, flat.size)
+                shm.slot()[: b - a] = flat[a:b]
+                shm.allreduce(b - a, flat[a:b], divisor)
+        else:
+            self.comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+            flat /= divisor
         self.allreduce_seconds = time.perf_counter() - t0
         self.readback_seconds = read_seconds
         self.reduce_seconds = read_seconds + self.allreduce_seconds
@@ -522,7 +559,9 @@ class DistributedTrainer(Trainer):
         """The last micro-batch run in segments with the bucketed reduce (``overlap``)."""
         prog, feeds = run
         runner = prog.entry.runner
-        means, loss, times = self._reducer.reduce(runner, feeds, names, self.comm, divisor)
+        means, loss, times = self._reducer.reduce(
+            runner, feeds, names, self.comm, divisor, self._shm
+        )
         prog.entry.calls += 1
         for effect in runner.traced.trace.host_effects:  # as Trainer._run
             effect()
@@ -537,6 +576,9 @@ class DistributedTrainer(Trainer):
     def close(self) -> None:
         if not self._closed:
             self._reducer.close()
+            if self._shm is not None:  # collective: every rank closes its trainers in turn
+                self._shm.close()
+                self._shm = None
         super().close()
 
     def _apply(self, mean_loss, grads):

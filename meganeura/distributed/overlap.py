@@ -12,6 +12,12 @@ and starts a non-blocking ``Iallreduce`` (``MPI.SUM``) of it in place, then wait
 k+1 while that reduce proceeds: the GPU computes the rest of the backward pass while the host
 reads back and the network reduces.
 
+With the shared-memory reduce (``reduce="shm"``, ``distributed.shm``; the default on one host)
+the float32 bucket is mapped straight into this rank's slot of the host's shared window and
+reduced there, blocking, at once: the later segments are already submitted, so the GPU keeps
+computing while the host sums. Every element is summed in rank order whatever the bucket, so
+with and without overlap the results are the same bits at any number of ranks.
+
 MPICH moves a non-blocking collective forward only inside MPI calls (no progress thread by
 default), so while a reduce is in flight the wait for the next segment polls the GPU without
 blocking and calls ``Testall`` in between (20 us sleeps); once every reduce has completed it
@@ -73,7 +79,7 @@ class BucketReducer:
         self.cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.reduce_dtype = check_reduce_dtype(reduce_dtype)
         self._runs: dict[int, tuple[object, SegmentedRun]] = {}
-        self._wide: dict[tuple[int, int], np.ndarray] = {}  # float64 buckets, reused
+        self._wide: dict[tuple[int, int], np.ndarray] = {}  # result buckets, reused
 
     def segmented(self, runner, names: list[str]) -> SegmentedRun:
         """The SegmentedRun of ``runner``'s current Session over the accumulators of
@@ -92,17 +98,23 @@ class BucketReducer:
         self._runs[id(runner)] = (session, run)
         return run
 
-    def reduce(self, runner, feeds, names: list[str], comm, divisor: float):
+    def reduce(self, runner, feeds, names: list[str], comm, divisor: float, shm=None):
         """Run ``runner``'s program on ``feeds`` in segments, all-reducing each bucket as it
-        is read back; returns ({parameter name: mean gradient float64}, mean loss float64,
-        :class:`ReduceTimes`). Every rank must call it with the same ``names`` and program
-        (the plan, hence the buckets and their order, follows from the program alone).
+        is read back; returns ({parameter name: mean gradient in ``reduce_dtype``}, mean loss
+        float, :class:`ReduceTimes`). Every rank must call it with the same ``names`` and
+        program (the plan, hence the buckets and their order, follows from the program alone).
+
+        ``shm``: a :class:`~meganeura.distributed.shm.SharedMemoryReducer` of ``comm``: each
+        bucket is mapped straight into this rank's shared-memory slot (float32) and reduced
+        there, blocking, while the GPU computes the later segments; None: ``Iallreduce``.
         """
         from . import _mpi
 
         MPI = _mpi()
         run = self.segmented(runner, names)
         times = ReduceTimes(buckets=len(run.plan.groups))
+        if shm is not None:  # collective, the same sizes on every rank
+            shm.reserve(max(run.staging_bytes(k) // 4 for k in range(times.buckets)))
         run.start(feeds)
         pending, held = [], []
 
@@ -114,14 +126,22 @@ class BucketReducer:
         t0 = time.perf_counter()
         for k in range(len(run.plan.groups)):
             t_wait, g_wait = time.perf_counter(), run.gpu_wait_seconds
-            run.wait(k, progress)  # the map copied straight into the bucket's host vector
+            direct = shm is not None and self.reduce_dtype == np.float32
+            # the map copied straight into the bucket's host vector (or the shared slot)
+            run.wait(k, progress, into=shm.slot() if direct else None)
             t0 = time.perf_counter()
             times.readback += (t0 - t_wait) - (run.gpu_wait_seconds - g_wait)  # the copy
             flat, layout = run.bucket(k)
+            if shm is not None:
+                if not direct:
+                    np.copyto(shm.slot()[: flat.size], flat)  # widened to float64
+                out = self._result(run, k, flat.size)
+                times.readback += time.perf_counter() - t0
+                shm.allreduce(flat.size, out, divisor)  # blocking; the GPU computes on
+                held.append((layout, out))
+                continue
             if self.reduce_dtype == np.float64:
-                wide = self._wide.get((id(run), k))
-                if wide is None:
-                    wide = self._wide[(id(run), k)] = np.empty(flat.size, np.float64)
+                wide = self._result(run, k, flat.size)
                 np.copyto(wide, flat)
                 flat = wide
             times.readback += time.perf_counter() - t0
@@ -133,7 +153,8 @@ class BucketReducer:
         grads, loss = {}, 0.0
         by_slot = {grad_accumulator(n): n for n in names}
         for layout, flat in held:
-            flat /= divisor
+            if shm is None:
+                flat /= divisor
             for s, first, size in layout:
                 shape = run.session.program.state[s].shape
                 value = flat[first : first + size].reshape(shape)
@@ -142,6 +163,14 @@ class BucketReducer:
                 else:
                     grads[by_slot[s]] = value
         return grads, loss, times
+
+    def _result(self, run, k: int, size: int) -> np.ndarray:
+        """Bucket ``k``'s kept host vector in ``reduce_dtype`` (the float64 widening, or the
+        shared-memory reduce's result), allocated once per run."""
+        out = self._wide.get((id(run), k))
+        if out is None or out.size != size:
+            out = self._wide[(id(run), k)] = np.empty(size, self.reduce_dtype)
+        return out
 
     def close(self) -> None:
         for _, run in self._runs.values():

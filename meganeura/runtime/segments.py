@@ -184,7 +184,8 @@ class SegmentedRun:
         self._indices: list[int] = []
         # host copies of the staging buffers, allocated at the first wait and reused: the
         # arrays ``wait`` returns are views into them, valid until the next ``start``
-        self._host: list[np.ndarray | None] = [None] * len(self._staging)
+        self._own: list[np.ndarray | None] = [None] * len(self._staging)
+        self._host: list[np.ndarray | None] = [None] * len(self._staging)  # the last wait's
         self.gpu_wait_seconds = 0.0
 
     def start(self, feeds: Mapping[str, np.ndarray]) -> None:
@@ -210,16 +211,39 @@ class SegmentedRun:
         self._keys = [fastpath.map_async(st, 0, st.size) for st in self._staging]
         self.gpu_wait_seconds = 0.0
 
-    def wait(self, k: int, progress: Callable[[], bool] | None = None) -> dict[str, np.ndarray]:
+    def staging_bytes(self, k: int) -> int:
+        """Bytes of group ``k``'s staging buffer: what :meth:`wait` copies into the host (its
+        slots at their offsets, 8-byte aligned, zeros between them)."""
+        return self._staging[k].size
+
+    def wait(
+        self,
+        k: int,
+        progress: Callable[[], bool] | None = None,
+        into: np.ndarray | None = None,
+    ) -> dict[str, np.ndarray]:
         """Group ``k``'s slots (float32 arrays of their shapes) once segment ``k`` finished.
 
         ``progress()`` is called between non-blocking polls while it returns True (work of the
         caller still in flight); once it returns False the wait blocks on the GPU.
 
+        ``into``: a C-contiguous, writable array of at least :meth:`staging_bytes` bytes that
+        the mapped bucket is copied into (its first bytes; e.g. a shared-memory segment), in
+        place of the run's own host copy; the arrays returned and :meth:`bucket` are then
+        views into it.
+
         Raises:
             RuntimeError: the map failed.
+            ValueError: ``into`` too small, not C-contiguous or not writable.
         """
         s = self.session
+        if into is not None:
+            size = self._staging[k].size
+            if into.nbytes < size or not (into.flags.c_contiguous and into.flags.writeable):
+                raise ValueError(
+                    f"wait({k}): into must be a C-contiguous, writable array of at least "
+                    f"{size} bytes, got {into.nbytes} bytes"
+                )
         t0 = time.perf_counter()
         key = self._keys[k]
         while not fastpath.map_done(key):
@@ -230,8 +254,12 @@ class SegmentedRun:
                 fastpath.poll(s._gpu, True, self._indices[k])
         self.gpu_wait_seconds += time.perf_counter() - t0
         st = self._staging[k]
-        if self._host[k] is None:
-            self._host[k] = np.zeros(st.size, np.uint8)
+        if into is not None:
+            self._host[k] = into.reshape(-1).view(np.uint8)[: st.size]
+        else:
+            if self._own[k] is None:
+                self._own[k] = np.zeros(st.size, np.uint8)
+            self._host[k] = self._own[k]
         raw = fastpath.mapped_into(key, st, 0, self._host[k])
         out = {}
         for name, at, _ in self._layout[k]:
@@ -245,7 +273,7 @@ class SegmentedRun:
         """Group ``k``'s host copy from the last :meth:`wait` as one float32 vector (its
         slots at their staging offsets, zeros between them) and the layout: (slot name,
         first element, elements) per slot. The vector is a view, valid until the next
-        ``start``.
+        ``start`` (or, with ``wait(into=...)``, while ``into`` holds it).
 
         Raises:
             ValueError: a slot of the group is not float32, or ``wait(k)`` has not run.

@@ -60,7 +60,12 @@ def test_segmented_run_equals_session_run(cap, gpu_device):
         with pytest.raises(ValueError, match="bucket 0 has not been read back"):
             run.bucket(0)
         for k in range(len(plan.groups)):
-            got.update(run.wait(k))
+            if k % 2:  # a caller's array (the shared-memory slot), padded with a sentinel
+                into = np.full(run.staging_bytes(k) // 4 + 3, 7.0, np.float32)
+                got.update(run.wait(k, into=into))
+                assert np.shares_memory(run.bucket(k)[0], into) and (into[-3:] == 7).all()
+            else:
+                got.update(run.wait(k))
             # the bucket's one float32 vector: every slot at its offset, zeros in between
             flat, layout = run.bucket(k)
             assert [name for name, _, _ in layout] == list(plan.groups[k])
@@ -69,6 +74,8 @@ def test_segmented_run_equals_session_run(cap, gpu_device):
                 assert np.array_equal(flat[first : first + size], want[name].ravel()), name
                 covered[first : first + size] = True
             assert not flat[~covered].any()
+        with pytest.raises(ValueError, match="into must be a C-contiguous, writable array"):
+            run.wait(0, into=np.zeros(run.staging_bytes(0) // 4 - 1, np.float32))  # checked first
         run.close()
         for n in slots:
             assert np.array_equal(got[n], want[n]), n
@@ -93,6 +100,13 @@ def test_bucket_cap_must_be_positive():
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive, got 0"):
         BucketReducer(0)
     assert BucketReducer(25).cap_bytes == 25 * 1024 * 1024  # MiB, as PyTorch DDP
+
+
+def test_reduce_must_be_auto_mpi_or_shm():
+    from meganeura.distributed import DistributedTrainer
+
+    with pytest.raises(ValueError, match="reduce must be 'auto', 'mpi' or 'shm', got 'nccl'"):
+        DistributedTrainer(None, None, None, reduce="nccl")
 
 
 def test_reduce_dtype_is_float32_or_float64():

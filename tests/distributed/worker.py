@@ -2,8 +2,12 @@
 
 ``parity``: every configuration of ``workloads.CONFIGS`` trained ``STEPS`` steps with
 ``DistributedTrainer`` on each rank's shard, with the overlapped bucketed reduce (several
-buckets) and without, and "adamw" again with ``reduce_dtype=float64`` (``adamw_f64/``); rank 0
-writes ``OUT/parity.npz`` (losses and parameters of the
+buckets) and without (``reduce="auto"``: the shared-memory reduce on this one host),
+"adamw" again with ``reduce="mpi"`` (``adamw_mpi0/``, ``adamw_mpi1/``: without and with
+overlap) and with ``reduce_dtype=float64`` (``adamw_f64/``), and the shared-memory
+reduce alone, on this host and on a host split that pretends to be 2 hosts (``shm_exact``,
+``hierarchical_exact``); rank 0 writes
+``OUT/parity.npz`` (losses and parameters of the
 overlapped runs per configuration), whether every rank ended with rank 0's exact bytes,
 whether the runs without overlap gave the same bits, whether a run resumed from a checkpoint
 after step 1 ends bit-identical to the "adamw" run, and, for a loss with dropout fed the same
@@ -49,6 +53,7 @@ def parity(out: Path) -> None:
             kwargs = dict(max_grad_norm=clip, accumulation_steps=k, overlap=overlap)
             kwargs["bucket_cap_mb"] = BUCKET_CAP_MB
             with dist.DistributedTrainer(make_model(), make_opt(), loss_fn, **kwargs) as t:
+                assert t.reduce_via == "shm", "reduce='auto' on one host: shared memory"
                 losses = [t.step(dist.shard(x), dist.shard(y)) for x, y in batches()]
                 runs[overlap] = (losses, t.state_dict())
                 buckets = max(buckets, t.buckets)
@@ -60,6 +65,23 @@ def parity(out: Path) -> None:
         results[f"{name}/losses"] = np.asarray(losses, np.float64)
         for k, v in sd.items():
             results[f"{name}/{k}"] = v
+    # reduce="mpi" (MPI's Iallreduce/Allreduce), against the shared-memory reduce that
+    # "auto" chose above on this one host: within rounding of each other
+    make_opt, clip, k = CONFIGS["adamw"]
+    via_mpi = {}
+    for overlap in (False, True):
+        kwargs = dict(max_grad_norm=clip, accumulation_steps=k, overlap=overlap)
+        kwargs.update(bucket_cap_mb=BUCKET_CAP_MB, reduce="mpi")
+        with dist.DistributedTrainer(make_model(), make_opt(), loss_fn, **kwargs) as t:
+            assert t.reduce_via == "mpi"
+            losses = [t.step(dist.shard(x), dist.shard(y)) for x, y in batches()]
+            via_mpi[overlap] = (losses, t.state_dict())
+            everyone = ctx.comm.allgather({k: v.tobytes() for k, v in t.state_dict().items()})
+            identical &= all(e == everyone[0] for e in everyone)
+    for overlap, (losses, sd) in via_mpi.items():
+        results[f"adamw_mpi{int(overlap)}/losses"] = np.asarray(losses, np.float64)
+        for key, v in sd.items():
+            results[f"adamw_mpi{int(overlap)}/{key}"] = v
     # reduce_dtype float64: every bucket summed exactly, so the bucketed and the one-vector
     # reduce give the same bits at any number of ranks
     make_opt, clip, k = CONFIGS["adamw"]
@@ -141,12 +163,51 @@ def parity(out: Path) -> None:
         t.step(dist.shard(data[2][0]), dist.shard(data[2][1]))
         goes_on = t.step_count == 2 and all(np.isfinite(v).all() for v in t.state_dict().values())
     nan_ok = all(ctx.comm.allgather(raised and unchanged and goes_on))
+    one_host_ok, hosts_ok = _shm_exact(ctx.comm, 1), _shm_exact(ctx.comm, 2)
     if dist.is_main():
+        results["shm_exact"] = np.asarray(one_host_ok)
+        results["hierarchical_exact"] = np.asarray(hosts_ok)
         results["nan_step_skipped_everywhere"] = np.asarray(nan_ok)
         results["resume_identical"] = np.asarray(resumed)
         results["identical"] = np.asarray(identical)
         results["world_size"] = np.asarray(ctx.world_size)
         np.savez(out / "parity.npz", **results)
+
+
+def _shm_exact(comm, hosts: int) -> bool:
+    """``SharedMemoryReducer`` on this one host (``hosts=1``), or with a host communicator
+    that pretends rank ``r`` lives on host ``r % 2`` (``hosts=2``; at 3 ranks ranks 0 and 2
+    share one): every rank must get ``(host sums in rank order, added by the leaders'
+    Allreduce) / divisor``, the same bits everywhere, through windows of 2 slots reused over
+    5 vectors of different lengths (the window grown once), ``out`` past ``n`` untouched."""
+    from meganeura.distributed.shm import SharedMemoryReducer
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    node = comm.Split(rank % 2, key=rank) if hosts == 2 else None
+    red = SharedMemoryReducer(comm, np.float32, node)
+    ok = red.hosts == min(size, hosts)
+    try:
+        for i, n in enumerate([1000, 37, 4096, 999, 3]):
+            red.reserve(n)
+            every = [
+                np.random.default_rng([i, r]).standard_normal(n).astype(np.float32)
+                for r in range(size)
+            ]
+            red.slot()[:n] = every[rank]
+            out = np.full(n + 1, 7, np.float32)
+            red.allreduce(n, out, float(size))
+            sums = []
+            for h in range(red.hosts):
+                mine = [every[r] for r in range(size) if r % red.hosts == h]
+                total = mine[0].copy()
+                for x in mine[1:]:
+                    total += x
+                sums.append(total)
+            want = (sums[0] + sums[1] if len(sums) > 1 else sums[0]) / np.float32(size)
+            ok &= np.array_equal(out[:n], want) and out[n] == 7
+    finally:
+        red.close()
+    return all(comm.allgather(bool(ok)))
 
 
 def failure(out: Path) -> None:
