@@ -64,6 +64,7 @@ from __future__ import annotations
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -329,7 +330,9 @@ class DistributedTrainer(Trainer):
             several hosts the hosts' sums are then ``Allreduce``-d among one leader per host);
             ``"mpi"``, MPI's ``Iallreduce``/``Allreduce``; ``"auto"`` (default): ``"shm"``
             when every rank of ``comm`` is on one host and there are at least 2, else
-            ``"mpi"``. ``reduce_via`` holds the choice.
+            ``"mpi"``; and ``"mpi"`` from the step on which a host's ``/dev/shm`` lacks room
+            for the window (a warning says so; ``"shm"`` raises ``MemoryError`` there
+            instead). ``reduce_via`` holds the choice.
 
     Construction broadcasts rank 0's parameters and buffers (:func:`broadcast_parameters`),
     as ``torch.nn.parallel.DistributedDataParallel`` does. Dropout draws a different mask on
@@ -387,6 +390,7 @@ class DistributedTrainer(Trainer):
         self.gpu_wait_seconds = self.apply_seconds = 0.0
         self.reduce_bytes = self.buckets = 0
         self._shm = None
+        self._reduce = reduce
         if reduce != "mpi":
             from .shm import SharedMemoryReducer, host_comm
 
@@ -416,6 +420,8 @@ class DistributedTrainer(Trainer):
                 a batch the program rejects, a non-finite batch with ``check_finite``, a
                 model whose forward updates buffers); nothing is updated on any rank.
             NonFiniteError: as ``Trainer.step``, on every rank alike.
+            MemoryError: with ``reduce="shm"``, on every rank alike, when a host's
+                ``/dev/shm`` lacks room for the shared-memory window; nothing is updated.
         """
         comm, k = self.comm, self.accumulation_steps
         rng_state = mn_random.get_rng_state()
@@ -471,6 +477,14 @@ class DistributedTrainer(Trainer):
             mn_random.set_rng_state(rng_state)
             raise e from exc
         divisor = float(self.world_size * k)
+        if self._shm is not None:  # the window, before anything can be updated: a /dev/shm
+            try:  # shortfall raises on every rank alike (reserve's allreduce), or falls back
+                self._shm_reserved(
+                    self._shm_elements(runs[-1], names, None if self.overlap else flat)
+                )
+            except MemoryError:
+                mn_random.set_rng_state(rng_state)
+                raise
         try:
             if self.overlap:
                 grads, loss = self._overlapped(runs[-1], names, divisor)
@@ -530,9 +544,8 @@ class DistributedTrainer(Trainer):
         """The one-vector reduce (no overlap): ({name: mean gradient}, mean loss)."""
         MPI = _mpi()
         t0 = time.perf_counter()
-        if self._shm is not None:  # in chunks of the slots' size (at least a bucket's)
+        if self._shm is not None:  # reserved by step(); in chunks of the slots' size
             shm = self._shm
-            shm.reserve(min(flat.size, self._reducer.cap_bytes // 4))
             for a in range(0, flat.size, shm.capacity):
                 b = min(a + shm.capacity, flat.size)
                 shm.slot()[: b - a] = flat[a:b]
@@ -554,6 +567,33 @@ class DistributedTrainer(Trainer):
             )
             offset += size
         return grads, float(np.float32(flat[-1]))
+
+    def _shm_elements(self, run: tuple, names: list[str], flat: np.ndarray | None) -> int:
+        """Values per slot the step's shared-memory reduce needs: the largest bucket's with
+        overlap (``flat`` None), else the one vector's, in chunks of at most a bucket."""
+        if flat is not None:
+            return min(flat.size, self._reducer.cap_bytes // 4)
+        seg = self._reducer.segmented(run[0].entry.runner, names)
+        return max(seg.staging_bytes(k) // 4 for k in range(len(seg.plan.groups)))
+
+    def _shm_reserved(self, elements: int) -> bool:
+        """Whether the shared-memory reduce serves this step, its slots now holding at least
+        ``elements`` values (collective). With ``reduce="auto"`` a ``/dev/shm`` too small on
+        some host (every rank learns it from one ``allreduce`` inside ``reserve``) switches
+        this trainer to MPI for good, on every rank alike, with a warning."""
+        if self._shm is None:
+            return False
+        try:
+            self._shm.reserve(elements)
+            return True
+        except MemoryError as e:
+            if self._reduce != "auto":
+                raise
+            self._shm.close()
+            self._shm, self.reduce_via = None, "mpi"
+            if self.rank == 0:
+                warnings.warn(f"{e}; reducing through MPI from now on", stacklevel=3)
+            return False
 
     def _overlapped(self, run: tuple, names: list[str], divisor: float):
         """The last micro-batch run in segments with the bucketed reduce (``overlap``)."""

@@ -129,6 +129,17 @@ def test_equals_one_process_on_the_concatenated_batch(ranks, gpu_device, tmp_pat
 
 
 @pytest.mark.gpu
+def test_a_full_dev_shm_falls_back_to_mpi_on_every_rank(gpu_device, tmp_path):
+    run = _mpiexec(2, "shm_full", tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = np.load(tmp_path / "shm_full.npz")
+    assert str(got["auto/via"]) == "mpi" and bool(got["auto/warned"])
+    assert str(got["mpi/via"]) == "mpi" and not bool(got["mpi/warned"])
+    np.testing.assert_array_equal(got["auto/losses"], got["mpi/losses"])
+    assert bool(got["shm_raised_everywhere"]), "reduce='shm' did not raise on every rank"
+
+
+@pytest.mark.gpu
 def test_a_failing_rank_stops_every_rank_and_keeps_the_checkpoint(gpu_device, tmp_path):
     run = _mpiexec(2, "failure", tmp_path)
     assert run.returncode != 0

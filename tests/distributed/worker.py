@@ -242,5 +242,46 @@ def abort(out: Path) -> None:
     (out / f"finished-{ctx.rank}.txt").write_text("rank 0 must not get here")
 
 
+def shm_full(out: Path) -> None:
+    """``/dev/shm`` reported full on rank 1 only: ``reduce="auto"`` must fall back to MPI on
+    every rank alike (the same losses as ``reduce="mpi"``), ``reduce="shm"`` must raise
+    ``MemoryError`` on every rank. Rank 0 writes ``OUT/shm_full.npz``."""
+    import os
+    import warnings
+
+    from meganeura.distributed import shm as shm_module
+    from meganeura.optim import AdamW
+
+    ctx = dist.init()
+    real = os.statvfs
+
+    class Full:
+        f_bavail, f_frsize = 0, 4096
+
+    shm_module.os.statvfs = lambda p: Full() if ctx.rank == 1 else real(p)
+    results = {}
+    for reduce in ("auto", "mpi"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kwargs = dict(reduce=reduce, bucket_cap_mb=BUCKET_CAP_MB)
+            with dist.DistributedTrainer(make_model(), AdamW(lr=1e-2), loss_fn, **kwargs) as t:
+                results[f"{reduce}/losses"] = np.asarray(
+                    [t.step(dist.shard(x), dist.shard(y)) for x, y in batches()]
+                )
+                results[f"{reduce}/via"] = np.asarray(t.reduce_via)
+        results[f"{reduce}/warned"] = np.asarray(any("/dev/shm" in str(w.message) for w in caught))
+    raised = False
+    try:
+        with dist.DistributedTrainer(make_model(), AdamW(lr=1e-2), loss_fn, reduce="shm") as t:
+            t.step(dist.shard(batches()[0][0]), dist.shard(batches()[0][1]))
+    except MemoryError:
+        raised = True
+    everyone = ctx.comm.gather(raised, root=0)
+    if dist.is_main():
+        results["shm_raised_everywhere"] = np.asarray(all(everyone))
+        np.savez(out / "shm_full.npz", **results)
+
+
 if __name__ == "__main__":
-    {"parity": parity, "failure": failure, "abort": abort}[sys.argv[1]](Path(sys.argv[2]))
+    modes = {"parity": parity, "failure": failure, "abort": abort, "shm_full": shm_full}
+    modes[sys.argv[1]](Path(sys.argv[2]))
