@@ -26,6 +26,28 @@ from .fuse import FusionGroup
 from .permute_views import write_view
 
 ACTIVATIONS = ("silu",)
+BACKWARDS = ("group_norm_backward", "layer_norm_backward", "rms_norm_backward")
+
+
+def _bias_sum(graph: Graph, kind: str, shape: tuple[int, ...], attrs) -> list:
+    """The (attrs, shape) pairs of the ``sum`` node that is the bias gradient of a ``kind``
+    norm of input ``shape`` (``ops.norm._bias_grad``): group_norm sums g over (N, *spatial) to
+    [C]; layer_norm's bias gradient is autodiff's sum of g over the leading (broadcast) dims,
+    keepdim, to [1, ..., 1, *normalized] (a reshape to the bias's shape follows); rms_norm has
+    none."""
+    if kind == "group_norm":
+        dims = (0, *range(2, len(shape)))
+        return [({"dims": dims, "keepdim": False}, (shape[1],))]
+    if kind == "layer_norm":
+        lead = len(shape) - attrs["normalized_ndim"]
+        if lead == 0:
+            return []
+        dims, norm = tuple(range(lead)), tuple(shape[lead:])
+        return [
+            ({"dims": dims, "keepdim": True}, (1,) * lead + norm),
+            ({"dims": dims, "keepdim": False}, norm),
+        ]
+    return []
 
 
 def plan_norm_activation(
@@ -79,11 +101,13 @@ def plan_norm_activation(
             if graph[acts[0]].type.shape != node.type.shape:
                 continue
             members = [node.id, acts[0]]
-        elif node.op == "group_norm_backward":
+        elif node.op in BACKWARDS:
+            kind = node.op.removesuffix("_backward")
             x, _, g = node.inputs
             members = [node.id]
             if (
-                graph[g].op == "silu_backward"
+                kind == "group_norm"
+                and graph[g].op == "silu_backward"
                 and free(g)
                 and g not in node.inputs[:2]
                 and graph[g].type.shape == node.type.shape
@@ -93,7 +117,7 @@ def plan_norm_activation(
             wgrads = [
                 u
                 for u in users[x]
-                if graph[u].op == "group_norm_weight_backward"
+                if graph[u].op == f"{kind}_weight_backward"
                 and graph[u].inputs == (x, g)
                 and graph[u].attrs == node.attrs
                 and u > node.id
@@ -101,13 +125,12 @@ def plan_norm_activation(
             ]
             if wgrads and valid([*members, wgrads[0]]):
                 members.append(wgrads[0])
-                dims = (0, *range(2, len(graph[x].type.shape)))
+                bias_sum = _bias_sum(graph, kind, graph[x].type.shape, node.attr_dict)
                 sums = [
                     u
                     for u in users[g]
                     if graph[u].op == "sum"
-                    and graph[u].attr_dict == {"dims": dims, "keepdim": False}
-                    and graph[u].type.shape == (graph[x].type.shape[1],)
+                    and (graph[u].attr_dict, graph[u].type.shape) in bias_sum
                     and u > wgrads[0]
                     and free(u)
                 ]
@@ -120,7 +143,7 @@ def plan_norm_activation(
         if not accept(node.id, tuple(m for m in members if m != node.id)):
             continue
         member_set = set(members)
-        wgrad = any(graph[m].op == "group_norm_weight_backward" for m in members)
+        wgrad = any(graph[m].op.endswith("_weight_backward") for m in members)
         outputs = tuple(
             m
             for m in members
