@@ -100,7 +100,9 @@ def test_layer_norm_two_dims_takes_the_bias_sum():
 
 
 # (shape, normalized dims, mode): one-team kernels in register mode (vec4 and scalar rows,
-# rows not a multiple of anything), the same walking chunks (teams capped, below), one row.
+# rows not a multiple of anything), the same walking chunks (teams capped, below), one row,
+# and columns of 64 rows or more (the column sums' strided walk: 210 rows, unrolled; 613 rows,
+# summed in blocks).
 CASES = [
     ((4, 6, 16), 1, "team"),
     ((7, 13), 1, "team"),
@@ -109,6 +111,8 @@ CASES = [
     ((5, 200), 1, "chunked"),
     ((3, 131), 1, "chunked"),
     ((1, 24), 1, "team"),
+    ((3, 70, 24), 1, "team"),
+    ((1, 613, 12), 1, "team"),
 ]
 IDS = [f"{shape_id(s)}-nd{nd}-{m}" for s, nd, m in CASES]
 
@@ -156,7 +160,7 @@ def test_fused_equals_unfused(gpu_device, kind, precision, shape, nd, mode, monk
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("shape,nd,mode", CASES[1:5], ids=IDS[1:5])
+@pytest.mark.parametrize("shape,nd,mode", CASES[1:5] + CASES[-1:], ids=IDS[1:5] + IDS[-1:])
 def test_fused_values_match_torch(gpu_device, kind, shape, nd, mode, monkeypatch):
     from meganeura.training import compile_for
 

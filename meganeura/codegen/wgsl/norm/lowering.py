@@ -303,7 +303,7 @@ def _channel_sums(
     statistics (shift, mean, rstd) read from scratch ``stats`` (left by ``_stats_kernel``,
     ``team.stats_team`` or the input gradient's team kernel: ``team.stats_store``). With
     ``bias`` (the bias gradient's ``sum`` node over the same channels) the kernel also stores
-    ``sum g`` there, folded in a second walk of the channel (so the weight sums keep their
+    ``sum g`` there, from the same walk (a vec2 accumulator: the weight sums keep their
     order)."""
     node = graph[node_id]
     kind = kind_of(node.op)
@@ -323,22 +323,28 @@ def _channel_sums(
         f"  return {g.at('o')} * ((({x.at('o')} - {st}[s]) - {st}[s + 1u]) * {st}[s + 2u]);\n"
         "}\n"
     )
-    body = thread_coords(cplan, "wg", chan.count) + "  var acc = 0.0;\n"
     per = -(-chan.length // cplan.ry)
-    body += strided_loop(
-        cplan, "0u", u(chan.length), lambda k: f"wterm(rowc, {k})", _ADD, per, "0.0"
-    )
-    body += tree(cplan, "red", "acc", _ADD, "total")
-    stores = kb.store(out, "row", "total")
-    if bias is not None:
+    body = thread_coords(cplan, "wg", chan.count)
+    if bias is None:
+        body += "  var acc = 0.0;\n"
+        body += strided_loop(
+            cplan, "0u", u(chan.length), lambda k: f"wterm(rowc, {k})", _ADD, per, "0.0"
+        )
+        body += tree(cplan, "red", "acc", _ADD, "total")
+        stores = kb.store(out, "row", "total")
+        helpers = shared_decl(cplan, "red", "f32")
+    else:
+        # One walk, (g * xhat, g) per element: the weight sums keep their order, the bias
+        # sums are the sum kernel's in another.
         bout = kb.write(bias, "dbias")
-        body += "  var bacc = 0.0;\n"
-        term = lambda k: g.at(f"c_off(rowc, {k})")  # noqa: E731
-        body += strided_loop(cplan, "0u", u(chan.length), term, _ADD, per, "0.0", "bacc")
-        body += tree(cplan, "red", "bacc", _ADD, "btotal")
-        stores += " " + kb.store(bout, "row", "btotal")
+        body += f"  var acc = {_ZERO2};\n"
+        term = lambda k: f"vec2<f32>(wterm(rowc, {k}), {g.at(f'c_off(rowc, {k})')})"  # noqa: E731
+        body += strided_loop(cplan, "0u", u(chan.length), term, _ADD, per, _ZERO2)
+        body += tree(cplan, "red2", "acc", _ADD, "total")
+        stores = f"{kb.store(out, 'row', 'total.x')} {kb.store(bout, 'row', 'total.y')}"
+        helpers = shared_decl(cplan, "red2", "vec2<f32>")
     body += f"  if (live && y == 0u) {{ {stores} }}\n"
-    helpers = shared_decl(cplan, "red", "f32") + chan.helpers("c") + wterm
+    helpers += chan.helpers("c") + wterm
     return kb.finish("reduce", body, cplan.size, -(-chan.count // cplan.ox), helpers)
 
 
