@@ -1,6 +1,9 @@
 """Pair a group_norm with the SiLU that reads it, and the SiLU's gradient with the norm's input
 gradient (and the weight gradient's statistics with it), for one kernel to compute each pair
-(the normalize-then-activate of a U-Net's or a diffusion model's residual blocks).
+(the normalize-then-activate of a U-Net's or a diffusion model's residual blocks); and a
+layer_norm / rms_norm input gradient with its weight gradient's statistics (and layer_norm's
+bias gradient with the weight gradient's column sums): two kernels per norm backward, not three
+or four.
 
 The norm kernel stores ``silu(y)`` from its registers (``codegen.wgsl.norm.activation
 .store_normalized``), and y itself only when something else reads it (in training the SiLU's
@@ -10,7 +13,10 @@ operands (``activation.GradIn``) and stores g only when read elsewhere (in train
 weight and bias gradients read it). A group_norm_weight_backward of the same x and g joins the
 input gradient: its kernel leaves the group statistics in the weight gradient's scratch, so
 only the channel sums remain (its own statistics kernel goes); the bias gradient's sum of g over
-the channels joins those.
+the channels joins those. layer_norm_backward and rms_norm_backward pair likewise with their
+``*_weight_backward`` (no SiLU prologue): the input gradient's team kernel leaves the row
+statistics, the weight gradient's column sums read them (and layer_norm's bias gradient, the
+``sum`` of g over the leading dims, joins the column sums).
 
 The graph is not rewritten: as ``passes.fuse`` groups, a group is a ``FusionGroup`` anchored
 on the norm, lowered at its last member's position.
@@ -60,7 +66,9 @@ def plan_norm_activation(
     norm's output itself; and a group_norm_backward with the silu_backward producing its g
     and / or the group_norm_weight_backward reading the same x and g (its kernel leaves the
     group statistics for the weight gradient's channel sums) and then the bias gradient's
-    ``sum`` of g over the same channels (the channel sums take it too).
+    ``sum`` of g over the same channels (the channel sums take it too); and a
+    layer_norm_backward / rms_norm_backward with its ``*_weight_backward`` of the same x, g and
+    attributes, then (layer_norm) the bias gradient's ``sum`` of g over the leading dims.
 
     A member joins when it is needed and in no other group (``taken``), has the norm's shape
     (group_norm / silu pairs; storage dtypes may differ in the fast mode's storage plan), is

@@ -20,7 +20,9 @@ channel. batch_norm in eval mode is one elementwise map with the running statist
 A large group_norm with few groups is first asked of ``split`` (each group over several
 workgroups, two dispatches), and ``passes.fuse_norm``'s groups (group_norm + silu; the input
 gradient with the SiLU gradient, the weight gradient's statistics and the bias sum) come
-through ``lower_norm_act`` / ``lower_norm_backward_act`` (``activation``).
+through ``lower_norm_act`` / ``lower_norm_backward_act`` (``activation``), as do its
+layer_norm / rms_norm pairs (the input gradient's team kernel storing the row statistics, then
+the weight gradient's column sums, ``_channel_sums``, with layer_norm's bias sum).
 """
 
 from __future__ import annotations
@@ -122,7 +124,9 @@ def lower_norm_backward_act(
     (its group_norm_weight_backward) the kernel also leaves the group statistics, and the
     weight gradient's channel sums follow, reading them (and with ``bias``, the bias
     gradient's ``sum`` node, summing g too). One kernel (two when split), plus the channel
-    sums; None when a part has no such lowering."""
+    sums; None when a part has no such lowering. layer_norm_backward / rms_norm_backward
+    (``pro`` None) likewise: the team kernel, then ``_channel_sums`` (one strided column per
+    weight element)."""
     kind = kind_of(graph[node_id].op)
     ks = None
     if kind == "group_norm":
@@ -140,9 +144,11 @@ def lower_norm_backward_act(
 def norm_act_fusible(graph: Graph, node_id: int, others: tuple[int, ...], limits: Limits) -> bool:
     """Whether ``lower_norm_act`` (a group_norm, ``others`` its silu) or
     ``lower_norm_backward_act`` (a group_norm_backward, ``others`` its silu_backward and / or
-    group_norm_weight_backward) serves ``node_id`` (``passes.fuse_norm``): the team kernels plan
-    its groups (and the weight gradient's channels), and x, g or the SiLU gradient's operands
-    are not constants."""
+    group_norm_weight_backward; a layer_norm_backward / rms_norm_backward, ``others`` its
+    weight gradient) serves ``node_id`` (``passes.fuse_norm``): the team kernels plan its
+    groups (and group_norm's weight gradient channels), the groups are longer than one element
+    and the weight gradient's channels not empty, and x, g or the SiLU gradient's operands are
+    not constants."""
     node = graph[node_id]
     pairs = ("group_norm", "group_norm_backward", "layer_norm_backward", "rms_norm_backward")
     if node.op not in pairs or node.type.numel == 0:
