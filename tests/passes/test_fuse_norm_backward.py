@@ -101,8 +101,8 @@ def test_layer_norm_two_dims_takes_the_bias_sum():
 
 # (shape, normalized dims, mode): one-team kernels in register mode (vec4 and scalar rows,
 # rows not a multiple of anything), the same walking chunks (teams capped, below), one row,
-# and columns of 64 rows or more (the column sums' strided walk: 210 rows, unrolled; 613 rows,
-# summed in blocks).
+# columns of 64 rows or more (the column sums' strided walk: 210 rows, unrolled; 613 rows,
+# summed in blocks), and a 1-D input (no leading dims: layer_norm's bias gradient is g itself).
 CASES = [
     ((4, 6, 16), 1, "team"),
     ((7, 13), 1, "team"),
@@ -113,6 +113,7 @@ CASES = [
     ((1, 24), 1, "team"),
     ((3, 70, 24), 1, "team"),
     ((1, 613, 12), 1, "team"),
+    ((9,), 1, "team"),
 ]
 IDS = [f"{shape_id(s)}-nd{nd}-{m}" for s, nd, m in CASES]
 

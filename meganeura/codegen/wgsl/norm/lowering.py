@@ -163,9 +163,10 @@ def norm_act_fusible(graph: Graph, node_id: int, others: tuple[int, ...], limits
                 return False
             reads += list(graph[o].inputs)
         elif graph[o].op == f"{kind}_weight_backward":
-            n, c, s = shape[0], shape[1], math.prod(shape[2:])
-            if kind == "group_norm" and _plan_channels(n, c, s, limits) is None:
-                return False
+            if kind == "group_norm":
+                n, c, s = shape[0], shape[1], math.prod(shape[2:])
+                if _plan_channels(n, c, s, limits) is None:
+                    return False
             if channel_layout(shape, kind, node.attr_dict).length == 0:
                 return False
             reads.append(node.inputs[2])
