@@ -1,15 +1,16 @@
 """Dispatch counts of the big programs as the H200 compiles them, without a GPU and without
 timing: SmolLM2-135M prefill (128 tokens into a 512-slot cache, last token's argmax, as
-``bench/llm_profile.py``), its training step (seq 128, AdamW, as ``Trainer``), and ResNet-50's
-training step at batch 4 (SGD, cross-entropy). Random weights; each program is traced and
-compiled with ``H200`` limits (``Limits.cpu`` False, so the GPU's matmul plans and split-K
-apply), and its dispatch list is counted by kernel kind.
+``bench/llm_profile.py``), its training step (seq 128, AdamW, as ``Trainer``), ResNet-50's
+training step at batch 4 (SGD, cross-entropy), and on request (``--parts whisper``)
+whisper-tiny's training step (30 s of features, 32 tokens, SGD). Random weights; each program
+is traced and compiled with ``H200`` limits (``Limits.cpu`` False, so the GPU's matmul plans
+and split-K apply), and its dispatch list is counted by kernel kind.
 
 ``--split-sums dispatch`` compiles split-K products with their own summing dispatch (the
 program before ``codegen.wgsl.matmul.deferred``), for before/after figures from one commit.
 
-Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet] [--quick] [--json FILE]
-                                       [--split-sums deferred|dispatch]
+Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet[,whisper]] [--quick]
+                                       [--json FILE] [--split-sums deferred|dispatch]
 """
 
 from __future__ import annotations
@@ -125,7 +126,43 @@ def resnet(quick: bool):
     return compile(traced.graph, options, H200)
 
 
-PARTS = {"prefill": prefill, "train": train, "resnet": resnet}
+def whisper(quick: bool):
+    """whisper-tiny's training step (layer_norm with biases throughout): 30 s of features
+    (3000 frames) and 32 decoder tokens at batch 1, SGD; ``--quick``: one layer per stack,
+    vocab 4096, 2 s."""
+    import dataclasses
+
+    import meganeura as mn
+    from meganeura.compile import compile
+    from meganeura.models.whisper import (
+        WhisperConfig,
+        WhisperForConditionalGeneration,
+        whisper_loss,
+    )
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    cfg = WhisperConfig()
+    if quick:
+        special = dict(pad_token_id=4095, eos_token_id=4095, bos_token_id=4094)
+        cfg = dataclasses.replace(
+            cfg, encoder_layers=1, decoder_layers=1, vocab_size=4096, max_source_positions=100,
+            decoder_start_token_id=4094, **special
+        )  # fmt: skip
+    model = WhisperForConditionalGeneration(cfg)
+    frames, tokens = 2 * cfg.max_source_positions, 32
+    feats = np.sin(np.arange(cfg.num_mel_bins * frames, dtype=np.float32))
+    feats = feats.reshape(1, cfg.num_mel_bins, frames)
+    ids = (np.arange(tokens + 1) % cfg.vocab_size).astype(np.int32)[None]
+    args = (feats, ids[:, :-1], ids[:, 1:].copy())
+    traced = trace_call(model, lambda f, i, y: whisper_loss(model, f, i, y), args, {}, "loss")
+    options = dataclasses.replace(
+        _train_options(mn.optim.SGD(lr=1e-5)), trainable=_trainable(traced)
+    )
+    return compile(traced.graph, options, H200)
+
+
+PARTS = {"prefill": prefill, "train": train, "resnet": resnet, "whisper": whisper}
 
 
 def main() -> None:

@@ -1,6 +1,9 @@
 """Pair a group_norm with the SiLU that reads it, and the SiLU's gradient with the norm's input
 gradient (and the weight gradient's statistics with it), for one kernel to compute each pair
-(the normalize-then-activate of a U-Net's or a diffusion model's residual blocks).
+(the normalize-then-activate of a U-Net's or a diffusion model's residual blocks); and a
+layer_norm / rms_norm input gradient with its weight gradient's statistics (and layer_norm's
+bias gradient with the weight gradient's column sums): two kernels per norm backward, not three
+or four.
 
 The norm kernel stores ``silu(y)`` from its registers (``codegen.wgsl.norm.activation
 .store_normalized``), and y itself only when something else reads it (in training the SiLU's
@@ -10,7 +13,10 @@ operands (``activation.GradIn``) and stores g only when read elsewhere (in train
 weight and bias gradients read it). A group_norm_weight_backward of the same x and g joins the
 input gradient: its kernel leaves the group statistics in the weight gradient's scratch, so
 only the channel sums remain (its own statistics kernel goes); the bias gradient's sum of g over
-the channels joins those.
+the channels joins those. layer_norm_backward and rms_norm_backward pair likewise with their
+``*_weight_backward`` (no SiLU prologue): the input gradient's team kernel leaves the row
+statistics, the weight gradient's column sums read them (and layer_norm's bias gradient, the
+``sum`` of g over the leading dims, joins the column sums).
 
 The graph is not rewritten: as ``passes.fuse`` groups, a group is a ``FusionGroup`` anchored
 on the norm, lowered at its last member's position.
@@ -26,6 +32,28 @@ from .fuse import FusionGroup
 from .permute_views import write_view
 
 ACTIVATIONS = ("silu",)
+BACKWARDS = ("group_norm_backward", "layer_norm_backward", "rms_norm_backward")
+
+
+def _bias_sum(graph: Graph, kind: str, shape: tuple[int, ...], attrs) -> list:
+    """The (attrs, shape) pairs of the ``sum`` node that is the bias gradient of a ``kind``
+    norm of input ``shape`` (``ops.norm._bias_grad``): group_norm sums g over (N, *spatial) to
+    [C]; layer_norm's bias gradient is autodiff's sum of g over the leading (broadcast) dims,
+    keepdim, to [1, ..., 1, *normalized] (a reshape to the bias's shape follows); rms_norm has
+    none."""
+    if kind == "group_norm":
+        dims = (0, *range(2, len(shape)))
+        return [({"dims": dims, "keepdim": False}, (shape[1],))]
+    if kind == "layer_norm":
+        lead = len(shape) - attrs["normalized_ndim"]
+        if lead == 0:
+            return []
+        dims, norm = tuple(range(lead)), tuple(shape[lead:])
+        return [
+            ({"dims": dims, "keepdim": True}, (1,) * lead + norm),
+            ({"dims": dims, "keepdim": False}, norm),
+        ]
+    return []
 
 
 def plan_norm_activation(
@@ -38,7 +66,9 @@ def plan_norm_activation(
     norm's output itself; and a group_norm_backward with the silu_backward producing its g
     and / or the group_norm_weight_backward reading the same x and g (its kernel leaves the
     group statistics for the weight gradient's channel sums) and then the bias gradient's
-    ``sum`` of g over the same channels (the channel sums take it too).
+    ``sum`` of g over the same channels (the channel sums take it too); and a
+    layer_norm_backward / rms_norm_backward with its ``*_weight_backward`` of the same x, g and
+    attributes, then (layer_norm) the bias gradient's ``sum`` of g over the leading dims.
 
     A member joins when it is needed and in no other group (``taken``), has the norm's shape
     (group_norm / silu pairs; storage dtypes may differ in the fast mode's storage plan), is
@@ -79,11 +109,13 @@ def plan_norm_activation(
             if graph[acts[0]].type.shape != node.type.shape:
                 continue
             members = [node.id, acts[0]]
-        elif node.op == "group_norm_backward":
+        elif node.op in BACKWARDS:
+            kind = node.op.removesuffix("_backward")
             x, _, g = node.inputs
             members = [node.id]
             if (
-                graph[g].op == "silu_backward"
+                kind == "group_norm"
+                and graph[g].op == "silu_backward"
                 and free(g)
                 and g not in node.inputs[:2]
                 and graph[g].type.shape == node.type.shape
@@ -93,7 +125,7 @@ def plan_norm_activation(
             wgrads = [
                 u
                 for u in users[x]
-                if graph[u].op == "group_norm_weight_backward"
+                if graph[u].op == f"{kind}_weight_backward"
                 and graph[u].inputs == (x, g)
                 and graph[u].attrs == node.attrs
                 and u > node.id
@@ -101,13 +133,12 @@ def plan_norm_activation(
             ]
             if wgrads and valid([*members, wgrads[0]]):
                 members.append(wgrads[0])
-                dims = (0, *range(2, len(graph[x].type.shape)))
+                bias_sum = _bias_sum(graph, kind, graph[x].type.shape, node.attr_dict)
                 sums = [
                     u
                     for u in users[g]
                     if graph[u].op == "sum"
-                    and graph[u].attr_dict == {"dims": dims, "keepdim": False}
-                    and graph[u].type.shape == (graph[x].type.shape[1],)
+                    and (graph[u].attr_dict, graph[u].type.shape) in bias_sum
                     and u > wgrads[0]
                     and free(u)
                 ]
@@ -120,7 +151,7 @@ def plan_norm_activation(
         if not accept(node.id, tuple(m for m in members if m != node.id)):
             continue
         member_set = set(members)
-        wgrad = any(graph[m].op == "group_norm_weight_backward" for m in members)
+        wgrad = any(graph[m].op.endswith("_weight_backward") for m in members)
         outputs = tuple(
             m
             for m in members

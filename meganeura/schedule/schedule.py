@@ -22,7 +22,8 @@ owner``) lives until its last reader. Optimizer updates are grouped
 likewise (``update_groups``): one kernel per group at its last member's position, over arenas
 that the assembler lays out.
 ``passes.fuse_norm.plan_norm_activation`` groups a group_norm with the SiLU reading it, and a
-group_norm_backward with the silu_backward, weight gradient and bias sum around it; such a
+group_norm_backward with the silu_backward, weight gradient and bias sum around it (and a
+layer_norm / rms_norm input gradient with its weight gradient and layer_norm's bias sum); such a
 group is lowered by the norm lowerings (one or two kernels, and the weight gradient's channel
 sums) at its last member's position.
 """

@@ -168,9 +168,14 @@ class _MatmulEpilogue:
         return f"{{ {b.compute(loads, anchor=value)} {b.stores(flat, self.kb)} }}"
 
 
+_NORM_ANCHORS = ("group_norm", "group_norm_backward", "layer_norm_backward", "rms_norm_backward")
+
+
 def _lower_norm_pair(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
     """A ``passes.fuse_norm`` group: group_norm + silu, or group_norm_backward with its
-    silu_backward and / or group_norm_weight_backward."""
+    silu_backward and / or group_norm_weight_backward (and the bias gradient's sum), or a
+    layer_norm / rms_norm input gradient with its weight gradient (and layer_norm's bias
+    gradient's sum)."""
     from ..norm.lowering import lower_norm_act, lower_norm_backward_act  # norm imports maps
 
     norm = group.anchor
@@ -179,7 +184,7 @@ def _lower_norm_pair(graph: Graph, group: FusionGroup, limits: Limits) -> list[K
         ks = lower_norm_act(graph, norm, role["silu"], norm in group.outputs, limits)
     else:
         pro = role.get("silu_backward")
-        wgrad = role.get("group_norm_weight_backward")
+        wgrad = role.get(graph[norm].op.replace("_backward", "_weight_backward"))
         bias = role.get("sum")
         ks = lower_norm_backward_act(graph, norm, pro, pro in group.outputs, wgrad, limits, bias)
     if ks is None:  # pragma: no cover - plan_norm_activation asked norm_act_fusible
@@ -211,7 +216,7 @@ def lower_group(
             if i not in group.members and not is_constant(graph, i):
                 check_numel(graph, resolve_view(graph, i), limits)
         check_numel(graph, m, limits)
-    if group.anchor is not None and graph[group.anchor].op.startswith("group_norm"):
+    if group.anchor is not None and graph[group.anchor].op in _NORM_ANCHORS:
         return _lower_norm_pair(graph, group, limits)
     if group.anchor is not None and graph[group.anchor].op == BWD_K:
         (value,) = (m for m in group.members if m != group.anchor)

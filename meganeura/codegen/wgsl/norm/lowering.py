@@ -20,7 +20,9 @@ channel. batch_norm in eval mode is one elementwise map with the running statist
 A large group_norm with few groups is first asked of ``split`` (each group over several
 workgroups, two dispatches), and ``passes.fuse_norm``'s groups (group_norm + silu; the input
 gradient with the SiLU gradient, the weight gradient's statistics and the bias sum) come
-through ``lower_norm_act`` / ``lower_norm_backward_act`` (``activation``).
+through ``lower_norm_act`` / ``lower_norm_backward_act`` (``activation``), as do its
+layer_norm / rms_norm pairs (the input gradient's team kernel storing the row statistics, then
+the weight gradient's column sums, ``_channel_sums``, with layer_norm's bias sum).
 """
 
 from __future__ import annotations
@@ -122,41 +124,58 @@ def lower_norm_backward_act(
     (its group_norm_weight_backward) the kernel also leaves the group statistics, and the
     weight gradient's channel sums follow, reading them (and with ``bias``, the bias
     gradient's ``sum`` node, summing g too). One kernel (two when split), plus the channel
-    sums; None when a part has no such lowering."""
-    ks = lower_group_norm_backward_split(graph, node_id, limits, pro, store, wgrad is not None)
+    sums; None when a part has no such lowering. layer_norm_backward / rms_norm_backward
+    (``pro`` None) likewise: the team kernel, then ``_channel_sums`` (one strided column per
+    weight element)."""
+    kind = kind_of(graph[node_id].op)
+    ks = None
+    if kind == "group_norm":
+        ks = lower_group_norm_backward_split(graph, node_id, limits, pro, store, wgrad is not None)
     ks = ks or lower_norm_backward_team(graph, node_id, limits, pro, store, wgrad is not None)
     if ks is None or wgrad is None:
         return ks
-    sums = weight_backward_team(graph, wgrad, limits, with_stats=False, bias=bias)
+    if kind == "group_norm":
+        sums = weight_backward_team(graph, wgrad, limits, with_stats=False, bias=bias)
+    else:
+        sums = [_channel_sums(graph, wgrad, limits, bias)]
     return None if sums is None else ks + sums
 
 
 def norm_act_fusible(graph: Graph, node_id: int, others: tuple[int, ...], limits: Limits) -> bool:
     """Whether ``lower_norm_act`` (a group_norm, ``others`` its silu) or
     ``lower_norm_backward_act`` (a group_norm_backward, ``others`` its silu_backward and / or
-    group_norm_weight_backward) serves ``node_id`` (``passes.fuse_norm``): the team kernels plan
-    its groups (and the weight gradient's channels), and x, g or the SiLU gradient's operands
-    are not constants."""
+    group_norm_weight_backward; a layer_norm_backward / rms_norm_backward, ``others`` its
+    weight gradient) serves ``node_id`` (``passes.fuse_norm``): the team kernels plan its
+    groups (and group_norm's weight gradient channels), the groups are longer than one element
+    and the weight gradient's channels not empty, and x, g or the SiLU gradient's operands are
+    not constants."""
     node = graph[node_id]
-    if node.op not in ("group_norm", "group_norm_backward") or node.type.numel == 0:
+    pairs = ("group_norm", "group_norm_backward", "layer_norm_backward", "rms_norm_backward")
+    if node.op not in pairs or node.type.numel == 0:
         return False
+    kind = kind_of(node.op)
     kb = KernelBuilder(graph, node, limits)
     shape = graph[node.inputs[0]].type.shape
     reads = [node.inputs[0]]
     for o in others:
         if graph[o].op == "silu_backward":
+            if kind != "group_norm":
+                return False
             reads += list(graph[o].inputs)
-        elif graph[o].op == "group_norm_weight_backward":
-            n, c, s = shape[0], shape[1], math.prod(shape[2:])
-            if _plan_channels(n, c, s, limits) is None:
+        elif graph[o].op == f"{kind}_weight_backward":
+            if kind == "group_norm":
+                n, c, s = shape[0], shape[1], math.prod(shape[2:])
+                if _plan_channels(n, c, s, limits) is None:
+                    return False
+            if channel_layout(shape, kind, node.attr_dict).length == 0:
                 return False
             reads.append(node.inputs[2])
     if any(kb.read(v, f"v{k}").literal is not None for k, v in enumerate(reads)):
         return False
-    if plan_groups(shape, "group_norm", node.attr_dict, limits) is None:
+    if plan_groups(shape, kind, node.attr_dict, limits) is None:
         return False
-    if node.op == "group_norm_backward":
-        return group_layout(shape, "group_norm", node.attr_dict).length > 1  # else a fill
+    if node.op.endswith("_backward"):
+        return group_layout(shape, kind, node.attr_dict).length > 1  # else a fill
     return True
 
 
@@ -281,7 +300,24 @@ def lower_norm_weight_backward(graph: Graph, node_id: int, limits: Limits) -> li
     if ks is not None:
         return ks
     stats_k = stats_team(graph, node_id, limits, x_id) or _stats_kernel(graph, node_id, limits)
+    return [stats_k, _channel_sums(graph, node_id, limits)]
 
+
+def _channel_sums(
+    graph: Graph, node_id: int, limits: Limits, bias: int | None = None
+) -> KernelSource:
+    """The weight gradient's ``dweight[c] = sum g * xhat`` over channel c, with the group
+    statistics (shift, mean, rstd) read from scratch ``stats`` (left by ``_stats_kernel``,
+    ``team.stats_team`` or the input gradient's team kernel: ``team.stats_store``). With
+    ``bias`` (the bias gradient's ``sum`` node over the same channels) the kernel also stores
+    ``sum g`` there, from the same walk (a vec2 accumulator: the weight sums keep their
+    order)."""
+    node = graph[node_id]
+    kind = kind_of(node.op)
+    x_id, g_id = node.inputs
+    shape = graph[x_id].type.shape
+    lay = group_layout(shape, kind, node.attr_dict)
+    chan = channel_layout(shape, kind, node.attr_dict)
     cplan = _plan(chan)
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(x_id, "x")
@@ -294,16 +330,29 @@ def lower_norm_weight_backward(graph: Graph, node_id: int, limits: Limits) -> li
         f"  return {g.at('o')} * ((({x.at('o')} - {st}[s]) - {st}[s + 1u]) * {st}[s + 2u]);\n"
         "}\n"
     )
-    body = thread_coords(cplan, "wg", chan.count) + "  var acc = 0.0;\n"
     per = -(-chan.length // cplan.ry)
-    body += strided_loop(
-        cplan, "0u", u(chan.length), lambda k: f"wterm(rowc, {k})", _ADD, per, "0.0"
-    )
-    body += tree(cplan, "red", "acc", _ADD, "total")
-    body += f"  if (live && y == 0u) {{ {kb.store(out, 'row', 'total')} }}\n"
-    helpers = shared_decl(cplan, "red", "f32") + chan.helpers("c") + wterm
-    reduce_k = kb.finish("reduce", body, cplan.size, -(-chan.count // cplan.ox), helpers)
-    return [stats_k, reduce_k]
+    body = thread_coords(cplan, "wg", chan.count)
+    if bias is None:
+        body += "  var acc = 0.0;\n"
+        body += strided_loop(
+            cplan, "0u", u(chan.length), lambda k: f"wterm(rowc, {k})", _ADD, per, "0.0"
+        )
+        body += tree(cplan, "red", "acc", _ADD, "total")
+        stores = kb.store(out, "row", "total")
+        helpers = shared_decl(cplan, "red", "f32")
+    else:
+        # One walk, (g * xhat, g) per element: the weight sums keep their order, the bias
+        # sums are the sum kernel's in another.
+        bout = kb.write(bias, "dbias")
+        body += f"  var acc = {_ZERO2};\n"
+        term = lambda k: f"vec2<f32>(wterm(rowc, {k}), {g.at(f'c_off(rowc, {k})')})"  # noqa: E731
+        body += strided_loop(cplan, "0u", u(chan.length), term, _ADD, per, _ZERO2)
+        body += tree(cplan, "red2", "acc", _ADD, "total")
+        stores = f"{kb.store(out, 'row', 'total.x')} {kb.store(bout, 'row', 'total.y')}"
+        helpers = shared_decl(cplan, "red2", "vec2<f32>")
+    body += f"  if (live && y == 0u) {{ {stores} }}\n"
+    helpers += chan.helpers("c") + wterm
+    return kb.finish("reduce", body, cplan.size, -(-chan.count // cplan.ox), helpers)
 
 
 def lower_update_stats(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:

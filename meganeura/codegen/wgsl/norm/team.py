@@ -410,8 +410,9 @@ def weight_backward_team(
 
 def stats_store(rk: RowKernel, group: str, count: int, cond: str = "") -> None:
     """Store ``shift, mean, rstd`` of group ``group`` into scratch ``stats`` [3 * count] (the
-    weight gradient's, ``weight_backward_team``) from thread 0 of live rows (``cond``: a further
-    WGSL condition, `` && ...``)."""
+    weight gradient's: group_norm's ``weight_backward_team``, layer_norm's and rms_norm's column
+    sums ``lowering._channel_sums``) from thread 0 of live rows (``cond``: a further WGSL
+    condition, `` && ...``)."""
     st = rk.kb.scratch("stats", 3 * count, rk.kb.node.type.dtype, "stats")
     rk.line(f"if (live && y == 0u{cond}) {{")
     for k, v in enumerate(("shift", "mean", "rstd")):
