@@ -334,6 +334,29 @@ def poll(device: wgpu.GPUDevice, wait: bool, index: int | None = None) -> None:
     _POLL(raw_handle(device), bool(wait), idx)
 
 
+def _take_mapped(key, buffer: wgpu.GPUBuffer, offset: int, size: int, take):
+    """``take(view)`` of a completed :func:`map_async` map's ``size`` bytes from ``offset``
+    (a read-only buffer-protocol view, valid during the call); the buffer is then unmapped.
+
+    Raises:
+        RuntimeError: the map failed (the message gives wgpu's status code).
+    """
+    if not AVAILABLE:
+        key.sync_wait()
+        try:
+            return take(buffer.read_mapped(offset, size, copy=False))
+        finally:
+            buffer.unmap()
+    status = _pending.pop(key, None)
+    if status != _MAP_SUCCESS:
+        raise RuntimeError(f"mapping {buffer.label!r} for reading failed (wgpu status {status})")
+    buf = raw_handle(buffer)
+    try:
+        return take(ffi.buffer(_MAPPED_RANGE(buf, offset, size), size))
+    finally:
+        _UNMAP(buf)
+
+
 def mapped_into(key, buffer: wgpu.GPUBuffer, offset: int, out: np.ndarray) -> np.ndarray:
     """Copy a completed :func:`map_async` map's first ``out.nbytes`` bytes from ``offset``
     straight into ``out`` (C-contiguous, writable; no intermediate bytes object); the buffer
@@ -345,26 +368,12 @@ def mapped_into(key, buffer: wgpu.GPUBuffer, offset: int, out: np.ndarray) -> np
     """
     if not (out.flags.c_contiguous and out.flags.writeable):
         raise ValueError("mapped_into: out must be a C-contiguous, writable array")
-    size = out.nbytes
-    if not AVAILABLE:
-        key.sync_wait()
-        try:
-            src = np.frombuffer(buffer.read_mapped(offset, size, copy=False), np.uint8)
-            out.reshape(-1).view(np.uint8)[:] = src
-            return out
-        finally:
-            buffer.unmap()
-    status = _pending.pop(key, None)
-    if status != _MAP_SUCCESS:
-        raise RuntimeError(f"mapping {buffer.label!r} for reading failed (wgpu status {status})")
-    buf = raw_handle(buffer)
-    try:
-        ffi.memmove(
-            ffi.from_buffer(out, require_writable=True), _MAPPED_RANGE(buf, offset, size), size
-        )
+
+    def take(view):
+        np.copyto(out.reshape(-1).view(np.uint8), np.frombuffer(view, np.uint8))
         return out
-    finally:
-        _UNMAP(buf)
+
+    return _take_mapped(key, buffer, offset, out.nbytes, take)
 
 
 def mapped_copy(key, buffer: wgpu.GPUBuffer, offset: int, size: int) -> bytes:
@@ -373,17 +382,4 @@ def mapped_copy(key, buffer: wgpu.GPUBuffer, offset: int, size: int) -> bytes:
     Raises:
         RuntimeError: the map failed (the message gives wgpu's status code).
     """
-    if not AVAILABLE:
-        key.sync_wait()
-        try:
-            return bytes(buffer.read_mapped(offset, size, copy=False))
-        finally:
-            buffer.unmap()
-    status = _pending.pop(key, None)
-    if status != _MAP_SUCCESS:
-        raise RuntimeError(f"mapping {buffer.label!r} for reading failed (wgpu status {status})")
-    buf = raw_handle(buffer)
-    try:
-        return bytes(ffi.buffer(_MAPPED_RANGE(buf, offset, size), size))
-    finally:
-        _UNMAP(buf)
+    return _take_mapped(key, buffer, offset, size, bytes)

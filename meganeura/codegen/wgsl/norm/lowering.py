@@ -285,15 +285,23 @@ def _stats_kernel(graph: Graph, node_id: int, limits: Limits) -> KernelSource:
     return kb.finish("stats", body, plan.size, -(-lay.count // plan.ox), helpers)
 
 
+def _weight_layouts(graph: Graph, node_id: int):
+    """(x, its group layout, its channel layout) of a ``*_weight_backward`` node."""
+    node = graph[node_id]
+    kind = kind_of(node.op)
+    x_id = node.inputs[0]
+    shape = graph[x_id].type.shape
+    return (
+        x_id,
+        group_layout(shape, kind, node.attr_dict),
+        channel_layout(shape, kind, node.attr_dict),
+    )
+
+
 def lower_norm_weight_backward(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
     """``dweight[c] = sum g * xhat`` over channel c: (mean, rstd) per group into scratch, then
     one reduction per channel."""
-    node = graph[node_id]
-    kind = kind_of(node.op)
-    x_id, g_id = node.inputs
-    shape = graph[x_id].type.shape
-    lay = group_layout(shape, kind, node.attr_dict)
-    chan = channel_layout(shape, kind, node.attr_dict)
+    x_id, lay, chan = _weight_layouts(graph, node_id)
     if chan.length == 0 or lay.length == 0:
         return lower_fill(graph, node_id, limits, 0.0)
     ks = weight_backward_team(graph, node_id, limits)
@@ -313,11 +321,8 @@ def _channel_sums(
     ``sum g`` there, from the same walk (a vec2 accumulator: the weight sums keep their
     order)."""
     node = graph[node_id]
-    kind = kind_of(node.op)
-    x_id, g_id = node.inputs
-    shape = graph[x_id].type.shape
-    lay = group_layout(shape, kind, node.attr_dict)
-    chan = channel_layout(shape, kind, node.attr_dict)
+    x_id, lay, chan = _weight_layouts(graph, node_id)
+    g_id = node.inputs[1]
     cplan = _plan(chan)
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(x_id, "x")
