@@ -2,14 +2,15 @@
 timing: SmolLM2-135M prefill (128 tokens into a 512-slot cache, last token's argmax, as
 ``bench/llm_profile.py``), its training step (seq 128, AdamW, as ``Trainer``), ResNet-50's
 training step at batch 4 (SGD, cross-entropy), and on request (``--parts whisper``)
-whisper-tiny's training step (30 s of features, 32 tokens, SGD). Random weights; each program
+whisper-tiny's training step (30 s of features, 32 tokens, SGD) and (``--parts smolvla``) the
+SmolVLA action expert's (W2's ``train_chunk50``). Random weights; each program
 is traced and compiled with ``H200`` limits (``Limits.cpu`` False, so the GPU's matmul plans
 and split-K apply), and its dispatch list is counted by kernel kind.
 
 ``--split-sums dispatch`` compiles split-K products with their own summing dispatch (the
 program before ``codegen.wgsl.matmul.deferred``), for before/after figures from one commit.
 
-Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet[,whisper]] [--quick]
+Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet[,whisper,smolvla]] [--quick]
                                        [--json FILE] [--split-sums deferred|dispatch]
 """
 
@@ -162,7 +163,36 @@ def whisper(quick: bool):
     return compile(traced.graph, options, H200)
 
 
-PARTS = {"prefill": prefill, "train": train, "resnet": resnet, "whisper": whisper}
+def smolvla(quick: bool):
+    """The SmolVLA action expert's training step as ``bench/workloads.py`` runs it (W2
+    ``train_chunk50``: chunk 50, its optimizer; ``--quick``: the CPU-sized case)."""
+    import dataclasses
+
+    import meganeura as mn
+    from bench.workloads_lib.cell import _optimizer
+    from bench.workloads_lib.registry import WORKLOADS
+    from meganeura.compile import compile
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    wl = WORKLOADS["w2"]
+    case = wl.case("train_chunk10" if quick else "train_chunk50", quick)
+    model, _ = wl.ours_model(case, quick)
+    args = wl.batch(case, quick)
+    traced = trace_call(model, lambda *a: wl.ours_loss(model, *a), args, {}, "loss")
+    options = dataclasses.replace(
+        _train_options(_optimizer(case.optimizer)), trainable=_trainable(traced)
+    )
+    return compile(traced.graph, options, H200)
+
+
+PARTS = {
+    "prefill": prefill,
+    "train": train,
+    "resnet": resnet,
+    "whisper": whisper,
+    "smolvla": smolvla,
+}
 
 
 def main() -> None:
