@@ -114,7 +114,7 @@ class BucketReducer:
         run = self.segmented(runner, names)
         times = ReduceTimes(buckets=len(run.plan.groups))
         if shm is not None:  # collective, the same sizes on every rank
-            shm.reserve(max(run.staging_bytes(k) // 4 for k in range(times.buckets)))
+            shm.reserve(run.max_staging_bytes // 4)
         run.start(feeds)
         pending, held = [], []
 

@@ -216,6 +216,11 @@ class SegmentedRun:
         slots at their offsets, 8-byte aligned, zeros between them)."""
         return self._staging[k].size
 
+    @property
+    def max_staging_bytes(self) -> int:
+        """The largest group's :meth:`staging_bytes`."""
+        return max(st.size for st in self._staging)
+
     def wait(
         self,
         k: int,
