@@ -70,6 +70,13 @@ def parse(argv=None):
     )
     ap.add_argument("--timeout", type=int, default=600, help="seconds per child")
     ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="children alive at once: their CPU-only start (imports, weights, CPU models)"
+        " overlaps another's measurement; GPU phases take turns under a lock (default 1)",
+    )
+    ap.add_argument(
         "--skip-done",
         action="store_true",
         help="skip cells the result file already has for every requested mode (resume)",
@@ -186,28 +193,41 @@ def run(args) -> Path:
     stamp = measured_stamp(args)
     t0 = time.perf_counter()
     first = True
-    for wl, case, p, modes in items:
-        if args.stop_after is not None and time.perf_counter() - t0 > 60 * args.stop_after:
-            print(f"--stop-after {args.stop_after} min reached; rerun with --skip-done", flush=True)
-            break
-        if case is None:
-            rows = [R.missing_row(wl, p)]
-            print(f"{wl.id} {wl.title}: not available ({p})", flush=True)
-        else:
-            from bench.workloads_lib.runner import run_config
 
-            docs = run_config(wl, case, p, modes, args, lambda s: print(s, flush=True))
-            rows = R.rows_for(wl, case, p, docs, args.quick)
-            if args.profile:
-                prof = R.write_profiles(
-                    path.parent / f"workloads_{args.machine}_profiles", wl, case, p, docs
-                )
-                if prof:
-                    print(f"  profile: {prof}", flush=True)
+    def write(rows):
+        nonlocal first
         for r in rows:
             r["measured"] = stamp
         R.merge_write(path, rows, header(args), fresh=args.fresh and first)
         first = False
+
+    for wl, case, p, _ in items:
+        if case is None:
+            print(f"{wl.id} {wl.title}: not available ({p})", flush=True)
+            write([R.missing_row(wl, p)])
+    from bench.workloads_lib.runner import run_configs
+
+    deadline = None if args.stop_after is None else t0 + 60 * args.stop_after
+    cells = [it for it in items if it[1] is not None]
+    n_done = 0
+    for (wl, case, p, _), docs in run_configs(
+        cells, args, lambda s: print(s, flush=True), deadline
+    ):
+        n_done += 1
+        rows = R.rows_for(wl, case, p, docs, args.quick)
+        if args.profile:
+            prof = R.write_profiles(
+                path.parent / f"workloads_{args.machine}_profiles", wl, case, p, docs
+            )
+            if prof:
+                print(f"  profile: {prof}", flush=True)
+        write(rows)
+    if n_done < len(cells):
+        print(
+            f"--stop-after {args.stop_after} min reached after {n_done} of {len(cells)} cells;"
+            " rerun with --skip-done",
+            flush=True,
+        )
     print(f"wrote {path} in {time.perf_counter() - t0:.0f} s", flush=True)
     return path
 

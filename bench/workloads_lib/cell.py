@@ -23,6 +23,7 @@ import numpy as np
 
 from . import gates
 from .base import to_torch
+from .gpu_lock import gpu_phase
 from .ours import compile_call, compile_grads, device_bytes, profile_text, program_flops
 from .registry import WORKLOADS
 
@@ -150,12 +151,13 @@ def _ours_side(wl, case, model, batch, precision, quick):
     return wl.custom_ours(case, model, batch, precision, quick)
 
 
-def _ours_gates(wl, case, model, state, batch, precision, quick, side, dev):
-    """Gate figures of our side against PyTorch eager strict f32 on ``dev``."""
+def _ours_gates(wl, case, model, state, batch, precision, side, dev, ref_model):
+    """Gate figures of our side against PyTorch eager strict f32 on ``dev``; ``ref_model`` is
+    PyTorch's model with ``state``, built on the CPU before the GPU phase."""
     import meganeura as mn
 
     th = gates.thresholds(wl.id, precision)
-    ref_model = wl.torch_model(case, quick, state).to(dev)
+    ref_model = ref_model.to(dev)
     tb = to_torch(batch, dev)
     parts: dict = {}
     if case.kind == "fwd":
@@ -222,6 +224,8 @@ def run_ours(wl, case, precision, args) -> dict:
     model, state = wl.ours_model(case, args.quick)
     doc["build_wall_s"] = time.perf_counter() - t
     batch = wl.batch(case, args.quick)
+    ref_model = wl.torch_model(case, args.quick, state)  # the gates' reference, on the CPU
+    doc["lock_wait_s"] = gpu_phase()
     side = _ours_side(wl, case, model, batch, precision, args.quick)
     t = time.perf_counter()
     side["first"]()
@@ -258,7 +262,7 @@ def run_ours(wl, case, precision, args) -> dict:
         side["trainer"].close()
     t = time.perf_counter()
     try:  # a gate that cannot be computed keeps the timings: gate "ERROR", no speedup
-        parts, th = _ours_gates(wl, case, model, state, batch, precision, args.quick, side, dev)
+        parts, th = _ours_gates(wl, case, model, state, batch, precision, side, dev, ref_model)
         doc["gate"] = gates.verdict(parts)
         doc["gate_figures"] = parts
         doc["thresholds"] = th
@@ -277,8 +281,12 @@ def run_torch(wl, case, precision, mode, args) -> dict:
     torch, dev = setup(precision)
     if mode != "eager" and dev != "cuda" and not args.allow_cpu_compile:
         return {"skipped": f"{mode} needs CUDA (this is {dev})"}
-    m = wl.torch_model(case, args.quick).to(dev)
-    batch = to_torch(wl.batch(case, args.quick), dev)
+    doc: dict = {}
+    m = wl.torch_model(case, args.quick)
+    batch = wl.batch(case, args.quick)
+    doc["lock_wait_s"] = gpu_phase()
+    m = m.to(dev)
+    batch = to_torch(batch, dev)
     if case.kind in ("fwd", "train", "fwdbwd", "train_steps"):
         side = steps(wl, case, m, batch, mode, dev)
     else:
@@ -290,7 +298,6 @@ def run_torch(wl, case, precision, mode, args) -> dict:
 
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    doc: dict = {}
     t = time.perf_counter()
     side["first"]() if "first" in side else side["run"]()
     sync()

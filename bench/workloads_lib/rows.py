@@ -11,7 +11,14 @@ from pathlib import Path
 KEYS = ("case", "metric", "ours", "torch", "speedup", "gate", "gate_figures", "peak_bytes")
 
 
-_WALL = ("process_wall_s", "child_wall_s", "build_wall_s", "timing_wall_s", "gate_wall_s")
+_WALL = (
+    "process_wall_s",
+    "child_wall_s",
+    "lock_wait_s",
+    "build_wall_s",
+    "timing_wall_s",
+    "gate_wall_s",
+)
 
 
 def case_id(wl, case_name: str, precision: str, mode: str, metric: str = "ms") -> str:

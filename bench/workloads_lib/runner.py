@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import gpu_lock
 from .registry import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,24 +181,90 @@ def _env(cache: str, side: str) -> dict:
     return env
 
 
+def _side(wl, case, precision, side, args, lock: str | None) -> dict:
+    """One side of a cell: its child, then (``args.warm``, a compiling side) a compile-only
+    child on the same caches for the warm first-call figure."""
+    cell = f"{wl.id}:{case.name}:{precision}:{side}"
+    with tempfile.TemporaryDirectory(prefix="mn-bench-") as cache:
+        env = _env(cache, side)
+        if lock is not None:
+            env[gpu_lock.ENV] = lock
+        doc = child(cell, args, env)
+        if args.warm and not args.in_process and side not in ("eager", "eager_bf16"):
+            if "error" not in doc and "skipped" not in doc:
+                w = child(cell, args, env, compile_only=True)
+                doc["warm_first_call_s"] = w.get("first_call_s")
+                if "error" in w:
+                    doc["warm_error"] = w["error"]
+    return doc
+
+
 def run_config(wl, case, precision, modes, args, log) -> dict:
-    """Every side of one cell: {side: document}, each with ``warm`` (a compile-only child on
-    the same caches) when ``args.warm``."""
+    """Every side of one cell, one child at a time: {side: document}."""
     docs = {}
     for side in ["ours", *modes]:
-        cell = f"{wl.id}:{case.name}:{precision}:{side}"
-        with tempfile.TemporaryDirectory(prefix="mn-bench-") as cache:
-            env = _env(cache, side)
-            doc = child(cell, args, env)
-            if args.warm and not args.in_process and side not in ("eager", "eager_bf16"):
-                if "error" not in doc and "skipped" not in doc:
-                    w = child(cell, args, env, compile_only=True)
-                    doc["warm_first_call_s"] = w.get("first_call_s")
-                    if "error" in w:
-                        doc["warm_error"] = w["error"]
-        docs[side] = doc
-        log(_line(cell, doc))
+        docs[side] = _side(wl, case, precision, side, args, None)
+        log(_line(f"{wl.id}:{case.name}:{precision}:{side}", docs[side]))
     return docs
+
+
+def run_configs(items, args, log, deadline: float | None = None):
+    """Run the cells of ``items`` ([(workload, case, precision, modes)], no missing ones) and
+    yield ``(item, {side: document})`` as each cell completes. No cell starts after
+    ``deadline`` (``time.perf_counter()`` value); a started cell runs all its sides.
+
+    ``args.jobs`` > 1 (not in-process) keeps up to that many children alive, started in
+    ``items`` order: their CPU-only start overlaps another child's measurement, and
+    ``gpu_lock`` serializes every GPU phase, so measurements never overlap (``lock_wait_s``
+    in each document: the time a child waited for the GPU, outside every figure). A child's
+    ``--timeout`` then covers its wait too: it is multiplied by ``jobs``.
+    """
+    jobs = 1 if args.in_process else max(1, getattr(args, "jobs", 1))
+    if jobs == 1:
+        for item in items:
+            if deadline is not None and time.perf_counter() > deadline:
+                return
+            yield item, run_config(*item, args, log)
+        return
+    import copy
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    cargs = copy.copy(args)
+    cargs.timeout = args.timeout * jobs
+    slots = threading.BoundedSemaphore(jobs)
+    pending: list[tuple] = []  # (item, {side: future}) in start order
+
+    def task(wl, case, p, side, lock):
+        try:
+            doc = _side(wl, case, p, side, cargs, lock)
+            log(_line(f"{wl.id}:{case.name}:{p}:{side}", doc))
+            return doc
+        finally:
+            slots.release()
+
+    def finished():
+        done = [(it, fs) for it, fs in pending if all(f.done() for f in fs.values())]
+        for it, fs in done:
+            pending.remove((it, fs))
+        return [(it, {s: f.result() for s, f in fs.items()}) for it, fs in done]
+
+    with tempfile.TemporaryDirectory(prefix="mn-bench-lock-") as d:
+        lock = os.path.join(d, "gpu.lock")
+        with ThreadPoolExecutor(jobs) as ex:
+            for item in items:
+                wl, case, p, modes = item
+                if deadline is not None and time.perf_counter() > deadline:
+                    break
+                futures = {}
+                for side in ["ours", *modes]:
+                    slots.acquire()
+                    futures[side] = ex.submit(task, wl, case, p, side, lock)
+                    yield from finished()
+                pending.append((item, futures))
+                yield from finished()
+            for item, futures in list(pending):
+                yield item, {s: f.result() for s, f in futures.items()}
 
 
 def _line(cell, doc) -> str:
