@@ -27,10 +27,12 @@ SDPA = "scaled_dot_product_attention"
 
 
 def _graph(
-    b=1, hq=6, hkv=2, length=37, d=64, causal=True, offset="none", inverse=False, q_read=False
-):
+    b=1, hq=6, hkv=2, length=37, d=64, causal=True, offset="none", inverse=False, q_read=False,
+    mask=False,
+):  # fmt: skip
     """q and k [b, h, length, d] rotated from position 3 (plus an i32 operand with
-    ``offset`` "scalar" or "per_row"), then attention over them."""
+    ``offset`` "scalar" or "per_row"), then attention over them (with ``mask``: an additive
+    [b, 1, 1, length] mask)."""
     gb = GraphBuilder()
     q, k = gb.input("q", (b, hq, length, d)), gb.input("k", (b, hkv, length, d))
     v = gb.input("v", (b, hkv, length, d))
@@ -43,7 +45,10 @@ def _graph(
         return gb.add("apply_rotary_emb", [x] if off is None else [x, off], attrs)
 
     qr, kr = rot(q), rot(k)
-    o = F.scaled_dot_product_attention(qr, kr, v, is_causal=causal, enable_gqa=hq != hkv)
+    m = gb.input("mask", (b, 1, 1, length)) if mask else None
+    o = F.scaled_dot_product_attention(
+        qr, kr, v, attn_mask=m, is_causal=causal, enable_gqa=hq != hkv
+    )
     gb.output("o", o)
     if q_read:
         gb.output("q_rot", qr)
@@ -61,6 +66,11 @@ def _feeds(graph):
             np.arange(off.type.shape[0], dtype=np.int32) * 500 + 7 if off.type.shape else 11
         )
         feeds["off"] = np.asarray(feeds["off"], np.int32)
+    mask = next((n for n in graph.nodes if n.op == "input" and n.name == "mask"), None)
+    if mask is not None:
+        feeds["mask"] = np.zeros(mask.type.shape, np.float32)
+        feeds["mask"][-1, ..., :3] = -np.inf  # the last sequence left-padded by three tokens
+        feeds["mask"][0, ..., -1] = -0.5
     return feeds
 
 
@@ -95,6 +105,13 @@ def test_the_attention_stays_apart(kwargs, limits, override, monkeypatch):
     kinds = _kinds(compile(_graph(**kwargs), CompileOptions(), limits))
     assert FUSED not in kinds
     assert SDPA in kinds
+
+
+def test_fast_mode_f16_rotations_stay_apart():
+    # the fused kernel would skip the f16 rounding of the stored rotations
+    limits = Limits(max_storage_buffers_per_shader_stage=16, shader_f16=True)
+    kinds = _kinds(compile(_graph(), CompileOptions(precision="fast"), limits))
+    assert kinds == ["rope_cache", SDPA]
 
 
 def test_training_keeps_the_rotations_for_the_backward():
@@ -147,6 +164,8 @@ CASES = {
     "noncausal_mha_d32_len5": {"hq": 2, "d": 32, "length": 5, "causal": False},
     "causal_smollm2_heads_len70": {"hq": 9, "hkv": 3, "length": 70},
     "inverse_rotation": {"length": 13, "inverse": True, "offset": "scalar"},
+    "one_token": {"length": 1},
+    "padding_mask_b2": {"b": 2, "length": 11, "mask": True, "causal": False},
 }
 
 
