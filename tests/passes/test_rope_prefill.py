@@ -166,6 +166,10 @@ CASES = {
     "inverse_rotation": {"length": 13, "inverse": True, "offset": "scalar"},
     "one_token": {"length": 1},
     "padding_mask_b2": {"b": 2, "length": 11, "mask": True, "causal": False},
+    # 64 rows a workgroup, one lane each: the rows' queries outgrow the workgroup memory, so
+    # each thread rotates its own row in registers
+    "rows_64_queries_in_registers": {"hq": 256, "hkv": 256, "length": 64},
+    "rows_32_two_lanes_d32": {"hq": 128, "hkv": 128, "length": 64, "d": 32},
 }
 
 

@@ -240,10 +240,10 @@ def _row_registers(k: _Kernel) -> list[str]:
             f"  let mrow = {stride_sum([('b', sb), ('rh', sh), ('ri', si)])};",
             f"  let qb = {k.src['q'].row_offset('qrow')};",
         ]
-        q = "q" if k.prologue is None else "qx"  # the prologue rotates qx into q
-        lines += [f"  let {q}{c} = {_load4(k.src['q'], 'qb', c, d)};" for c in range(k.dims.d4)]
-        if k.prologue is not None:
-            lines += k.prologue.rotate_queries()
+        if k.prologue is None:
+            lines += [f"  let q{c} = {_load4(k.src['q'], 'qb', c, d)};" for c in range(k.dims.d4)]
+        else:  # q{c} from the rotation's operand, rotated (rope_attention, rope_prefill)
+            lines += k.prologue.load_queries(k)
         if k.mode == "dq":
             lines.append(f"  let gb = {k.src['dout'].row_offset('qrow')};")
             lines += [

@@ -31,7 +31,7 @@ from ....passes.fuse import FusionGroup
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.literals import f32_literal, u
-from .lane import lower_flash
+from .lane import _load4, lower_flash
 from .rope import ROPE_HELPERS, rope_turns
 from .rope_cache import _cache_store
 
@@ -77,6 +77,14 @@ class QueryRotation:
             return f"{self.base} + {seq_index}"
         batch = "b" if self.offset.type.numel > 1 else "0u"
         return f"{self.base} + bitcast<u32>({self.offset.at(batch)}) + {seq_index}"
+
+    def load_queries(self, k) -> list[str]:
+        """``q{c}``: the rotated query row ``qrow`` (``lane._Kernel`` ``k``), each thread
+        loading its row's ``qx{c}`` at storage offset ``qb`` and rotating it in registers."""
+        src, d = k.src["q"], self.dim
+        return [f"  let qx{c} = {_load4(src, 'qb', c, d)};" for c in range(d // 4)] + (
+            self.rotate_queries()
+        )
 
     def rotate_queries(self) -> list[str]:
         """``q{c}`` from the loaded ``qx{c}`` of query row ``ri`` (its position in the

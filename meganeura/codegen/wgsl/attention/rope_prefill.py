@@ -11,8 +11,9 @@ A layer rotates its queries and keys by the same positions and attends::
 ``passes.rope_cache.attach_prefill_attention`` groups the three nodes (the rotations read by
 nothing but this attention), the lane kernel (``lane.lower_flash``, ``fwd``) does all of it:
 
-  * each query row is loaded unrotated and rotated in registers (``QueryRotation``, as the
-    decode step's ``rope_attention`` does);
+  * the workgroup's query rows are loaded unrotated and rotated once each, one
+    (row, 4 frequencies) per thread, into workgroup memory, from which each of the row's
+    lanes reads its registers (``RopeLoads.load_queries``);
   * each key tile is rotated as the workgroup copies it into workgroup memory: a thread loads
     the vec4 of frequencies 4c..4c+3 of a key row and its partner vec4 (D/2 further), and stores
     both rotated halves (``RopeLoads.key_tile``).
@@ -36,6 +37,7 @@ from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.literals import u
 from .lane import lower_flash
+from .plan import shared_layout
 from .rope_attention import QueryRotation
 
 OP_NAME = "rope_prefill_attention"  # the op token of the kernel's name (profiles)
@@ -60,6 +62,39 @@ class RopeLoads(QueryRotation):
     def keys(self, kb: KernelBuilder) -> Src:
         """The key rotation's operand, bound in place of the rotated keys."""
         return kb.read(self.graph[self.krope].inputs[0], "k")
+
+    def load_queries(self, k) -> list[str]:
+        """``q{c}``: the rotated query row of thread row ``r`` (``lane._Kernel`` ``k``). The
+        ``lanes`` threads of a row all hold it, so rather than each rotating it (D/2 angles a
+        thread), the workgroup rotates its rows once, one (row, vec4 of the first half) per
+        thread, into workgroup memory, and each thread reads its row back after a barrier
+        (the stream loop's first barrier keeps the tile loads from overwriting it early).
+        Where the rows do not fit the workgroup memory, each thread rotates its own row."""
+        R, h4, d4 = k.plan.rows, self.dim // 8, self.dim // 4
+        if R * d4 > shared_layout(k.mode, k.dims, k.plan)[0]:
+            return super().load_queries(k)
+        lq, G, src = k.dims.lq, k.dims.group, k.src["q"]
+        xa = ", ".join(src.at_offset(f"qo + {u(e)}") for e in range(4))
+        xb = ", ".join(src.at_offset(f"qo + {u(self.dim // 2 + e)}") for e in range(4))
+        angles = [f"rope_cos_sin(qp, TURNS[qc * 4u + {u(e)}])" for e in range(4)]
+        return [
+            f"  for (var e = lid; e < {u(R * h4)}; e = e + {u(k.plan.size)}) {{",
+            f"    let qr = e / {u(h4)};",
+            f"    let qc = e % {u(h4)};",
+            f"    let qrc = min(tile * {u(R)} + qr, {u(k.n_rows - 1)});",
+            f"    let qo = {src.row_offset(f'bh * {u(G * lq)} + qrc')} + qc * 4u;",
+            f"    let qxa = vec4<f32>({xa});",
+            f"    let qxb = vec4<f32>({xb});",
+            f"    let qp = {self._position(f'qrc % {u(lq)}')};",
+            *[f"    let qa{e} = {a};" for e, a in enumerate(angles)],
+            "    let qcos = vec4<f32>(qa0.x, qa1.x, qa2.x, qa3.x);",
+            f"    let qsin = {self.sign}vec4<f32>(qa0.y, qa1.y, qa2.y, qa3.y);",
+            f"    sh[qr * {u(d4)} + qc] = qxa * qcos - qxb * qsin;",
+            f"    sh[qr * {u(d4)} + qc + {u(h4)}] = qxb * qcos + qxa * qsin;",
+            "  }",
+            "  workgroupBarrier();",
+            *[f"  let q{c} = sh[r * {u(d4)} + {u(c)}];" for c in range(d4)],
+        ]
 
     def key_tile(self, k, src: Src, row: str) -> list[str]:
         """Cooperative copy of the current key tile into workgroup segment ``k``, rotated:
