@@ -12,8 +12,11 @@ Four dispatches of a few hundred threads each, where each dispatch costs more th
 ``plan_rope_cache`` groups them so that one kernel (``codegen.wgsl.attention.rope_cache``)
 rotates both, stores ``q_rot`` (and ``k_rot`` where something else reads it) and writes the
 cache rows. Without a cache (prefill of a model without one, training) it groups just the two
-rotations of the same positions. The typed IR is not rewritten: the interpreter and autodiff
-never see a fused op; the scheduler lowers the group at its last member's position.
+rotations of the same positions. ``attach_attention`` (a decode step) and
+``attach_prefill_attention`` (a forward without a cache) then grow groups by the attention
+reading them, whose kernel does the rotations itself (``rope_attention``, ``rope_prefill``).
+The typed IR is not rewritten: the interpreter and autodiff never see a fused op; the scheduler
+lowers the group at its last member's position.
 
 Invariants of every group returned (each check is conservative; a rejected group only costs
 dispatches):
