@@ -200,20 +200,19 @@ def bench_fwd_ab(model, ref, torch, dev, sync, args, rows):
     """W1's forward without a cache (128 tokens, full logits read back) with the rotations in
     the attention's kernel (``rope_prefill``) against ``rope_cache`` + the attention apart,
     interleaved run by run in one process so that the machine's drift hits both alike."""
-    import meganeura.schedule.schedule as sched
+    from meganeura.codegen.wgsl.attention import plan
     from meganeura.nn.compiled import CompiledModule
 
     seq = 16 if args.quick else 128
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, seq), np.int32)
     fwds = {"fused": CompiledModule(model)}
     outs = {"fused": np.asarray(fwds["fused"](ids))}  # compiles its program
-    keep = sched.attach_prefill_attention
-    sched.attach_prefill_attention = lambda graph, groups, *a, **k: tuple(groups)
+    plan.ROPE_PREFILL = False  # read when a program compiles: at its first call
     try:
         fwds["separate"] = CompiledModule(model)
         outs["separate"] = np.asarray(fwds["separate"](ids))
     finally:
-        sched.attach_prefill_attention = keep
+        plan.ROPE_PREFILL = True
     times: dict[str, list[float]] = {k: [] for k in fwds}
     for i in range(args.warmup + args.repeats):
         for name, fwd in fwds.items():

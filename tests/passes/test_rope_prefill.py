@@ -96,11 +96,17 @@ def test_forward_without_cache_is_one_kernel():
         ({"d": 36}, WIDE, None),
         ({}, Limits(max_storage_buffers_per_shader_stage=3), None),
         ({}, WIDE, (16, 16, 4, 4)),
+        ({}, WIDE, "off"),
     ],
-    ids=["rotated_queries_read_elsewhere", "head_dim_36", "binding_bound_3", "block_plan"],
-)
+    ids=[
+        "rotated_queries_read_elsewhere", "head_dim_36", "binding_bound_3", "block_plan",
+        "switched_off",
+    ],
+)  # fmt: skip
 def test_the_attention_stays_apart(kwargs, limits, override, monkeypatch):
-    if override is not None:
+    if override == "off":
+        monkeypatch.setattr(attention_plan, "ROPE_PREFILL", False)
+    elif override is not None:
         monkeypatch.setitem(attention_plan.BLOCK_OVERRIDE, "fwd", override)
     kinds = _kinds(compile(_graph(**kwargs), CompileOptions(), limits))
     assert FUSED not in kinds
