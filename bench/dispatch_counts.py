@@ -1,17 +1,18 @@
 """Dispatch counts of the big programs as the H200 compiles them, without a GPU and without
 timing: SmolLM2-135M prefill (128 tokens into a 512-slot cache, last token's argmax, as
 ``bench/llm_profile.py``), its training step (seq 128, AdamW, as ``Trainer``), ResNet-50's
-training step at batch 4 (SGD, cross-entropy), and on request (``--parts whisper``)
-whisper-tiny's training step (30 s of features, 32 tokens, SGD) and (``--parts smolvla``) the
-SmolVLA action expert's (W2's ``train_chunk50``). Random weights; each program
-is traced and compiled with ``H200`` limits (``Limits.cpu`` False, so the GPU's matmul plans
-and split-K apply), and its dispatch list is counted by kernel kind.
+training step at batch 4 (SGD, cross-entropy), and on request W1's ``fwd_seq128``
+(``--parts fwd128``: the same model's 128-token forward without a cache, full logits),
+whisper-tiny's training step (``--parts whisper``: 30 s of features, 32 tokens, SGD) and the
+SmolVLA action expert's (``--parts smolvla``: W2's ``train_chunk50``). Random weights; each
+program is traced and compiled with ``H200`` limits (``Limits.cpu`` False, so the GPU's matmul
+plans and split-K apply), and its dispatch list is counted by kernel kind.
 
 ``--split-sums dispatch`` compiles split-K products with their own summing dispatch (the
 program before ``codegen.wgsl.matmul.deferred``), for before/after figures from one commit.
 
-Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet[,whisper,smolvla]] [--quick]
-                                       [--json FILE] [--split-sums deferred|dispatch]
+Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet[,fwd128,whisper,smolvla]]
+                                       [--quick] [--json FILE] [--split-sums deferred|dispatch]
 """
 
 from __future__ import annotations
@@ -81,6 +82,23 @@ def prefill(quick: bool):
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq), np.int32)
     kwargs = {"cache_position": np.asarray(0, np.int32), "logits_to_keep": 1, "greedy": True}
     traced = trace_call(model, model.forward, (ids,), kwargs)
+    return compile(traced.graph, CompileOptions(shared_parameters=True), H200)
+
+
+def fwd128(quick: bool):
+    """W1's ``fwd_seq128``: SmolLM2-135M's forward over 128 tokens without a KV cache, full
+    logits (``--quick``: 2 layers, vocab 4096, 16 tokens)."""
+    import meganeura as mn
+    from meganeura.compile import CompileOptions, compile
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, vocab_size=4096) if quick else LlamaConfig()
+    model = LlamaForCausalLM(cfg)
+    seq = 16 if quick else 128
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq), np.int32)
+    traced = trace_call(model, model.forward, (ids,), {})
     return compile(traced.graph, CompileOptions(shared_parameters=True), H200)
 
 
@@ -188,6 +206,7 @@ def smolvla(quick: bool):
 
 PARTS = {
     "prefill": prefill,
+    "fwd128": fwd128,
     "train": train,
     "resnet": resnet,
     "whisper": whisper,

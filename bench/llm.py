@@ -20,6 +20,9 @@ model loads the same state dict. Writes ``bench/results/<out-name>.json`` (defau
 
   * ``decode_ab`` (not in the default parts): greedy decode with the decode attention fused
     with its rotations and cache writes against the two kernels apart, interleaved.
+  * ``fwd_ab`` (not in the default parts): the 128-token forward without a cache (W1
+    ``fwd_seq128``) with the rotations in the attention's kernel (``rope_prefill``) against
+    ``rope_cache`` + the attention apart, interleaved; logits compared bit for bit.
 
 Usage: python bench/llm.py [--parts decode,prefill,train] [--compile] [--quick] [--repeats 10]
 """
@@ -193,6 +196,45 @@ def bench_decode_ab(model, ref, torch, dev, sync, args, rows):
                 f.write(session.profile({}, repeats=5).table(by="op") + "\n")
 
 
+def bench_fwd_ab(model, ref, torch, dev, sync, args, rows):
+    """W1's forward without a cache (128 tokens, full logits read back) with the rotations in
+    the attention's kernel (``rope_prefill``) against ``rope_cache`` + the attention apart,
+    interleaved run by run in one process so that the machine's drift hits both alike."""
+    from meganeura.codegen.wgsl.attention import plan
+    from meganeura.nn.compiled import CompiledModule
+
+    seq = 16 if args.quick else 128
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, seq), np.int32)
+    fwds = {"fused": CompiledModule(model)}
+    outs = {"fused": np.asarray(fwds["fused"](ids))}  # compiles its program
+    plan.ROPE_PREFILL = False  # read when a program compiles: at its first call
+    try:
+        fwds["separate"] = CompiledModule(model)
+        outs["separate"] = np.asarray(fwds["separate"](ids))
+    finally:
+        plan.ROPE_PREFILL = True
+    times: dict[str, list[float]] = {k: [] for k in fwds}
+    for i in range(args.warmup + args.repeats):
+        for name, fwd in fwds.items():
+            t = time.perf_counter()
+            fwd(ids)
+            if i >= args.warmup:
+                times[name].append((time.perf_counter() - t) * 1e3)
+    for name, fwd in fwds.items():
+        s = stats(times[name])
+        rows.append(
+            {
+                "case": f"w1_smollm2_fwd_seq{seq}_ms_rope_prefill_{name}",
+                "metric": "ms",
+                "ours": s["median"],
+                "ours_min": s["min"],
+                "dispatches": len(fwd.cache_info().entries[0].runner.program.dispatches),
+                "same_logits": bool(np.array_equal(outs[name], outs["fused"])),
+            }
+        )
+        print(f"fwd {name}: {s['median']:.3f} ms (min {s['min']:.3f})", flush=True)
+
+
 def bench_prefill(model, ref, torch, dev, sync, args, rows):
     from meganeura.nn.compiled import CompiledModule
 
@@ -336,6 +378,7 @@ def main() -> None:
     benches = (
         ("decode", bench_decode),
         ("decode_ab", bench_decode_ab),
+        ("fwd_ab", bench_fwd_ab),
         ("prefill", bench_prefill),
         ("train", bench_train),
         ("quant", bench_quant),

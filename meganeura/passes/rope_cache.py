@@ -12,8 +12,11 @@ Four dispatches of a few hundred threads each, where each dispatch costs more th
 ``plan_rope_cache`` groups them so that one kernel (``codegen.wgsl.attention.rope_cache``)
 rotates both, stores ``q_rot`` (and ``k_rot`` where something else reads it) and writes the
 cache rows. Without a cache (prefill of a model without one, training) it groups just the two
-rotations of the same positions. The typed IR is not rewritten: the interpreter and autodiff
-never see a fused op; the scheduler lowers the group at its last member's position.
+rotations of the same positions. ``attach_attention`` (a decode step) and
+``attach_prefill_attention`` (a forward without a cache) then grow groups by the attention
+reading them, whose kernel does the rotations itself (``rope_attention``, ``rope_prefill``).
+The typed IR is not rewritten: the interpreter and autodiff never see a fused op; the scheduler
+lowers the group at its last member's position.
 
 Invariants of every group returned (each check is conservative; a rejected group only costs
 dispatches):
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ..dtypes import DType
 from ..graph.ir import Graph, resolve_version, resolve_view
 from ..ops import OPS
 from ..ops.attention import SDPA
@@ -284,3 +288,71 @@ def _with_attention(graph, users, effects, out_roots, group, needed, fusible, ta
     if any(resolve_view(graph, i) in written for i in node.inputs[3:]):
         return None
     return FusionGroup(new, (kcopy, vcopy, att), node.type.shape, ropes[0])
+
+
+def attach_prefill_attention(
+    graph: Graph,
+    groups: Sequence[FusionGroup],
+    needed: Sequence[bool],
+    fusible: Callable[[int], bool],
+    max_bindings: int | None = None,
+) -> tuple[FusionGroup, ...]:
+    """Extend the rotation pairs of ``plan_rope_cache`` (no cache writes: prefill or a forward
+    without a KV cache) with the attention that reads them, for one kernel
+    (``codegen.wgsl.attention.rope_prefill``) to rotate queries and keys as it loads them.
+
+    A group qualifies when it is exactly two rotations, one needed
+    ``scaled_dot_product_attention`` (not in another group) reads the one directly as its
+    queries (operand 0) and the other as its keys (operand 1), nothing else reads either
+    rotation (training programs, whose backward reads them, keep them), neither is a graph
+    output, both are f32 (the fused kernel keeps the rotated values in f32 registers: the same
+    values as stored f32 rotations) and the head dim is a multiple of 8. ``fusible(attention)``
+    says whether the adapter's plan runs the forward on the lane kernel (no block kernel, no key
+    split). No op with in-place effects may lie between the first rotation and the attention,
+    so the rotations' operands hold, at the attention's position, the values the rotations
+    read.
+
+    Returns:
+        ``groups`` with the qualifying ones grown by their attention (the new sink, the only
+        output); sorted by sink.
+    """
+    users = graph.users()
+    effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
+    out_roots = {resolve_view(graph, v) for _, v in graph.outputs}
+    taken = {m for g in groups for m in g.members}
+    out = []
+    for g in groups:
+        grown = _with_prefill_attention(graph, users, effects, out_roots, g, needed, taken)
+        if (
+            grown is not None
+            and fusible(grown.sink)
+            and (max_bindings is None or rope_cache_bindings(graph, grown) <= max_bindings)
+        ):
+            g = grown
+        out.append(g)
+    return tuple(sorted(out, key=lambda g: g.sink))
+
+
+def _with_prefill_attention(graph, users, effects, out_roots, group, needed, taken):
+    members = group.members
+    if len(members) != 2 or any(graph[m].op != ROPE for m in members):
+        return None
+    if any(m in out_roots for m in members):
+        return None
+    readers = _readers(graph, users, members[0])
+    if len(readers) != 1 or _readers(graph, users, members[1]) != readers:
+        return None
+    att = readers[0]
+    node = graph[att]
+    if node.op != SDPA or not needed[att] or att in taken:
+        return None
+    qrope, krope = node.inputs[0], node.inputs[1]
+    if {qrope, krope} != set(members) or qrope == krope:
+        return None
+    if any(graph[m].type.dtype != DType.f32 for m in members):
+        return None
+    if graph[qrope].type.shape[-1] % 8:
+        return None
+    if any(members[0] < e < att for e in effects):
+        return None
+    return FusionGroup((*members, att), (att,), node.type.shape, members[0])

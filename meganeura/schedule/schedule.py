@@ -8,9 +8,10 @@ the value whose buffer they share, and measures each value's lifetime in dispatc
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
 pairs attention gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges small-M matmuls
 sharing a left operand, with the norm producing it, and ``passes.rope_cache`` joins rotary
-embeddings and KV-cache writes, and in a decode step the attention reading them); a group is
-lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
-``attention.rope_cache``, ``attention.rope_attention``) at its last member's position (an
+embeddings and KV-cache writes, and in a decode step, or a forward without a cache, the
+attention reading them); a group is lowered as one kernel (``codegen.wgsl.elementwise.fused``,
+``codegen.wgsl.matmul.horizontal``, ``attention.rope_cache``, ``attention.rope_attention``,
+``attention.rope_prefill``) at its last member's position (an
 attention forward paired with its backward's ``..._lse`` node, ``plan_attention_lse``: at the
 forward's),
 binding the group's external inputs and its stored outputs only, so lifetimes come from those
@@ -39,9 +40,11 @@ from ..codegen.wgsl.attention.lowering import (
     lower_forward_lse,
     lse_fusible,
     rope_attention_fusible,
+    rope_prefill_fusible,
 )
 from ..codegen.wgsl.attention.rope_attention import lower_rope_attention
 from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
+from ..codegen.wgsl.attention.rope_prefill import lower_rope_prefill
 from ..codegen.wgsl.conv.lowering import lower_conv2d_backward_input
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
@@ -62,7 +65,12 @@ from ..passes.fuse import (
 )
 from ..passes.fuse_matmul import MatmulGroup, plan_matmul_groups
 from ..passes.fuse_norm import plan_norm_activation
-from ..passes.rope_cache import ROPE, attach_attention, plan_rope_cache
+from ..passes.rope_cache import (
+    ROPE,
+    attach_attention,
+    attach_prefill_attention,
+    plan_rope_cache,
+)
 from .planner import Interval
 from .update_groups import arena_roles, arena_value, plan_update_groups
 
@@ -143,6 +151,13 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             rope,
             needed,
             lambda n: rope_attention_fusible(graph, n, limits),
+            max_bindings=bound,
+        )
+        rope = attach_prefill_attention(
+            graph,
+            rope,
+            needed,
+            lambda n: rope_prefill_fusible(graph, n, limits),
             max_bindings=bound,
         )
         taken = {m for g in fused + kv + rope for m in g.members}
@@ -249,7 +264,9 @@ def _lower_all(
             elif isinstance(group, MatmulGroup):
                 kernels = lower_matmul_group(graph, group, limits)
             elif group.anchor is not None and graph[group.anchor].op == ROPE:
-                if graph[group.sink].op == SDPA:
+                if graph[group.sink].op == SDPA and len(group.members) == 3:
+                    kernels = lower_rope_prefill(graph, group, limits)
+                elif graph[group.sink].op == SDPA:
                     kernels = lower_rope_attention(graph, group, limits)
                 else:
                     kernels = lower_rope_cache(graph, group, limits)

@@ -169,7 +169,7 @@ def test_smollm2_decode_runs_one_rope_cache_dispatch_per_layer(monkeypatch):
     assert len(plain.dispatches) - len(fused.dispatches) == 30 * 3
 
 
-def test_no_cache_forward_pairs_the_two_rotations():
+def test_no_cache_forward_pairs_the_two_rotations(monkeypatch):
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
     from meganeura.nn.compiled import trace_call
 
@@ -177,10 +177,14 @@ def test_no_cache_forward_pairs_the_two_rotations():
                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     model = LlamaForCausalLM(cfg)
     traced = trace_call(model, model.forward, (np.zeros((1, 5), np.int32),), {})
-    program = compile(
-        traced.graph, CompileOptions(), Limits(max_storage_buffers_per_shader_stage=32)
-    )
-    names = [d.name.split()[1] for d in program.dispatches]
+    limits = Limits(max_storage_buffers_per_shader_stage=32)
+    names = [d.name.split()[1] for d in compile(traced.graph, CompileOptions(), limits).dispatches]
+    # the pair goes on into the attention's kernel (tests/passes/test_rope_prefill.py) ...
+    assert names.count("rope_prefill_attention") == 2 and "rope_cache" not in names
+    # ... and without that, it is one rope_cache dispatch
+    schedule = importlib.import_module("meganeura.schedule.schedule")
+    monkeypatch.setattr(schedule, "attach_prefill_attention", lambda graph, groups, *a, **k: groups)
+    names = [d.name.split()[1] for d in compile(traced.graph, CompileOptions(), limits).dispatches]
     assert names.count("rope_cache") == 2 and "apply_rotary_emb" not in names
 
 

@@ -86,7 +86,8 @@ class _Kernel:
     split: Split | None = None  # fwd only: this workgroup's key chunk, partials to scratch
     kb: KernelBuilder | None = None  # with split: stores of empty chunks' states to ``out``
     out: str = ""
-    prologue: object | None = None  # fwd: ``rope_attention.RopePrologue`` (rotation, cache writes)
+    # fwd: ``rope_attention.RopePrologue`` (rotation, cache writes), ``rope_prefill.RopeLoads``
+    prologue: object | None = None
 
     @property
     def accs(self) -> list[str]:
@@ -153,9 +154,10 @@ def lower_flash(
     writes its rows' unnormalized partial state (running max m, sum l, output row) to the
     scratch ``PARTIALS``, and ``decode.lower_merge``'s kernel combines them.
 
-    With ``prologue`` (``fwd``, one row tile per (batch, kv head)) the queries are read
-    unrotated and rotated in registers, and the workgroup first writes its kv head's new keys
-    and values into the caches it then streams (``rope_attention``).
+    With ``prologue`` (``fwd``) the queries are read unrotated and rotated in registers, and
+    either the workgroup first writes its kv head's new keys and values into the caches it
+    then streams (``rope_attention``, one row tile per (batch, kv head)) or the keys are read
+    unrotated and each tile rotated as it is copied to workgroup memory (``rope_prefill``).
     """
     node = graph[node_id]
     ins = node.inputs
@@ -173,7 +175,8 @@ def lower_flash(
 
     kb = KernelBuilder(graph, node, limits)
     q_src = kb.read(ins[0], "q") if prologue is None else prologue.queries(kb)
-    src = {"q": q_src, "k": kb.read(ins[1], "k")}
+    keys = getattr(prologue, "keys", None)  # rope_prefill: keys rotated as tiles load
+    src = {"q": q_src, "k": kb.read(ins[1], "k") if keys is None else keys(kb)}
     n_fixed = 2 + len(OPERANDS[mode])
     for name, vid in zip(OPERANDS[mode], ins[2:n_fixed], strict=True):
         src[name] = kb.read(vid, name)
@@ -237,10 +240,10 @@ def _row_registers(k: _Kernel) -> list[str]:
             f"  let mrow = {stride_sum([('b', sb), ('rh', sh), ('ri', si)])};",
             f"  let qb = {k.src['q'].row_offset('qrow')};",
         ]
-        q = "q" if k.prologue is None else "qx"  # the prologue rotates qx into q
-        lines += [f"  let {q}{c} = {_load4(k.src['q'], 'qb', c, d)};" for c in range(k.dims.d4)]
-        if k.prologue is not None:
-            lines += k.prologue.rotate_queries()
+        if k.prologue is None:
+            lines += [f"  let q{c} = {_load4(k.src['q'], 'qb', c, d)};" for c in range(k.dims.d4)]
+        else:  # q{c} from the rotation's operand, rotated (rope_attention, rope_prefill)
+            lines += k.prologue.load_queries(k)
         if k.mode == "dq":
             lines.append(f"  let gb = {k.src['dout'].row_offset('qrow')};")
             lines += [
@@ -336,7 +339,10 @@ def _stream_loops(k: _Kernel) -> list[str]:
         # short query blocks (decoding) wait on each tile's loads: issue them all at once
         short = k.mode == "fwd" and k.dims.lq <= SPLIT_MAX_LQ
         stores = [] if short else None
-        loads = _load_tile(k, "k", k.src["k"], row, d, stores)
+        if hasattr(k.prologue, "key_tile"):
+            loads = k.prologue.key_tile(k, k.src["k"], row)
+        else:
+            loads = _load_tile(k, "k", k.src["k"], row, d, stores)
         if k.mode in ("fwd", "dq"):
             loads += _load_tile(k, "v", k.src["v"], row, dv, stores)
         loads += stores or []

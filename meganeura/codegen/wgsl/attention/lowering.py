@@ -59,6 +59,16 @@ def rope_attention_fusible(graph: Graph, node_id: int, limits: Limits) -> bool:
     return extents("fwd", dims)[0] <= choose_plan("fwd", dims, limits).rows
 
 
+def rope_prefill_fusible(graph: Graph, node_id: int, limits: Limits) -> bool:
+    """Whether attention ``node_id`` may rotate its queries and keys as it loads them
+    (``rope_prefill``): its forward runs on the lane kernel (no key split, no block plan);
+    ``plan.ROPE_PREFILL`` switches it off."""
+    if not attention_plan.ROPE_PREFILL:
+        return False
+    dims = dims_of(graph, graph[node_id], "fwd")
+    return choose_split(dims, limits) is None and choose_block_plan("fwd", dims, limits) is None
+
+
 KEY_VALUE = f"{SDPA}_backward_key_value"  # the op token of dkv kernels' names (profiles)
 
 

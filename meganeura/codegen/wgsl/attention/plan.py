@@ -324,6 +324,14 @@ def choose_block_plan(
 SAVE_LSE = True
 
 
+# ---- rotary embeddings in the forward without a cache ----------------------------------------
+# True: a forward without a KV cache whose queries and keys are rotary embeddings read by
+# nothing else rotates them as the lane kernel loads them (``rope_prefill``,
+# ``passes.rope_cache.attach_prefill_attention``); False: rope_cache's kernel, then the
+# attention (the programs before; benchmarks compare both).
+ROPE_PREFILL = True
+
+
 # ---- dk and dv in one pass ("dkv") -----------------------------------------------------------
 # The lane kernel in dkv mode keeps the key row's k and v and both accumulators in registers:
 # 2 (D4 + Dv4) vec4s per thread, where dk alone keeps 2 D4 + Dv4: 48 vec4s at D = Dv = 64.

@@ -31,32 +31,29 @@ from ....passes.fuse import FusionGroup
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.literals import f32_literal, u
-from .lane import lower_flash
+from .lane import _load4, lower_flash
 from .rope import ROPE_HELPERS, rope_turns
 from .rope_cache import _cache_store
 
 OP_NAME = "rope_attention"  # the op token of the kernel's name (profiles)
 
 
-class RopePrologue:
-    """What ``lane.lower_flash`` asks of a fused group: the unrotated query source, the cache
-    writes of step 1 and the rotation of step 3 (lines of WGSL), and their helper functions.
+class QueryRotation:
+    """The rotation a fused attention applies to its queries as it loads them: the
+    unrotated query source, the rotation of a loaded row (lines of WGSL) and the helper
+    functions (``rope.ROPE_HELPERS``, the frequency table). Shared by the decode step's
+    ``RopePrologue`` and the prefill's ``rope_prefill.RopeLoads``.
 
     Args:
         graph: the graph.
-        group: a group of ``attach_attention``: the query and key rotations, the key and value
-            ``index_copy_`` writes, then the attention (the sink).
+        qrope: the query rotation (``apply_rotary_emb``); the key rotation has the same
+            attributes and offset operand (``passes.rope_cache._rope_key``).
     """
 
-    def __init__(self, graph: Graph, group: FusionGroup) -> None:
+    def __init__(self, graph: Graph, qrope: int) -> None:
         self.graph = graph
-        copies = [m for m in group.members if graph[m].op == INDEX_COPY]
-        ropes = [m for m in group.members[:-1] if graph[m].op != INDEX_COPY]
-        self.kcopy = next(c for c in copies if graph[c].inputs[2] in ropes)
-        self.vcopy = next(c for c in copies if c != self.kcopy)
-        self.krope = graph[self.kcopy].inputs[2]
-        self.qrope = next(r for r in ropes if r != self.krope)
-        first = graph[self.qrope]
+        self.qrope = qrope
+        first = graph[qrope]
         self.dim = first.type.shape[-1]
         self.length = first.type.shape[-2]  # new positions per (batch, head)
         self.theta = first.attr("theta")
@@ -64,6 +61,10 @@ class RopePrologue:
         self.sign = "-" if first.attr("inverse") else ""
         self.offset_id = first.inputs[1] if len(first.inputs) > 1 else None
         self.offset: Src | None = None
+
+    def cache_writes(self, kb: KernelBuilder, threads: int) -> list[str]:
+        """Statements run before the row registers load (none here)."""
+        return []
 
     def queries(self, kb: KernelBuilder) -> Src:
         """The query rotation's operand, bound in place of the rotated queries."""
@@ -76,6 +77,61 @@ class RopePrologue:
             return f"{self.base} + {seq_index}"
         batch = "b" if self.offset.type.numel > 1 else "0u"
         return f"{self.base} + bitcast<u32>({self.offset.at(batch)}) + {seq_index}"
+
+    def load_queries(self, k) -> list[str]:
+        """``q{c}``: the rotated query row ``qrow`` (``lane._Kernel`` ``k``), each thread
+        loading its row's ``qx{c}`` at storage offset ``qb`` and rotating it in registers."""
+        src, d = k.src["q"], self.dim
+        return [f"  let qx{c} = {_load4(src, 'qb', c, d)};" for c in range(d // 4)] + (
+            self.rotate_queries()
+        )
+
+    def rotate_queries(self) -> list[str]:
+        """``q{c}`` from the loaded ``qx{c}`` of query row ``ri`` (its position in the
+        sequence), four frequencies per vec4."""
+        h4 = self.dim // 8
+        pos = self._position("ri")
+        lines = [f"  let qp = {pos};"]
+        for c in range(h4):
+            lines += [
+                f"  let qa{c}_{e} = rope_cos_sin(qp, TURNS[{u(4 * c + e)}]);" for e in range(4)
+            ]
+            cos4 = ", ".join(f"qa{c}_{e}.x" for e in range(4))
+            sin4 = ", ".join(f"qa{c}_{e}.y" for e in range(4))
+            lines += [
+                f"  let qc{c} = vec4<f32>({cos4});",
+                f"  let qs{c} = {self.sign}vec4<f32>({sin4});",
+                f"  let q{c} = qx{c} * qc{c} - qx{c + h4} * qs{c};",
+                f"  let q{c + h4} = qx{c + h4} * qc{c} + qx{c} * qs{c};",
+            ]
+        return lines
+
+    def helpers(self) -> str:
+        table = ", ".join(f"vec2<u32>({hi}u, {lo}u)" for hi, lo in rope_turns(self.dim, self.theta))
+        return (
+            f"const TWO_PI_2M32 = {f32_literal(2 * math.pi / 2**32)};\n"
+            f"const TURNS = array<vec2<u32>, {self.dim // 2}>({table});\n" + ROPE_HELPERS
+        )
+
+
+class RopePrologue(QueryRotation):
+    """What ``lane.lower_flash`` asks of a fused decode group: the unrotated query source, the
+    cache writes of step 1 and the rotation of step 3 (lines of WGSL), and their helper
+    functions.
+
+    Args:
+        graph: the graph.
+        group: a group of ``attach_attention``: the query and key rotations, the key and value
+            ``index_copy_`` writes, then the attention (the sink).
+    """
+
+    def __init__(self, graph: Graph, group: FusionGroup) -> None:
+        copies = [m for m in group.members if graph[m].op == INDEX_COPY]
+        ropes = [m for m in group.members[:-1] if graph[m].op != INDEX_COPY]
+        self.kcopy = next(c for c in copies if graph[c].inputs[2] in ropes)
+        self.vcopy = next(c for c in copies if c != self.kcopy)
+        self.krope = graph[self.kcopy].inputs[2]
+        super().__init__(graph, next(r for r in ropes if r != self.krope))
 
     def cache_writes(self, kb: KernelBuilder, threads: int) -> list[str]:
         """Step 1 and 2: this workgroup's (``bh``) new keys, rotated, and values into their
@@ -112,33 +168,6 @@ class RopePrologue:
             "  }",
             "  storageBarrier();",
         ]
-
-    def rotate_queries(self) -> list[str]:
-        """Step 3: ``q{c}`` from the loaded ``qx{c}`` of query row ``ri`` (its position in the
-        sequence), four frequencies per vec4."""
-        h4 = self.dim // 8
-        pos = self._position("ri")
-        lines = [f"  let qp = {pos};"]
-        for c in range(h4):
-            lines += [
-                f"  let qa{c}_{e} = rope_cos_sin(qp, TURNS[{u(4 * c + e)}]);" for e in range(4)
-            ]
-            cos4 = ", ".join(f"qa{c}_{e}.x" for e in range(4))
-            sin4 = ", ".join(f"qa{c}_{e}.y" for e in range(4))
-            lines += [
-                f"  let qc{c} = vec4<f32>({cos4});",
-                f"  let qs{c} = {self.sign}vec4<f32>({sin4});",
-                f"  let q{c} = qx{c} * qc{c} - qx{c + h4} * qs{c};",
-                f"  let q{c + h4} = qx{c + h4} * qc{c} + qx{c} * qs{c};",
-            ]
-        return lines
-
-    def helpers(self) -> str:
-        table = ", ".join(f"vec2<u32>({hi}u, {lo}u)" for hi, lo in rope_turns(self.dim, self.theta))
-        return (
-            f"const TWO_PI_2M32 = {f32_literal(2 * math.pi / 2**32)};\n"
-            f"const TURNS = array<vec2<u32>, {self.dim // 2}>({table});\n" + ROPE_HELPERS
-        )
 
 
 def lower_rope_attention(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
