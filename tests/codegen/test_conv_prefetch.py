@@ -57,8 +57,9 @@ def test_prefetch_is_bit_identical_to_no_prefetch(case, tiling):
     for splits in (1, 3):
         got = {}
         for prefetch in (False, True):
-            with gemm.record_plans() as names, force_plan(TILINGS[tiling], prefetch, splits):
+            with gemm.record_plans() as plans, force_plan(TILINGS[tiling], prefetch, splits):
                 res = run(graph, feeds)
+            names = [name for _, name in plans]
             assert all(n.endswith("/pf" if prefetch else "/np") for n in names), names
             if splits > 1:
                 assert any("/s" in n for n in names), names  # some GEMM really split

@@ -188,7 +188,7 @@ class Plan:
 PREFETCH = True
 
 _forced: list[dict] = []
-_record: list[list[str]] = []
+_record: list[list[tuple[str, str]]] = []
 
 
 @contextmanager
@@ -228,14 +228,14 @@ def force_plan(
 
 
 @contextmanager
-def record_plans() -> Iterator[list[str]]:
-    """Within the block, the names of the plans of every conv GEMM lowered, in order."""
-    names: list[str] = []
+def record_plans() -> Iterator[list[tuple[str, str]]]:
+    """Within the block, (op, plan name) of every conv GEMM lowered, in order."""
+    names: list[tuple[str, str]] = []
     _record.append(names)
     try:
         yield names
     finally:
-        _record.remove(names)
+        _record[:] = [r for r in _record if r is not names]
 
 
 def plan_gemm(g: Gemm, limits) -> Plan:
@@ -276,7 +276,7 @@ def emit_gemm(
     """
     plan = plan_gemm(g, kb.limits)
     for names in _record:
-        names.append(plan.name)
+        names.append((kb.node.op, plan.name))
     t, splits, per = plan.tiling, plan.splits, plan.per
     tiles_m, tiles_n = -(-g.m // t.bm), -(-g.n // t.bn)
     key = f"partials{suffix}"
