@@ -49,39 +49,45 @@ def _feeds(graph, y, x_shape, w_shape):
 @pytest.mark.parametrize("tiling", list(TILINGS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefetch_is_bit_identical_to_no_prefetch(case, tiling):
-    """Forward, input and weight gradients, unsplit and split 3 ways: the prefetching kernel
-    gives the same bits as the one without (same FMAs in the same K order)."""
+    """Forward, input and weight gradients, unsplit and split 3 ways: the prefetching kernels
+    (one-deep and two-deep) give the same bits as the one without (same FMAs in the same K
+    order)."""
     x_shape, w_shape, kw = CASES[case]
     graph, ids = _conv_graph(x_shape, w_shape, **kw)
     feeds = _feeds(graph, ids[0], x_shape, w_shape)
+    modes = {"np": dict(prefetch=False), "pf": dict(prefetch=True, deep=False),
+             "d2": dict(prefetch=True, deep=True)}  # fmt: skip
     for splits in (1, 3):
         got = {}
-        for prefetch in (False, True):
-            with gemm.record_plans() as plans, force_plan(TILINGS[tiling], prefetch, splits):
+        for mode, force in modes.items():
+            with gemm.record_plans() as plans, force_plan(TILINGS[tiling], splits=splits, **force):
                 res = run(graph, feeds)
             names = [name for _, name in plans]
-            assert all(n.endswith("/pf" if prefetch else "/np") for n in names), names
+            assert all(n.endswith("/" + mode) for n in names), names
             if splits > 1:
                 assert any("/s" in n for n in names), names  # some GEMM really split
-            got[prefetch] = [res.values[i] for i in ids]
-        for nid, a, b in zip(ids, got[False], got[True], strict=True):
-            assert np.array_equal(a, b), (graph[nid].op, splits, float(np.abs(a - b).max()))
+            got[mode] = [res.values[i] for i in ids]
+        for mode in ("pf", "d2"):
+            for nid, a, b in zip(ids, got["np"], got[mode], strict=True):
+                diff = float(np.abs(a - b).max())
+                assert np.array_equal(a, b), (graph[nid].op, splits, mode, diff)
     want = _torch_conv(feeds, **kw)
-    for nid, ours, ref in zip(ids, got[True], want, strict=True):
+    for nid, ours, ref in zip(ids, got["d2"], want, strict=True):
         assert _rel(ours, ref) <= 1e-5, (graph[nid].op, _rel(ours, ref))
 
 
 def test_prefetch_doubles_the_tiles_and_keeps_two_barriers():
     graph, ids = _conv_graph((2, 16, 9, 9), (32, 16, 3, 3), padding=1)
-    for prefetch in (False, True):
-        with force_plan(SMALL, prefetch):
+    for prefetch, deep, barriers in [(False, False, 2), (True, False, 2), (True, True, 3)]:
+        with force_plan(SMALL, prefetch, deep=deep):
             kernels = [k for nid in ids for k in lower(graph, nid, Limits())]
         for k in kernels:
             if k.name.endswith("gemm"):
                 size = 2 * 256 if prefetch else 256  # 16 x 64 / 4 vec4 per buffer
                 assert f"As: array<vec4<f32>, {size}>" in k.wgsl
-                assert ("var par" in k.wgsl) == prefetch
-                assert k.wgsl.count("workgroupBarrier") == 2
+                assert ("var par" in k.wgsl) == (prefetch and not deep)
+                assert ("var aw0" in k.wgsl) == deep
+                assert k.wgsl.count("workgroupBarrier") == barriers
 
 
 def test_plan_rules():
@@ -100,6 +106,9 @@ def test_plan_rules():
     default = plan_gemm(Gemm(64, 147, 50176, 1), Limits()).splits
     with force_plan(target_groups=2 * gemm.TARGET_GROUPS):
         assert plan_gemm(Gemm(64, 147, 50176, 1), Limits()).splits > default > 1
+    with force_plan(deep=True):
+        assert plan_gemm(Gemm(64, 64, 600, 1), Limits()).name == "64x64x16/s2/d2"
+        assert plan_gemm(Gemm(64, 64, 600, 1), Limits(cpu=True)).deep is False  # no prefetch
     with force_plan("large", False, 4):
         plan = plan_gemm(Gemm(64, 64, 1000, 1), Limits())
         assert (plan.tiling, plan.prefetch, plan.splits, plan.name) == (

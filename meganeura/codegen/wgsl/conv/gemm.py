@@ -166,26 +166,33 @@ def shared_bytes(t: Tiling, prefetch: bool) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """How one implicit GEMM runs: tiling, split-K (``splits`` chunks of ``per`` of K) and
-    register prefetch with double-buffered workgroup tiles (``stage.k_loop``)."""
+    """How one implicit GEMM runs: tiling, split-K (``splits`` chunks of ``per`` of K),
+    register prefetch with double-buffered workgroup tiles, two-deep (``deep``) or not
+    (``stage.k_loop``)."""
 
     tiling: Tiling
     splits: int
     per: int
     prefetch: bool
+    deep: bool = False
 
     @property
     def name(self) -> str:
-        """``"64x64x16/s4/pf"``: tile, splits (when > 1), ``pf`` (prefetch) or ``np``."""
+        """``"64x64x16/s4/pf"``: tile, splits (when > 1), ``pf`` (prefetch), ``d2`` (two-deep
+        prefetch) or ``np`` (none)."""
         t = self.tiling
         split = f"/s{self.splits}" if self.splits > 1 else ""
-        return f"{t.bm}x{t.bn}x{t.bk}{split}/{'pf' if self.prefetch else 'np'}"
+        mode = ("d2" if self.deep else "pf") if self.prefetch else "np"
+        return f"{t.bm}x{t.bn}x{t.bk}{split}/{mode}"
 
 
 # Register prefetch of the next K step (``stage.k_loop``) on GPU adapters; never on a CPU
 # adapter (``Limits.cpu``: a second workgroup buffer and more live registers buy nothing there,
 # as ``matmul.plan.cpu_plan`` found), nor where the doubled tiles exceed workgroup memory.
 PREFETCH = True
+# Two register sets (``stage._deep_loop``) where prefetch runs; off until the H200 sweep
+# (bench/conv_sweep.py) shows where it wins.
+DEEP = False
 
 _forced: list[dict] = []
 _record: list[list[tuple[str, str]]] = []
@@ -197,11 +204,13 @@ def force_plan(
     prefetch: bool | None = None,
     splits: int | None = None,
     target_groups: int | None = None,
+    deep: bool | None = None,
 ) -> Iterator[None]:
     """Within the block, every conv GEMM lowered uses the given tiling / prefetch / split-K
     (None: the default choice). For benchmark sweeps and tests. ``splits``: that many chunks
     (1: no split-K; rounded to whole K steps, so possibly fewer); ``target_groups``: the
-    default split rule aiming at that many workgroups. Prefetch that does not fit the
+    default split rule aiming at that many workgroups; ``deep``: two-deep prefetch (where
+    prefetch runs). Prefetch that does not fit the
     adapter's workgroup memory still falls back to one buffer (``plan_gemm``).
 
     ``tiling`` may be named: ``"small"``, ``"large"``, ``"narrow"``.
@@ -220,7 +229,9 @@ def force_plan(
         raise ValueError(f"conv force_plan splits must be >= 1, got {splits}")
     if splits is not None and target_groups is not None:
         raise ValueError("conv force_plan takes splits or target_groups, not both")
-    _forced.append(dict(tiling=tiling, prefetch=prefetch, splits=splits, target=target_groups))
+    _forced.append(
+        dict(tiling=tiling, prefetch=prefetch, splits=splits, target=target_groups, deep=deep)
+    )
     try:
         yield
     finally:
@@ -239,8 +250,8 @@ def record_plans() -> Iterator[list[tuple[str, str]]]:
 
 
 def plan_gemm(g: Gemm, limits) -> Plan:
-    """The plan of one GEMM: ``choose_tiling``, ``plan_splits`` and ``PREFETCH``, each
-    overridden by an enclosing ``force_plan``."""
+    """The plan of one GEMM: ``choose_tiling``, ``plan_splits``, ``PREFETCH`` and ``DEEP``,
+    each overridden by an enclosing ``force_plan``."""
     f = _forced[-1] if _forced else {}
     t = f.get("tiling") or choose_tiling(g, limits.cpu)
     if f.get("splits") is not None:
@@ -254,7 +265,8 @@ def plan_gemm(g: Gemm, limits) -> Plan:
     prefetch = prefetch and g.k > 0
     if shared_bytes(t, prefetch) > limits.max_workgroup_storage_size:
         prefetch = False
-    return Plan(t, splits, per, prefetch)
+    deep = DEEP if f.get("deep") is None else f["deep"]
+    return Plan(t, splits, per, prefetch, prefetch and deep)
 
 
 def emit_gemm(
@@ -297,7 +309,7 @@ def emit_gemm(
     ]
     stage_a = Stage(a, "a", "As", t.bm, t.bk, g.m, g.k, "tile_m")
     stage_b = Stage(b, "b", "Bs", t.bn, t.bk, g.n, g.k, "tile_n")
-    lines += stage_a.setup(plan.prefetch) + stage_b.setup(plan.prefetch)
+    lines += stage_a.setup(plan.prefetch, plan.deep) + stage_b.setup(plan.prefetch, plan.deep)
     acc = [(gi, i, h) for gi in range(t.tm // 4) for i in range(4) for h in range(t.tn // 4)]
     lines += [f"  var acc{gi}{i}{h} = vec4<f32>(0.0);" for gi, i, h in acc]
 
@@ -323,7 +335,7 @@ def emit_gemm(
         k_begin, k_end = "k_begin", "k_end"
     else:
         k_begin, k_end = "0u", u(g.k)
-    lines += k_loop(stage_a, stage_b, t.bk, k_begin, k_end, multiply, plan.prefetch)
+    lines += k_loop(stage_a, stage_b, t.bk, k_begin, k_end, multiply, plan.prefetch, plan.deep)
     lines += _store(kb, out, t, g, acc, target, splits > 1, bias)
     flops = 2 * g.m * g.n * g.k * g.groups
     buffers = 2 if plan.prefetch else 1

@@ -10,7 +10,8 @@ step is gathered and stored before the loop; in the loop the next step's values 
 into registers (index math and loads) before the current step multiplies, and stored into
 the other of two workgroup buffers after it; one barrier per K step (a buffer is rewritten
 only after the barrier that ends every read of it). The multiplies are the same FMAs in the
-same K order either way, so the results are bit-identical.
+same K order either way, so the results are bit-identical. Two-deep prefetch (``deep``, as
+``matmul/tiled.py``'s): two register sets, each step's gathers in flight over two multiplies.
 
 Every thread reaches every barrier: threads past the last slot of a rep skip only the gather
 and the store. Gathers past M, N or K read zero by ``select`` with the index selected to 0.
@@ -66,9 +67,9 @@ class Stage:
     def reps(self) -> range:
         return range(-(-self.slots // THREADS))
 
-    def setup(self, prefetch: bool) -> list[str]:
+    def setup(self, prefetch: bool, deep: bool = False) -> list[str]:
         """Which k and which 4 lines each rep stages, the per-line setup, and (prefetch) the
-        registers holding the next step's values."""
+        registers holding the next step's values (``deep``: a second set, ``{p}w{r}``)."""
         p, runs, lines = self.p, self.span // 4, []
         for r in self.reps():
             slot = "lid" if r == 0 else f"(lid + {u(r * THREADS)})"
@@ -87,6 +88,8 @@ class Stage:
                     lines.append(f"  let {p}_in{j} = {p}{r}_first + {u(jj)} < {u(self.extent)};")
             if prefetch:
                 lines.append(f"  var {p}v{r}: vec4<f32>;")
+            if deep:
+                lines.append(f"  var {p}w{r}: vec4<f32>;")
         return lines
 
     def _guard(self, r: int, body: list[str], indent: str) -> list[str]:
@@ -126,22 +129,23 @@ class Stage:
             lines += self._guard(r, body, indent)
         return lines
 
-    def fetch(self, k0: str, indent: str = "    ") -> list[str]:
-        """Gather the K step at ``k0`` into this thread's registers ``{p}v{r}``."""
+    def fetch(self, k0: str, indent: str = "    ", reg: str = "v") -> list[str]:
+        """Gather the K step at ``k0`` into this thread's registers ``{p}{reg}{r}``."""
         lines = []
         for r in self.reps():
             body, value = self._gather(r, k0)
             # a block of its own: the gather's names are per rep and per K step
             lines += self._guard(r, ["{", *("  " + s for s in body),
-                                     f"  {self.p}v{r} = {value};", "}"], indent)  # fmt: skip
+                                     f"  {self.p}{reg}{r} = {value};", "}"], indent)  # fmt: skip
         return lines
 
-    def stash(self, buf: str, indent: str = "    ") -> list[str]:
-        """Store the registers into the workgroup buffer starting at vec4 ``buf``."""
+    def stash(self, buf: str, indent: str = "    ", reg: str = "v") -> list[str]:
+        """Store the registers ``{p}{reg}{r}`` into the workgroup buffer starting at vec4
+        ``buf``."""
         lines = []
         for r in self.reps():
             at = f"{self.shared}[{buf}{self.p}{r}_slot]"
-            lines += self._guard(r, [f"{at} = {self.p}v{r};"], indent)
+            lines += self._guard(r, [f"{at} = {self.p}{reg}{r};"], indent)
         return lines
 
 
@@ -153,12 +157,16 @@ def k_loop(
     k_end: str,
     multiply: Callable[[str, str], list[str]],
     prefetch: bool,
+    deep: bool = False,
 ) -> list[str]:
     """The K loop over ``[k_begin, k_end)`` (``k_end`` a WGSL expression or name, K steps of
     ``bk``). ``multiply(cur_a, cur_b)`` emits one step's FMAs reading ``As[cur_a ...]`` and
     ``Bs[cur_b ...]`` (prefixes: empty or ``"<vec4 offset> + "``). With ``prefetch`` the
     buffers are doubled (``Stage.slots`` vec4 each half) and ``k_begin < k_end`` must hold
-    (the first step is gathered before the loop, unconditionally)."""
+    (the first step is gathered before the loop, unconditionally); ``deep`` (with
+    ``prefetch``): two register sets, ``_deep_loop``."""
+    if prefetch and deep:
+        return _deep_loop(sa, sb, bk, k_begin, k_end, multiply)
     step = f"k0 = k0 + {u(bk)}"
     if not prefetch:
         lines = [f"  for (var k0 = {k_begin}; k0 < {k_end}; {step}) {{"]
@@ -183,4 +191,40 @@ def k_loop(
     lines += sa.stash(f"{u(sa.slots)} - cur_a + ", "      ")
     lines += sb.stash(f"{u(sb.slots)} - cur_b + ", "      ")
     lines += ["    }", "    workgroupBarrier();", "    par = 1u - par;", "  }"]
+    return lines
+
+
+def _deep_loop(sa: Stage, sb: Stage, bk: int, k_begin: str, k_end: str, multiply) -> list[str]:
+    """Two-deep prefetch (``matmul/tiled.py``'s ``_deep_loop``), two K steps per iteration.
+
+    Buffers alternate by step (the first half of each array for even steps, the second for
+    odd), so their offsets are constants; register sets ``v`` and ``w`` alternate too: the
+    gathers for step t + 2 are issued before step t multiplies and stored after step t + 1
+    does. Each store goes to the buffer whose last reads ended at the barrier before it. The
+    loop bounds are uniform in the workgroup, so every thread meets every barrier.
+    """
+
+    def fetch(k0: str, reg: str, indent: str) -> list[str]:
+        return sa.fetch(k0, indent, reg) + sb.fetch(k0, indent, reg)
+
+    def stash(half: int, reg: str, indent: str) -> list[str]:
+        return sa.stash(f"{u(half * sa.slots)} + ", indent, reg) + sb.stash(
+            f"{u(half * sb.slots)} + ", indent, reg
+        )
+
+    def ahead(n: int) -> str:
+        return f"k0 + {u(n * bk)} < {k_end}"
+
+    lines = fetch(k_begin, "v", "  ") + stash(0, "v", "  ")
+    lines.append(f"  if ({k_begin} + {u(bk)} < {k_end}) {{")
+    lines += fetch(f"{k_begin} + {u(bk)}", "w", "    ") + ["  }", "  workgroupBarrier();"]
+    lines.append(f"  for (var k0 = {k_begin}; k0 < {k_end}; k0 = k0 + {u(2 * bk)}) {{")
+    lines += [f"    if ({ahead(2)}) {{"] + fetch(f"k0 + {u(2 * bk)}", "v", "      ") + ["    }"]
+    lines += multiply(f"{u(0)} + ", f"{u(0)} + ")
+    lines += [f"    if ({ahead(1)}) {{"] + stash(1, "w", "      ") + ["    }"]
+    lines += ["    workgroupBarrier();", f"    if (!({ahead(1)})) {{ break; }}"]
+    lines += [f"    if ({ahead(3)}) {{"] + fetch(f"k0 + {u(3 * bk)}", "w", "      ") + ["    }"]
+    lines += multiply(f"{u(sa.slots)} + ", f"{u(sb.slots)} + ")
+    lines += [f"    if ({ahead(2)}) {{"] + stash(0, "v", "      ") + ["    }"]
+    lines += ["    workgroupBarrier();", "  }"]
     return lines
