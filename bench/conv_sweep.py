@@ -7,8 +7,9 @@ found by tracing the model; each with its count in the network. ``--quick``: two
 
 Per shape one program holds ``y = conv2d(x, w)`` and both gradients (``bench/conv.build``).
 Each variant forces every conv GEMM's plan (``conv.gemm.force_plan``): tiling {SMALL, LARGE,
-NARROW when min(C, OC) <= 64} x prefetch {on, off} x split {default rule, none, the rule aiming
-at twice TARGET_GROUPS workgroups (``--quick``: 2 splits, as the CPU adapter never splits)};
+NARROW when min(C, OC) <= 64} x prefetch {one-deep, none, two-deep (SMALL and NARROW only)}
+x split {default rule, none, the rule aiming at twice TARGET_GROUPS workgroups (``--quick``:
+2 splits, as the CPU adapter never splits)};
 variants whose plans (``conv.gemm.record_plans``) equal an earlier one's are not rerun. Every
 variant's y, dx and dw are compared with the default plan's (max |diff| / max |default| <=
 1e-4: split-K reorders sums) and a variant that differs is rejected. GPU time per part
@@ -107,10 +108,15 @@ def networks(quick: bool) -> list[tuple[str, int, list]]:
 
 
 def grid(c: int, oc: int) -> list[tuple[str, str, str]]:
-    """(tiling, prefetch "pf"/"np", split) variants for one shape, the default first."""
+    """(tiling, prefetch, split) variants for one shape, the default first; prefetch ``pf``
+    (one-deep), ``np`` (none) or, for the small tilings only, ``d2`` (two-deep). The split
+    rule varies slowest, so a budget cut still leaves every tiling and prefetch mode timed
+    under the default split rule."""
     tilings = [t for t in TILINGS if t != "narrow" or min(c, oc) <= 64]
     out = [("default", "default", "default")]
-    out += list(itertools.product(tilings, ("pf", "np"), SPLITS))
+    for split, t in itertools.product(SPLITS, tilings):
+        modes = ("pf", "np", "d2") if t in ("small", "narrow") else ("pf", "np")
+        out += [(t, mode, split) for mode in modes]
     return out
 
 
@@ -123,7 +129,7 @@ def forcing(variant: tuple[str, str, str], quick: bool) -> dict:
     if tiling != "default":
         kw["tiling"] = tiling
     if pf != "default":
-        kw["prefetch"] = pf == "pf"
+        kw.update(prefetch=pf != "np", deep=pf == "d2")
     if split == "none":
         kw["splits"] = 1
     elif split == "2x":
@@ -227,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     doc = {"machine": machine(device), "versions": versions(), "quick": args.quick,
            "repeats": repeats, "warmup": warmup, "budget_s": args.budget_s,
            "estimate_s": round(estimate, 1), "gpu_warmup": warm,
-           "grid": {"tilings": list(TILINGS), "prefetch": ["pf", "np"], "splits": list(SPLITS)},
+           "grid": {"tilings": list(TILINGS), "prefetch": ["pf", "np", "d2"],
+                    "splits": list(SPLITS)},
            "shapes": []}  # fmt: skip
 
     def save(complete: bool) -> None:
