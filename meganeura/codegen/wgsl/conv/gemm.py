@@ -16,6 +16,13 @@ K = N * OH * OW), K is cut into ``splits`` chunks of whole K steps, each chunk w
 partial C densely to scratch (``[split][grp][m][n]``), and a second dispatch sums the chunks
 in a fixed order (deterministic), then stores through the output mapping and adds the bias.
 
+Prefetch (``PREFETCH``, GPU adapters): the next K step's operands are gathered into registers
+before the current step multiplies and stored into the other half of double-buffered
+workgroup tiles after it, one barrier per step; ``DEEP`` keeps two steps in flight. The
+staging and the K loop are ``stage.py``'s; the results are bit-identical either way.
+``plan_gemm`` picks tiling, splits and prefetch per GEMM; ``force_plan`` overrides them for
+sweeps (``bench/conv_sweep.py``) and tests, ``record_plans`` lists what was picked.
+
 Every thread of a workgroup runs every barrier; loads past M, N or K are zero by ``select``,
 and their index is selected to 0 as well, so no read leaves its binding (shader modules are
 created without naga's bounds checks, ``runtime/pipelines.py``); stores past M or N are
