@@ -65,9 +65,10 @@ KEYS = ("machine", "versions", "quick", "repeats", "warmup", "budget_s", "estima
 SHAPE_KEYS = ("network", "name", "n", "c", "oc", "k", "stride", "h", "count", "parts",
               "variants", "rel_err_vs_torch")  # fmt: skip
 PART_KEYS = ("default_plans", "default_ms", "best_variant", "best_plans", "best_ms",
-             "cudnn_ms", "gain", "counted")  # fmt: skip
+             "cudnn_ms", "gain", "counted", "default_as")  # fmt: skip
 TILINGS = ("small", "large", "narrow")
 SPLITS = ("default", "none", "2x")
+MODES = ("np", "pf", "d2")
 MAX_DIFF = 1e-4
 TORCH_S = 0.5  # estimated seconds per shape for cuDNN's references and timings
 
@@ -114,6 +115,8 @@ def grid(c: int, oc: int) -> list[tuple[str, str, str]]:
     under the default split rule."""
     tilings = [t for t in TILINGS if t != "narrow" or min(c, oc) <= 64]
     out = [("default", "default", "default")]
+    # the default tilings and splits with each prefetch mode: what flipping PREFETCH / DEEP gives
+    out += [("default", mode, "default") for mode in MODES]
     for split, t in itertools.product(SPLITS, tilings):
         modes = ("pf", "np", "d2") if t in ("small", "narrow") else ("pf", "np")
         out += [(t, mode, split) for mode in modes]
@@ -161,12 +164,15 @@ def variant_programs(n: int, layer: tuple, limits, quick: bool) -> list[tuple]:
 
 
 def machine_tag(adapter: str) -> str:
-    """``"h200"`` for an H200 (the other result files' tag), else the adapter's name in
+    """The result file's tag, as the other result files': ``"h200"`` for an H200,
+    ``"lavapipe"`` for Mesa's CPU adapter, else the adapter name's first two words in
     lowercase letters, digits and underscores."""
     name = adapter.lower()
-    if "h200" in name:
-        return "h200"
-    return "_".join("".join(ch if ch.isalnum() else " " for ch in name).split()) or "unknown"
+    for tag, marks in (("h200", ("h200",)), ("lavapipe", ("llvmpipe", "lavapipe"))):
+        if any(m in name for m in marks):
+            return tag
+    words = "".join(ch if ch.isalnum() else " " for ch in name).split()
+    return "_".join(words[:2]) or "unknown"
 
 
 def _short(plans: list[str]) -> str:
@@ -296,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "best_ms": top["ms"][p], "cudnn_ms": cudnn[p],
                 "gain": dflt["ms"][p] / top["ms"][p] if top["ms"][p] > 0 else 1.0,
                 "counted": not (first and p == "bwd_input"),
+                "default_as": _default_as(variants, p),
             }  # fmt: skip
             r = parts[p]
             print(f"{name:<24} {p:<10} default {_short(r['default_plans']):<26} "
@@ -314,20 +321,39 @@ def main(argv: list[str] | None = None) -> dict:
         save(False)
     save(True)
     print(f"\nweighted network conv time (ms), {time.perf_counter() - t0:.0f} s of sweep:")
+    print("(dflt/np, /pf, /d2: the default plans' tilings and splits with that prefetch mode)")
     print(f"{'network':<16} {'part':<10} {'default':>9} {'best':>9} {'cuDNN':>9} "
-          f"{'gain':>6} {'xcuDNN':>7}")  # fmt: skip
+          f"{'gain':>6} {'xcuDNN':>7} {'dflt/np':>9} {'dflt/pf':>9} {'dflt/d2':>9}")  # fmt: skip
     for net, parts in doc["summary"].items():
         for p, r in parts.items():
+            as_ms = [r[f"default_as_{m}_ms"] for m in MODES]
+            modes = " ".join(f"{'-' if v is None else f'{v:.3f}':>9}" for v in as_ms)
             print(f"{net:<16} {p:<10} {r['default_ms']:>9.3f} {r['best_ms']:>9.3f} "
                   f"{r['cudnn_ms']:>9.3f} {r['default_ms'] / r['best_ms']:>6.2f} "
-                  f"{r['cudnn_ms'] / r['best_ms']:>7.2f}")  # fmt: skip
+                  f"{r['cudnn_ms'] / r['best_ms']:>7.2f} {modes}")  # fmt: skip
     print(f"wrote {out}")
     return doc
 
 
+def _default_as(variants: list[dict], part: str) -> dict[str, float]:
+    """Time of ``part`` under the default plans' tilings and splits with each prefetch mode
+    (``np``, ``pf``, ``d2``), where a variant ran exactly those plans: what flipping
+    ``conv.gemm.PREFETCH`` / ``DEEP`` alone would give."""
+    base = [p.rsplit("/", 1)[0] for p in variants[0]["plans"][part]]
+    out = {}
+    for mode in MODES:
+        want = [f"{b}/{mode}" for b in base]
+        ms = [v["ms"][part] for v in variants if not v["rejected"] and v["plans"][part] == want]
+        if ms:
+            out[mode] = min(ms)
+    return out
+
+
 def summarize(shapes: list[dict]) -> dict:
     """Per network and part (and ``all``): count-weighted sums of the default plans', the
-    best variants' and cuDNN's times, the first conv's grad-input left out."""
+    best variants' and cuDNN's times, the first conv's grad-input left out; and
+    ``default_as_<mode>_ms``, the default plans with that prefetch mode (``_default_as``),
+    None when some shape lacks it (a budget cut)."""
     out: dict[str, dict] = {}
     for sh in shapes:
         net = out.setdefault(sh["network"], {})
@@ -335,9 +361,22 @@ def summarize(shapes: list[dict]) -> dict:
             if not r["counted"]:
                 continue
             for part in (p, "all"):
-                acc = net.setdefault(part, {"default_ms": 0.0, "best_ms": 0.0, "cudnn_ms": 0.0})
-                for key in acc:
+                acc = net.setdefault(
+                    part,
+                    {
+                        "default_ms": 0.0,
+                        "best_ms": 0.0,
+                        "cudnn_ms": 0.0,
+                        **{f"default_as_{m}_ms": 0.0 for m in MODES},
+                    },
+                )
+                for key in ("default_ms", "best_ms", "cudnn_ms"):
                     acc[key] += sh["count"] * r[key]
+                for m in MODES:
+                    key, ms = f"default_as_{m}_ms", r["default_as"].get(m)
+                    acc[key] = (
+                        None if ms is None or acc[key] is None else acc[key] + sh["count"] * ms
+                    )
     order = (*PARTS, "all")
     return {net: {p: parts[p] for p in order if p in parts} for net, parts in out.items()}
 

@@ -28,3 +28,5 @@ def test_conv_sweep_quick(tmp_path, gpu_device):
             assert r["best_ms"] <= r["default_ms"]
     for net, parts in doc["summary"].items():
         assert "all" in parts and "fwd" in parts, net
+        # every shape ran the default plans with each prefetch mode (no budget cut)
+        assert all(parts["all"][f"default_as_{m}_ms"] is not None for m in ("np", "pf", "d2"))
