@@ -85,6 +85,17 @@ def out_size(h: int, k: int, s: int) -> int:
     return (h + 2 * (k // 2) - k) // s + 1
 
 
+def torch_fns(torch, tx, tw, tgy, s: int, pad: int) -> dict:
+    """PyTorch's three products of one convolution, keyed by ``PARTS``: ``F.conv2d``,
+    ``torch.nn.grad.conv2d_input`` and ``conv2d_weight`` on the given device tensors."""
+    tF = torch.nn.functional
+    return {
+        "fwd": lambda: tF.conv2d(tx, tw, None, s, pad),
+        "bwd_input": lambda: torch.nn.grad.conv2d_input(tx.shape, tw, tgy, s, pad),
+        "bwd_weight": lambda: torch.nn.grad.conv2d_weight(tx, tw.shape, tgy, s, pad),
+    }
+
+
 def build(n, c, oc, k, s, h):
     import meganeura as mn
     import meganeura.nn.functional as F
@@ -117,7 +128,6 @@ def main() -> None:
     device = get_device(args.adapter)
     torch, dev = torch_setup()
     torch.backends.cudnn.benchmark = True
-    tF = torch.nn.functional
     warm = warm_gpu(device, dev, args.warm_seconds)
     n = args.batch or (1 if args.quick else 4)
     rec = Recorder(args, device, {"torch_device": dev, "gpu_warmup": warm, "batch": n})
@@ -134,15 +144,7 @@ def main() -> None:
         gy = rng.standard_normal((n, oc, oh, oh), dtype=np.float32)
         tx, tw, tgy = (torch.from_numpy(a).to(dev) for a in (x, w, gy))
         pad = k // 2
-        t_fns = {
-            "fwd": lambda tx=tx, tw=tw, s=s, pad=pad: tF.conv2d(tx, tw, None, s, pad),
-            "bwd_input": lambda tx=tx, tw=tw, tgy=tgy, s=s, pad=pad: torch.nn.grad.conv2d_input(
-                tx.shape, tw, tgy, s, pad
-            ),
-            "bwd_weight": lambda tx=tx, tw=tw, tgy=tgy, s=s, pad=pad: torch.nn.grad.conv2d_weight(
-                tx, tw.shape, tgy, s, pad
-            ),
-        }
+        t_fns = torch_fns(torch, tx, tw, tgy, s, pad)
         t = time.perf_counter()
         program, sess = compile_for(build(n, c, oc, k, s, h), device=device)
         compile_s = time.perf_counter() - t

@@ -16,6 +16,13 @@ K = N * OH * OW), K is cut into ``splits`` chunks of whole K steps, each chunk w
 partial C densely to scratch (``[split][grp][m][n]``), and a second dispatch sums the chunks
 in a fixed order (deterministic), then stores through the output mapping and adds the bias.
 
+Prefetch (``PREFETCH``, GPU adapters): the next K step's operands are gathered into registers
+before the current step multiplies and stored into the other half of double-buffered
+workgroup tiles after it, one barrier per step; ``DEEP`` keeps two steps in flight. The
+staging and the K loop are ``stage.py``'s; the results are bit-identical either way.
+``plan_gemm`` picks tiling, splits and prefetch per GEMM; ``force_plan`` overrides them for
+sweeps (``bench/conv_sweep.py``) and tests, ``record_plans`` lists what was picked.
+
 Every thread of a workgroup runs every barrier; loads past M, N or K are zero by ``select``,
 and their index is selected to 0 as well, so no read leaves its binding (shader modules are
 created without naga's bounds checks, ``runtime/pipelines.py``); stores past M or N are
@@ -25,14 +32,16 @@ the test ``0 <= h - p < H`` for values far below 2^31.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ....dtypes import DType
 from ...kernel import KernelSource
-from ..core.builder import KernelBuilder, Src, all_of, guarded_read
+from ..core.builder import KernelBuilder, Src
 from ..core.literals import u
 from ..matmul.plan import LARGE_MIN_TILES
+from .stage import THREADS, Stage, k_loop
 
 # Split K while fewer workgroups than this would run, keeping at least MIN_SPLIT_K of K
 # (a multiple of the K step) per chunk and the partials within MAX_SCRATCH bytes.
@@ -75,7 +84,7 @@ class Gemm:
 SMALL = Tiling(16, 16, 4, 4, 16)
 LARGE = Tiling(16, 16, 8, 8, 8)
 NARROW = Tiling(4, 64, 4, 4, 8)
-THREADS = 256
+TILINGS = {"small": SMALL, "large": LARGE, "narrow": NARROW}
 
 
 def choose_tiling(g: Gemm, cpu: bool = False) -> Tiling:
@@ -128,21 +137,143 @@ class Output:
     bias: tuple[int, Callable[[str], str]] | None = None
 
 
-def plan_splits(g: Gemm, t: Tiling, limits) -> tuple[int, int]:
+def plan_splits(g: Gemm, t: Tiling, limits, target_groups: int | None = None) -> tuple[int, int]:
     """(splits, K per split, a multiple of ``t.bk``); never split on a CPU adapter
-    (``Limits.cpu``: the partials and second dispatch are pure overhead there)."""
+    (``Limits.cpu``: the partials and second dispatch are pure overhead there).
+    ``target_groups``: aim at this many workgroups instead of ``TARGET_GROUPS``."""
     if g.k == 0:
         return 1, t.bk
+    target = TARGET_GROUPS if target_groups is None else target_groups
     tiles = -(-g.m // t.bm) * -(-g.n // t.bn) * g.groups
     splits = 1
-    if tiles < TARGET_GROUPS and g.k >= 2 * MIN_SPLIT_K and not limits.cpu:
-        splits = min(-(-TARGET_GROUPS // tiles), g.k // MIN_SPLIT_K, MAX_SPLITS)
-        numel = max(g.m * g.n * g.groups, 1)
-        cap = min(MAX_SCRATCH, limits.max_storage_buffer_binding_size) // (4 * numel)
-        splits = max(1, min(splits, cap))
-    per = -(-g.k // splits)
+    if tiles < target and g.k >= 2 * MIN_SPLIT_K and not limits.cpu:
+        splits = min(-(-target // tiles), g.k // MIN_SPLIT_K, MAX_SPLITS)
+        splits = max(1, min(splits, _scratch_cap(g, limits)))
+    return _chunks(g, t, splits)
+
+
+def _scratch_cap(g: Gemm, limits) -> int:
+    """The most splits whose partials fit MAX_SCRATCH and one storage binding."""
+    numel = max(g.m * g.n * g.groups, 1)
+    return min(MAX_SCRATCH, limits.max_storage_buffer_binding_size) // (4 * numel)
+
+
+def _chunks(g: Gemm, t: Tiling, splits: int) -> tuple[int, int]:
+    """(splits, K per split) for about ``splits`` chunks of whole K steps, none empty."""
+    per = -(-max(g.k, 1) // max(splits, 1))
     per = -(-per // t.bk) * t.bk
-    return -(-g.k // per), per
+    return -(-max(g.k, 1) // per), per
+
+
+def shared_bytes(t: Tiling, prefetch: bool) -> int:
+    """Workgroup memory of the GEMM kernel: one ``bk``-deep tile of each operand (two with
+    prefetch)."""
+    return (2 if prefetch else 1) * 4 * t.bk * (t.bm + t.bn)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one implicit GEMM runs: tiling, split-K (``splits`` chunks of ``per`` of K),
+    register prefetch with double-buffered workgroup tiles, two-deep (``deep``) or not
+    (``stage.k_loop``)."""
+
+    tiling: Tiling
+    splits: int
+    per: int
+    prefetch: bool
+    deep: bool = False
+
+    @property
+    def name(self) -> str:
+        """``"64x64x16/s4/pf"``: tile, splits (when > 1), ``pf`` (prefetch), ``d2`` (two-deep
+        prefetch) or ``np`` (none)."""
+        t = self.tiling
+        split = f"/s{self.splits}" if self.splits > 1 else ""
+        mode = ("d2" if self.deep else "pf") if self.prefetch else "np"
+        return f"{t.bm}x{t.bn}x{t.bk}{split}/{mode}"
+
+
+# Register prefetch of the next K step (``stage.k_loop``) on GPU adapters; never on a CPU
+# adapter (``Limits.cpu``: a second workgroup buffer and more live registers buy nothing there,
+# as ``matmul.plan.cpu_plan`` found), nor where the doubled tiles exceed workgroup memory.
+PREFETCH = True
+# Two register sets (``stage._deep_loop``) where prefetch runs; off until the H200 sweep
+# (bench/conv_sweep.py) shows where it wins.
+DEEP = False
+
+_forced: list[dict] = []
+_record: list[list[tuple[str, str]]] = []
+
+
+@contextmanager
+def force_plan(
+    tiling: Tiling | str | None = None,
+    prefetch: bool | None = None,
+    splits: int | None = None,
+    target_groups: int | None = None,
+    deep: bool | None = None,
+) -> Iterator[None]:
+    """Within the block, every conv GEMM lowered uses the given tiling / prefetch / split-K
+    (None: the default choice). For benchmark sweeps and tests. ``splits``: that many chunks
+    (1: no split-K; rounded to whole K steps, so possibly fewer); ``target_groups``: the
+    default split rule aiming at that many workgroups; ``deep``: two-deep prefetch (where
+    prefetch runs). Prefetch that does not fit the
+    adapter's workgroup memory still falls back to one buffer (``plan_gemm``).
+
+    ``tiling`` may be named: ``"small"``, ``"large"``, ``"narrow"``.
+
+    Raises:
+        ValueError: a tiling that is not SMALL, LARGE or NARROW, splits < 1, or both
+            ``splits`` and ``target_groups``.
+    """
+    if isinstance(tiling, str):
+        if tiling not in TILINGS:
+            raise ValueError(f"conv tiling must be one of {sorted(TILINGS)}, got {tiling!r}")
+        tiling = TILINGS[tiling]
+    if tiling is not None and tiling not in TILINGS.values():
+        raise ValueError(f"conv tiling must be SMALL, LARGE or NARROW, got {tiling}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"conv force_plan splits must be >= 1, got {splits}")
+    if splits is not None and target_groups is not None:
+        raise ValueError("conv force_plan takes splits or target_groups, not both")
+    _forced.append(
+        dict(tiling=tiling, prefetch=prefetch, splits=splits, target=target_groups, deep=deep)
+    )
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+@contextmanager
+def record_plans() -> Iterator[list[tuple[str, str]]]:
+    """Within the block, (op, plan name) of every conv GEMM lowered, in order."""
+    names: list[tuple[str, str]] = []
+    _record.append(names)
+    try:
+        yield names
+    finally:
+        _record[:] = [r for r in _record if r is not names]
+
+
+def plan_gemm(g: Gemm, limits) -> Plan:
+    """The plan of one GEMM: ``choose_tiling``, ``plan_splits``, ``PREFETCH`` and ``DEEP``,
+    each overridden by an enclosing ``force_plan``."""
+    f = _forced[-1] if _forced else {}
+    t = f.get("tiling") or choose_tiling(g, limits.cpu)
+    if f.get("splits") is not None:
+        cap = max(1, min(f["splits"], MAX_SPLITS, _scratch_cap(g, limits)))
+        splits, per = _chunks(g, t, cap) if g.k else (1, t.bk)
+    else:
+        splits, per = plan_splits(g, t, limits, f.get("target"))
+    pf = f.get("prefetch")
+    prefetch = (PREFETCH and not limits.cpu) if pf is None else pf
+    # the prefetch loop gathers its first K step unconditionally: K must not be empty
+    prefetch = prefetch and g.k > 0
+    if shared_bytes(t, prefetch) > limits.max_workgroup_storage_size:
+        prefetch = False
+    deep = DEEP if f.get("deep") is None else f["deep"]
+    return Plan(t, splits, per, prefetch, prefetch and deep)
 
 
 def emit_gemm(
@@ -157,9 +288,15 @@ def emit_gemm(
     """The dispatch(es) computing C into the node's output. ``kb`` holds A's and B's
     bindings; this binds the output (or split-K scratch, keyed by ``suffix``) and the bias.
     Kernel names end in ``gemm{suffix}`` and ``sum_splits{suffix}``. ``defer_sum``: with
-    split-K, the first dispatch alone (the readers sum the partials, ``matmul.deferred``)."""
-    t = choose_tiling(g, kb.limits.cpu)
-    splits, per = plan_splits(g, t, kb.limits)
+    split-K, the first dispatch alone (the readers sum the partials, ``matmul.deferred``).
+
+    Raises:
+        ValueError: when even one buffer of the tile exceeds the adapter's workgroup memory.
+    """
+    plan = plan_gemm(g, kb.limits)
+    for names in _record:
+        names.append((kb.node.op, plan.name))
+    t, splits, per = plan.tiling, plan.splits, plan.per
     tiles_m, tiles_n = -(-g.m // t.bm), -(-g.n // t.bn)
     key = f"partials{suffix}"
     if splits > 1:
@@ -177,39 +314,48 @@ def emit_gemm(
         f"  let tx = lid % {u(t.tx)};",
         f"  let ty = lid / {u(t.tx)};",
     ]
-    stage_a = _Stage(a, "a", "As", t.bm, t.bk, g.m, g.k, "tile_m")
-    stage_b = _Stage(b, "b", "Bs", t.bn, t.bk, g.n, g.k, "tile_n")
-    lines += stage_a.setup() + stage_b.setup()
+    stage_a = Stage(a, "a", "As", t.bm, t.bk, g.m, g.k, "tile_m")
+    stage_b = Stage(b, "b", "Bs", t.bn, t.bk, g.n, g.k, "tile_n")
+    lines += stage_a.setup(plan.prefetch, plan.deep) + stage_b.setup(plan.prefetch, plan.deep)
     acc = [(gi, i, h) for gi in range(t.tm // 4) for i in range(4) for h in range(t.tn // 4)]
     lines += [f"  var acc{gi}{i}{h} = vec4<f32>(0.0);" for gi, i, h in acc]
+
+    def multiply(cur_a: str, cur_b: str) -> list[str]:
+        step = []
+        for kk in range(t.bk):
+            step.append("    {")
+            step += [
+                f"      let a{gi} = As[{cur_a}{u(kk * t.bm // 4 + gi * t.ty)} + ty];"
+                for gi in range(t.tm // 4)
+            ]
+            step += [
+                f"      let b{h} = Bs[{cur_b}{u(kk * t.bn // 4 + h * t.tx)} + tx];"
+                for h in range(t.tn // 4)
+            ]
+            step += [f"      acc{gi}{i}{h} += a{gi}.{'xyzw'[i]} * b{h};" for gi, i, h in acc]
+            step.append("    }")
+        return step
+
     if splits > 1:
-        lines.append(f"  let k_end = min(split * {u(per)} + {u(per)}, {u(g.k)});")
-        lines.append(f"  for (var k0 = split * {u(per)}; k0 < k_end; k0 = k0 + {u(t.bk)}) {{")
+        lines.append(f"  let k_begin = split * {u(per)};")
+        lines.append(f"  let k_end = min(k_begin + {u(per)}, {u(g.k)});")
+        k_begin, k_end = "k_begin", "k_end"
     else:
-        lines.append(f"  for (var k0 = 0u; k0 < {u(g.k)}; k0 = k0 + {u(t.bk)}) {{")
-    lines += stage_a.load() + stage_b.load()
-    lines.append("    workgroupBarrier();")
-    for kk in range(t.bk):
-        lines.append("    {")
-        lines += [
-            f"      let a{gi} = As[{u(kk * t.bm // 4 + gi * t.ty)} + ty];"
-            for gi in range(t.tm // 4)
-        ]
-        lines += [
-            f"      let b{h} = Bs[{u(kk * t.bn // 4 + h * t.tx)} + tx];" for h in range(t.tn // 4)
-        ]
-        lines += [f"      acc{gi}{i}{h} += a{gi}.{'xyzw'[i]} * b{h};" for gi, i, h in acc]
-        lines.append("    }")
-    lines += ["    workgroupBarrier();", "  }"]
+        k_begin, k_end = "0u", u(g.k)
+    lines += k_loop(stage_a, stage_b, t.bk, k_begin, k_end, multiply, plan.prefetch, plan.deep)
     lines += _store(kb, out, t, g, acc, target, splits > 1, bias)
     flops = 2 * g.m * g.n * g.k * g.groups
+    buffers = 2 if plan.prefetch else 1
     helpers = (
-        f"var<workgroup> As: array<vec4<f32>, {t.bk * t.bm // 4}>;\n"
-        f"var<workgroup> Bs: array<vec4<f32>, {t.bk * t.bn // 4}>;\n"
+        f"var<workgroup> As: array<vec4<f32>, {buffers * stage_a.slots}>;\n"
+        f"var<workgroup> Bs: array<vec4<f32>, {buffers * stage_b.slots}>;\n"
     )
-    shared = 4 * t.bk * (t.bm + t.bn)
+    shared = shared_bytes(t, plan.prefetch)
     if shared > kb.limits.max_workgroup_storage_size:
-        raise ValueError(f"conv GEMM tile needs {shared} B of workgroup memory; limit is lower")
+        raise ValueError(
+            f"conv GEMM tile {t.bm}x{t.bn}x{t.bk} needs {shared} B of workgroup memory; the "
+            f"limit is {kb.limits.max_workgroup_storage_size}"
+        )
     groups = tiles_m * tiles_n * g.groups * splits
     body = "\n".join(s for s in lines if s)
     main = kb.finish(f"gemm{suffix}", body, THREADS, groups, helpers, flops=flops)
@@ -268,74 +414,6 @@ def _sum_splits(
     )
     groups = -(-total // per)
     return kb.finish(f"sum_splits{suffix}", body, THREADS, groups, helpers, flops=splits * total)
-
-
-@dataclass(frozen=True)
-class _Stage:
-    """Staging of one operand's ``bk x span`` tile: ``span * bk / 4`` vec4 slots, slot
-    ``lid + 256 r`` for rep ``r`` (threads past the last slot skip the store but still meet
-    every barrier)."""
-
-    op: Operand
-    p: str
-    shared: str
-    span: int
-    bk: int
-    extent: int
-    k: int
-    tile: str
-
-    @property
-    def slots(self) -> int:
-        return self.span * self.bk // 4
-
-    def reps(self) -> range:
-        return range(-(-self.slots // THREADS))
-
-    def setup(self) -> list[str]:
-        """Which k and which 4 lines each rep stages, and the per-line setup."""
-        p, runs, lines = self.p, self.span // 4, []
-        for r in self.reps():
-            slot = "lid" if r == 0 else f"(lid + {u(r * THREADS)})"
-            if self.op.along_k:
-                lines += [f"  let l{p}{r}_k = {slot} % {u(self.bk)};"]
-                lines += [f"  let l{p}{r}_r = {slot} / {u(self.bk)};"]
-            else:
-                lines += [f"  let l{p}{r}_r = {slot} % {u(runs)};"]
-                lines += [f"  let l{p}{r}_k = {slot} / {u(runs)};"]
-            lines.append(f"  let {p}{r}_first = {self.tile} * {u(self.span)} + l{p}{r}_r * 4u;")
-            for jj in range(4):
-                j = 4 * r + jj
-                lines += ["  " + s for s in self.op.line(j, f"({p}{r}_first + {u(jj)})")]
-                if self.extent % self.span:
-                    lines.append(f"  let {p}_in{j} = {p}{r}_first + {u(jj)} < {u(self.extent)};")
-        return lines
-
-    def load(self) -> list[str]:
-        p, lines = self.p, []
-        for r in self.reps():
-            body = [f"let {p}_k{r} = k0 + l{p}{r}_k;"] + self.op.kstep(str(r), f"{p}_k{r}")
-            vals = []
-            for jj in range(4):
-                j = 4 * r + jj
-                stmts, index, conds = self.op.element(j, str(r))
-                body += stmts
-                conds = list(conds)
-                if self.extent % self.span:
-                    conds.append(f"{p}_in{j}")
-                if self.k % self.bk:
-                    conds.append(f"{p}_k{r} < {u(self.k)}")
-                at, ok = self.op.src.at, all_of(conds) if conds else ""
-                vals.append(guarded_read(at, index, ok, "0.0") if conds else at(index))
-            dst = f"{self.shared}[l{p}{r}_k * {u(self.span // 4)} + l{p}{r}_r]"
-            body.append(f"{dst} = vec4<f32>({', '.join(vals)});")
-            first_skipped = (r + 1) * THREADS > self.slots
-            if first_skipped:
-                lines.append(f"    if (lid + {u(r * THREADS)} < {u(self.slots)}) {{")
-                lines += ["      " + s for s in body] + ["    }"]
-            else:
-                lines += ["    " + s for s in body]
-        return lines
 
 
 def _store(

@@ -29,7 +29,7 @@ from ..core.builder import KernelBuilder
 from ..core.layout import PER_THREAD, WG, element_slots
 from ..core.literals import u
 from ..elementwise.maps import lower_fill
-from .gemm import Gemm, Operand, Output, choose_tiling, emit_gemm, plan_splits
+from .gemm import Gemm, Operand, Output, emit_gemm, plan_gemm
 
 
 def _div(e: str, n: int) -> str:
@@ -203,7 +203,7 @@ def backward_input_partials(graph: Graph, node_id: int, limits: Limits):
     if node.type.numel == 0 or v.stride != (1, 1):
         return None
     g = Gemm(v.cg, v.n * v.hw, v.ocg * v.kk, v.groups)
-    splits, _ = plan_splits(g, choose_tiling(g, limits.cpu), limits)
+    splits = plan_gemm(g, limits).splits
     if splits == 1:
         return None
     chw = v.c * v.hw
