@@ -1,0 +1,97 @@
+"""Horizontal matmul fusion on the tiled kernel (``codegen.wgsl.matmul.tiled_group``): M > 8
+rows, matmuls sharing a left operand and the norm producing it as one dispatch.
+
+Plans are forced (the CPU adapter's own plan for M > 8 is the ``simd`` kernel, which does not
+group), so the fused and unfused programs run the same tile. Without a norm prologue each
+product's K order is the unfused kernel's, so results are compared exactly; with one, within
+f32 rounding of ``rstd``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meganeura.codegen.kernel import Limits
+from meganeura.codegen.wgsl.matmul.plan import force_plan
+from meganeura.compile import CompileOptions, compile
+from meganeura.graph.builder import GraphBuilder
+from meganeura.ops import functional as F
+from meganeura.ops.activation import silu
+from meganeura.ops.norm import rms_norm
+
+from .test_fuse_matmul import BIG, _attention_in, _check, _mlp_in, _ops, _plan
+
+
+@pytest.fixture
+def plan(request):
+    force_plan(request.param)
+    yield request.param
+    force_plan(None)
+
+
+# ---- planning (no GPU) ------------------------------------------------------------------------
+@pytest.mark.parametrize("plan", ["64x64x16"], indirect=True)
+def test_qkv_of_many_rows_and_their_norm_become_one_dispatch(plan):
+    g, (grp,), sched = _plan(_attention_in(m=70, k=40))
+    assert _ops(g, grp.members) == ["rms_norm", "matmul", "matmul", "matmul"]
+    assert len(sched.dispatches) == 1 and "nst" in sched.dispatches[0][1].wgsl
+    assert len(compile(_attention_in(m=70, k=40), CompileOptions(fuse=False), BIG).dispatches) == 4
+
+
+@pytest.mark.parametrize("plan", ["128x128x8/d2"], indirect=True)
+def test_two_product_segments_take_a_smaller_per_thread_tile(plan):
+    from meganeura.codegen.wgsl.matmul.tiled_group import group_plan
+
+    g, (grp,), sched = _plan(_mlp_in(m=20, k=32, n=48))
+    assert [len(s.anchors) for s in grp.segments] == [2]
+    assert group_plan(g, grp, BIG).tiling.name == "128x64x16"  # 8x4 per thread, two sets
+    assert len(sched.dispatches) == 2
+
+
+def test_split_k_members_group_unsplit_on_gpu_plans():
+    # SmolLM2's prefill shapes are tuned to split K; the group runs them unsplit
+    from meganeura.codegen.wgsl.matmul.tiled_group import group_plan
+
+    g, (grp,), sched = _plan(_attention_in(m=128, k=576), Limits(max_workgroup_storage_size=49152))
+    assert len(sched.dispatches) == 1
+    assert group_plan(g, grp, Limits(max_workgroup_storage_size=49152)).splits == 1
+
+
+# ---- execution (GPU) --------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["64x64x16", "128x64x16/np", "128x128x8/d2"], indirect=True)
+@pytest.mark.parametrize("norm", ["rms", "layer", None], ids=lambda n: n or "no_norm")
+@pytest.mark.parametrize("k", [48, 30], ids=lambda k: f"k{k}")  # vec4 and scalar loads
+def test_qkv_values_match_the_unfused_program(gpu_device, plan, norm, k):
+    # M = 70: not a multiple of any tile; N = k, k / 2, k / 2: ragged columns
+    _check(_attention_in(70, k, norm), gpu_device, kernels=1, exact=norm is None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["64x64x16", "128x128x8"], indirect=True)
+def test_silu_gate_times_up_values_match_the_unfused_program(gpu_device, plan):
+    _check(_mlp_in(37, 64, 96), gpu_device, kernels=2, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["64x64x16"], indirect=True)
+def test_weights_stored_k_by_n_and_epilogues_per_segment(gpu_device, plan):
+    b = GraphBuilder()
+    x = b.input("x", (19, 40))
+    r = b.input("r", (19, 24))
+    b.output("a", F.sigmoid(x @ b.parameter("a.weight", (40, 72))))  # [K, N], 2 column tiles
+    b.output("s", silu(F.linear(x, b.parameter("s.weight", (24, 40)))) + r)
+    b.output("g", F.linear(x, b.parameter("g.weight", (8, 40))))
+    _check(b.build(), gpu_device, kernels=1, exact=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["64x64x16"], indirect=True)
+def test_many_row_tiles_with_the_norm_prologue(gpu_device, plan):
+    # 150 rows: three row tiles, each workgroup's statistics its own rows'
+    b = GraphBuilder()
+    x = b.input("x", (150, 36))
+    h = rms_norm(x, 36, b.parameter("ln.weight", (36,)), eps=1e-6)
+    for name, n in (("q", 130), ("k", 36), ("v", 20)):
+        b.output(name, F.linear(h, b.parameter(f"{name}.weight", (n, 36))))
+    _check(b.build(), gpu_device, kernels=1, exact=False)
