@@ -34,7 +34,7 @@ def plan(request):
 def test_qkv_of_many_rows_and_their_norm_become_one_dispatch(plan):
     g, (grp,), sched = _plan(_attention_in(m=70, k=40))
     assert _ops(g, grp.members) == ["rms_norm", "matmul", "matmul", "matmul"]
-    assert len(sched.dispatches) == 1 and "nst" in sched.dispatches[0][1].wgsl
+    assert len(sched.dispatches) == 1 and "<workgroup> nst" in sched.dispatches[0][1].wgsl
     assert len(compile(_attention_in(m=70, k=40), CompileOptions(fuse=False), BIG).dispatches) == 4
 
 
@@ -95,3 +95,28 @@ def test_many_row_tiles_with_the_norm_prologue(gpu_device, plan):
     for name, n in (("q", 130), ("k", 36), ("v", 20)):
         b.output(name, F.linear(h, b.parameter(f"{name}.weight", (n, 36))))
     _check(b.build(), gpu_device, kernels=1, exact=False)
+
+
+@pytest.mark.gpu
+def test_smollm2_prefill_group_kernels_validate_on_h200_limits(gpu_device):
+    """SmolLM2's prefill (128 rows) on the H200's limits: each layer's norm + q/k/v and norm +
+    gate/up (+ silu * up) are one tiled dispatch each, valid WGSL for naga (shader modules
+    only: their workgroup memory exceeds lavapipe's)."""
+    import numpy as np
+
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
+    from meganeura.nn.compiled import trace_call
+
+    from ..codegen.test_splitk_deferred import H200
+
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, vocab_size=512))
+    model.setup_cache(1, 256)
+    ids = np.zeros((1, 128), np.int32)
+    kw = {"cache_position": np.int32(0), "logits_to_keep": 1, "greedy": True}
+    program = compile(trace_call(model, model.forward, (ids,), kw).graph, CompileOptions(), H200)
+    names = [d.name for d in program.dispatches]
+    merged = [d for d in program.dispatches if "var<workgroup> nst" in d.wgsl]
+    assert [d.name.split()[0].count("+") for d in merged] == [3, 4]  # norm+q+k+v, +g+u+silu+mul
+    assert sum("rms_norm" in n for n in names) == 1  # the final norm only
+    for d in merged:
+        gpu_device.gpu.create_shader_module(code=d.wgsl)

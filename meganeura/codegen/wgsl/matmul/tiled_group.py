@@ -18,7 +18,7 @@ unfused program's whenever its plans do not split K.
 Plan (``group_plan``). ``choose_plan`` for (M, K, sum of the members' N): the group fills the
 GPU as one product that wide would. Split-K is dropped: the group runs unsplit (the partials
 of several products and a prologue in one pass would need a summing dispatch per product
-again); ``SPLIT_MEMBERS`` False keeps products whose own plan splits K out of groups instead
+again); ``set_split_members(False)`` keeps products whose own plan splits K out of groups instead
 (they stay with ``split_group``'s shared partials dispatch). A segment of two or more products
 takes the largest tiling of at most ``MAX_ACCUMULATORS`` accumulators per thread over all its
 products (8x8 per thread with two products would be 128), same BM preferred. A plan whose
@@ -51,8 +51,15 @@ from .plan import SMALL, TILINGS, WG, Plan, Tiling, choose_plan
 from .problem import Operand, Problem, bind_operand, problem_of, vec_ok
 from .tiled import emit_tiled
 
-SPLIT_MEMBERS = True  # products whose own plan splits K join groups (which run unsplit)
+SPLIT_MEMBERS = [True]  # products whose own plan splits K join groups (``set_split_members``)
 MAX_ACCUMULATORS = 64  # per thread, over the products of a segment
+
+
+def set_split_members(on: bool) -> None:
+    """Let products whose own plan splits K join tiled groups (run unsplit there), or keep them
+    out (``split_group`` and deferred sums handle them), for programs compiled from now on
+    (benchmark A/B and the split-K tests)."""
+    SPLIT_MEMBERS[:] = [bool(on)]
 
 
 def _member(graph: Graph, node_id: int, limits: Limits) -> Problem | None:
@@ -64,7 +71,7 @@ def _member(graph: Graph, node_id: int, limits: Limits) -> Problem | None:
     if p.nb != 1 or is_constant(graph, p.a.value) or is_constant(graph, p.b.value):
         return None
     plan = choose_plan(p.m, p.k, p.n, p.nb, p.layout, limits)
-    if plan.kernel != "tiled" or (plan.splits > 1 and not SPLIT_MEMBERS):
+    if plan.kernel != "tiled" or (plan.splits > 1 and not SPLIT_MEMBERS[0]):
         return None
     return p
 
@@ -72,7 +79,7 @@ def _member(graph: Graph, node_id: int, limits: Limits) -> Problem | None:
 def tiled_key(graph: Graph, node_id: int, limits: Limits) -> tuple | None:
     """``plan_matmul_groups``'s key for a matmul this kernel can join: (left operand's value,
     its row and column strides, M, K, ``"tiled"``), else None (gemv, simd or batched
-    products, constant operands; with ``SPLIT_MEMBERS`` False, split-K plans)."""
+    products, constant operands; with ``set_split_members(False)``, split-K plans)."""
     p = _member(graph, node_id, limits)
     if p is None:
         return None
