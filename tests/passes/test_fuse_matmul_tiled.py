@@ -68,7 +68,7 @@ def test_qkv_values_match_the_unfused_program(gpu_device, plan, norm, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", ["64x64x16", "128x128x8"], indirect=True)
+@pytest.mark.parametrize("plan", ["64x64x16", "128x128x8", "128x128x8/d2"], indirect=True)
 def test_silu_gate_times_up_values_match_the_unfused_program(gpu_device, plan):
     _check(_mlp_in(37, 64, 96), gpu_device, kernels=2, exact=False)
 
@@ -120,3 +120,45 @@ def test_smollm2_prefill_group_kernels_validate_on_h200_limits(gpu_device):
     assert sum("rms_norm" in n for n in names) == 1  # the final norm only
     for d in merged:
         gpu_device.gpu.create_shader_module(code=d.wgsl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["64x64x16"], indirect=True)
+def test_llama_forward_and_training_step_match_transformers(gpu_device, plan):
+    """A 2-layer Llama on 12 tokens with tiled plans: the forward's norm + q/k/v and norm +
+    gate/up groups (prologues), the training step's forward groups (norms stored for the
+    backward) against transformers in float64."""
+    import numpy as np
+    import torch
+    import transformers
+
+    import meganeura as mn
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
+
+    cfg = dict(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=100000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    mn.manual_seed(7)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    state = model.state_dict()
+    tokens = np.random.default_rng(3).integers(0, 96, (1, 13))
+    ids, labels = tokens[:, :-1], tokens[:, 1:].copy()
+    ref = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**cfg, attn_implementation="eager")
+    ).to(torch.float64)
+    ref.load_state_dict({k: torch.from_numpy(v).double() for k, v in state.items()}, strict=False)
+    out = ref(torch.from_numpy(ids)).logits
+    want_loss = torch.nn.functional.cross_entropy(out.reshape(-1, 96), torch.from_numpy(labels)[0])
+    want_loss.backward()
+    got = model(ids.astype(np.int32))
+    want = out.detach().numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    tr = mn.Trainer(model, mn.optim.SGD(lr=0.0), lm_loss, device=gpu_device)
+    loss, grads = tr.step(ids, labels, return_grads=True)
+    assert abs(loss - want_loss.item()) <= 1e-5
+    named = dict(ref.named_parameters())
+    for name, g in grads.items():
+        w = named[name].grad.numpy()
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * np.abs(w).max(), err_msg=name)

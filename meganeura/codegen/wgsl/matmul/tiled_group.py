@@ -18,10 +18,12 @@ unfused program's whenever its plans do not split K.
 Plan (``group_plan``). ``choose_plan`` for (M, K, sum of the members' N): the group fills the
 GPU as one product that wide would. Split-K is dropped: the group runs unsplit (the partials
 of several products and a prologue in one pass would need a summing dispatch per product
-again); ``set_split_members(False)`` keeps products whose own plan splits K out of groups instead
-(they stay with ``split_group``'s shared partials dispatch). A segment of two or more products
-takes the largest tiling of at most ``MAX_ACCUMULATORS`` accumulators per thread over all its
-products (8x8 per thread with two products would be 128), same BM preferred. A plan whose
+again); a product whose own plan splits K joins only when K <= ``SPLIT_MEMBERS_MAX_K`` (the
+H200 figures are there), and ``set_split_members(False)`` keeps every such product out of
+groups (they stay with ``split_group``'s shared partials dispatch and deferred sums). A group
+with a segment of two or more products takes the largest tiling of at most
+``MAX_ACCUMULATORS`` accumulators per thread over all its products (8x8 per thread with two
+products would be 128), the same BM preferred. A plan whose
 workgroup memory exceeds the adapter's drops its second buffer, then falls back to 64x64x16.
 
 Prologue. Before branching, every workgroup computes the statistics of its BM rows of the
@@ -52,6 +54,13 @@ from .problem import Operand, Problem, bind_operand, problem_of, vec_ok
 from .tiled import emit_tiled
 
 SPLIT_MEMBERS = [True]  # products whose own plan splits K join groups (``set_split_members``)
+# The longest K of a product whose own plan splits K that still joins a group (run unsplit).
+# The H200 sweep (bench/results/sweeps/matmul_sweep_small_h200.json, 128 rows, 64x64x16) has
+# unsplit products latency-bound by their chain of K steps, about the same time whatever the
+# grid: K = 576 31-32 us against 19-22 us split 8 ways (two dispatches, timed together), a gap
+# the group wins back by the dispatches it removes (the norm, the partials' sums); K = 1536
+# 68 us against 31 us, so longer K stays split (``split_group``, deferred sums).
+SPLIT_MEMBERS_MAX_K = 1024
 MAX_ACCUMULATORS = 64  # per thread, over the products of a segment
 
 
@@ -71,7 +80,9 @@ def _member(graph: Graph, node_id: int, limits: Limits) -> Problem | None:
     if p.nb != 1 or is_constant(graph, p.a.value) or is_constant(graph, p.b.value):
         return None
     plan = choose_plan(p.m, p.k, p.n, p.nb, p.layout, limits)
-    if plan.kernel != "tiled" or (plan.splits > 1 and not SPLIT_MEMBERS[0]):
+    if plan.kernel != "tiled":
+        return None
+    if plan.splits > 1 and (not SPLIT_MEMBERS[0] or p.k > SPLIT_MEMBERS_MAX_K):
         return None
     return p
 
@@ -79,7 +90,8 @@ def _member(graph: Graph, node_id: int, limits: Limits) -> Problem | None:
 def tiled_key(graph: Graph, node_id: int, limits: Limits) -> tuple | None:
     """``plan_matmul_groups``'s key for a matmul this kernel can join: (left operand's value,
     its row and column strides, M, K, ``"tiled"``), else None (gemv, simd or batched
-    products, constant operands; with ``set_split_members(False)``, split-K plans)."""
+    products, constant operands; products whose plan splits K over more than
+    ``SPLIT_MEMBERS_MAX_K``, or at all with ``set_split_members(False)``)."""
     p = _member(graph, node_id, limits)
     if p is None:
         return None
