@@ -8,10 +8,14 @@ is traced and compiled with ``H200`` limits (``Limits.cpu`` False, so the GPU's 
 and split-K apply), and its dispatch list is counted by kernel kind.
 
 ``--split-sums dispatch`` compiles split-K products with their own summing dispatch (the
-program before ``codegen.wgsl.matmul.deferred``), for before/after figures from one commit.
+program before ``codegen.wgsl.matmul.deferred``), for before/after figures from one commit;
+``--split-members apart`` keeps products whose plan splits K out of tiled matmul groups
+(``codegen.wgsl.matmul.tiled_group.set_split_members``: the programs before those groups, on
+the H200's plans). ``--parts w1fwd``: W1's ``fwd_seq128`` (128 tokens, full logits, no cache).
 
-Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet[,whisper,smolvla]] [--quick]
-                                       [--json FILE] [--split-sums deferred|dispatch]
+Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet[,whisper,smolvla,w1fwd]]
+                                       [--quick] [--json FILE] [--split-sums deferred|dispatch]
+                                       [--split-members join|apart]
 """
 
 from __future__ import annotations
@@ -186,12 +190,29 @@ def smolvla(quick: bool):
     return compile(traced.graph, options, H200)
 
 
+def w1fwd(quick: bool):
+    """W1's ``fwd_seq128`` as ``bench/workloads.py`` compiles it (strict, shared parameters;
+    ``--quick``: the CPU-sized case, ``fwd_seq16``)."""
+    import meganeura as mn
+    from bench.workloads_lib.registry import WORKLOADS
+    from meganeura.compile import CompileOptions, compile
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    wl = WORKLOADS["w1"]
+    case = wl.case("fwd_seq16" if quick else "fwd_seq128", quick)
+    model = wl.build_ours(case, quick)
+    traced = trace_call(model, model.forward, wl.batch(case, quick), {})
+    return compile(traced.graph, CompileOptions(shared_parameters=True), H200)
+
+
 PARTS = {
     "prefill": prefill,
     "train": train,
     "resnet": resnet,
     "whisper": whisper,
     "smolvla": smolvla,
+    "w1fwd": w1fwd,
 }
 
 
@@ -201,11 +222,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="also write the counts to this file")
     ap.add_argument("--split-sums", choices=("deferred", "dispatch"), default="deferred")
+    ap.add_argument("--split-members", choices=("join", "apart"), default="join")
     args = ap.parse_args()
-    from meganeura.codegen.wgsl.matmul import deferred
+    from meganeura.codegen.wgsl.matmul import deferred, tiled_group
 
     deferred.set_enabled(args.split_sums == "deferred")
-    result = {"split_sums": args.split_sums}
+    tiled_group.set_split_members(args.split_members == "join")
+    result = {"split_sums": args.split_sums, "split_members": args.split_members}
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))
         print(f"== {part}: {c['dispatches']} dispatches")
