@@ -23,8 +23,9 @@ H200 figures are there), and ``set_split_members(False)`` keeps every such produ
 groups (they stay with ``split_group``'s shared partials dispatch and deferred sums). A group
 with a segment of two or more products takes the largest tiling of at most
 ``MAX_ACCUMULATORS`` accumulators per thread over all its products (8x8 per thread with two
-products would be 128), the same BM preferred. A plan whose
-workgroup memory exceeds the adapter's drops its second buffer, then falls back to 64x64x16.
+products would be 128), the same BM preferred; a segment of five or more products has none,
+and its matmuls stay apart. A plan whose workgroup memory exceeds the adapter's drops its
+second buffer, then falls back to 64x64x16.
 
 Prologue. Before branching, every workgroup computes the statistics of its BM rows of the
 norm's input: ``WG / BM`` threads per row stride it (vec4 loads when K % 4 == 0) and their
@@ -112,7 +113,8 @@ def _shared_bytes(t: Tiling, prefetch: bool, products: int, norm: bool) -> int:
 
 def group_plan(graph: Graph, group: MatmulGroup, limits: Limits) -> Plan | None:
     """The group's plan (module docstring), or None when even 64x64x16 without prefetch
-    exceeds the adapter's workgroup memory."""
+    exceeds the adapter's workgroup memory, or a segment's products exceed
+    ``MAX_ACCUMULATORS`` with every tiling."""
     probs = [problem_of(graph, a) for seg in group.segments for a in seg.anchors]
     p = probs[0]
     plan = choose_plan(p.m, p.k, sum(q.n for q in probs), 1, p.layout, limits)
@@ -123,6 +125,8 @@ def group_plan(graph: Graph, group: MatmulGroup, limits: Limits) -> Plan | None:
     t = plan.tiling
     if products > 1 and t.tm * t.tn * products > MAX_ACCUMULATORS:
         fits = [s for s in TILINGS.values() if s.tm * s.tn * products <= MAX_ACCUMULATORS]
+        if not fits:  # five or more products in one segment: left apart
+            return None
         t = max(fits, key=lambda s: (s.bm == t.bm, s.tm * s.tn, s.bn == t.bn, s.bk))
         plan = replace(plan, tiling=t)
     norm = group.norm is not None
@@ -134,7 +138,8 @@ def group_plan(graph: Graph, group: MatmulGroup, limits: Limits) -> Plan | None:
 
 
 def tiled_group_fits(graph: Graph, group: MatmulGroup, limits: Limits) -> bool:
-    """Whether the group's kernel fits the adapter's workgroup memory."""
+    """Whether the group's kernel fits the adapter's workgroup memory and registers
+    (``group_plan``)."""
     return group_plan(graph, group, limits) is not None
 
 
@@ -260,7 +265,7 @@ def lower_tiled_group(graph: Graph, group: MatmulGroup, limits: Limits) -> list[
 
     Raises:
         ValueError: as the members' own lowerings would, for a value too large to bind, or
-            when no plan fits the adapter's workgroup memory.
+            when no plan fits (``group_plan`` None: ``tiled_group_fits`` was not asked).
     """
     members = set(group.members)
     for mid in group.members:
@@ -271,7 +276,10 @@ def lower_tiled_group(graph: Graph, group: MatmulGroup, limits: Limits) -> list[
             check_numel(graph, mid, limits)
     plan = group_plan(graph, group, limits)
     if plan is None:
-        raise ValueError(f"matmul group {group.members}: no tile fits the workgroup memory")
+        raise ValueError(
+            f"matmul group {group.members}: no tiling fits the workgroup memory "
+            f"({limits.max_workgroup_storage_size} B) and {MAX_ACCUMULATORS} accumulators"
+        )
     t = plan.tiling
     kb = KernelBuilder(graph, graph[group.anchor], limits)
     bodies = []
