@@ -50,11 +50,20 @@ def test_two_product_segments_take_a_smaller_per_thread_tile(plan):
 
 def test_split_k_members_group_unsplit_on_gpu_plans():
     # SmolLM2's prefill shapes are tuned to split K; the group runs them unsplit
+    from meganeura.codegen.wgsl.matmul import tiled_group
     from meganeura.codegen.wgsl.matmul.tiled_group import group_plan
 
-    g, (grp,), sched = _plan(_attention_in(m=128, k=576), Limits(max_workgroup_storage_size=49152))
+    gpu = Limits(max_workgroup_storage_size=49152)
+    g, (grp,), sched = _plan(_attention_in(m=128, k=576), gpu)
     assert len(sched.dispatches) == 1
-    assert group_plan(g, grp, Limits(max_workgroup_storage_size=49152)).splits == 1
+    assert group_plan(g, grp, gpu).splits == 1
+    # a longer K stays split (SPLIT_MEMBERS_MAX_K), and so does every split product when asked
+    assert _plan(_attention_in(m=128, k=1536), gpu)[1] == []
+    tiled_group.set_split_members(False)
+    try:
+        assert _plan(_attention_in(m=128, k=576), gpu)[1] == []
+    finally:
+        tiled_group.set_split_members(True)
 
 
 # ---- execution (GPU) --------------------------------------------------------------------------
