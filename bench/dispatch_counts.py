@@ -2,17 +2,21 @@
 timing: SmolLM2-135M prefill (128 tokens into a 512-slot cache, last token's argmax, as
 ``bench/llm_profile.py``), its training step (seq 128, AdamW, as ``Trainer``), ResNet-50's
 training step at batch 4 (SGD, cross-entropy), and on request W1's ``fwd_seq128``
-(``--parts fwd128``: the same model's 128-token forward without a cache, full logits),
+(``--parts w1fwd``: the same model's 128-token forward without a cache, full logits),
 whisper-tiny's training step (``--parts whisper``: 30 s of features, 32 tokens, SGD) and the
 SmolVLA action expert's (``--parts smolvla``: W2's ``train_chunk50``). Random weights; each
 program is traced and compiled with ``H200`` limits (``Limits.cpu`` False, so the GPU's matmul
 plans and split-K apply), and its dispatch list is counted by kernel kind.
 
 ``--split-sums dispatch`` compiles split-K products with their own summing dispatch (the
-program before ``codegen.wgsl.matmul.deferred``), for before/after figures from one commit.
+program before ``codegen.wgsl.matmul.deferred``), for before/after figures from one commit;
+``--split-members apart`` keeps products whose plan splits K out of tiled matmul groups
+(``codegen.wgsl.matmul.tiled_group.set_split_members``: the programs before those groups, on
+the H200's plans).
 
-Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet[,fwd128,whisper,smolvla]]
+Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet[,w1fwd,whisper,smolvla]]
                                        [--quick] [--json FILE] [--split-sums deferred|dispatch]
+                                       [--split-members join|apart]
 """
 
 from __future__ import annotations
@@ -82,23 +86,6 @@ def prefill(quick: bool):
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq), np.int32)
     kwargs = {"cache_position": np.asarray(0, np.int32), "logits_to_keep": 1, "greedy": True}
     traced = trace_call(model, model.forward, (ids,), kwargs)
-    return compile(traced.graph, CompileOptions(shared_parameters=True), H200)
-
-
-def fwd128(quick: bool):
-    """W1's ``fwd_seq128``: SmolLM2-135M's forward over 128 tokens without a KV cache, full
-    logits (``--quick``: 2 layers, vocab 4096, 16 tokens)."""
-    import meganeura as mn
-    from meganeura.compile import CompileOptions, compile
-    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
-    from meganeura.nn.compiled import trace_call
-
-    mn.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=2, vocab_size=4096) if quick else LlamaConfig()
-    model = LlamaForCausalLM(cfg)
-    seq = 16 if quick else 128
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq), np.int32)
-    traced = trace_call(model, model.forward, (ids,), {})
     return compile(traced.graph, CompileOptions(shared_parameters=True), H200)
 
 
@@ -204,13 +191,29 @@ def smolvla(quick: bool):
     return compile(traced.graph, options, H200)
 
 
+def w1fwd(quick: bool):
+    """W1's ``fwd_seq128`` as ``bench/workloads.py`` compiles it (strict, shared parameters;
+    ``--quick``: the CPU-sized case, ``fwd_seq16``)."""
+    import meganeura as mn
+    from bench.workloads_lib.registry import WORKLOADS
+    from meganeura.compile import CompileOptions, compile
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    wl = WORKLOADS["w1"]
+    case = wl.case("fwd_seq16" if quick else "fwd_seq128", quick)
+    model = wl.build_ours(case, quick)
+    traced = trace_call(model, model.forward, wl.batch(case, quick), {})
+    return compile(traced.graph, CompileOptions(shared_parameters=True), H200)
+
+
 PARTS = {
     "prefill": prefill,
-    "fwd128": fwd128,
     "train": train,
     "resnet": resnet,
     "whisper": whisper,
     "smolvla": smolvla,
+    "w1fwd": w1fwd,
 }
 
 
@@ -220,11 +223,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="also write the counts to this file")
     ap.add_argument("--split-sums", choices=("deferred", "dispatch"), default="deferred")
+    ap.add_argument("--split-members", choices=("join", "apart"), default="join")
     args = ap.parse_args()
-    from meganeura.codegen.wgsl.matmul import deferred
+    from meganeura.codegen.wgsl.matmul import deferred, tiled_group
 
     deferred.set_enabled(args.split_sums == "deferred")
-    result = {"split_sums": args.split_sums}
+    tiled_group.set_split_members(args.split_members == "join")
+    result = {"split_sums": args.split_sums, "split_members": args.split_members}
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))
         print(f"== {part}: {c['dispatches']} dispatches")

@@ -6,10 +6,13 @@ count, the host-timed ``Session.run`` (median of 10 after 3 warm-ups, inputs fed
 time per kernel from timestamp queries grouped by op and the 25 longest dispatches.
 
 ``--split-sums dispatch`` gives split-K products their own summing dispatch again (the
-programs before ``codegen.wgsl.matmul.deferred``), for an A/B on one commit.
+programs before ``codegen.wgsl.matmul.deferred``), for an A/B on one commit; ``--split-members
+apart`` keeps products whose plan splits K out of tiled matmul groups (the programs before
+``codegen.wgsl.matmul.tiled_group``: norm, split partials and sums as separate dispatches).
 
 Usage: python bench/llm_profile.py [--parts prefill,train] [--quick] [--out FILE]
                                    [--split-sums deferred|dispatch]
+                                   [--split-members join|apart]
 """
 
 from __future__ import annotations
@@ -46,11 +49,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--split-sums", choices=("deferred", "dispatch"), default="deferred")
+    ap.add_argument("--split-members", choices=("join", "apart"), default="join")
     args = ap.parse_args()
     import meganeura as mn
-    from meganeura.codegen.wgsl.matmul import deferred
+    from meganeura.codegen.wgsl.matmul import deferred, tiled_group
 
     deferred.set_enabled(args.split_sums == "deferred")
+    tiled_group.set_split_members(args.split_members == "join")
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
     from meganeura.nn.compiled import CompiledModule
 
@@ -59,7 +64,7 @@ def main() -> None:
     model = LlamaForCausalLM(cfg)
     seq = 16 if args.quick else 128
     out = open(args.out, "w") if args.out else sys.stdout
-    out.write(f"split-K sums: {args.split_sums}\n")
+    out.write(f"split-K sums: {args.split_sums}, split members: {args.split_members}\n")
     parts = args.parts.split(",")
     if "prefill" in parts:
         ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq), np.int32)

@@ -10,8 +10,9 @@ output element, so the epilogue reads both accumulators and the gate activation 
 stored. When ``x`` is a ``rms_norm`` or ``layer_norm`` over its last dim read by nothing but
 the group's matmuls, the norm joins the group as a *prologue*: every workgroup recomputes
 the rows' statistics and normalizes ``x`` as it loads it, and the normalized value is never
-stored. Which matmuls qualify (the small-M ``gemv`` kernel, one dispatch, weights stored
-[N, K]) is the kernel's choice, passed in as ``key``.
+stored. Which matmuls qualify (the small-M ``gemv`` kernel, weights stored [N, K]; the
+``tiled`` kernel for M > 8, unbatched, ``codegen.wgsl.matmul.tiled_group``) is the kernels'
+choice, passed in as ``key``.
 
 Invariants of every ``MatmulGroup`` (each check conservative; a rejected merge keeps the
 groups ``plan_fusion`` made):
@@ -20,8 +21,9 @@ groups ``plan_fusion`` made):
   * a segment's matmuls have one output shape; each epilogue member broadcasts to it; a
     member reads other members only directly (not through views), and only members of its
     own segment, or the norm as a matmul's left operand; no right operand is a member;
-  * every node outside the group reading a member (through views) comes after the group's
-    last member, where the kernel runs; the norm has no such reader and is no graph output;
+  * every node outside the group reading a member (through views, and through nodes without
+    a kernel) comes after the group's last member, where the kernel runs; the norm has no
+    such reader and is no graph output;
   * no op with in-place effects lies between the first and the last member;
   * with ``max_bindings``, the kernel binds at most that many storage buffers (external
     inputs, views resolved and constants inlined, plus stored members).
@@ -110,6 +112,15 @@ class _Merger:
     def readers(self, vid: int) -> list[int]:
         return _readers(self.graph, self.users, vid)
 
+    def kernel_readers(self, vid: int) -> list[int]:
+        """The readers of ``vid`` that get kernels: a node without one (a ``permute`` folded
+        into its reader, as a prefill's q reshaped into heads for ``rope_cache``) passes the
+        read on to its own readers."""
+        out = []
+        for r in self.readers(vid):
+            out.extend([r] if self.needed[r] else self.kernel_readers(r))
+        return out
+
     def stored(self, members: set[int], m: int) -> bool:
         return m in self.out_roots or any(r not in members for r in self.readers(m))
 
@@ -155,7 +166,7 @@ class _Merger:
             return None
         stored = {m for m in members if m != norm and self.stored(members, m)}
         for m in members:
-            if any(r not in members and r < last for r in self.readers(m)):
+            if any(r not in members and r < last for r in self.kernel_readers(m)):
                 return None
         out = []
         for ks in segments.values():
@@ -220,8 +231,9 @@ def plan_matmul_groups(
         groups: ``plan_fusion``'s groups (matmul anchors become units with their epilogue).
         needed: per node, whether it gets kernels.
         key: matmul node id -> a key equal for matmuls one kernel can compute together
-            (``horizontal.gemv_key``: the bound left operand, strides, M, K), None when the
-            matmul cannot join a group; the left operand's value id must be ``key[0]``.
+            (``horizontal.gemv_key``: the bound left operand, strides, M, K;
+            ``tiled_group.tiled_key`` adds a tag), None when the matmul cannot join a group;
+            the left operand's value id, strides, M and K must be ``key[:5]``.
         max_bindings: the adapter's storage-buffer limit per kernel (None: no bound).
         norm_max_k: the longest norm row absorbed as a prologue (0: none).
         accept: the kernel's last word on a group (``horizontal.group_fits``: workgroup
@@ -265,10 +277,10 @@ def plan_matmul_groups(
 
 
 def _prologue_ok(graph: Graph, key: tuple, needed: Sequence[bool], max_k: int) -> bool:
-    """Whether the left operand of ``key`` ((value, row stride, column stride, M, K)) is a
+    """Whether the left operand of ``key`` ((value, row stride, column stride, M, K, ...)) is a
     needed norm over rows of its last dim, of K <= ``max_k`` elements, read as M contiguous
     rows of K."""
-    value, rows, cols, m, k = key
+    value, rows, cols, m, k = key[:5]
     nid = resolve_view(graph, value)
     node = graph[nid]
     if node.op not in NORM_OPS or not needed[nid] or node.attr("normalized_ndim") != 1:

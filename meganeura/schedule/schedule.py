@@ -6,11 +6,12 @@ constant inlining and transpose folding), resolves views (``reshape``, ``stop_gr
 the value whose buffer they share, and measures each value's lifetime in dispatch positions.
 
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
-pairs attention gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges small-M matmuls
-sharing a left operand, with the norm producing it, and ``passes.rope_cache`` joins rotary
-embeddings and KV-cache writes, and in a decode step, or a forward without a cache, the
-attention reading them); a group is lowered as one kernel (``codegen.wgsl.elementwise.fused``,
-``codegen.wgsl.matmul.horizontal``, ``attention.rope_cache``, ``attention.rope_attention``,
+pairs attention gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges matmuls
+sharing a left operand (small-M gemv ones, and tiled ones: ``matmul.tiled_group``), with the
+norm producing it, and ``passes.rope_cache`` joins rotary embeddings and KV-cache writes, and
+in a decode step, or a forward without a cache, the attention reading them); a group is
+lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
+``codegen.wgsl.matmul.tiled_group``, ``attention.rope_cache``, ``attention.rope_attention``,
 ``attention.rope_prefill``) at its last member's position (an
 attention forward paired with its backward's ``..._lse`` node, ``plan_attention_lse``: at the
 forward's),
@@ -52,6 +53,12 @@ from ..codegen.wgsl.matmul.deferred import SplitPartials, plan_deferred_sums
 from ..codegen.wgsl.matmul.horizontal import NORM_MAX_K, gemv_key, group_fits, lower_matmul_group
 from ..codegen.wgsl.matmul.lowering import lower_matmul
 from ..codegen.wgsl.matmul.split_group import SplitGroup, lower_split_group, plan_split_groups
+from ..codegen.wgsl.matmul.tiled_group import (
+    is_tiled_group,
+    lower_tiled_group,
+    tiled_group_fits,
+    tiled_key,
+)
 from ..codegen.wgsl.norm.lowering import norm_act_fusible
 from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
@@ -140,10 +147,14 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             graph,
             fused,
             needed,
-            lambda n: gemv_key(graph, n, limits),
+            lambda n: gemv_key(graph, n, limits) or tiled_key(graph, n, limits),
             max_bindings=bound,
             norm_max_k=NORM_MAX_K,
-            accept=lambda g: group_fits(graph, g, limits),
+            accept=lambda g: (
+                tiled_group_fits(graph, g, limits)
+                if is_tiled_group(g, graph, limits)
+                else group_fits(graph, g, limits)
+            ),
         )
         rope = plan_rope_cache(graph, needed, max_bindings=bound)
         rope = attach_attention(
@@ -261,6 +272,8 @@ def _lower_all(
                 kernels = lower_forward_lse(graph, first, second, limits) if at_first else []
             elif node.id != group.sink:
                 kernels = []
+            elif isinstance(group, MatmulGroup) and is_tiled_group(group, graph, limits):
+                kernels = lower_tiled_group(graph, group, limits)
             elif isinstance(group, MatmulGroup):
                 kernels = lower_matmul_group(graph, group, limits)
             elif group.anchor is not None and graph[group.anchor].op == ROPE:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from meganeura.codegen.kernel import Limits
-from meganeura.codegen.wgsl.matmul import deferred
+from meganeura.codegen.wgsl.matmul import deferred, tiled_group
 from meganeura.codegen.wgsl.matmul.plan import force_plan
 from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
@@ -27,6 +27,15 @@ H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=10
               max_storage_buffer_binding_size=2**31 - 4, max_storage_buffers_per_shader_stage=1024,
               max_buffer_size=2**40, shader_f16=True, subgroups=True)  # fmt: skip
 SPLIT = "64x64x16/s4"
+
+
+@pytest.fixture(autouse=True)
+def split_members_apart():
+    """Split-K products stay out of tiled matmul groups (``tiled_group``), which would run
+    them unsplit: these tests are about the split-K paths."""
+    tiled_group.set_split_members(False)
+    yield
+    tiled_group.set_split_members(True)
 
 
 @pytest.fixture

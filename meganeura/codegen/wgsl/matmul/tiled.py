@@ -27,12 +27,16 @@ read leaves its binding (shader modules are created without naga's bounds checks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from ..core.builder import KernelBuilder, all_of, guarded_read
 from ..core.literals import u
 from .plan import THREADS, WG, Plan
-from .problem import Operand, Problem, Store, bind_operands, vec_ok
+from .problem import Operand, Problem, Store, bind_operand, bind_operands, vec_ok
+
+# (every product's value, flat output index, column) -> the statements storing an element
+MultiStore = Callable[[list[str], str, str], str]
 
 
 def _times(expr: str, n: int) -> str:
@@ -161,10 +165,40 @@ class _Stage:
 ABLATE: list[str] = []
 
 
+def _want_b(p: Problem, b: Operand) -> bool:
+    b_k = b.rows == 1
+    return vec_ok(b, p.k if b_k else p.n, b.cols if b_k else b.rows)
+
+
+def _b_stage(kb: KernelBuilder, p: Problem, b: Operand, j: int, t, want: bool) -> _Stage:
+    """Product j's B stage: prefix ``b`` (``b{j}`` for j > 0), workgroup tile ``Bs{j}``."""
+    pre, shared = ("b", "Bs") if j == 0 else (f"b{j}", f"Bs{j}")
+    return _Stage(kb, b, pre, shared, t.bn, t.bk, p.n, p.k, "tile_n", b.cols, b.rows,
+                  b.vec and want)  # fmt: skip
+
+
+def _acc(j: int) -> str:
+    return "acc" if j == 0 else f"acc{j}_"
+
+
 def emit_tiled(
-    kb: KernelBuilder, p: Problem, plan: Plan, splits: int, chunk: int, store: Store
+    kb: KernelBuilder,
+    p: Problem,
+    plan: Plan,
+    splits: int,
+    chunk: int,
+    store: Store | MultiStore,
+    extra_b: Sequence[Operand] = (),
+    a_bound: bool = False,
 ) -> tuple[str, str, int]:
     """Bind A and B and emit the kernel body.
+
+    Args:
+        extra_b: right operands of further products with ``p``'s A, M, N and K (no batch),
+            computed by the same threads into their own accumulators (``tiled_group``); then
+            ``store`` is a ``MultiStore`` given every product's value of an element.
+        a_bound: ``p.a`` is bound already (or reads computed values, ``tiled_group``'s norm
+            prologue): only B is bound here.
 
     Returns:
         (body, workgroup-memory declarations, workgroups).
@@ -173,14 +207,20 @@ def emit_tiled(
         ValueError: when the tile's workgroup memory exceeds the adapter's limit.
     """
     t = plan.tiling
-    a_k, b_k = p.a.cols == 1, p.b.rows == 1
+    if extra_b and p.nb != 1:
+        raise ValueError("products sharing one tile's threads must have no batch")
+    a_k = p.a.cols == 1
     want_a = vec_ok(p.a, p.k if a_k else p.m, p.a.rows if a_k else p.a.cols)
-    want_b = vec_ok(p.b, p.k if b_k else p.n, p.b.cols if b_k else p.b.rows)
-    p = bind_operands(kb, p, want_a, want_b)
+    wants = [_want_b(p, b) for b in (p.b, *extra_b)]
+    if a_bound:
+        p = replace(p, b=bind_operand(kb, p.b, wants[0], "b"))
+    else:
+        p = bind_operands(kb, p, want_a, wants[0])
+    bs = [p.b] + [bind_operand(kb, b, w, f"b{j}") for j, (b, w) in enumerate(
+        zip(extra_b, wants[1:], strict=True), 1)]  # fmt: skip
     sa = _Stage(kb, p.a, "a", "As", t.bm, t.bk, p.m, p.k, "tile_m", p.a.rows, p.a.cols,
                 p.a.vec and want_a)  # fmt: skip
-    sb = _Stage(kb, p.b, "b", "Bs", t.bn, t.bk, p.n, p.k, "tile_n", p.b.cols, p.b.rows,
-                p.b.vec and want_b)  # fmt: skip
+    sbs = [_b_stage(kb, p, b, j, t, w) for j, (b, w) in enumerate(zip(bs, wants, strict=True))]
     tiles_m, tiles_n = -(-p.m // t.bm), -(-p.n // t.bn)
     mn = tiles_m * tiles_n
     lines = [
@@ -190,90 +230,102 @@ def emit_tiled(
     ]
     lines += p.k_range(mn * p.nb, splits, chunk)
     lines += p.offsets()
+    lines += [f"  let {sb.p}_off = b_off;" for sb in sbs[1:]]
     lines += [f"  let tx = lid % {u(THREADS)};", f"  let ty = lid / {u(THREADS)};"]
     deep = plan.prefetch and plan.deep and not ABLATE
-    lines += sa.setup(plan.prefetch, deep) + sb.setup(plan.prefetch, deep)
+    stages = [sa, *sbs]
+    for st in stages:
+        lines += st.setup(plan.prefetch, deep)
     acc = [(g, i, h) for g in range(t.tm // 4) for i in range(4) for h in range(t.tn // 4)]
-    lines += [f"  var acc{g}{i}{h} = vec4<f32>(0.0);" for g, i, h in acc]
+    products = range(len(sbs))
+    lines += [f"  var {_acc(j)}{g}{i}{h} = vec4<f32>(0.0);" for j in products for g, i, h in acc]
 
     ablate = ABLATE[0] if ABLATE else ""
     if ablate == "no_shared":
         lines += [f"  let ra{g} = As[{u(g * THREADS)} + ty];" for g in range(t.tm // 4)]
         lines += [f"  let rb{h} = Bs[{u(h * THREADS)} + tx];" for h in range(t.tn // 4)]
 
-    def multiply(cur_a: str, cur_b: str) -> list[str]:
+    def b_name(j: int, h: int) -> str:
+        return f"b{h}" if j == 0 else f"b{j}_{h}"
+
+    def multiply(cur_a: str, cur_b: list[str]) -> list[str]:
         out = []
         for kk in range(t.bk):
             out.append("    {")
             if ablate == "no_shared":
                 out += [f"      let a{g} = ra{g};" for g in range(t.tm // 4)]
-                out += [f"      let b{h} = rb{h};" for h in range(t.tn // 4)]
-                out += [f"      acc{g}{i}{h} += a{g}.{'xyzw'[i]} * b{h};" for g, i, h in acc]
-                out.append("    }")
-                continue
+                out += [f"      let {b_name(j, h)} = rb{h};" for j in products
+                        for h in range(t.tn // 4)]  # fmt: skip
+            else:
+                out += [
+                    f"      let a{g} = As[{cur_a}{u(kk * sa.row4 + g * THREADS)} + ty];"
+                    for g in range(t.tm // 4)
+                ]
+                out += [
+                    f"      let {b_name(j, h)} = "
+                    f"{sb.shared}[{cur_b[j]}{u(kk * sb.row4 + h * THREADS)} + tx];"
+                    for j, sb in enumerate(sbs)
+                    for h in range(t.tn // 4)
+                ]
             out += [
-                f"      let a{g} = As[{cur_a}{u(kk * sa.row4 + g * THREADS)} + ty];"
-                for g in range(t.tm // 4)
+                f"      {_acc(j)}{g}{i}{h} += a{g}.{'xyzw'[i]} * {b_name(j, h)};"
+                for j in products
+                for g, i, h in acc
             ]
-            out += [
-                f"      let b{h} = Bs[{cur_b}{u(kk * sb.row4 + h * THREADS)} + tx];"
-                for h in range(t.tn // 4)
-            ]
-            out += [f"      acc{g}{i}{h} += a{g}.{'xyzw'[i]} * b{h};" for g, i, h in acc]
             out.append("    }")
         return out
 
+    def fetch(k0: str, declare: bool = False) -> list[str]:
+        return [line for st in stages for line in st.fetch(k0, declare)]
+
     step = f"k0 = k0 + {u(t.bk)}"
+    none = [""] * len(sbs)
     if deep:
-        lines += _deep_loop(sa, sb, t.bk, multiply)
+        lines += _deep_loop(sa, sbs, t.bk, multiply)
         buffers = 2
     elif plan.prefetch and not ablate:
-        lines += sa.fetch("k_begin", False) + sb.fetch("k_begin", False)
-        lines += sa.stash("") + sb.stash("")
+        lines += fetch("k_begin")
+        lines += [line for st in stages for line in st.stash("")]
         lines += ["  workgroupBarrier();", "  var par = 0u;"]
         lines.append(f"  for (var k0 = k_begin; k0 < k_end; {step}) {{")
-        lines += [
-            f"    let cur_a = par * {u(sa.size)};",
-            f"    let cur_b = par * {u(sb.size)};",
-            f"    let more = k0 + {u(t.bk)} < k_end;",
-            "    if (more) {",
-        ]
-        lines += sa.fetch(f"k0 + {u(t.bk)}", False) + sb.fetch(f"k0 + {u(t.bk)}", False)
+        lines.append(f"    let cur_a = par * {u(sa.size)};")
+        lines += [f"    let cur_{sb.p} = par * {u(sb.size)};" for sb in sbs]
+        lines += [f"    let more = k0 + {u(t.bk)} < k_end;", "    if (more) {"]
+        lines += fetch(f"k0 + {u(t.bk)}")
         lines.append("    }")
-        lines += multiply("cur_a + ", "cur_b + ")
+        lines += multiply("cur_a + ", [f"cur_{sb.p} + " for sb in sbs])
         lines.append("    if (more) {")
-        lines += sa.stash(f"{u(sa.size)} - cur_a + ") + sb.stash(f"{u(sb.size)} - cur_b + ")
+        lines += [line for st in stages for line in st.stash(f"{u(st.size)} - cur_{st.p} + ")]
         lines += ["    }", "    workgroupBarrier();", "    par = 1u - par;", "  }"]
         buffers = 2
     elif ablate:
         lines.append(f"  for (var k0 = k_begin; k0 < k_end; {step}) {{")
         lines.append("    workgroupBarrier();")
-        lines += multiply("", "")
+        lines += multiply("", none)
         lines += ["    workgroupBarrier();", "  }"]
         buffers = 1
     else:
         lines.append(f"  for (var k0 = k_begin; k0 < k_end; {step}) {{")
-        lines += sa.fetch("k0", True) + sb.fetch("k0", True)
-        lines += sa.stash("") + sb.stash("")
+        lines += fetch("k0", True)
+        lines += [line for st in stages for line in st.stash("")]
         lines.append("    workgroupBarrier();")
-        lines += multiply("", "")
+        lines += multiply("", none)
         lines += ["    workgroupBarrier();", "  }"]
         buffers = 1
-    lines += _store(store, t, p.m, p.n, acc)
-    shared = 16 * buffers * (sa.size + sb.size)
+    lines += _store(store, t, p.m, p.n, acc, len(sbs))
+    shared = 16 * buffers * sum(st.size for st in stages)
     if shared > kb.limits.max_workgroup_storage_size:
         raise ValueError(
             f"matmul tile {t.name} needs {shared} B of workgroup memory; the limit is "
             f"{kb.limits.max_workgroup_storage_size}"
         )
-    helpers = (
-        f"var<workgroup> As: array<vec4<f32>, {buffers * sa.size}>;\n"
-        f"var<workgroup> Bs: array<vec4<f32>, {buffers * sb.size}>;\n"
+    helpers = "".join(
+        f"var<workgroup> {st.shared}: array<vec4<f32>, {buffers * st.size}>;\n" for st in stages
     )
     return "\n".join(lines), helpers, mn * p.nb * splits
 
 
-def _deep_loop(sa: _Stage, sb: _Stage, bk: int, multiply) -> list[str]:
+def _deep_loop(sa: _Stage, sbs: list[_Stage], bk: int, multiply) -> list[str]:
     """The K loop with two-deep prefetch, two K steps per iteration.
 
     Buffers alternate by step (A's first half of ``As`` for even steps, second for odd), so
@@ -281,12 +333,13 @@ def _deep_loop(sa: _Stage, sb: _Stage, bk: int, multiply) -> list[str]:
     t + 2 are issued before step t multiplies and stored after step t + 1 does. Each store goes
     to the buffer whose last reads ended at the barrier before it.
     """
+    stages = [sa, *sbs]
 
     def fetch(k0: str, reg: str) -> list[str]:
-        return sa.fetch(k0, False, reg) + sb.fetch(k0, False, reg)
+        return [line for st in stages for line in st.fetch(k0, False, reg)]
 
     def stash(half: int, reg: str) -> list[str]:
-        return sa.stash(f"{u(half * sa.size)} + ", reg) + sb.stash(f"{u(half * sb.size)} + ", reg)
+        return [line for st in stages for line in st.stash(f"{u(half * st.size)} + ", reg)]
 
     def ahead(n: int) -> str:
         return f"k0 + {u(n * bk)} < k_end"
@@ -296,17 +349,17 @@ def _deep_loop(sa: _Stage, sb: _Stage, bk: int, multiply) -> list[str]:
     lines += ["  }", "  workgroupBarrier();"]
     lines.append(f"  for (var k0 = k_begin; k0 < k_end; k0 = k0 + {u(2 * bk)}) {{")
     lines += [f"    if ({ahead(2)}) {{"] + fetch(f"k0 + {u(2 * bk)}", "v") + ["    }"]
-    lines += multiply(f"{u(0)} + ", f"{u(0)} + ")
+    lines += multiply(f"{u(0)} + ", [f"{u(0)} + " for _ in sbs])
     lines += [f"    if ({ahead(1)}) {{"] + stash(1, "w") + ["    }", "    workgroupBarrier();"]
     lines += [f"    if (!({ahead(1)})) {{ break; }}"]
     lines += [f"    if ({ahead(3)}) {{"] + fetch(f"k0 + {u(3 * bk)}", "w") + ["    }"]
-    lines += multiply(f"{u(sa.size)} + ", f"{u(sb.size)} + ")
+    lines += multiply(f"{u(sa.size)} + ", [f"{u(sb.size)} + " for sb in sbs])
     lines += [f"    if ({ahead(2)}) {{"] + stash(0, "v") + ["    }", "    workgroupBarrier();"]
     lines.append("  }")
     return lines
 
 
-def _store(store: Store, t, m: int, n: int, acc) -> list[str]:
+def _store(store: Store | MultiStore, t, m: int, n: int, acc, products: int = 1) -> list[str]:
     lines = []
     for g, i, h in acc:
         row = f"tile_m * {u(t.bm)} + {u(g * 4 * THREADS + i)} + ty * 4u"
@@ -317,7 +370,9 @@ def _store(store: Store, t, m: int, n: int, acc) -> list[str]:
         lines.append(f"    let o = c_off + row * {u(n)} + col;")
         stores = []
         for c in range(4):
-            s = store(f"acc{g}{i}{h}.{'xyzw'[c]}", f"o + {u(c)}", f"col + {u(c)}")
+            vals = [f"{_acc(j)}{g}{i}{h}.{'xyzw'[c]}" for j in range(products)]
+            value = vals if products > 1 else vals[0]
+            s = store(value, f"o + {u(c)}", f"col + {u(c)}")  # type: ignore[arg-type]
             stores.append(f"if (col + {u(c)} < {u(n)}) {{ {s} }}" if n % t.bn else s)
         body = " ".join(stores)
         lines.append(f"    if (row < {u(m)}) {{ {body} }}" if m % t.bm else f"    {body}")
