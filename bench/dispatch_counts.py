@@ -10,9 +10,9 @@ plans and split-K apply), and its dispatch list is counted by kernel kind.
 
 ``--split-sums dispatch`` compiles split-K products with their own summing dispatch (the
 program before ``codegen.wgsl.matmul.deferred``), for before/after figures from one commit;
-``--split-members apart`` keeps products whose plan splits K out of tiled matmul groups
-(``codegen.wgsl.matmul.tiled_group.set_split_members``: the programs before those groups, on
-the H200's plans).
+``--split-members join`` lets products whose plan splits K join tiled matmul groups, run
+unsplit there (``codegen.wgsl.matmul.tiled_group.set_split_members``; the default ``apart``
+keeps them split, as the H200 timed faster).
 
 Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet[,w1fwd,whisper,smolvla]]
                                        [--quick] [--json FILE] [--split-sums deferred|dispatch]
@@ -223,7 +223,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="also write the counts to this file")
     ap.add_argument("--split-sums", choices=("deferred", "dispatch"), default="deferred")
-    ap.add_argument("--split-members", choices=("join", "apart"), default="join")
+    ap.add_argument("--split-members", choices=("join", "apart"), default="apart")
     args = ap.parse_args()
     from meganeura.codegen.wgsl.matmul import deferred, tiled_group
 

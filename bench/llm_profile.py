@@ -7,8 +7,9 @@ time per kernel from timestamp queries grouped by op and the 25 longest dispatch
 
 ``--split-sums dispatch`` gives split-K products their own summing dispatch again (the
 programs before ``codegen.wgsl.matmul.deferred``), for an A/B on one commit; ``--split-members
-apart`` keeps products whose plan splits K out of tiled matmul groups (the programs before
-``codegen.wgsl.matmul.tiled_group``: norm, split partials and sums as separate dispatches).
+join`` lets products whose plan splits K join tiled matmul groups, run unsplit there
+(``codegen.wgsl.matmul.tiled_group``; the default, ``apart``, keeps them split: the H200 timed
+the prefill at 5.48-5.73 ms joined against 4.26-4.33 apart).
 
 Usage: python bench/llm_profile.py [--parts prefill,train] [--quick] [--out FILE]
                                    [--split-sums deferred|dispatch]
@@ -49,7 +50,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--split-sums", choices=("deferred", "dispatch"), default="deferred")
-    ap.add_argument("--split-members", choices=("join", "apart"), default="join")
+    ap.add_argument("--split-members", choices=("join", "apart"), default="apart")
     args = ap.parse_args()
     import meganeura as mn
     from meganeura.codegen.wgsl.matmul import deferred, tiled_group

@@ -33,9 +33,10 @@ SPLIT = "64x64x16/s4"
 def split_members_apart():
     """Split-K products stay out of tiled matmul groups (``tiled_group``), which would run
     them unsplit: these tests are about the split-K paths."""
+    old = tiled_group.SPLIT_MEMBERS[0]
     tiled_group.set_split_members(False)
     yield
-    tiled_group.set_split_members(True)
+    tiled_group.set_split_members(old)
 
 
 @pytest.fixture

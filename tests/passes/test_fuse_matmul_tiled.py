@@ -48,22 +48,23 @@ def test_two_product_segments_take_a_smaller_per_thread_tile(plan):
     assert len(sched.dispatches) == 2
 
 
-def test_split_k_members_group_unsplit_on_gpu_plans():
-    # SmolLM2's prefill shapes are tuned to split K; the group runs them unsplit
+def test_split_k_members_stay_apart_by_default_and_group_unsplit_when_asked():
+    # SmolLM2's prefill shapes are tuned to split K: by default they keep their split (the
+    # H200 timed the prefill slower with them joined); asked, the group runs them unsplit
     from meganeura.codegen.wgsl.matmul import tiled_group
     from meganeura.codegen.wgsl.matmul.tiled_group import group_plan
 
     gpu = Limits(max_workgroup_storage_size=49152)
-    g, (grp,), sched = _plan(_attention_in(m=128, k=576), gpu)
-    assert len(sched.dispatches) == 1
-    assert group_plan(g, grp, gpu).splits == 1
-    # a longer K stays split (SPLIT_MEMBERS_MAX_K), and so does every split product when asked
-    assert _plan(_attention_in(m=128, k=1536), gpu)[1] == []
-    tiled_group.set_split_members(False)
+    assert _plan(_attention_in(m=128, k=576), gpu)[1] == []
+    tiled_group.set_split_members(True)
     try:
-        assert _plan(_attention_in(m=128, k=576), gpu)[1] == []
+        g, (grp,), sched = _plan(_attention_in(m=128, k=576), gpu)
+        assert len(sched.dispatches) == 1
+        assert group_plan(g, grp, gpu).splits == 1
+        # a longer K stays split (SPLIT_MEMBERS_MAX_K)
+        assert _plan(_attention_in(m=128, k=1536), gpu)[1] == []
     finally:
-        tiled_group.set_split_members(True)
+        tiled_group.set_split_members(False)
 
 
 # ---- execution (GPU) --------------------------------------------------------------------------
@@ -108,11 +109,13 @@ def test_many_row_tiles_with_the_norm_prologue(gpu_device, plan):
 
 @pytest.mark.gpu
 def test_smollm2_prefill_group_kernels_validate_on_h200_limits(gpu_device):
-    """SmolLM2's prefill (128 rows) on the H200's limits: each layer's norm + q/k/v and norm +
-    gate/up (+ silu * up) are one tiled dispatch each, valid WGSL for naga (shader modules
-    only: their workgroup memory exceeds lavapipe's)."""
+    """SmolLM2's prefill (128 rows) on the H200's limits with split products joined
+    (``set_split_members(True)``): each layer's norm + q/k/v and norm + gate/up (+ silu * up)
+    are one tiled dispatch each, valid WGSL for naga (shader modules only: their workgroup
+    memory exceeds lavapipe's)."""
     import numpy as np
 
+    from meganeura.codegen.wgsl.matmul import tiled_group
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
     from meganeura.nn.compiled import trace_call
 
@@ -122,7 +125,12 @@ def test_smollm2_prefill_group_kernels_validate_on_h200_limits(gpu_device):
     model.setup_cache(1, 256)
     ids = np.zeros((1, 128), np.int32)
     kw = {"cache_position": np.int32(0), "logits_to_keep": 1, "greedy": True}
-    program = compile(trace_call(model, model.forward, (ids,), kw).graph, CompileOptions(), H200)
+    graph = trace_call(model, model.forward, (ids,), kw).graph
+    tiled_group.set_split_members(True)
+    try:
+        program = compile(graph, CompileOptions(), H200)
+    finally:
+        tiled_group.set_split_members(False)
     names = [d.name for d in program.dispatches]
     merged = [d for d in program.dispatches if "var<workgroup> nst" in d.wgsl]
     assert [d.name.split()[0].count("+") for d in merged] == [3, 4]  # norm+q+k+v, +g+u+silu+mul

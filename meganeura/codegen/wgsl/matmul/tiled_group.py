@@ -18,9 +18,12 @@ unfused program's whenever its plans do not split K.
 Plan (``group_plan``). ``choose_plan`` for (M, K, sum of the members' N): the group fills the
 GPU as one product that wide would. Split-K is dropped: the group runs unsplit (the partials
 of several products and a prologue in one pass would need a summing dispatch per product
-again); a product whose own plan splits K joins only when K <= ``SPLIT_MEMBERS_MAX_K`` (the
-H200 figures are there), and ``set_split_members(False)`` keeps every such product out of
-groups (they stay with ``split_group``'s shared partials dispatch and deferred sums). A group
+again), so by default a product whose own plan splits K stays out of groups (it keeps
+``split_group``'s shared partials dispatch and deferred sums): timed on the H200 (2026-12-03,
+``bench/llm_profile.py --parts prefill``, two runs each), SmolLM2's prefill took 5.48-5.73 ms
+with such products joined (249 dispatches) against 4.26-4.33 ms apart (429): the unsplit
+products' K chains cost more than the dispatches saved. ``set_split_members(True)`` lets them
+join when K <= ``SPLIT_MEMBERS_MAX_K``. A group
 with a segment of two or more products takes the largest tiling of at most
 ``MAX_ACCUMULATORS`` accumulators per thread over all its products (8x8 per thread with two
 products would be 128), the same BM preferred; a segment of five or more products has none,
@@ -54,7 +57,7 @@ from .plan import SMALL, TILINGS, WG, Plan, Tiling, choose_plan
 from .problem import Operand, Problem, bind_operand, problem_of, vec_ok
 from .tiled import emit_tiled
 
-SPLIT_MEMBERS = [True]  # products whose own plan splits K join groups (``set_split_members``)
+SPLIT_MEMBERS = [False]  # products whose own plan splits K join groups (``set_split_members``)
 # The longest K of a product whose own plan splits K that still joins a group (run unsplit).
 # The H200 sweep (bench/results/sweeps/matmul_sweep_small_h200.json, 128 rows, 64x64x16) has
 # unsplit products latency-bound by their chain of K steps, about the same time whatever the
