@@ -196,10 +196,13 @@ class Plan:
 # Register prefetch of the next K step (``stage.k_loop``) on GPU adapters; never on a CPU
 # adapter (``Limits.cpu``: a second workgroup buffer and more live registers buy nothing there,
 # as ``matmul.plan.cpu_plan`` found), nor where the doubled tiles exceed workgroup memory.
+# Two register sets (``stage._deep_loop``) where prefetch runs. The H200 sweep (2026-12-03,
+# ``bench/conv_sweep.py``, bench/results/conv_sweep_h200.json: ResNet-50 b4 and the U-Net
+# small b2, forward / grad-input / grad-weight of 40 shapes, the default plans' tilings and
+# splits): one-deep prefetch beat none in 104 of 117 products, two-deep beat one-deep in 93;
+# weighted network conv time, U-Net 2.222 ms without prefetch, 2.133 one-deep, 2.091 two-deep.
 PREFETCH = True
-# Two register sets (``stage._deep_loop``) where prefetch runs; off until the H200 sweep
-# (bench/conv_sweep.py) shows where it wins.
-DEEP = False
+DEEP = True  # not for LARGE tiles: ``plan_gemm``
 
 _forced: list[dict] = []
 _record: list[list[tuple[str, str]]] = []
@@ -272,7 +275,9 @@ def plan_gemm(g: Gemm, limits) -> Plan:
     prefetch = prefetch and g.k > 0
     if shared_bytes(t, prefetch) > limits.max_workgroup_storage_size:
         prefetch = False
-    deep = DEEP if f.get("deep") is None else f["deep"]
+    # two-deep where the sweep timed it (the 64x64 and 16x256 tiles; 128x128 keeps 64
+    # accumulators a thread and was not tried with a second register set)
+    deep = (DEEP and t != LARGE) if f.get("deep") is None else f["deep"]
     return Plan(t, splits, per, prefetch, prefetch and deep)
 
 
