@@ -11,7 +11,7 @@ here, for the CI smoke test) and merges their rows into
 Usage:
   python bench/workloads.py [--workloads w1,w3] [--cases fwd,train] [--precision strict]
       [--modes eager,compile] [--repeats 10] [--warmup 3] [--no-warm] [--profile]
-      [--machine h200] [--fresh] [--dry-run]
+      [--machine h200] [--fresh] [--dry-run] [--jobs 3]
   python bench/workloads.py --plot [--machine h200]     # docs/workloads_speedup_<machine>.png
   python bench/workloads.py --quick --in-process --modes eager   # lavapipe smoke run
 """
@@ -153,8 +153,9 @@ def header(args) -> dict:
 
 
 def measured_stamp(args) -> dict:
-    """``{"commit", "date"}`` stamped on every row: a file filled over several GPU sessions
-    says which commit each cell was measured at."""
+    """``{"commit", "date"}`` stamped on every row (and ``jobs`` when children overlapped): a
+    file filled over several GPU sessions says which commit each cell was measured at, and
+    how."""
     import datetime
     import subprocess
 
@@ -170,7 +171,10 @@ def measured_stamp(args) -> dict:
             ).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown"
-    return {"commit": commit, "date": datetime.datetime.now(datetime.UTC).date().isoformat()}
+    stamp = {"commit": commit, "date": datetime.datetime.now(datetime.UTC).date().isoformat()}
+    if not args.in_process and args.jobs > 1:
+        stamp["jobs"] = args.jobs  # overlapped children, measured sections quiet (gpu_lock)
+    return stamp
 
 
 def run(args) -> Path:
@@ -235,6 +239,9 @@ def run(args) -> Path:
 def main(argv=None) -> None:
     args = parse(argv)
     if args.cell:  # a child: one configuration
+        from bench.workloads_lib import gpu_lock
+
+        gpu_lock.started()
         from bench.workloads_lib.cell import main as cell_main
 
         doc = cell_main(args)

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import gates
 from .base import to_torch
-from .gpu_lock import gpu_phase
+from .gpu_lock import gpu_phase, quiet
 from .ours import compile_call, compile_grads, device_bytes, profile_text, program_flops
 from .registry import WORKLOADS
 
@@ -60,6 +60,14 @@ def timed(fn, sync, warmup: int, repeats: int) -> list[float]:
         sync()
         out.append((time.perf_counter() - t) * 1e3)
     return out
+
+
+def _measure(side: dict, sync, args) -> dict:
+    """{metric: stats} of ``args.warmup`` + ``args.repeats`` calls (a side's own ``measure``
+    where it has one: decode's per-token figures)."""
+    if "measure" in side:
+        return {k: stats(v) for k, v in side["measure"](args.warmup, args.repeats).items()}
+    return {"ms": stats(timed(side["run"], sync, args.warmup, args.repeats))}
 
 
 def _optimizer(spec):
@@ -226,25 +234,21 @@ def run_ours(wl, case, precision, args) -> dict:
     batch = wl.batch(case, args.quick)
     ref_model = wl.torch_model(case, args.quick, state)  # the gates' reference, on the CPU
     doc["lock_wait_s"] = gpu_phase()
-    side = _ours_side(wl, case, model, batch, precision, args.quick)
-    t = time.perf_counter()
-    side["first"]()
-    if "sync" in side:
-        side["sync"]()
-    doc["first_call_s"] = time.perf_counter() - t
-    if "stages" in side:
-        doc["stages"] = side["stages"]()
-    if args.compile_only:
-        return doc
-    doc["heat_calls"] = heat(side, side["sync"] or (lambda: None), args.warm_seconds)
-    t = time.perf_counter()
-    if "measure" in side:
-        doc["metrics"] = {
-            k: stats(v) for k, v in side["measure"](args.warmup, args.repeats).items()
-        }
-    else:
-        doc["metrics"] = {"ms": stats(timed(side["run"], side["sync"], args.warmup, args.repeats))}
-    doc["timing_wall_s"] = time.perf_counter() - t
+    with quiet():  # the measured section: no other child of the parent runs
+        side = _ours_side(wl, case, model, batch, precision, args.quick)
+        t = time.perf_counter()
+        side["first"]()
+        if "sync" in side:
+            side["sync"]()
+        doc["first_call_s"] = time.perf_counter() - t
+        if "stages" in side:
+            doc["stages"] = side["stages"]()
+        if args.compile_only:
+            return doc
+        doc["heat_calls"] = heat(side, side["sync"] or (lambda: None), args.warm_seconds)
+        t = time.perf_counter()
+        doc["metrics"] = _measure(side, side["sync"], args)
+        doc["timing_wall_s"] = time.perf_counter() - t
     sessions = side["sessions"]()
     doc["peak_bytes"] = device_bytes(sessions)
     doc["flops"] = program_flops(sessions) * (
@@ -285,32 +289,28 @@ def run_torch(wl, case, precision, mode, args) -> dict:
     m = wl.torch_model(case, args.quick)
     batch = wl.batch(case, args.quick)
     doc["lock_wait_s"] = gpu_phase()
-    m = m.to(dev)
-    batch = to_torch(batch, dev)
-    if case.kind in ("fwd", "train", "fwdbwd", "train_steps"):
-        side = steps(wl, case, m, batch, mode, dev)
-    else:
-        side = wl.custom_torch(case, m, batch, mode, dev)
+    with quiet():  # the measured section: no other child of the parent runs
+        m = m.to(dev)
+        batch = to_torch(batch, dev)
+        if case.kind in ("fwd", "train", "fwdbwd", "train_steps"):
+            side = steps(wl, case, m, batch, mode, dev)
+        else:
+            side = wl.custom_torch(case, m, batch, mode, dev)
 
-    def sync():
+        def sync():
+            if dev == "cuda":
+                torch.cuda.synchronize()
+
         if dev == "cuda":
-            torch.cuda.synchronize()
-
-    if dev == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    side["first"]() if "first" in side else side["run"]()
-    sync()
-    doc["first_call_s"] = time.perf_counter() - t
-    if args.compile_only:
-        return doc
-    doc["heat_calls"] = heat(side, sync, args.warm_seconds)
-    if "measure" in side:
-        doc["metrics"] = {
-            k: stats(v) for k, v in side["measure"](args.warmup, args.repeats).items()
-        }
-    else:
-        doc["metrics"] = {"ms": stats(timed(side["run"], sync, args.warmup, args.repeats))}
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        side["first"]() if "first" in side else side["run"]()
+        sync()
+        doc["first_call_s"] = time.perf_counter() - t
+        if args.compile_only:
+            return doc
+        doc["heat_calls"] = heat(side, sync, args.warm_seconds)
+        doc["metrics"] = _measure(side, sync, args)
     doc["peak_bytes"] = int(torch.cuda.max_memory_allocated()) if dev == "cuda" else None
     doc["device"] = dev
     doc["torch_model"] = f"{type(m).__module__}.{type(m).__name__}"

@@ -202,8 +202,10 @@ def merge_write(path: Path, rows: list[dict], header: dict, fresh: bool) -> Path
 
 
 def write_profiles(folder: Path, wl, case, precision, docs: dict) -> Path | None:
-    """The per-kernel profile of a cell where ours is slower than the best PyTorch mode."""
+    """The per-kernel profile of a cell where ours is slower than the best PyTorch mode; a
+    cell measured at least as fast removes its older profile (it no longer applies)."""
     ours = docs.get("ours", {})
+    path = folder / f"{wl.id}_{wl.name}_{case.name}_{precision}.txt"
     prof = ours.get("profile")
     metric = next(iter(ours.get("metrics") or {}), None)  # "ms", or "ms_per_token" (decode)
     mine = (ours.get("metrics") or {}).get(metric)
@@ -215,10 +217,11 @@ def write_profiles(folder: Path, wl, case, precision, docs: dict) -> Path | None
         if m != "ours" and metric in (d.get("metrics") or {})
     ]
     if not best or min(best)[0] >= mine["median"]:
+        if best and "error" not in ours:
+            path.unlink(missing_ok=True)
         return None
     t, mode = min(best)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{wl.id}_{wl.name}_{case.name}_{precision}.txt"
     path.write_text(
         f"{wl.title} {case.name} {precision}: ours {mine['median']:.3f} {metric}, best PyTorch "
         f"{mode} {t:.3f} ({t / mine['median']:.2f}x)\n{prof['text']}\n"

@@ -112,6 +112,34 @@ def estimate_seconds(items, args) -> float:
     return total
 
 
+class _Children:
+    """The live children of one ``run_configs``, kept in the pid file their ``quiet`` sections
+    read (``gpu_lock``); when one exits, every other is continued (``SIGCONT``), so a child
+    that dies inside its quiet section leaves none stopped."""
+
+    def __init__(self, path: str):
+        import threading
+
+        self.path, self.pids, self.lock = path, set(), threading.Lock()
+        gpu_lock.write_pids(path, ())
+
+    def add(self, pid: int) -> None:
+        with self.lock:
+            self.pids.add(pid)
+            gpu_lock.write_pids(self.path, self.pids)
+
+    def remove(self, pid: int) -> None:
+        import signal
+
+        with self.lock:
+            self.pids.discard(pid)
+            gpu_lock.write_pids(self.path, self.pids)
+            gpu_lock.signal_all(self.pids, signal.SIGCONT)
+
+
+_REGISTRY: dict[str | None, _Children] = {}  # pid file -> its registry (run_configs)
+
+
 def child(cell: str, args, env: dict, compile_only: bool = False) -> dict:
     """Run one configuration; its document (``error`` set when the child failed)."""
     from .cell import main as cell_main
@@ -128,11 +156,25 @@ def child(cell: str, args, env: dict, compile_only: bool = False) -> dict:
     cmd += ["--compile-only"] * compile_only
     cmd += ["--allow-cpu-compile"] * bool(args.allow_cpu_compile)
     t = time.perf_counter()
+    registry = _REGISTRY.get(env.get(gpu_lock.PIDS_ENV))
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        p = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        if registry is not None:
+            registry.add(p.pid)
+        try:
+            _, stderr = p.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
+        finally:
+            if registry is not None:
+                registry.remove(p.pid)
         doc = json.loads(Path(out).read_text()) if Path(out).stat().st_size else {}
         if p.returncode and "error" not in doc:
-            doc["error"] = f"child exited {p.returncode}: {p.stderr[-2000:]}"
+            doc["error"] = f"child exited {p.returncode}: {stderr[-2000:]}"
     except subprocess.TimeoutExpired:
         doc = {"error": f"timed out after {args.timeout} s"}
     except (OSError, json.JSONDecodeError) as e:
@@ -189,6 +231,7 @@ def _side(wl, case, precision, side, args, lock: str | None) -> dict:
         env = _env(cache, side)
         if lock is not None:
             env[gpu_lock.ENV] = lock
+            env[gpu_lock.PIDS_ENV] = lock + ".pids"
         doc = child(cell, args, env)
         if args.warm and not args.in_process and side not in ("eager", "eager_bf16"):
             if "error" not in doc and "skipped" not in doc:
@@ -214,10 +257,11 @@ def run_configs(items, args, log, deadline: float | None = None):
     ``deadline`` (``time.perf_counter()`` value); a started cell runs all its sides.
 
     ``args.jobs`` > 1 (not in-process) keeps up to that many children alive, started in
-    ``items`` order: their CPU-only start overlaps another child's measurement, and
-    ``gpu_lock`` serializes every GPU phase, so measurements never overlap (``lock_wait_s``
-    in each document: the time a child waited for the GPU, outside every figure). A child's
-    ``--timeout`` then covers its wait too: it is multiplied by ``jobs``.
+    ``items`` order, whose CPU-only start overlaps another child's unmeasured work
+    (``gpu_lock``: GPU phases take turns under one lock, and each measured section stops
+    every other child). ``lock_wait_s`` in each document is the time a child waited for the
+    GPU, outside every figure. A child's ``--timeout`` then covers its wait too: it is
+    multiplied by ``jobs``.
     """
     jobs = 1 if args.in_process else max(1, getattr(args, "jobs", 1))
     if jobs == 1:
@@ -251,20 +295,24 @@ def run_configs(items, args, log, deadline: float | None = None):
 
     with tempfile.TemporaryDirectory(prefix="mn-bench-lock-") as d:
         lock = os.path.join(d, "gpu.lock")
-        with ThreadPoolExecutor(jobs) as ex:
-            for item in items:
-                wl, case, p, modes = item
-                if deadline is not None and time.perf_counter() > deadline:
-                    break
-                futures = {}
-                for side in ["ours", *modes]:
-                    slots.acquire()
-                    futures[side] = ex.submit(task, wl, case, p, side, lock)
+        _REGISTRY[lock + ".pids"] = _Children(lock + ".pids")
+        try:
+            with ThreadPoolExecutor(jobs) as ex:
+                for item in items:
+                    wl, case, p, modes = item
+                    if deadline is not None and time.perf_counter() > deadline:
+                        break
+                    futures = {}
+                    for side in ["ours", *modes]:
+                        slots.acquire()
+                        futures[side] = ex.submit(task, wl, case, p, side, lock)
+                        yield from finished()
+                    pending.append((item, futures))
                     yield from finished()
-                pending.append((item, futures))
-                yield from finished()
-            for item, futures in list(pending):
-                yield item, {s: f.result() for s, f in futures.items()}
+                for item, futures in list(pending):
+                    yield item, {s: f.result() for s, f in futures.items()}
+        finally:
+            _REGISTRY.pop(lock + ".pids", None)
 
 
 def _line(cell, doc) -> str:

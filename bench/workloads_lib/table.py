@@ -155,10 +155,21 @@ def markdown(path: Path) -> str:
             + f" | {paper} | {_mib(peak.get('ours'))} / {_mib(torch_peak)} | "
             f"{'-' if tf is None else f'{tf:.3g}'} | {first} |"
         )
+
+    def _how(at: dict) -> str:
+        if not at.get("jobs"):
+            return ""
+        if at.get("quiet") is False:  # the first overlapped run, before quiet sections
+            return (
+                f", --jobs {at['jobs']} without quiet sections: host-bound eager and"
+                " torch.compile figures perturbed by the others' start"
+            )
+        return f", --jobs {at['jobs']}"
+
     stamps: dict = {}
     for (w, c, p, _), modes in _cells(rows).items():
         at = next(iter(modes.values())).get("measured") or {}
-        key = f"{at.get('commit', 'unrecorded')} ({at.get('date', '?')})"
+        key = f"{at.get('commit', 'unrecorded')} ({at.get('date', '?')}{_how(at)})"
         stamps.setdefault(key, []).append(f"{w} {c} {p}")
     if len(stamps) > 1:
         lines += [

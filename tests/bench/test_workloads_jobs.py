@@ -1,6 +1,7 @@
 """``bench/workloads.py --jobs N``: overlapped children whose GPU phases take turns.
 
-The lock is checked with real processes (their locked intervals must not overlap); the
+The lock and the quiet sections are checked with real processes (locked intervals never overlap;
+others stop during a quiet section and run again after it); the
 scheduler with a stand-in for a side's child (every cell yielded once with every side, at most
 N sides alive at once, no cell started after the deadline).
 """
@@ -109,3 +110,57 @@ def test_run_configs_starts_no_cell_after_the_deadline(monkeypatch):
     # the first cell started before the deadline and ran all three sides; no other started
     assert [it[0].id for it, _ in out] == ["w0"] and calls.count("w0") == 3
     assert set(calls) == {"w0"}
+
+
+_TICKER = textwrap.dedent(
+    """
+    import sys, time
+    while True:
+        with open(sys.argv[1], "w") as f:
+            f.write(repr(time.time()))
+        time.sleep(0.01)
+    """
+)
+
+
+def _ticks(path):
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def test_quiet_section_stops_the_other_children_and_continues_them(tmp_path, monkeypatch):
+    pids = tmp_path / "gpu.lock.pids"
+    ticks = [tmp_path / f"t{i}" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", _TICKER, str(t)]) for t in ticks]
+    try:
+        gpu_lock.write_pids(str(pids), [p.pid for p in procs] + [os.getpid()])
+        monkeypatch.setenv(gpu_lock.PIDS_ENV, str(pids))
+        deadline = time.time() + 30
+        while not all(_ticks(t) for t in ticks) and time.time() < deadline:
+            time.sleep(0.02)
+        with gpu_lock.quiet() as stopped:
+            assert stopped == 2  # itself excluded
+            time.sleep(0.1)
+            before = [_ticks(t) for t in ticks]
+            time.sleep(0.3)
+            assert [_ticks(t) for t in ticks] == before  # nothing ran
+        time.sleep(0.3)
+        assert all(_ticks(t) != b for t, b in zip(ticks, before, strict=True))  # running again
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_child_starts_only_once_listed(tmp_path, monkeypatch):
+    pids = tmp_path / "gpu.lock.pids"
+    gpu_lock.write_pids(str(pids), [])
+    monkeypatch.setenv(gpu_lock.PIDS_ENV, str(pids))
+    t = threading.Timer(0.3, gpu_lock.write_pids, (str(pids), [os.getpid()]))
+    t0 = time.perf_counter()
+    t.start()
+    gpu_lock.started()
+    assert time.perf_counter() - t0 >= 0.25
+    assert os.getpid() in gpu_lock.read_pids(str(pids))
