@@ -14,6 +14,10 @@ BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 
 
 def _fmt(v) -> str:
+    """A table cell: 4 significant digits; "-" where a row has no value (a case with no
+    PyTorch counterpart, as an A/B of two of our variants)."""
+    if v is None:
+        return "-"
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)

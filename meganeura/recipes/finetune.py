@@ -229,4 +229,6 @@ def _write_outputs(cfg: FinetuneConfig, model, summary: dict) -> None:
     if plot_losses(losses, out / "loss.png", title, window=max(1, len(losses) // 10)):
         summary["loss_plot"] = str(out / "loss.png")
     meta = {"config": asdict(cfg), **{k: v for k, v in summary.items() if k != "losses"}}
-    (out / "finetune.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    from ..io.checkpoint import write_atomic
+
+    write_atomic(out / "finetune.json", (json.dumps(meta, indent=2, default=str) + "\n").encode())
