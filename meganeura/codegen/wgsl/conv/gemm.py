@@ -22,10 +22,10 @@ workgroup tiles after it, one barrier per step; ``DEEP`` keeps two steps in flig
 staging and the K loop are ``stage.py``'s; the results are bit-identical either way.
 ``plan_gemm`` picks tiling, splits and prefetch per GEMM, in this order (``plan_source``):
 ``force_plan`` (sweeps, ``bench/conv_sweep.py``, and tests) overrides the rules; on a GPU
-adapter the plan measured best on the H200 for this (op, m, n, k, groups), ``tuned.TUNED``;
-else the rules (``choose_tiling``, ``plan_splits``, ``PREFETCH``, ``DEEP``), which also cover
-CPU adapters. ``record_plans`` lists what was picked, ``record_choices`` with the GEMM sizes
-and the source (``Program.meta["convs"]``).
+adapter the plan measured best on the H200 for this (kind of op, m, n, k, groups),
+``tuned.TUNED``; else the rules (``choose_tiling``, ``plan_splits``, ``PREFETCH``, ``DEEP``),
+which also cover CPU adapters. ``record_plans`` lists what was picked, ``record_choices``
+that with the GEMM sizes and the source (``Program.meta["convs"]``).
 
 Every thread of a workgroup runs every barrier; loads past M, N or K are zero by ``select``,
 and their index is selected to 0 as well, so no read leaves its binding (shader modules are
