@@ -29,9 +29,15 @@ variants, never its default, once its share is spent. The JSON
 after each shape; its keys are ``KEYS``, each shape's ``SHAPE_KEYS``, each part's
 ``PART_KEYS``.
 
+``--emit-table JSON`` prints ``meganeura/codegen/wgsl/conv/tuned.py``'s table from a sweep's
+JSON (the best variants >= 3% faster than today's rule plans, keyed by GEMM op and sizes) and
+what it buys per network, then exits (``bench/conv_table.py``; no GPU). The sweep itself
+times the rules: every variant runs under ``force_plan``, which the table yields to.
+
 Usage: python bench/conv_sweep.py [--quick] [--budget-s 200] [--repeats 5] [--warmup 2]
                                   [--only NAME ...] [--networks resnet50_b4,unet_small_b2]
                                   [--machine h200] [--out PATH]
+       python bench/conv_sweep.py --emit-table bench/results/conv_sweep_h200.json
 """
 
 from __future__ import annotations
@@ -200,7 +206,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--only", nargs="*", default=None, help="shape names to run")
     ap.add_argument("--networks", default=None, help="comma-separated network names")
     ap.add_argument("--adapter", default=os.environ.get("MEGANEURA_ADAPTER"))
+    ap.add_argument("--emit-table", metavar="JSON", default=None,
+                    help="print conv/tuned.py's table from this sweep's JSON and the gain "
+                         "estimate (bench/conv_table.py), then exit; needs no GPU")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.emit_table:
+        from bench.conv_table import emit
+
+        tab, est = emit(args.emit_table)
+        return {"table": tab, "estimate": est}
     repeats = args.repeats or (2 if args.quick else 5)
     warmup = args.warmup or (1 if args.quick else 2)
     warm_s = args.warm_seconds if args.warm_seconds is not None else (0.0 if args.quick else 2.0)

@@ -17,6 +17,7 @@ from typing import Literal
 
 from .autodiff import differentiate, missing_loss
 from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
+from .codegen.wgsl.conv.gemm import record_choices
 from .codegen.wgsl.matmul.lowering import matmul_choices
 from .dtypes import DType
 from .graph.builder import GraphBuilder
@@ -243,7 +244,9 @@ def compile(
 
         ``meta["precision"]`` is the precision compiled (``"strict"`` or ``"fast"``) and
         ``meta["precision_requested"]`` the one asked for. ``meta["matmuls"]`` lists each
-        matmul's shape and plan with the plan's source (``matmul.lowering.matmul_choices``).
+        matmul's shape and plan with the plan's source (``matmul.lowering.matmul_choices``),
+        ``meta["convs"]`` each conv GEMM's op, sizes, plan and source, in lowering order
+        (``conv.gemm.record_choices``).
 
     Raises:
         GraphError: when ``graph`` breaks an IR invariant (a cycle, a mis-typed node, an
@@ -287,7 +290,8 @@ def compile(
     times["passes"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    sched = schedule(graph, limits, fuse=options.fuse)
+    with record_choices() as convs:
+        sched = schedule(graph, limits, fuse=options.fuse)
     times["codegen"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -304,6 +308,7 @@ def compile(
     meta["num_nodes"] = len(graph.nodes)
     meta["max_storage_binding_bytes"] = limits.max_storage_buffer_binding_size
     meta["matmuls"] = matmul_choices(graph, limits)
+    meta["convs"] = convs
     if options.optimizer is not None:
         meta["optimizer"] = options.optimizer.config()
         meta["max_grad_norm"] = options.max_grad_norm

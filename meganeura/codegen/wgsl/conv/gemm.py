@@ -20,8 +20,12 @@ Prefetch (``PREFETCH``, GPU adapters): the next K step's operands are gathered i
 before the current step multiplies and stored into the other half of double-buffered
 workgroup tiles after it, one barrier per step; ``DEEP`` keeps two steps in flight. The
 staging and the K loop are ``stage.py``'s; the results are bit-identical either way.
-``plan_gemm`` picks tiling, splits and prefetch per GEMM; ``force_plan`` overrides them for
-sweeps (``bench/conv_sweep.py``) and tests, ``record_plans`` lists what was picked.
+``plan_gemm`` picks tiling, splits and prefetch per GEMM, in this order (``plan_source``):
+``force_plan`` (sweeps, ``bench/conv_sweep.py``, and tests) overrides the rules; on a GPU
+adapter the plan measured best on the H200 for this (kind of op, m, n, k, groups),
+``tuned.TUNED``; else the rules (``choose_tiling``, ``plan_splits``, ``PREFETCH``, ``DEEP``),
+which also cover CPU adapters. ``record_plans`` lists what was picked, ``record_choices``
+that with the GEMM sizes and the source (``Program.meta["convs"]``).
 
 Every thread of a workgroup runs every barrier; loads past M, N or K are zero by ``select``,
 and their index is selected to 0 as well, so no read leaves its binding (shader modules are
@@ -32,6 +36,7 @@ the test ``0 <= h - p < H`` for values far below 2^31.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +47,7 @@ from ..core.builder import KernelBuilder, Src
 from ..core.literals import u
 from ..matmul.plan import LARGE_MIN_TILES
 from .stage import THREADS, Stage, k_loop
+from .tuned import KIND, TUNED
 
 # Split K while fewer workgroups than this would run, keeping at least MIN_SPLIT_K of K
 # (a multiple of the K step) per chunk and the partials within MAX_SCRATCH bytes.
@@ -193,6 +199,26 @@ class Plan:
         return f"{t.bm}x{t.bn}x{t.bk}{split}/{mode}"
 
 
+def parse_plan(name: str, g: Gemm) -> Plan:
+    """The plan named ``name`` (``Plan.name``'s grammar: ``"64x64x16/s4/d2"``, ``"128x128x8/pf"``,
+    ``"16x256x8/np"``) for GEMM ``g``: K cut into about ``splits`` chunks of whole K steps
+    (``_chunks``; the name a plan gives round-trips).
+
+    Raises:
+        ValueError: for a name outside that grammar or a tile not in ``TILINGS``.
+    """
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:/s(\d+))?/(pf|np|d2)", name)
+    if m is None:
+        raise ValueError(f"bad conv GEMM plan name {name!r}; expected e.g. '64x64x16/s4/d2'")
+    bm, bn, bk = (int(v) for v in m.group(1, 2, 3))
+    tiles = [t for t in TILINGS.values() if (t.bm, t.bn, t.bk) == (bm, bn, bk)]
+    if not tiles:
+        known = sorted(f"{t.bm}x{t.bn}x{t.bk}" for t in TILINGS.values())
+        raise ValueError(f"unknown conv GEMM tile in {name!r}; known: {known}")
+    splits, per = _chunks(g, tiles[0], int(m.group(4) or 1)) if g.k else (1, tiles[0].bk)
+    return Plan(tiles[0], splits, per, m.group(5) != "np", m.group(5) == "d2")
+
+
 # Register prefetch of the next K step (``stage.k_loop``) on GPU adapters; never on a CPU
 # adapter (``Limits.cpu``: a second workgroup buffer and more live registers buy nothing there,
 # as ``matmul.plan.cpu_plan`` found), nor where the doubled tiles exceed workgroup memory.
@@ -206,6 +232,7 @@ DEEP = True  # not for LARGE tiles: ``plan_gemm``
 
 _forced: list[dict] = []
 _record: list[list[tuple[str, str]]] = []
+_choices: list[list[dict]] = []
 
 
 @contextmanager
@@ -259,9 +286,51 @@ def record_plans() -> Iterator[list[tuple[str, str]]]:
         _record[:] = [r for r in _record if r is not names]
 
 
-def plan_gemm(g: Gemm, limits) -> Plan:
-    """The plan of one GEMM: ``choose_tiling``, ``plan_splits``, ``PREFETCH`` and ``DEEP``,
-    each overridden by an enclosing ``force_plan``."""
+@contextmanager
+def record_choices() -> Iterator[list[dict]]:
+    """Within the block, every conv GEMM lowered, in order: ``{"node", "op", "m", "n", "k",
+    "groups", "plan", "source"}`` (``source`` as ``plan_source`` gives it)."""
+    rows: list[dict] = []
+    _choices.append(rows)
+    try:
+        yield rows
+    finally:
+        _choices[:] = [r for r in _choices if r is not rows]
+
+
+# Where a plan came from (``plan_source``).
+SOURCES = ("forced", "tuned", "cpu", "heuristic")
+
+
+def plan_gemm(g: Gemm, limits, op: str | None = None) -> Plan:
+    """The plan of one GEMM of op ``op`` (``"conv2d"``, ``"conv2d_backward_input"``,
+    ``"conv2d_backward_weight"``; None: no table look-up), from ``plan_source``."""
+    return plan_source(g, limits, op)[0]
+
+
+def plan_source(g: Gemm, limits, op: str | None = None) -> tuple[Plan, str]:
+    """``plan_gemm``'s plan and its source, one of ``SOURCES``. Without an enclosing
+    ``force_plan``, on a GPU adapter, ``tuned.TUNED[(KIND[op], m, n, k, groups)]`` when it has the
+    GEMM (prefetch dropped where the doubled tiles exceed workgroup memory, splits capped by
+    the scratch limit, as the rules do; a tile that does not fit at all is passed over);
+    otherwise ``choose_tiling``, ``plan_splits``, ``PREFETCH`` and ``DEEP``, each overridden
+    by an enclosing ``force_plan`` (which the table yields to: sweeps force against the
+    rules)."""
+    key = (KIND.get(op), g.m, g.n, g.k, g.groups)
+    name = None if _forced or limits.cpu else TUNED.get(key)
+    p = None if name is None else parse_plan(name, g)
+    room = limits.max_workgroup_storage_size
+    if p is not None and shared_bytes(p.tiling, False) <= room:
+        splits, per = _chunks(g, p.tiling, min(p.splits, max(1, _scratch_cap(g, limits))))
+        pf = p.prefetch and g.k > 0 and shared_bytes(p.tiling, True) <= room
+        return Plan(p.tiling, splits, per, pf, pf and p.deep), "tuned"
+    source = "forced" if _forced else "cpu" if limits.cpu else "heuristic"
+    return _rule_plan(g, limits), source
+
+
+def _rule_plan(g: Gemm, limits) -> Plan:
+    """``choose_tiling``, ``plan_splits``, ``PREFETCH`` and ``DEEP``, each overridden by an
+    enclosing ``force_plan``."""
     f = _forced[-1] if _forced else {}
     t = f.get("tiling") or choose_tiling(g, limits.cpu)
     if f.get("splits") is not None:
@@ -298,9 +367,12 @@ def emit_gemm(
     Raises:
         ValueError: when even one buffer of the tile exceeds the adapter's workgroup memory.
     """
-    plan = plan_gemm(g, kb.limits)
+    plan, source = plan_source(g, kb.limits, kb.node.op)
     for names in _record:
         names.append((kb.node.op, plan.name))
+    for rows in _choices:
+        rows.append({"node": kb.node.id, "op": kb.node.op, "m": g.m, "n": g.n, "k": g.k,
+                     "groups": g.groups, "plan": plan.name, "source": source})  # fmt: skip
     t, splits, per = plan.tiling, plan.splits, plan.per
     tiles_m, tiles_n = -(-g.m // t.bm), -(-g.n // t.bn)
     key = f"partials{suffix}"

@@ -203,7 +203,7 @@ def backward_input_partials(graph: Graph, node_id: int, limits: Limits):
     if node.type.numel == 0 or v.stride != (1, 1):
         return None
     g = Gemm(v.cg, v.n * v.hw, v.ocg * v.kk, v.groups)
-    splits = plan_gemm(g, limits).splits
+    splits = plan_gemm(g, limits, node.op).splits
     if splits == 1:
         return None
     chw = v.c * v.hw
