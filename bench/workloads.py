@@ -188,7 +188,8 @@ def run(args) -> Path:
         print(f"--skip-done: {len(done)} cells already measured", flush=True)
     est = estimate_seconds(items, args)
     n = sum(1 + len(m) for _, c, _, m in items if c is not None)
-    print(f"{n} configurations, estimated {est / 60:.0f} min on the H200", flush=True)
+    jobs = "" if args.in_process or args.jobs == 1 else f" with --jobs {args.jobs}"
+    print(f"{n} configurations, estimated {est / 60:.0f} min on the H200{jobs}", flush=True)
     if args.dry_run:
         for wl, case, p, modes in items:
             print(f"  {wl.id} {case.name if case else '-'} {p} {modes}")

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One call of the device tool's `run` on the H200: restores the tuned matmul plans, runs one
+# step of the evaluation, and leaves everything it wrote in $OUT/results.tgz (a `run` brings
+# back at most 8 files). Unpack it here with `tar xzf <files_at>/results.tgz` and commit
+# before the next call: the device's bench/results is replaced by this checkout's each call.
+#
+# usage (on the device, after `source .gpu/setup.sh`):
+#   bash bench/h200_session.sh COMMIT STEP [MINUTES]
+# COMMIT: this checkout's short commit (the device's .git is not this checkout's);
+# MINUTES: --stop-after for the workloads steps (default 6: a call is at most 10 minutes and
+# a started cell runs to its end, W1 train ~3 min);
+# STEP:
+#   tune            re-tune W1-W5's matmul products (~95 s) and keep the cache
+#   conv-sweep      bench/conv_sweep.py (~3 min)
+#   strict          the ten headline cells, strict f32
+#   fast            the ten headline cells, fast mode
+#   matrix          the rest of the matrix, resumable (strict first)
+#   data-parallel   2 ranks sharing the GPU (the machine's Open MPI), SmolLM2 and ResNet-50
+set -euo pipefail
+commit=${1:?usage: h200_session.sh COMMIT STEP [MINUTES]}
+step=${2:?usage: h200_session.sh COMMIT STEP [MINUTES]}
+minutes=${3:-6}
+out=${OUT:?set OUT to the output folder of the device tool}
+headline=w1:fwd_seq128,w1:train_seq128,w2:fwd_chunk50,w2:train_chunk50,w3:fwd_b4,w3:train_b4,w4:fwd,w4:train,w5:fwd_small_b2,w5:train_small_b2
+cache=~/.cache/meganeura/tuning
+mkdir -p "$cache" bench/results/tuning_h200
+cp bench/results/tuning_h200/*.json "$cache"/ 2>/dev/null || true
+stamp=$(mktemp)
+log="bench/results/h200_session_${step}.txt"
+wl=(python bench/workloads.py --machine h200 --commit "$commit" --no-warm --profile --jobs 3
+    --skip-done --stop-after "$minutes")
+case "$step" in
+  tune)
+    python -m meganeura tune --workloads --budget-s 270 | tee bench/results/tune_workloads_h200.txt
+    cp "$cache"/*.json bench/results/tuning_h200/ ;;
+  conv-sweep)
+    python bench/conv_sweep.py --budget-s 170 --machine h200 2>&1 | tee "$log" ;;
+  strict)
+    "${wl[@]}" --precision strict --cases "$headline" 2>&1 | tee "$log" ;;
+  fast)
+    "${wl[@]}" --precision fast --cases "$headline" 2>&1 | tee "$log" ;;
+  matrix)
+    "${wl[@]}" 2>&1 | tee "$log" ;;
+  data-parallel)
+    MPI4PY_MPIABI=openmpi OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+      /usr/bin/orterun --allow-run-as-root --oversubscribe -np 2 -x PATH -x PYTHONPATH \
+      -x LD_LIBRARY_PATH -x MPI4PY_MPIABI -x VK_DRIVER_FILES "$(command -v python3)" \
+      bench/data_parallel.py --machine h200 --workloads smollm2,resnet50 2>&1 | tee "$log" ;;
+  *)
+    echo "unknown step $step" >&2; exit 2 ;;
+esac
+# every file under bench/results and docs written by this call
+find bench/results docs -type f -newer "$stamp" -print0 | tar czf "$out/results.tgz" --null -T -
+tar tzf "$out/results.tgz"
