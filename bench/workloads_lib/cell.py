@@ -11,6 +11,11 @@ computed after the timing so they cannot disturb it.
 
 PyTorch: the first call (``torch.compile``'s compilation happens there), the timed calls, and
 ``torch.cuda.max_memory_allocated`` over them.
+
+Both sides build their models on the CPU first (the gates' PyTorch reference too), then take
+the GPU lock (``gpu_lock.gpu_phase``) and run the first call and the timed calls inside a
+quiet section (``gpu_lock.quiet``), so overlapped children (``--jobs``) neither share the GPU
+nor run while one is measured.
 """
 
 from __future__ import annotations
