@@ -16,7 +16,10 @@ only the channel sums remain (its own statistics kernel goes); the bias gradient
 the channels joins those. layer_norm_backward and rms_norm_backward pair likewise with their
 ``*_weight_backward`` (no SiLU prologue): the input gradient's team kernel leaves the row
 statistics, the weight gradient's column sums read them (and layer_norm's bias gradient, the
-``sum`` of g over the leading dims, joins the column sums).
+``sum`` of g over the leading dims, joins the column sums). A layer_norm / rms_norm input
+gradient read only by an ``add`` (the residual stream's gradient of a pre-norm block: SmolLM2's
+training step has 60, Whisper-tiny's 20) joins too: its kernel stores ``dx + r`` into the add's
+value and dx is never stored (``RESIDUAL``).
 
 The graph is not rewritten: as ``passes.fuse`` groups, a group is a ``FusionGroup`` anchored
 on the norm, lowered at its last member's position.
@@ -26,13 +29,37 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 
-from ..graph.ir import Graph
+from ..graph.ir import VIEW_OPS, Graph, resolve_view
 from ..ops import OPS
 from .fuse import FusionGroup
 from .permute_views import write_view
 
 ACTIVATIONS = ("silu",)
 BACKWARDS = ("group_norm_backward", "layer_norm_backward", "rms_norm_backward")
+RESIDUAL = [True]  # the residual add joins a layer_norm / rms_norm input gradient (A/B switch)
+# products whose readers may sum their split-K partials themselves (``matmul.deferred``): the
+# norm kernel reads its operands whole, so an add reading one stays apart
+_SPLIT_OPS = ("matmul", "conv2d_backward_input")
+
+
+def residual_add(graph: Graph, node_id: int, users, outs, free) -> int | None:
+    """The ``add`` that is the only reader of the layer_norm / rms_norm input gradient
+    ``node_id`` (not a graph output), whose other operand is a plain value of the same shape
+    (not a view, not a product whose sum may be deferred to its readers), or None."""
+    node = graph[node_id]
+    us = users[node_id]
+    if not RESIDUAL[0] or node.op == "group_norm_backward" or node_id in outs or len(us) != 1:
+        return None
+    a = graph[us[0]]
+    if a.op != "add" or not free(a.id) or a.type.shape != node.type.shape:
+        return None
+    other = [v for v in a.inputs if v != node_id]
+    if len(a.inputs) != 2 or len(other) != 1:
+        return None
+    r = graph[other[0]]
+    if r.type.shape != node.type.shape or resolve_view(graph, r.id) != r.id or r.op in _SPLIT_OPS:
+        return None
+    return a.id
 
 
 def _bias_sum(graph: Graph, kind: str, shape: tuple[int, ...], attrs) -> list:
@@ -91,10 +118,17 @@ def plan_norm_activation(
     def free(v: int) -> bool:
         return needed[v] and v not in taken and write_view(graph, v) is None
 
+    def readers(v: int) -> list[int]:
+        """The nodes reading ``v``, a view's readers in place of the view (no kernel)."""
+        out = []
+        for u in users[v]:
+            out += readers(u) if graph[u].op in VIEW_OPS else [u]
+        return out
+
     def valid(members: list[int]) -> bool:
         last = max(members)
         for m in members:
-            if any(u not in members and u < last for u in users[m]):
+            if any(u not in members and u < last for u in readers(m)):
                 return False
         return not any(min(members) < e < last for e in effects)
 
@@ -144,8 +178,14 @@ def plan_norm_activation(
                 ]
                 if sums and valid([*members, sums[0]]):
                     members.append(sums[0])
+            # last: the residual add (one dispatch) yields to the bias sum (two), whose
+            # readers may come before the add
+            res = residual_add(graph, node.id, users, outs, free)
+            if res is not None and valid([*members, res]):
+                members.append(res)
         else:
             continue
+        members.sort()
         if len(members) < 2 or not valid(members):
             continue
         if not accept(node.id, tuple(m for m in members if m != node.id)):

@@ -184,3 +184,91 @@ def test_fused_values_match_torch(gpu_device, kind, shape, nd, mode, monkeypatch
     for k, w in want.items():
         w = np.asarray(w)
         np.testing.assert_allclose(got[k], w, rtol=1e-4, atol=2e-5 * np.abs(w).max(), err_msg=k)
+
+
+# ---- the residual add: a pre-norm block's input gradient -------------------------------------
+def _residual_graph(kind: str, shape, extra_reader: bool = False):
+    """``sum((x + norm(x)) * up)``: x's gradient is ``up + norm_backward(...)``, one add whose
+    other operand is ``up`` itself; ``extra_reader`` makes the norm's input gradient an output
+    too (so the add must stay apart)."""
+    b = GraphBuilder()
+    x = b.input("x", shape)
+    w = b.input("w", shape[-1:])
+    leaves = [x, w]
+    if kind == "layer_norm":
+        bias = b.input("b", shape[-1:])
+        leaves.append(bias)
+        norm = layer_norm(x, shape[-1:], w, bias, eps=1e-5)
+    else:
+        norm = rms_norm(x, shape[-1:], w, eps=1e-6)
+    up = b.input("up", shape)
+    loss = b.output("loss", F.sum((x + norm) * up))
+    g, gr = differentiate(b.build(), loss.id, [v.id for v in leaves])
+    gb = GraphBuilder(g)
+    for name, leaf in zip(("dx", "dw", "db"), leaves, strict=False):
+        gb.output(name, gb.tensor(gr[leaf.id]))
+    if extra_reader:
+        (bwd,) = [n.id for n in g.nodes if n.op == f"{kind}_backward"]
+        gb.output("dnorm", gb.tensor(bwd))
+    return gb.build()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_residual_add_joins_the_input_gradient(kind):
+    g = _residual_graph(kind, (3, 5, 12))
+    (grp,) = plan_norm_activation(g, needed_nodes(g))
+    ops = [g[m].op for m in grp.members]
+    assert f"{kind}_backward" in ops and "add" in ops and f"{kind}_weight_backward" in ops
+    names = [ks.name.split(maxsplit=1)[1] for _, ks in schedule(g, Limits(), fuse=True).dispatches]
+    assert f"{kind}_backward+add" in names and "add" not in names
+    # read elsewhere, the input gradient is stored and the add stays its own kernel
+    g2 = _residual_graph(kind, (3, 5, 12), extra_reader=True)
+    (grp2,) = plan_norm_activation(g2, needed_nodes(g2))
+    assert "add" not in [g2[m].op for m in grp2.members]
+
+
+def test_the_residual_switch_keeps_the_add_apart(monkeypatch):
+    from meganeura.passes import fuse_norm
+
+    monkeypatch.setattr(fuse_norm, "RESIDUAL", [False])
+    g = _residual_graph("rms_norm", (3, 5, 12))
+    names = [ks.name.split(maxsplit=1)[1] for _, ks in schedule(g, Limits(), fuse=True).dispatches]
+    assert "add" in names and "rms_norm_backward+add" not in names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["strict", "fast"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "shape,nd,mode", [CASES[0], CASES[2], CASES[4]], ids=[IDS[0], IDS[2], IDS[4]]
+)
+def test_residual_fused_equals_unfused(gpu_device, kind, precision, shape, nd, mode, monkeypatch):
+    """x's gradient (the add's value) bit for bit, in register and chunked team kernels."""
+    from meganeura.passes import fuse_norm
+    from meganeura.training import compile_for
+
+    _chunked(monkeypatch, mode)
+    feeds = _feeds(kind, shape)
+    outs = ["loss", "dx", "dw"]
+    got = []
+    for on in (True, False):
+        monkeypatch.setattr(fuse_norm, "RESIDUAL", [on])
+        prog, sess = compile_for(
+            _residual_graph(kind, shape), CompileOptions(precision=precision), gpu_device
+        )
+        names = [d.name.split(maxsplit=1)[1] for d in prog.dispatches]
+        assert (f"{kind}_backward+add" in names) is on, names
+        got.append(sess.run(feeds, outs))
+    for k in outs:
+        np.testing.assert_array_equal(got[0][k], got[1][k], err_msg=k)
+    # and the values themselves, against float64 torch
+    t = {k: torch.from_numpy(v).double().requires_grad_(k in ("x", "w")) for k, v in feeds.items()}
+    if kind == "layer_norm":
+        tn = TF.layer_norm(t["x"], shape[-1:], t["w"], t["b"], 1e-5)
+    else:
+        tn = TF.rms_norm(t["x"], shape[-1:], t["w"], 1e-6)
+    ((t["x"] + tn) * t["up"]).sum().backward()
+    tol = 1e-4 if precision == "strict" else 2e-2
+    for k, w in (("dx", t["x"].grad), ("dw", t["w"].grad)):
+        w = np.asarray(w)
+        np.testing.assert_allclose(got[0][k], w, rtol=tol, atol=tol * np.abs(w).max(), err_msg=k)

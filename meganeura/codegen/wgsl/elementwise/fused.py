@@ -175,7 +175,7 @@ def _lower_norm_pair(graph: Graph, group: FusionGroup, limits: Limits) -> list[K
     """A ``passes.fuse_norm`` group: group_norm + silu, or group_norm_backward with its
     silu_backward and / or group_norm_weight_backward (and the bias gradient's sum), or a
     layer_norm / rms_norm input gradient with its weight gradient (and layer_norm's bias
-    gradient's sum)."""
+    gradient's sum) and / or the residual add reading it."""
     from ..norm.lowering import lower_norm_act, lower_norm_backward_act  # norm imports maps
 
     norm = group.anchor
@@ -186,11 +186,15 @@ def _lower_norm_pair(graph: Graph, group: FusionGroup, limits: Limits) -> list[K
         pro = role.get("silu_backward")
         wgrad = role.get(graph[norm].op.replace("_backward", "_weight_backward"))
         bias = role.get("sum")
-        ks = lower_norm_backward_act(graph, norm, pro, pro in group.outputs, wgrad, limits, bias)
+        res = role.get("add")
+        ks = lower_norm_backward_act(
+            graph, norm, pro, pro in group.outputs, wgrad, limits, bias, res
+        )
     if ks is None:  # pragma: no cover - plan_norm_activation asked norm_act_fusible
         raise ValueError(f"{graph[norm].op} %{norm} + {role}: no fused lowering")
     ops = [graph[m].op for m in group.members if graph[m].op in ("silu", "silu_backward")]
     ops.insert(0 if graph[norm].op == "group_norm" else len(ops), graph[norm].op)
+    ops += ["add"] * ("add" in role)
     joined = "+".join(ops)
     return [replace(k, name=k.name.replace(graph[norm].op, joined, 1)) for k in ks]
 

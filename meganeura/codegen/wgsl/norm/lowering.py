@@ -118,6 +118,7 @@ def lower_norm_backward_act(
     wgrad: int | None,
     limits: Limits,
     bias: int | None = None,
+    residual: int | None = None,
 ) -> list[KernelSource] | None:
     """group_norm_backward (``node_id``) whose g is computed from the ``silu_backward`` node
     ``pro``'s operands (None: g read as usual), g stored only with ``store``; with ``wgrad``
@@ -126,12 +127,15 @@ def lower_norm_backward_act(
     gradient's ``sum`` node, summing g too). One kernel (two when split), plus the channel
     sums; None when a part has no such lowering. layer_norm_backward / rms_norm_backward
     (``pro`` None) likewise: the team kernel, then ``_channel_sums`` (one strided column per
-    weight element)."""
+    weight element); with ``residual`` (the ``add`` reading their input gradient) the team
+    kernel stores the add's value instead (``team.lower_norm_backward_team``)."""
     kind = kind_of(graph[node_id].op)
     ks = None
     if kind == "group_norm":
         ks = lower_group_norm_backward_split(graph, node_id, limits, pro, store, wgrad is not None)
-    ks = ks or lower_norm_backward_team(graph, node_id, limits, pro, store, wgrad is not None)
+    ks = ks or lower_norm_backward_team(
+        graph, node_id, limits, pro, store, wgrad is not None, residual
+    )
     if ks is None or wgrad is None:
         return ks
     if kind == "group_norm":
@@ -145,10 +149,11 @@ def norm_act_fusible(graph: Graph, node_id: int, others: tuple[int, ...], limits
     """Whether ``lower_norm_act`` (a group_norm, ``others`` its silu) or
     ``lower_norm_backward_act`` (a group_norm_backward, ``others`` its silu_backward and / or
     group_norm_weight_backward; a layer_norm_backward / rms_norm_backward, ``others`` its
-    weight gradient) serves ``node_id`` (``passes.fuse_norm``): the team kernels plan its
-    groups (and group_norm's weight gradient channels), the groups are longer than one element
-    and the weight gradient's channels not empty, and x, g or the SiLU gradient's operands are
-    not constants."""
+    weight gradient and / or the residual ``add`` reading it) serves ``node_id``
+    (``passes.fuse_norm``): the team kernels plan its groups (and group_norm's weight gradient
+    channels), the groups are longer than one element and the weight gradient's channels not
+    empty, and x, g, the SiLU gradient's operands or the
+    residual are not constants."""
     node = graph[node_id]
     pairs = ("group_norm", "group_norm_backward", "layer_norm_backward", "rms_norm_backward")
     if node.op not in pairs or node.type.numel == 0:
@@ -162,6 +167,10 @@ def norm_act_fusible(graph: Graph, node_id: int, others: tuple[int, ...], limits
             if kind != "group_norm":
                 return False
             reads += list(graph[o].inputs)
+        elif graph[o].op == "add":  # passes.fuse_norm.residual_add
+            if kind == "group_norm":
+                return False
+            reads += [v for v in graph[o].inputs if v != node_id]
         elif graph[o].op == f"{kind}_weight_backward":
             if kind == "group_norm":
                 n, c, s = shape[0], shape[1], math.prod(shape[2:])

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from ....dtypes import DType
 from ....graph.ir import Graph
 from ....ops.norm_ref import group_dims
 from ...kernel import KernelSource, Limits
@@ -46,7 +47,7 @@ from ..core.builder import KernelBuilder, Src
 from ..core.literals import f32_literal, u
 from ..optim import is_nonfinite
 from ..rowwise.team import Chunk, RowKernel, TeamPlan, plan_team, sources_bound
-from .activation import GradIn, act_helpers, bind_outputs, store_normalized
+from .activation import GradIn, act_helpers, as_stored, bind_outputs, store_normalized
 
 MIN_SEG = 16  # elements per segment below which a segmented row is left to the rows kernels
 
@@ -276,12 +277,16 @@ def lower_norm_backward_team(
     pro: int | None = None,
     store: bool = True,
     stats: bool = False,
+    residual: int | None = None,
 ) -> list[KernelSource] | None:
     """Input gradient ``rstd * (gw - d1 / n - xc rstd * (rstd pg / n))`` as one team kernel
     (rms_norm: no ``d1`` term), or None. With ``pro`` (the ``silu_backward`` node producing
     g) g is computed from its operands (``activation.GradIn``) and stored there only with
     ``store``. With ``stats`` the kernel also leaves each group's statistics for the weight
-    gradient's channel sums (``stats_store``)."""
+    gradient's channel sums (``stats_store``). With ``residual`` (an ``add`` of the input
+    gradient and a value r of its shape: ``passes.fuse_norm.residual_add``) the kernel stores
+    ``dx + r`` into the add's value instead of dx (dx rounded to f16 first where it is stored
+    so, as the add kernel would read it): the same f32 operations as the two kernels."""
     node = graph[node_id]
     st = _setup(graph, node_id, limits, node.inputs[0])
     if st is None:
@@ -292,7 +297,14 @@ def lower_norm_backward_team(
     gin = GradIn(rk, node, pro, store)
     if not gin.bound:
         return None
-    out = kb.write(node_id, "dx")
+    rv = None
+    if residual is not None:
+        (r_id,) = [v for v in graph[residual].inputs if v != node_id]
+        r = kb.read(r_id, "res")
+        if not sources_bound(r):
+            return None
+        rv = rk.bind(r)
+    out = kb.write(node_id if residual is None else residual, "dx")
     gin.bind_output()
     wp = _param(rk, w, "w", _channel(rk, kind, shape, node.attr_dict))
     regs = _stats(rk, xv, rms, node.attr("eps"), (gin, wp))
@@ -303,10 +315,24 @@ def lower_norm_backward_team(
     if not rms:
         rk.line(f"let c1 = d1 * {inv_n};")
     rk.line(f"let c2 = rstd * pg * {inv_n};")
-    value = lambda i: f"rstd * (gw{i}{centre} - (xc{i} * rstd) * c2)"  # noqa: E731
+    def dx(i: int) -> str:
+        return f"rstd * (gw{i}{centre} - (xc{i} * rstd) * c2)"
+
+    def value(i: int) -> str:  # what is stored: dx, or the residual add's dx + r
+        if rv is None:
+            return dx(i)
+        if node.type.dtype is DType.f16:  # dx as the add kernel would read it back
+            return f"{as_stored(dx(i), rk.plan.width)} + res{i}"
+        return f"{dx(i)} + res{i}"
+
+    def store(ch: Chunk) -> None:
+        if rv is not None:
+            rk.load(ch, rv, "res")
+        rk.store(ch, out, value)
+        gin.store(ch)
+
     if regs is not None:
-        rk.store(regs, out, value)
-        gin.store(regs)
+        store(regs)
     else:
 
         def write(ch: Chunk) -> None:
@@ -316,12 +342,12 @@ def lower_norm_backward_team(
             for i in range(ch.m):
                 rk.line(f"let gw{i} = g{i} * {wv(i)};")
                 rk.line(f"let xc{i} = (a{i} - shift) - mean;")
-            rk.store(ch, out, value)
-            gin.store(ch)
+            store(ch)
 
         rk.each_chunk(write)
     rk.extra_helpers = gin.helpers()
-    return [rk.finish("", 14 * node.type.numel, 3 * node.type.nbytes)]
+    res = rv is not None  # one more add and one more operand read per element
+    return [rk.finish("", (14 + res) * node.type.numel, (3 + res) * node.type.nbytes)]
 
 
 def stats_team(graph: Graph, node_id: int, limits: Limits, x_id: int) -> KernelSource | None:
