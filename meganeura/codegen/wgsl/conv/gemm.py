@@ -301,8 +301,7 @@ def emit_gemm(
     plan = plan_gemm(g, kb.limits)
     for names in _record:
         names.append((kb.node.op, plan.name))
-    t, splits, per = plan.tiling, plan.splits, plan.per
-    tiles_m, tiles_n = -(-g.m // t.bm), -(-g.n // t.bn)
+    t, splits = plan.tiling, plan.splits
     key = f"partials{suffix}"
     if splits > 1:
         target = kb.scratch(key, splits * g.m * g.n * g.groups, DType.f32, "partials")
@@ -310,6 +309,61 @@ def emit_gemm(
     else:
         target = kb.write(kb.node.id, "out")
         bias = None if out.bias is None else kb.read(out.bias[0], "bias")
+    lines, slots = gemm_lines(g, a, b, out, plan, kb, target, bias)
+    flops = 2 * g.m * g.n * g.k * g.groups
+    helpers = workgroup_tiles(slots, plan.prefetch)
+    check_shared(t, plan.prefetch, kb.limits)
+    groups = gemm_groups(g, plan)
+    body = "\n".join(s for s in lines if s)
+    main = kb.finish(f"gemm{suffix}", body, THREADS, groups, helpers, flops=flops)
+    if splits == 1 or defer_sum:
+        return [main]
+    return [main, _sum_splits(kb, g, out, splits, key, suffix)]
+
+
+def gemm_groups(g: Gemm, plan: Plan) -> int:
+    """Workgroups of the GEMM dispatch: M x N tiles x groups x splits."""
+    t = plan.tiling
+    return -(-g.m // t.bm) * -(-g.n // t.bn) * g.groups * plan.splits
+
+
+def workgroup_tiles(slots: tuple[int, int], prefetch: bool) -> str:
+    """Declarations of the workgroup tiles ``As`` and ``Bs`` of ``slots`` vec4 per buffer
+    (two buffers with prefetch)."""
+    buffers = 2 if prefetch else 1
+    return (
+        f"var<workgroup> As: array<vec4<f32>, {buffers * slots[0]}>;\n"
+        f"var<workgroup> Bs: array<vec4<f32>, {buffers * slots[1]}>;\n"
+    )
+
+
+def check_shared(t: Tiling, prefetch: bool, limits) -> None:
+    """Raises ValueError when the tiles exceed the adapter's workgroup memory."""
+    shared = shared_bytes(t, prefetch)
+    if shared > limits.max_workgroup_storage_size:
+        raise ValueError(
+            f"conv GEMM tile {t.bm}x{t.bn}x{t.bk} needs {shared} B of workgroup memory; the "
+            f"limit is {limits.max_workgroup_storage_size}"
+        )
+
+
+def gemm_lines(
+    g: Gemm,
+    a: Operand,
+    b: Operand,
+    out: Output,
+    plan: Plan,
+    kb: KernelBuilder,
+    target: str,
+    bias: Src | None,
+    offset: int = 0,
+) -> tuple[list[str], tuple[int, int]]:
+    """(body statements, vec4 slots of one buffer of ``As`` and ``Bs``) of the GEMM's
+    workgroup ``wg`` (in scope, numbered from 0 for this GEMM): its tile, its K loop (none
+    when K = 0: the tile stores zeros) and its stores into ``target`` (the output through
+    ``out``, or with split-K the partials, at element ``offset`` of the scratch)."""
+    t, splits, per = plan.tiling, plan.splits, plan.per
+    tiles_m, tiles_n = -(-g.m // t.bm), -(-g.n // t.bn)
     lines = [
         f"  let tile_n = wg % {u(tiles_n)};",
         f"  let tile_m = (wg / {u(tiles_n)}) % {u(tiles_m)};",
@@ -321,7 +375,9 @@ def emit_gemm(
     ]
     stage_a = Stage(a, "a", "As", t.bm, t.bk, g.m, g.k, "tile_m")
     stage_b = Stage(b, "b", "Bs", t.bn, t.bk, g.n, g.k, "tile_n")
-    lines += stage_a.setup(plan.prefetch, plan.deep) + stage_b.setup(plan.prefetch, plan.deep)
+    if g.k:
+        lines += stage_a.setup(plan.prefetch, plan.deep)
+        lines += stage_b.setup(plan.prefetch, plan.deep)
     acc = [(gi, i, h) for gi in range(t.tm // 4) for i in range(4) for h in range(t.tn // 4)]
     lines += [f"  var acc{gi}{i}{h} = vec4<f32>(0.0);" for gi, i, h in acc]
 
@@ -347,26 +403,10 @@ def emit_gemm(
         k_begin, k_end = "k_begin", "k_end"
     else:
         k_begin, k_end = "0u", u(g.k)
-    lines += k_loop(stage_a, stage_b, t.bk, k_begin, k_end, multiply, plan.prefetch, plan.deep)
-    lines += _store(kb, out, t, g, acc, target, splits > 1, bias)
-    flops = 2 * g.m * g.n * g.k * g.groups
-    buffers = 2 if plan.prefetch else 1
-    helpers = (
-        f"var<workgroup> As: array<vec4<f32>, {buffers * stage_a.slots}>;\n"
-        f"var<workgroup> Bs: array<vec4<f32>, {buffers * stage_b.slots}>;\n"
-    )
-    shared = shared_bytes(t, plan.prefetch)
-    if shared > kb.limits.max_workgroup_storage_size:
-        raise ValueError(
-            f"conv GEMM tile {t.bm}x{t.bn}x{t.bk} needs {shared} B of workgroup memory; the "
-            f"limit is {kb.limits.max_workgroup_storage_size}"
-        )
-    groups = tiles_m * tiles_n * g.groups * splits
-    body = "\n".join(s for s in lines if s)
-    main = kb.finish(f"gemm{suffix}", body, THREADS, groups, helpers, flops=flops)
-    if splits == 1 or defer_sum:
-        return [main]
-    return [main, _sum_splits(kb, g, out, splits, key, suffix)]
+    if g.k:
+        lines += k_loop(stage_a, stage_b, t.bk, k_begin, k_end, multiply, plan.prefetch, plan.deep)
+    lines += _store(kb, out, t, g, acc, target, splits > 1, bias, offset)
+    return lines, (stage_a.slots, stage_b.slots)
 
 
 # Above this many splits, four threads share each element's partials (more loads in flight);
@@ -377,21 +417,49 @@ LANES_FROM_SPLITS = 8
 def _sum_splits(
     kb0: KernelBuilder, g: Gemm, out: Output, splits: int, key: str, suffix: str
 ) -> KernelSource:
-    """Sum the split-K partials into the output (plus the bias). With ``lanes`` threads per
-    element, lane l sums chunks l, l + lanes, ... into two alternating accumulators; lanes
-    combine in lane order, so the result is deterministic (``matmul.deferred.SplitPartials``
-    repeats this order for readers summing partials themselves)."""
+    """Sum the split-K partials into the output (plus the bias): ``sum_lines``."""
     kb = KernelBuilder(kb0.graph, kb0.node, kb0.limits)
     total = g.m * g.n * g.groups
     part = kb.scratch(key, splits * total, DType.f32, "partials")
     dst = kb.write(kb.node.id, "out")
     bias = None if out.bias is None else kb.read(out.bias[0], "bias")
+    body, lanes = sum_lines(kb, g, out, splits, part, dst, bias)
+    helpers = f"var<workgroup> red: array<f32, {THREADS}>;\n" if lanes > 1 else ""
+    groups = sum_groups(g, splits)
+    return kb.finish(f"sum_splits{suffix}", body, THREADS, groups, helpers, flops=splits * total)
+
+
+def sum_groups(g: Gemm, splits: int) -> int:
+    """Workgroups of ``sum_lines``' pass over the GEMM's elements."""
+    lanes = 4 if splits > LANES_FROM_SPLITS else 1
+    return -(-g.m * g.n * g.groups // (THREADS // lanes))
+
+
+def sum_lines(
+    kb: KernelBuilder,
+    g: Gemm,
+    out: Output,
+    splits: int,
+    part: str,
+    dst: str,
+    bias: Src | None,
+    offset: int = 0,
+) -> tuple[str, int]:
+    """(body, lanes) of workgroup ``wg`` (numbered from 0 for this GEMM) of the pass summing
+    the ``splits`` partials (at element ``offset`` of scratch ``part``) into ``dst`` through
+    ``out`` (plus the bias). With ``lanes`` threads per element (4 above
+    ``LANES_FROM_SPLITS``, using the workgroup array ``red`` of ``THREADS`` f32), lane l sums
+    chunks l, l + lanes, ... into two alternating accumulators; lanes combine in lane order,
+    so the result is deterministic (``matmul.deferred.SplitPartials`` repeats this order for
+    readers summing partials themselves)."""
+    total = g.m * g.n * g.groups
     lanes = 4 if splits > LANES_FROM_SPLITS else 1
     per = THREADS // lanes
+    base = f" + {u(offset)}" if offset else ""
     body = (
         f"  let e = wg * {u(per)} + lid % {u(per)};\n"
         f"  let lane = lid / {u(per)};\n"
-        f"  let ec = min(e, {u(total - 1)});\n"
+        f"  let ec = min(e, {u(total - 1)}){base};\n"
         "  var s0 = 0.0;\n  var s1 = 0.0;\n"
         f"  for (var t = lane; t < {u(splits)}; t = t + {u(2 * lanes)}) {{\n"
         f"    s0 += {part}[t * {u(total)} + ec];\n"
@@ -399,12 +467,10 @@ def _sum_splits(
         f"    if (t1 < {u(splits)}) {{ s1 += {part}[t1 * {u(total)} + ec]; }}\n"
         "  }\n"
     )
-    helpers = ""
     if lanes > 1:
         body += "  red[lid] = s0 + s1;\n  workgroupBarrier();\n"
         terms = " + ".join(f"red[lid + {u(i * per)}]" for i in range(1, lanes))
         value = f"(red[lid] + {terms})"
-        helpers = f"var<workgroup> red: array<f32, {THREADS}>;\n"
     else:
         value = "(s0 + s1)"
     if bias is not None:
@@ -417,8 +483,7 @@ def _sum_splits(
         f"    let col = e % {u(g.n)};\n"
         f"    {kb.store(dst, index, value)}\n  }}\n"
     )
-    groups = -(-total // per)
-    return kb.finish(f"sum_splits{suffix}", body, THREADS, groups, helpers, flops=splits * total)
+    return body, lanes
 
 
 def _store(
@@ -430,9 +495,10 @@ def _store(
     target: str,
     partial: bool,
     bias: Src | None,
+    offset: int = 0,
 ):
     """Stores of this thread's block: through ``out``'s mapping, or densely into the split's
-    slice of the partials."""
+    slice of the partials (which start at element ``offset`` of the scratch)."""
     lines = []
     for h in range(t.tn // 4):
         for c in range(4):
@@ -445,7 +511,8 @@ def _store(
             lines.append(f"    let row = tile_m * {u(t.bm)} + {u(gi * 4 * t.ty + i)} + ty * 4u;")
             if partial:
                 slab = f"(split * {u(g.groups)} + grp) * {u(g.m)} + row"
-                lines.append(f"    let rb = ({slab}) * {u(g.n)};")
+                base = f" + {u(offset)}" if offset else ""
+                lines.append(f"    let rb = ({slab}) * {u(g.n)}{base};")
             else:
                 lines.append(f"    let rb = {out.row('row')};")
             extra = ""
