@@ -5,10 +5,11 @@ GEMM per stride phase (ry, rx) of the input (4 for stride 2), each over the taps
 so each with its own K (e.g. a 3x3 stride 2 has phases of 1, 2, 2 and 4 taps). Run apart,
 each phase is a small, latency-bound dispatch. Here they share one dispatch, as
 ``matmul/tiled_group.py``'s segments do: phase p owns a contiguous range of the workgroups
-(its M x N tiles x groups x splits, phase by phase in order), and a workgroup branches on
-its id (uniform: derived from ``workgroup_id``, so the barriers inside each branch stay in
-uniform control flow) into that phase's copy of the GEMM body (``gemm.gemm_lines``: its own
-K, operand index math and output mapping). A phase no tap reaches (K = 0: a kernel smaller
+(its M x N tiles x groups x splits; the phases with the longest K per workgroup first, as
+the GPU starts workgroups about in id order), and a workgroup branches on its id (uniform:
+derived from ``workgroup_id``, so the barriers inside each branch stay in uniform control
+flow) into that phase's copy of the GEMM body (``gemm.gemm_lines``: its own K, operand
+index math and output mapping). A phase no tap reaches (K = 0: a kernel smaller
 than the stride, e.g. 1x1 stride 2) gets tiles storing zeros, so no separate zero pass runs.
 
 Plan (``phase_plans``). One tiling for every phase: the one ``gemm.plan_gemm`` picks for the
@@ -65,7 +66,8 @@ def phase_plans(gs: list[Gemm], limits) -> list[Plan]:
 def _phase_splits(gs: list[Gemm], t: gm.Tiling, target: int, limits) -> list[int]:
     """Chunks per phase for one common chunk length aiming at ``target`` workgroups in all,
     halving the count while the partials exceed ``MAX_SCRATCH`` or a storage binding."""
-    tiles = [-(-g.m // t.bm) * -(-g.n // t.bn) * g.groups for g in gs]
+    # the tiles of K = 0 phases only store zeros: they do not count as filling the GPU
+    tiles = [-(-g.m // t.bm) * -(-g.n // t.bn) * g.groups if g.k else 0 for g in gs]
     if sum(tiles) >= target:
         return [1] * len(gs)
     work = sum(n * g.k for n, g in zip(tiles, gs, strict=True))
@@ -110,8 +112,11 @@ def emit_phases(
     Raises:
         ValueError: when one buffer of the tile exceeds the adapter's workgroup memory.
     """
+    plans = phase_plans([g for g, *_ in gemms], kb.limits)
+    # longest K chains first (the GPU starts workgroups about in id order), zero phases last
+    order = sorted(range(len(gemms)), key=lambda i: -min(plans[i].per, gemms[i][0].k))
+    gemms, plans = [gemms[i] for i in order], [plans[i] for i in order]
     gs = [g for g, *_ in gemms]
-    plans = phase_plans(gs, kb.limits)
     t, prefetch = plans[0].tiling, any(p.prefetch for p in plans)
     for names in gm._record:
         names += [(kb.node.op, f"merged:{p.name}") for g, p in zip(gs, plans, strict=True) if g.k]
