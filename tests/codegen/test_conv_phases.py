@@ -16,7 +16,7 @@ import pytest
 from meganeura.codegen.kernel import Limits
 from meganeura.codegen.wgsl import lower
 from meganeura.codegen.wgsl.conv import gemm, lowering
-from meganeura.codegen.wgsl.conv.gemm import NARROW, SMALL, Gemm, force_plan
+from meganeura.codegen.wgsl.conv.gemm import LARGE, NARROW, SMALL, Gemm, force_plan
 from meganeura.codegen.wgsl.conv.phases import phase_plans
 
 from .harness import run
@@ -33,6 +33,7 @@ CASES = {
     "1x1s2": ((2, 24, 9, 10), (40, 24, 1, 1), dict(stride=2)),
     "3x3s3p1": ((1, 4, 13, 14), (6, 4, 3, 3), dict(stride=3, padding=1)),
     "grouped_3x3s2": ((1, 6, 10, 9), (9, 2, 3, 3), dict(stride=2, padding=1, groups=3)),
+    "depthwise_3x3s2": ((1, 8, 9, 10), (8, 1, 3, 3), dict(stride=2, padding=1, groups=8)),
     "dilated_3x2s2": ((1, 4, 9, 8), (5, 4, 3, 2), dict(stride=2, padding=1, dilation=2)),
 }
 
@@ -72,6 +73,22 @@ def test_merged_phases_are_bit_identical_to_per_phase_kernels(case, monkeypatch)
     want = _torch_conv(feeds, **kw)
     for nid, ours, ref in zip(ids, got[True], want, strict=True):
         assert _rel(ours, ref) <= 1e-5, (graph[nid].op, _rel(ours, ref))
+
+
+@pytest.mark.gpu
+def test_merged_phases_with_128x128_tiles_are_bit_identical(monkeypatch):
+    """The LARGE tiling (8x8 accumulators a thread), unsplit and split 2 ways."""
+    x_shape, w_shape, kw = (1, 20, 9, 11), (24, 20, 3, 3), dict(stride=2, padding=1)
+    graph, ids = _conv_graph(x_shape, w_shape, **kw)
+    feeds = _feeds(graph, ids[0], x_shape, w_shape)
+    for splits in (1, 2):
+        got = {}
+        for merged in (True, False):
+            monkeypatch.setattr(lowering, "MERGE_PHASES", merged)
+            with force_plan(LARGE, splits=splits):
+                got[merged] = run(graph, feeds).values[ids[1]]
+        assert np.array_equal(got[True], got[False]), splits
+    assert _rel(got[True], _torch_conv(feeds, **kw)[1]) <= 1e-5
 
 
 def test_merged_phases_dispatch_counts(monkeypatch):
