@@ -38,6 +38,9 @@ CASES = {
 }
 
 
+PHASES = ("0,0", "0,1", "1,0", "1,1")
+
+
 def _dx_kernels(graph, dx: int, limits: Limits) -> list[str]:
     return [k.name.split(" ", 2)[-1] for k in lower(graph, dx, limits)]
 
@@ -93,9 +96,11 @@ def test_merged_phases_with_128x128_tiles_are_bit_identical(monkeypatch):
 
 def test_merged_phases_dispatch_counts(monkeypatch):
     """3x3 stride 2: 4 GEMMs (+4 sums when split) become one (+1); 1x1 stride 2: the zero
-    pass and the GEMM become one dispatch."""
+    pass and the GEMM become one dispatch; not on a CPU adapter."""
     graph, ids = _conv_graph((2, 64, 16, 16), (64, 64, 3, 3), stride=2, padding=1)
     g1, ids1 = _conv_graph((2, 24, 9, 10), (40, 24, 1, 1), stride=2)
+    # a CPU adapter keeps the phases apart (lowering.MERGE_PHASES: slower merged on lavapipe)
+    assert _dx_kernels(graph, ids[1], Limits(cpu=True)) == [f"gemm {r}" for r in PHASES]
     with force_plan(SMALL, splits=2):
         assert len(_dx_kernels(graph, ids[1], Limits())) == 2
         monkeypatch.setattr(lowering, "MERGE_PHASES", False)

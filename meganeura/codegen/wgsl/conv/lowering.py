@@ -172,8 +172,11 @@ def _taps(r: int, p: int, k: int, d: int, s: int) -> _Taps:
     return _Taps(taps[0], step, len(taps), (r + p - taps[0] * d) // s, step * d // s)
 
 
-# One dispatch for all stride phases of a strided input gradient (``phases.py``); False:
-# one GEMM dispatch (and split-K sum) per phase plus a zero pass (benchmark A/B).
+# One dispatch for all stride phases of a strided input gradient (``phases.py``) on GPU
+# adapters; False: one GEMM dispatch (and split-K sum) per phase plus a zero pass (benchmark
+# A/B). Never on a CPU adapter (``Limits.cpu``): on lavapipe (16 threads) the U-Net's 3x3
+# stride 2 64 -> 64 input gradient at batch 2 took 22.5-23.9 ms merged against 15.5-17.5 ms
+# apart (``Session.profile``, medians of 5), as a dispatch costs little there.
 MERGE_PHASES = True
 
 
@@ -181,15 +184,15 @@ def lower_conv2d_backward_input(
     graph: Graph, node_id: int, limits: Limits, defer_sum: bool = False
 ) -> list[KernelSource]:
     """Input gradient (a transposed convolution): an implicit GEMM per stride phase of the
-    input over the taps that reach it (one for stride 1). Strided, with ``MERGE_PHASES``, the
-    phases run in one dispatch (plus one split-K sum; ``phases.emit_phases``), else one
-    GEMM dispatch each (4 for stride 2) and a pass zeroing the phases no tap reaches.
+    input over the taps that reach it (one for stride 1). Strided, with ``MERGE_PHASES`` on a
+    GPU adapter, the phases run in one dispatch (plus one split-K sum; ``phases.emit_phases``),
+    else one GEMM dispatch each (4 for stride 2) and a pass zeroing the phases no tap reaches.
     ``defer_sum`` (stride 1, split-K only): no summing dispatch (``backward_input_partials``)."""
     node, v = graph[node_id], _Conv.of(graph, node_id)
     (sh, sw), (ph, pw), (dh, dw) = v.stride, v.padding, v.dilation
     rows = {ry: _taps(ry, ph, v.kh, dh, sh) for ry in range(min(sh, v.h))}
     cols = {rx: _taps(rx, pw, v.kw, dw, sw) for rx in range(min(sw, v.w))}
-    if MERGE_PHASES and sh * sw > 1 and node.type.numel:
+    if MERGE_PHASES and not limits.cpu and sh * sw > 1 and node.type.numel:
         kb = KernelBuilder(graph, node, limits)
         phases = [((ry, rx), th, tw) for ry, th in rows.items() for rx, tw in cols.items()]
         gemms = [_phase_gemm(kb, v, r, th, tw) for r, th, tw in phases]
