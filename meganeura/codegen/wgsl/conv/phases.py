@@ -26,7 +26,8 @@ bit-identical with the per-phase kernels', ``MERGE_PHASES = False``), ``target_g
 replaces ``TARGET_GROUPS`` above.
 
 Each output element is the same sum in the same K order as in the per-phase kernel of the
-same plan; with equal plans the bits are equal.
+same plan; with equal plans the bits are equal. Lowered on GPU adapters only
+(``lowering.MERGE_PHASES``: a CPU adapter runs the phases apart, faster there).
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ def phase_plans(gs: list[Gemm], limits) -> list[Plan]:
     t = base.tiling
     if f.get("splits") is not None or limits.cpu:
         plans = []
-        for g in gs:  # as ``plan_gemm`` splits each phase (never on a CPU adapter)
-            cap = 1 if limits.cpu else min(f["splits"], gm.MAX_SPLITS, gm._scratch_cap(g, limits))
+        # as ``plan_gemm`` splits each phase (never on a CPU adapter), the scratch cap shared
+        share = max(1, sum(1 for g in gs if g.k))
+        for g in gs:
+            cap = 1 if limits.cpu else min(f["splits"], gm.MAX_SPLITS)
+            cap = min(cap, gm._scratch_cap(g, limits) // share)
             splits, per = gm._chunks(g, t, max(1, cap)) if g.k else (1, t.bk)
             plans.append(Plan(t, splits, per, base.prefetch and g.k > 0, base.deep and g.k > 0))
         return plans
