@@ -13,8 +13,9 @@ x split {default rule, none, the rule aiming at twice TARGET_GROUPS workgroups (
 and, for a strided shape, the default plans with the input gradient's stride phases apart
 (``conv.lowering.MERGE_PHASES`` False: one GEMM dispatch per phase, the program before
 ``conv/phases.py``; variant ``default/default/default/apart``, its grad-input time the part's
-``apart_ms``); variants whose plans (``conv.gemm.record_plans``) equal an earlier one's are
-not rerun. Every
+``apart_ms``) and with the merged phases' split rule going down to K chunks of 64
+(``conv.phases.MIN_CHUNK``; variant ``default/default/default/chunk64``); variants whose
+plans (``conv.gemm.record_plans``) equal an earlier one's are not rerun. Every
 variant's y, dx and dw are compared with the default plan's (max |diff| / max |default| <=
 1e-4: split-K reorders sums) and a variant that differs is rejected. GPU time per part
 (forward, grad-input, grad-weight: the dispatches of ``conv2d``, ``conv2d_backward_input``,
@@ -75,6 +76,7 @@ SPLITS = ("default", "none", "2x")
 MODES = ("np", "pf", "d2")
 MAX_DIFF = 1e-4
 APART = "default/default/default/apart"  # the default plans, stride phases apart
+CHUNK64 = "default/default/default/chunk64"  # merged phases split down to chunks of 64
 TORCH_S = 0.5  # estimated seconds per shape for cuDNN's references and timings
 
 
@@ -149,7 +151,7 @@ def variant_programs(n: int, layer: tuple, limits, quick: bool) -> list[tuple]:
     """(label, plans, Program) of each variant of one shape whose conv GEMM plans differ
     from every earlier variant's, the default first; compiled (lowered) without pipelines."""
     import meganeura as mn
-    from meganeura.codegen.wgsl.conv import gemm, lowering
+    from meganeura.codegen.wgsl.conv import gemm, lowering, phases
 
     _, c, oc, k, s, h, _ = layer
     graph = build(n, c, oc, k, s, h)
@@ -165,14 +167,21 @@ def variant_programs(n: int, layer: tuple, limits, quick: bool) -> list[tuple]:
         if tuple(plans) not in seen:
             seen.add(tuple(plans))
             out.append((label, list(plans), program))
-    if s > 1:  # the default plans with the stride phases of the input gradient apart
-        merged, lowering.MERGE_PHASES = lowering.MERGE_PHASES, False
-        try:
-            with gemm.record_plans() as plans:
-                program = mn.compile(graph, None, limits)
-        finally:
-            lowering.MERGE_PHASES = merged
-        out.append((APART, list(plans), program))
+    if s > 1:  # the default plans with the grad-input's stride phases apart / short chunks
+        for label, module, name, value in (
+            (APART, lowering, "MERGE_PHASES", False),
+            (CHUNK64, phases, "MIN_CHUNK", 64),
+        ):
+            saved = getattr(module, name)
+            setattr(module, name, value)
+            try:
+                with gemm.record_plans() as plans:
+                    program = mn.compile(graph, None, limits)
+            finally:
+                setattr(module, name, saved)
+            if label == APART or tuple(plans) not in seen:
+                seen.add(tuple(plans))
+                out.append((label, list(plans), program))
     return out
 
 

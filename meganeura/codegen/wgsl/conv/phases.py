@@ -16,9 +16,13 @@ Plan (``phase_plans``). One tiling for every phase: the one ``gemm.plan_gemm`` p
 phase with the most taps (the largest K; then N), with its prefetch mode (dropped for a
 K = 0 phase). Split-K aims at ``gemm.TARGET_GROUPS`` workgroups for the phases together: one
 chunk length ``per = max(MIN_SPLIT_K, work / TARGET_GROUPS)`` (work: sum over phases of
-tiles x K), and each phase whose K >= 2 MIN_SPLIT_K cuts its K into about K / per chunks
-(at most K / MIN_SPLIT_K, ``MAX_SPLITS``), so its workgroups run about equally long K
-chains; phases with few taps stay unsplit. The partials of all split phases share one
+tiles x K; ``MIN_CHUNK`` replaces MIN_SPLIT_K when set), and each phase whose K >= 2
+MIN_SPLIT_K cuts its K into about K / per chunks (at most K / MIN_SPLIT_K, ``MAX_SPLITS``),
+so its workgroups run about equally long K chains; phases with few taps stay unsplit. No
+phase splits when the tiles of the phases with K > 0 reach TARGET_GROUPS already. In a
+kernel latency-bound by its chain of K steps, as the H200 sweep shows these, one wave of
+workgroups with chains of ``per`` takes about as long as the per-phase kernels' one phase,
+against four phases in series before. The partials of all split phases share one
 scratch (phase by phase), summed by one dispatch whose workgroups branch on phase as well
 (``gemm.sum_lines``). Under ``gemm.force_plan`` the forced tiling, prefetch and deep mode
 hold for every phase, ``splits`` splits each phase as ``plan_gemm`` would (so results are
@@ -39,6 +43,12 @@ from ..core.literals import u
 from . import gemm as gm
 from .gemm import Gemm, Operand, Output, Plan
 from .stage import THREADS
+
+# The shortest K chunk of a split phase (None: ``gemm.MIN_SPLIT_K``); a knob for the sweep
+# (``bench/conv_sweep.py``'s ``chunk64`` variant): the H200 sweep of 2026-12-03 has the
+# per-phase kernels latency-bound by their chains of K steps (U-Net 3x3 stride 2 64 -> 64,
+# 8 tiles a phase, K <= 256: 78 us for 4 dispatches), where shorter chunks may pay.
+MIN_CHUNK: int | None = None
 
 
 def phase_plans(gs: list[Gemm], limits) -> list[Plan]:
@@ -75,13 +85,12 @@ def _phase_splits(gs: list[Gemm], t: gm.Tiling, target: int, limits) -> list[int
     if sum(tiles) >= target:
         return [1] * len(gs)
     work = sum(n * g.k for n, g in zip(tiles, gs, strict=True))
-    per = max(gm.MIN_SPLIT_K, -(-work // target))
+    least = MIN_CHUNK or gm.MIN_SPLIT_K
+    per = max(least, -(-work // target))
     cap = min(gm.MAX_SCRATCH, limits.max_storage_buffer_binding_size) // 4
     while True:
         splits = [
-            1
-            if g.k < 2 * gm.MIN_SPLIT_K
-            else max(1, min(-(-g.k // per), g.k // gm.MIN_SPLIT_K, gm.MAX_SPLITS))
+            1 if g.k < 2 * least else max(1, min(-(-g.k // per), g.k // least, gm.MAX_SPLITS))
             for g in gs
         ]
         scratch = sum(s * g.m * g.n * g.groups for s, g in zip(splits, gs, strict=True) if s > 1)
