@@ -15,7 +15,7 @@ import pytest
 
 from meganeura.codegen.kernel import Limits
 from meganeura.codegen.wgsl import lower
-from meganeura.codegen.wgsl.conv import gemm, lowering
+from meganeura.codegen.wgsl.conv import gemm, lowering, phases
 from meganeura.codegen.wgsl.conv.gemm import LARGE, NARROW, SMALL, Gemm, force_plan
 from meganeura.codegen.wgsl.conv.phases import phase_plans
 
@@ -94,6 +94,28 @@ def test_merged_phases_with_128x128_tiles_are_bit_identical(monkeypatch):
     assert _rel(got[True], _torch_conv(feeds, **kw)[1]) <= 1e-5
 
 
+@pytest.mark.gpu
+def test_merged_phases_many_splits_and_min_chunk(monkeypatch):
+    """More than ``LANES_FROM_SPLITS`` splits (four threads summing an element) bit-identical
+    to the per-phase kernels; the default plan with ``MIN_CHUNK`` 16 against torch."""
+    x_shape, w_shape, kw = (1, 4, 9, 8), (48, 4, 3, 3), dict(stride=2, padding=1)
+    graph, ids = _conv_graph(x_shape, w_shape, **kw)
+    feeds = _feeds(graph, ids[0], x_shape, w_shape)
+    got = {}
+    for merged in (True, False):
+        monkeypatch.setattr(lowering, "MERGE_PHASES", merged)
+        with gemm.record_plans() as plans, force_plan(SMALL, splits=12):
+            got[merged] = run(graph, feeds).values[ids[1]]
+        assert any("/s12/" in p for _, p in plans), plans
+    assert np.array_equal(got[True], got[False])
+    monkeypatch.setattr(lowering, "MERGE_PHASES", True)
+    monkeypatch.setattr(phases, "MIN_CHUNK", 16)
+    with gemm.record_plans() as plans:
+        dx = run(graph, feeds).values[ids[1]]
+    assert any(p.startswith("merged:") and "/s" in p for _, p in plans), plans
+    assert _rel(dx, _torch_conv(feeds, **kw)[1]) <= 1e-5
+
+
 def test_merged_phases_dispatch_counts(monkeypatch):
     """3x3 stride 2: 4 GEMMs (+4 sums when split) become one (+1); 1x1 stride 2: the zero
     pass and the GEMM become one dispatch; not on a CPU adapter."""
@@ -111,7 +133,7 @@ def test_merged_phases_dispatch_counts(monkeypatch):
         assert _dx_kernels(g1, ids1[1], Limits()) == ["gemm phases"]
 
 
-def test_merged_split_rule_fills_the_gpu_across_phases():
+def test_merged_split_rule_fills_the_gpu_across_phases(monkeypatch):
     """One chunk length for all phases (ResNet-50 b4's layer-3 3x3 stride 2: K = 256 x 1, 2,
     2, 4 taps): the longest K splits most, the one-tap phase not at all, the workgroups of all
     phases together near TARGET_GROUPS rather than each phase's; enough tiles: no split."""
@@ -130,5 +152,10 @@ def test_merged_split_rule_fills_the_gpu_across_phases():
         assert [p.splits for p in phase_plans(gs, Limits())] == [
             gemm.plan_gemm(g, Limits()).splits for g in gs
         ]
+    # the U-Net's 3x3 stride 2 64 -> 64 at batch 2: K <= 256, unsplit unless MIN_CHUNK is lower
+    small = [Gemm(64, 2 * 16 * 16, 64 * taps, 1) for taps in (1, 2, 2, 4)]
+    assert [p.splits for p in phase_plans(small, Limits())] == [1] * 4
+    monkeypatch.setattr(phases, "MIN_CHUNK", 64)
+    assert [p.splits for p in phase_plans(small, Limits())] == [1, 2, 2, 4]
     k0 = phase_plans([Gemm(64, 100, 0, 1), Gemm(64, 100, 600, 1)], Limits())
     assert k0[0].prefetch is False and k0[1].prefetch is gemm.PREFETCH
