@@ -159,3 +159,54 @@ def test_merged_split_rule_fills_the_gpu_across_phases(monkeypatch):
     assert [p.splits for p in phase_plans(small, Limits())] == [1, 2, 2, 4]
     k0 = phase_plans([Gemm(64, 100, 0, 1), Gemm(64, 100, 600, 1)], Limits())
     assert k0[0].prefetch is False and k0[1].prefetch is gemm.PREFETCH
+
+
+# The H200's limits (bench/dispatch_counts.py): GPU plans, split-K, two-deep prefetch.
+H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
+              max_storage_buffer_binding_size=2**31 - 4, max_buffer_size=2**40)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["l4_3x3s2_512", "l3_ds_1x1s2_512_1024", "unet_3x3s2_128"])
+def test_h200_merged_kernels_validate(case, gpu_device):
+    """ResNet-50 b4's and the U-Net's strided input gradients as the H200 compiles them (the
+    phases split, one summing dispatch) are valid WGSL for naga (shader modules only, not
+    run). Naga does not check that barriers sit in uniform control flow (it accepts a barrier
+    under ``if (lid == 0u)``), so ``_barriers_uniform`` checks the blocks around each."""
+    x_shape, w_shape, kw = {
+        "l4_3x3s2_512": ((4, 512, 14, 14), (512, 512, 3, 3), dict(stride=2, padding=1)),
+        "l3_ds_1x1s2_512_1024": ((4, 512, 28, 28), (1024, 512, 1, 1), dict(stride=2)),
+        "unet_3x3s2_128": ((2, 128, 16, 16), (128, 128, 3, 3), dict(stride=2, padding=1)),
+    }[case]
+    graph, ids = _conv_graph(x_shape, w_shape, **kw)
+    kernels = lower(graph, ids[1], H200)
+    assert [k.name.split(" ", 2)[-1] for k in kernels] == ["gemm phases", "sum_splits phases"]
+    assert kernels[0].wgsl.count("workgroupBarrier") >= 3
+    with pytest.raises(AssertionError):  # the check itself
+        _barriers_uniform("if (wg < 2u) {\n  if (lid == 0u) {\n    workgroupBarrier();\n  }\n}")
+    for k in kernels:
+        _barriers_uniform(k.wgsl)
+        gpu_device.gpu.create_shader_module(code=k.wgsl)
+
+
+def _barriers_uniform(wgsl: str) -> None:
+    """Every ``workgroupBarrier`` of ``wgsl`` lies only in blocks whose header (``if``,
+    ``for``, ``else if``) names no per-thread value (``lid`` and the names derived from it in
+    these kernels: ``lane``, ``tx``, ``ty``, slots ``l*``)."""
+    import re
+
+    thread = re.compile(r"\b(lid|lane|tx|ty|l[ab]\d+_[rk])\b")
+    stack: list[str] = []
+    for line in wgsl.splitlines():
+        code = line.strip()
+        if "workgroupBarrier" in code:
+            bad = [h for h in stack if thread.search(h)]
+            assert not bad, (code, bad)
+        opens, closes = code.count("{"), code.count("}")
+        if code.startswith("}"):
+            stack = stack[: len(stack) - 1]
+            closes -= 1
+        for _ in range(opens - closes):
+            stack.append("" if code.startswith("fn ") else code)
+        for _ in range(closes - opens):
+            stack = stack[: len(stack) - 1]
