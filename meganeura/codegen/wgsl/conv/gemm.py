@@ -22,6 +22,8 @@ workgroup tiles after it, one barrier per step; ``DEEP`` keeps two steps in flig
 staging and the K loop are ``stage.py``'s; the results are bit-identical either way.
 ``plan_gemm`` picks tiling, splits and prefetch per GEMM; ``force_plan`` overrides them for
 sweeps (``bench/conv_sweep.py``) and tests, ``record_plans`` lists what was picked.
+``gemm_lines`` and ``sum_lines`` emit one GEMM's body and one sum pass's; ``phases.py``
+places several of them (the stride phases of an input gradient) in one dispatch.
 
 Every thread of a workgroup runs every barrier; loads past M, N or K are zero by ``select``,
 and their index is selected to 0 as well, so no read leaves its binding (shader modules are

@@ -12,7 +12,8 @@ The three convolution ops are implicit GEMMs (``gemm``), batched over groups:
 so columns walk pixels (stores along NCHW rows) and no im2col buffer exists. The input
 gradient is split by stride phase so that no work goes to the zeros a stride leaves: input
 row ``ry + sh i`` is reached only by taps ``kh = kh0 + a step`` with ``(ry + ph - kh dh)``
-divisible by ``sh``, from output row ``i + o0 - a c`` (``_taps``). Padding is zero by
+divisible by ``sh``, from output row ``i + o0 - a c`` (``_taps``). On GPU adapters the
+phases' GEMMs run as one dispatch (``phases``, ``MERGE_PHASES``). Padding is zero by
 predication; bias is added in the GEMM's epilogue. Pooling lowerings live in ``pool``.
 Index math is u32 with shapes baked in; negative intermediate coordinates wrap and fail the
 ``< size`` tests (see ``gemm``).
