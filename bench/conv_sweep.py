@@ -10,7 +10,12 @@ Each variant forces every conv GEMM's plan (``conv.gemm.force_plan``): tiling {S
 NARROW when min(C, OC) <= 64} x prefetch {one-deep, none, two-deep (SMALL and NARROW only)}
 x split {default rule, none, the rule aiming at twice TARGET_GROUPS workgroups (``--quick``:
 2 splits, as the CPU adapter never splits)};
-variants whose plans (``conv.gemm.record_plans``) equal an earlier one's are not rerun. Every
+and, for a strided shape, the default plans with the input gradient's stride phases apart
+(``conv.lowering.MERGE_PHASES`` False: one GEMM dispatch per phase, the program before
+``conv/phases.py``; variant ``default/default/default/apart``, its grad-input time the part's
+``apart_ms``) and with the merged phases' split rule going down to K chunks of 64
+(``conv.phases.MIN_CHUNK``; variant ``default/default/default/chunk64``); variants whose
+plans (``conv.gemm.record_plans``) equal an earlier one's are not rerun. Every
 variant's y, dx and dw are compared with the default plan's (max |diff| / max |default| <=
 1e-4: split-K reorders sums) and a variant that differs is rejected. GPU time per part
 (forward, grad-input, grad-weight: the dispatches of ``conv2d``, ``conv2d_backward_input``,
@@ -71,11 +76,13 @@ KEYS = ("machine", "versions", "quick", "repeats", "warmup", "budget_s", "estima
 SHAPE_KEYS = ("network", "name", "n", "c", "oc", "k", "stride", "h", "count", "parts",
               "variants", "rel_err_vs_torch")  # fmt: skip
 PART_KEYS = ("default_plans", "default_ms", "best_variant", "best_plans", "best_ms",
-             "cudnn_ms", "gain", "counted", "default_as")  # fmt: skip
+             "cudnn_ms", "gain", "counted", "default_as", "apart_ms")  # fmt: skip
 TILINGS = ("small", "large", "narrow")
 SPLITS = ("default", "none", "2x")
 MODES = ("np", "pf", "d2")
 MAX_DIFF = 1e-4
+APART = "default/default/default/apart"  # the default plans, stride phases apart
+CHUNK64 = "default/default/default/chunk64"  # merged phases split down to chunks of 64
 TORCH_S = 0.5  # estimated seconds per shape for cuDNN's references and timings
 
 
@@ -150,7 +157,7 @@ def variant_programs(n: int, layer: tuple, limits, quick: bool) -> list[tuple]:
     """(label, plans, Program) of each variant of one shape whose conv GEMM plans differ
     from every earlier variant's, the default first; compiled (lowered) without pipelines."""
     import meganeura as mn
-    from meganeura.codegen.wgsl.conv import gemm
+    from meganeura.codegen.wgsl.conv import gemm, lowering, phases
 
     _, c, oc, k, s, h, _ = layer
     graph = build(n, c, oc, k, s, h)
@@ -166,6 +173,21 @@ def variant_programs(n: int, layer: tuple, limits, quick: bool) -> list[tuple]:
         if tuple(plans) not in seen:
             seen.add(tuple(plans))
             out.append((label, list(plans), program))
+    if s > 1:  # the default plans with the grad-input's stride phases apart / short chunks
+        for label, module, name, value in (
+            (APART, lowering, "MERGE_PHASES", False),
+            (CHUNK64, phases, "MIN_CHUNK", 64),
+        ):
+            saved = getattr(module, name)
+            setattr(module, name, value)
+            try:
+                with gemm.record_plans() as plans:
+                    program = mn.compile(graph, None, limits)
+            finally:
+                setattr(module, name, saved)
+            if label == APART or tuple(plans) not in seen:
+                seen.add(tuple(plans))
+                out.append((label, list(plans), program))
     return out
 
 
@@ -317,11 +339,14 @@ def main(argv: list[str] | None = None) -> dict:
                 "gain": dflt["ms"][p] / top["ms"][p] if top["ms"][p] > 0 else 1.0,
                 "counted": not (first and p == "bwd_input"),
                 "default_as": _default_as(variants, p),
+                "apart_ms": next((v["ms"][p] for v in variants
+                                  if v["variant"] == APART and p == "bwd_input"), None),
             }  # fmt: skip
             r = parts[p]
             print(f"{name:<24} {p:<10} default {_short(r['default_plans']):<26} "
                   f"{r['default_ms']:>8.4f} ms | best {r['best_variant']:<20} "
-                  f"{r['best_ms']:>8.4f} ms x{r['gain']:.2f} | cuDNN {r['cudnn_ms']:>8.4f} ms",
+                  f"{r['best_ms']:>8.4f} ms x{r['gain']:.2f} | cuDNN {r['cudnn_ms']:>8.4f} ms"
+                  + ("" if r["apart_ms"] is None else f" | phases apart {r['apart_ms']:.4f} ms"),
                   flush=True)  # fmt: skip
         doc["shapes"].append({
             "network": net, "name": name, "n": n, "c": c, "oc": oc, "k": k, "stride": s,
@@ -336,15 +361,18 @@ def main(argv: list[str] | None = None) -> dict:
     save(True)
     print(f"\nweighted network conv time (ms), {time.perf_counter() - t0:.0f} s of sweep:")
     print("(dflt/np, /pf, /d2: the default plans' tilings and splits with that prefetch mode)")
+    print("(apart: the default plans with the strided input gradients' phases apart)")
     print(f"{'network':<16} {'part':<10} {'default':>9} {'best':>9} {'cuDNN':>9} "
-          f"{'gain':>6} {'xcuDNN':>7} {'dflt/np':>9} {'dflt/pf':>9} {'dflt/d2':>9}")  # fmt: skip
+          f"{'gain':>6} {'xcuDNN':>7} {'dflt/np':>9} {'dflt/pf':>9} {'dflt/d2':>9} "
+          f"{'apart':>9}")  # fmt: skip
     for net, parts in doc["summary"].items():
         for p, r in parts.items():
             as_ms = [r[f"default_as_{m}_ms"] for m in MODES]
             modes = " ".join(f"{'-' if v is None else f'{v:.3f}':>9}" for v in as_ms)
             print(f"{net:<16} {p:<10} {r['default_ms']:>9.3f} {r['best_ms']:>9.3f} "
                   f"{r['cudnn_ms']:>9.3f} {r['default_ms'] / r['best_ms']:>6.2f} "
-                  f"{r['cudnn_ms'] / r['best_ms']:>7.2f} {modes}")  # fmt: skip
+                  f"{r['cudnn_ms'] / r['best_ms']:>7.2f} {modes} "
+                  f"{r['apart_ms']:>9.3f}")  # fmt: skip
     print(f"wrote {out}")
     return doc
 
@@ -352,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _default_as(variants: list[dict], part: str) -> dict[str, float]:
     """Time of ``part`` under the default plans' tilings and splits with each prefetch mode
     (``np``, ``pf``, ``d2``), where a variant ran exactly those plans: what flipping
-    ``conv.gemm.PREFETCH`` / ``DEEP`` alone would give."""
+    ``conv.plan.PREFETCH`` / ``DEEP`` alone would give."""
     base = [p.rsplit("/", 1)[0] for p in variants[0]["plans"][part]]
     out = {}
     for mode in MODES:
@@ -365,7 +393,9 @@ def _default_as(variants: list[dict], part: str) -> dict[str, float]:
 
 def summarize(shapes: list[dict]) -> dict:
     """Per network and part (and ``all``): count-weighted sums of the default plans', the
-    best variants' and cuDNN's times, the first conv's grad-input left out; and
+    best variants' and cuDNN's times, the first conv's grad-input left out; ``apart_ms``, the
+    default plans' with the strided input gradients' phases apart (``apart_ms`` of a part,
+    else its default); and
     ``default_as_<mode>_ms``, the default plans with that prefetch mode (``_default_as``),
     None when some shape lacks it (a budget cut)."""
     out: dict[str, dict] = {}
@@ -381,11 +411,14 @@ def summarize(shapes: list[dict]) -> dict:
                         "default_ms": 0.0,
                         "best_ms": 0.0,
                         "cudnn_ms": 0.0,
+                        "apart_ms": 0.0,
                         **{f"default_as_{m}_ms": 0.0 for m in MODES},
                     },
                 )
                 for key in ("default_ms", "best_ms", "cudnn_ms"):
                     acc[key] += sh["count"] * r[key]
+                apart = r.get("apart_ms")
+                acc["apart_ms"] += sh["count"] * (r["default_ms"] if apart is None else apart)
                 for m in MODES:
                     key, ms = f"default_as_{m}_ms", r["default_as"].get(m)
                     acc[key] = (

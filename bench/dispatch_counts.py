@@ -4,19 +4,23 @@ timing: SmolLM2-135M prefill (128 tokens into a 512-slot cache, last token's arg
 training step at batch 4 (SGD, cross-entropy), and on request W1's ``fwd_seq128``
 (``--parts w1fwd``: the same model's 128-token forward without a cache, full logits),
 whisper-tiny's training step (``--parts whisper``: 30 s of features, 32 tokens, SGD) and the
-SmolVLA action expert's (``--parts smolvla``: W2's ``train_chunk50``). Random weights; each
+SmolVLA action expert's (``--parts smolvla``: W2's ``train_chunk50``) and the W5 U-Net's
+(``--parts unet``: ``train_small_b2``). Random weights; each
 program is traced and compiled with ``H200`` limits (``Limits.cpu`` False, so the GPU's matmul
 plans and split-K apply), and its dispatch list is counted by kernel kind.
 
 ``--split-sums dispatch`` compiles split-K products with their own summing dispatch (the
 program before ``codegen.wgsl.matmul.deferred``), for before/after figures from one commit;
-``--split-members join`` lets products whose plan splits K join tiled matmul groups, run
-unsplit there (``codegen.wgsl.matmul.tiled_group.set_split_members``; the default ``apart``
-keeps them split, as the H200 timed faster).
+``--conv-phases apart`` lowers each stride phase of a strided conv input gradient as its own
+dispatch (``codegen.wgsl.conv.lowering.MERGE_PHASES`` False: the program before
+``conv/phases.py``); ``--split-members join`` lets products whose plan splits K join tiled
+matmul groups, run unsplit there (``codegen.wgsl.matmul.tiled_group.set_split_members``; the
+default ``apart`` keeps them split, as the H200 timed faster).
 
-Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet[,w1fwd,whisper,smolvla]]
-                                       [--quick] [--json FILE] [--split-sums deferred|dispatch]
-                                       [--split-members join|apart]
+Usage: python bench/dispatch_counts.py
+           [--parts prefill,train,resnet[,w1fwd,whisper,smolvla,unet]] [--quick] [--json FILE]
+           [--split-sums deferred|dispatch] [--split-members join|apart]
+           [--conv-phases merged|apart]
 """
 
 from __future__ import annotations
@@ -191,6 +195,29 @@ def smolvla(quick: bool):
     return compile(traced.graph, options, H200)
 
 
+def unet(quick: bool):
+    """W5's ``train_small_b2`` (the conv U-Net, batch 2 of 4x32x32, MSE, Adam) as
+    ``bench/workloads.py`` builds it (``--quick``: its CPU-sized model, 16x16)."""
+    import dataclasses
+
+    import meganeura as mn
+    from bench.workloads_lib.cell import _optimizer
+    from bench.workloads_lib.registry import WORKLOADS
+    from meganeura.compile import compile
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    wl = WORKLOADS["w5"]
+    case = wl.case("train_small_b2", quick)
+    model, _ = wl.ours_model(case, quick)
+    args = wl.batch(case, quick)
+    traced = trace_call(model, lambda *a: wl.ours_loss(model, *a), args, {}, "loss")
+    options = dataclasses.replace(
+        _train_options(_optimizer(case.optimizer)), trainable=_trainable(traced)
+    )
+    return compile(traced.graph, options, H200)
+
+
 def w1fwd(quick: bool):
     """W1's ``fwd_seq128`` as ``bench/workloads.py`` compiles it (strict, shared parameters;
     ``--quick``: the CPU-sized case, ``fwd_seq16``)."""
@@ -214,6 +241,7 @@ PARTS = {
     "whisper": whisper,
     "smolvla": smolvla,
     "w1fwd": w1fwd,
+    "unet": unet,
 }
 
 
@@ -224,12 +252,19 @@ def main() -> None:
     ap.add_argument("--json", help="also write the counts to this file")
     ap.add_argument("--split-sums", choices=("deferred", "dispatch"), default="deferred")
     ap.add_argument("--split-members", choices=("join", "apart"), default="apart")
+    ap.add_argument("--conv-phases", choices=("merged", "apart"), default="merged")
     args = ap.parse_args()
+    from meganeura.codegen.wgsl.conv import lowering
     from meganeura.codegen.wgsl.matmul import deferred, tiled_group
 
+    lowering.MERGE_PHASES = args.conv_phases == "merged"
     deferred.set_enabled(args.split_sums == "deferred")
     tiled_group.set_split_members(args.split_members == "join")
-    result = {"split_sums": args.split_sums, "split_members": args.split_members}
+    result = {
+        "split_sums": args.split_sums,
+        "split_members": args.split_members,
+        "conv_phases": args.conv_phases,
+    }
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))
         print(f"== {part}: {c['dispatches']} dispatches")

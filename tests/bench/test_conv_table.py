@@ -33,6 +33,7 @@ def test_entries_are_single_gemms_that_beat_the_rules():
         rows, notes = entries(json.load(f))
     keyed = [r for r in rows if r["key"] is not None]
     assert keyed and all(r["gain"] >= MIN_GAIN and len(r["rule"]) == 1 for r in keyed)
-    # a strided 3x3 grad-input is four stride-phase GEMMs: never an entry
+    # a strided 3x3 grad-input is four stride-phase GEMMs, on GPU adapters in one merged
+    # dispatch (conv/phases.py) that records no single-GEMM rule plan: never an entry
     strided = [r for r in rows if r["shape"] == "l2_3x3s2_128" and r["part"] == "bwd_input"]
-    assert len(strided[0]["rule"]) == 4 and strided[0]["key"] is None
+    assert len(strided[0]["rule"]) != 1 and strided[0]["key"] is None

@@ -13,6 +13,7 @@ import pytest
 from meganeura.codegen.kernel import Limits
 from meganeura.codegen.wgsl import lower
 from meganeura.codegen.wgsl.conv import gemm
+from meganeura.codegen.wgsl.conv import plan as conv_plan
 from meganeura.codegen.wgsl.conv.gemm import LARGE, NARROW, SMALL, Gemm, force_plan, plan_gemm
 
 from .harness import run
@@ -92,7 +93,7 @@ def test_prefetch_doubles_the_tiles_and_keeps_two_barriers():
 
 def test_plan_rules():
     g = Gemm(16, 4096, 600, 1)  # NARROW
-    assert plan_gemm(Gemm(64, 64, 600, 1), Limits()).prefetch is gemm.PREFETCH
+    assert plan_gemm(Gemm(64, 64, 600, 1), Limits()).prefetch is conv_plan.PREFETCH
     assert plan_gemm(Gemm(64, 64, 600, 1), Limits(cpu=True)).prefetch is False  # CPU adapter
     # NARROW doubled needs 17408 B: above WebGPU's guaranteed 16 KiB, one buffer then
     assert gemm.shared_bytes(NARROW, True) > 16384 >= gemm.shared_bytes(NARROW, False)

@@ -10,8 +10,9 @@ import pytest
 
 import meganeura as mn
 from meganeura.codegen.kernel import Limits
-from meganeura.codegen.wgsl.conv import gemm, tuned
-from meganeura.codegen.wgsl.conv.gemm import SMALL, Gemm, parse_plan, plan_gemm, plan_source
+from meganeura.codegen.wgsl.conv import plan as gemm
+from meganeura.codegen.wgsl.conv import tuned
+from meganeura.codegen.wgsl.conv.plan import SMALL, Gemm, parse_plan, plan_gemm, plan_source
 
 from .harness import run
 from .test_conv import _conv_graph, _rel, _torch_conv

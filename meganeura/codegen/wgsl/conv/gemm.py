@@ -16,16 +16,14 @@ K = N * OH * OW), K is cut into ``splits`` chunks of whole K steps, each chunk w
 partial C densely to scratch (``[split][grp][m][n]``), and a second dispatch sums the chunks
 in a fixed order (deterministic), then stores through the output mapping and adds the bias.
 
-Prefetch (``PREFETCH``, GPU adapters): the next K step's operands are gathered into registers
-before the current step multiplies and stored into the other half of double-buffered
-workgroup tiles after it, one barrier per step; ``DEEP`` keeps two steps in flight. The
-staging and the K loop are ``stage.py``'s; the results are bit-identical either way.
-``plan_gemm`` picks tiling, splits and prefetch per GEMM, in this order (``plan_source``):
-``force_plan`` (sweeps, ``bench/conv_sweep.py``, and tests) overrides the rules; on a GPU
-adapter the plan measured best on the H200 for this (kind of op, m, n, k, groups),
-``tuned.TUNED``; else the rules (``choose_tiling``, ``plan_splits``, ``PREFETCH``, ``DEEP``),
-which also cover CPU adapters. ``record_plans`` lists what was picked, ``record_choices``
-that with the GEMM sizes and the source (``Program.meta["convs"]``).
+Prefetch (``plan.PREFETCH``, GPU adapters): the next K step's operands are gathered into
+registers before the current step multiplies and stored into the other half of
+double-buffered workgroup tiles after it, one barrier per step; ``plan.DEEP`` keeps two steps
+in flight. The staging and the K loop are ``stage.py``'s; the results are bit-identical
+either way. The tiling, splits and prefetch of each GEMM are ``plan.py``'s (``plan_gemm``,
+re-exported here with the plan types, as ``force_plan`` and ``record_plans``). ``gemm_lines`` and
+``sum_lines`` emit one GEMM's body and one sum pass's; ``phases.py`` places several of them
+(the stride phases of an input gradient) in one dispatch.
 
 Every thread of a workgroup runs every barrier; loads past M, N or K are zero by ``select``,
 and their index is selected to 0 as well, so no read leaves its binding (shader modules are
@@ -36,72 +34,38 @@ the test ``0 <= h - p < H`` for values far below 2^31.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ....dtypes import DType
 from ...kernel import KernelSource
 from ..core.builder import KernelBuilder, Src
 from ..core.literals import u
-from ..matmul.plan import LARGE_MIN_TILES
+from . import plan as _plan
+from .plan import (  # noqa: F401 - re-exported: the plan of a GEMM is asked for here too
+    LARGE,
+    MAX_SCRATCH,
+    MAX_SPLITS,
+    MIN_SPLIT_K,
+    NARROW,
+    SMALL,
+    SOURCES,
+    TARGET_GROUPS,
+    TILINGS,
+    Gemm,
+    Plan,
+    Tiling,
+    choose_tiling,
+    force_plan,
+    parse_plan,
+    plan_gemm,
+    plan_source,
+    plan_splits,
+    record_choices,
+    record_plans,
+    shared_bytes,
+)
 from .stage import THREADS, Stage, k_loop
-from .tuned import KIND, TUNED
-
-# Split K while fewer workgroups than this would run, keeping at least MIN_SPLIT_K of K
-# (a multiple of the K step) per chunk and the partials within MAX_SCRATCH bytes.
-TARGET_GROUPS = 264
-MIN_SPLIT_K = 256
-MAX_SPLITS = 128
-MAX_SCRATCH = 64 << 20
-
-
-@dataclass(frozen=True)
-class Tiling:
-    """``ty x tx`` threads (256), each computing ``tm x tn`` outputs (multiples of 4);
-    K advances by ``bk``."""
-
-    ty: int
-    tx: int
-    tm: int
-    tn: int
-    bk: int
-
-    @property
-    def bm(self) -> int:
-        return self.ty * self.tm
-
-    @property
-    def bn(self) -> int:
-        return self.tx * self.tn
-
-
-@dataclass(frozen=True)
-class Gemm:
-    """Sizes of the product: ``groups`` independent [m, k] @ [k, n]."""
-
-    m: int
-    n: int
-    k: int
-    groups: int
-
-
-SMALL = Tiling(16, 16, 4, 4, 16)
-LARGE = Tiling(16, 16, 8, 8, 8)
-NARROW = Tiling(4, 64, 4, 4, 8)
-TILINGS = {"small": SMALL, "large": LARGE, "narrow": NARROW}
-
-
-def choose_tiling(g: Gemm, cpu: bool = False) -> Tiling:
-    """128x128 tiles only when there are enough of them to keep a large GPU busy (the matmul
-    measurement), or on a CPU adapter (``Limits.cpu``, where the work counts, not filling a
-    GPU: ``matmul.plan.cpu_plan``) whenever M and N reach 128; 16-row tiles when M <= 16."""
-    if g.m <= NARROW.bm:
-        return NARROW
-    tiles = -(-g.m // LARGE.bm) * -(-g.n // LARGE.bn) * g.groups
-    enough = cpu or tiles >= LARGE_MIN_TILES
-    return LARGE if g.m >= 128 and g.n >= 128 and enough else SMALL
 
 
 @dataclass(frozen=True)
@@ -143,213 +107,6 @@ class Output:
     bias: tuple[int, Callable[[str], str]] | None = None
 
 
-def plan_splits(g: Gemm, t: Tiling, limits, target_groups: int | None = None) -> tuple[int, int]:
-    """(splits, K per split, a multiple of ``t.bk``); never split on a CPU adapter
-    (``Limits.cpu``: the partials and second dispatch are pure overhead there).
-    ``target_groups``: aim at this many workgroups instead of ``TARGET_GROUPS``."""
-    if g.k == 0:
-        return 1, t.bk
-    target = TARGET_GROUPS if target_groups is None else target_groups
-    tiles = -(-g.m // t.bm) * -(-g.n // t.bn) * g.groups
-    splits = 1
-    if tiles < target and g.k >= 2 * MIN_SPLIT_K and not limits.cpu:
-        splits = min(-(-target // tiles), g.k // MIN_SPLIT_K, MAX_SPLITS)
-        splits = max(1, min(splits, _scratch_cap(g, limits)))
-    return _chunks(g, t, splits)
-
-
-def _scratch_cap(g: Gemm, limits) -> int:
-    """The most splits whose partials fit MAX_SCRATCH and one storage binding."""
-    numel = max(g.m * g.n * g.groups, 1)
-    return min(MAX_SCRATCH, limits.max_storage_buffer_binding_size) // (4 * numel)
-
-
-def _chunks(g: Gemm, t: Tiling, splits: int) -> tuple[int, int]:
-    """(splits, K per split) for about ``splits`` chunks of whole K steps, none empty."""
-    per = -(-max(g.k, 1) // max(splits, 1))
-    per = -(-per // t.bk) * t.bk
-    return -(-max(g.k, 1) // per), per
-
-
-def shared_bytes(t: Tiling, prefetch: bool) -> int:
-    """Workgroup memory of the GEMM kernel: one ``bk``-deep tile of each operand (two with
-    prefetch)."""
-    return (2 if prefetch else 1) * 4 * t.bk * (t.bm + t.bn)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How one implicit GEMM runs: tiling, split-K (``splits`` chunks of ``per`` of K),
-    register prefetch with double-buffered workgroup tiles, two-deep (``deep``) or not
-    (``stage.k_loop``)."""
-
-    tiling: Tiling
-    splits: int
-    per: int
-    prefetch: bool
-    deep: bool = False
-
-    @property
-    def name(self) -> str:
-        """``"64x64x16/s4/pf"``: tile, splits (when > 1), ``pf`` (prefetch), ``d2`` (two-deep
-        prefetch) or ``np`` (none)."""
-        t = self.tiling
-        split = f"/s{self.splits}" if self.splits > 1 else ""
-        mode = ("d2" if self.deep else "pf") if self.prefetch else "np"
-        return f"{t.bm}x{t.bn}x{t.bk}{split}/{mode}"
-
-
-def parse_plan(name: str, g: Gemm) -> Plan:
-    """The plan named ``name`` (``Plan.name``'s grammar: ``"64x64x16/s4/d2"``, ``"128x128x8/pf"``,
-    ``"16x256x8/np"``) for GEMM ``g``: K cut into about ``splits`` chunks of whole K steps
-    (``_chunks``; the name a plan gives round-trips).
-
-    Raises:
-        ValueError: for a name outside that grammar or a tile not in ``TILINGS``.
-    """
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:/s(\d+))?/(pf|np|d2)", name)
-    if m is None:
-        raise ValueError(f"bad conv GEMM plan name {name!r}; expected e.g. '64x64x16/s4/d2'")
-    bm, bn, bk = (int(v) for v in m.group(1, 2, 3))
-    tiles = [t for t in TILINGS.values() if (t.bm, t.bn, t.bk) == (bm, bn, bk)]
-    if not tiles:
-        known = sorted(f"{t.bm}x{t.bn}x{t.bk}" for t in TILINGS.values())
-        raise ValueError(f"unknown conv GEMM tile in {name!r}; known: {known}")
-    splits, per = _chunks(g, tiles[0], int(m.group(4) or 1)) if g.k else (1, tiles[0].bk)
-    return Plan(tiles[0], splits, per, m.group(5) != "np", m.group(5) == "d2")
-
-
-# Register prefetch of the next K step (``stage.k_loop``) on GPU adapters; never on a CPU
-# adapter (``Limits.cpu``: a second workgroup buffer and more live registers buy nothing there,
-# as ``matmul.plan.cpu_plan`` found), nor where the doubled tiles exceed workgroup memory.
-# Two register sets (``stage._deep_loop``) where prefetch runs. The H200 sweep (2026-12-03,
-# ``bench/conv_sweep.py``, bench/results/conv_sweep_h200.json: ResNet-50 b4 and the U-Net
-# small b2, forward / grad-input / grad-weight of 40 shapes, the default plans' tilings and
-# splits): one-deep prefetch beat none in 104 of 117 products, two-deep beat one-deep in 93;
-# weighted network conv time, U-Net 2.222 ms without prefetch, 2.133 one-deep, 2.091 two-deep.
-PREFETCH = True
-DEEP = True  # not for LARGE tiles: ``plan_gemm``
-
-_forced: list[dict] = []
-_record: list[list[tuple[str, str]]] = []
-_choices: list[list[dict]] = []
-
-
-@contextmanager
-def force_plan(
-    tiling: Tiling | str | None = None,
-    prefetch: bool | None = None,
-    splits: int | None = None,
-    target_groups: int | None = None,
-    deep: bool | None = None,
-) -> Iterator[None]:
-    """Within the block, every conv GEMM lowered uses the given tiling / prefetch / split-K
-    (None: the default choice). For benchmark sweeps and tests. ``splits``: that many chunks
-    (1: no split-K; rounded to whole K steps, so possibly fewer); ``target_groups``: the
-    default split rule aiming at that many workgroups; ``deep``: two-deep prefetch (where
-    prefetch runs). Prefetch that does not fit the
-    adapter's workgroup memory still falls back to one buffer (``plan_gemm``).
-
-    ``tiling`` may be named: ``"small"``, ``"large"``, ``"narrow"``.
-
-    Raises:
-        ValueError: a tiling that is not SMALL, LARGE or NARROW, splits < 1, or both
-            ``splits`` and ``target_groups``.
-    """
-    if isinstance(tiling, str):
-        if tiling not in TILINGS:
-            raise ValueError(f"conv tiling must be one of {sorted(TILINGS)}, got {tiling!r}")
-        tiling = TILINGS[tiling]
-    if tiling is not None and tiling not in TILINGS.values():
-        raise ValueError(f"conv tiling must be SMALL, LARGE or NARROW, got {tiling}")
-    if splits is not None and splits < 1:
-        raise ValueError(f"conv force_plan splits must be >= 1, got {splits}")
-    if splits is not None and target_groups is not None:
-        raise ValueError("conv force_plan takes splits or target_groups, not both")
-    _forced.append(
-        dict(tiling=tiling, prefetch=prefetch, splits=splits, target=target_groups, deep=deep)
-    )
-    try:
-        yield
-    finally:
-        _forced.pop()
-
-
-@contextmanager
-def record_plans() -> Iterator[list[tuple[str, str]]]:
-    """Within the block, (op, plan name) of every conv GEMM lowered, in order."""
-    names: list[tuple[str, str]] = []
-    _record.append(names)
-    try:
-        yield names
-    finally:
-        _record[:] = [r for r in _record if r is not names]
-
-
-@contextmanager
-def record_choices() -> Iterator[list[dict]]:
-    """Within the block, every conv GEMM lowered, in order: ``{"node", "op", "m", "n", "k",
-    "groups", "plan", "source"}`` (``source`` as ``plan_source`` gives it)."""
-    rows: list[dict] = []
-    _choices.append(rows)
-    try:
-        yield rows
-    finally:
-        _choices[:] = [r for r in _choices if r is not rows]
-
-
-# Where a plan came from (``plan_source``).
-SOURCES = ("forced", "tuned", "cpu", "heuristic")
-
-
-def plan_gemm(g: Gemm, limits, op: str | None = None) -> Plan:
-    """The plan of one GEMM of op ``op`` (``"conv2d"``, ``"conv2d_backward_input"``,
-    ``"conv2d_backward_weight"``; None: no table look-up), from ``plan_source``."""
-    return plan_source(g, limits, op)[0]
-
-
-def plan_source(g: Gemm, limits, op: str | None = None) -> tuple[Plan, str]:
-    """``plan_gemm``'s plan and its source, one of ``SOURCES``. Without an enclosing
-    ``force_plan``, on a GPU adapter, ``tuned.TUNED[(KIND[op], m, n, k, groups)]`` when it has the
-    GEMM (prefetch dropped where the doubled tiles exceed workgroup memory, splits capped by
-    the scratch limit, as the rules do; a tile that does not fit at all is passed over);
-    otherwise ``choose_tiling``, ``plan_splits``, ``PREFETCH`` and ``DEEP``, each overridden
-    by an enclosing ``force_plan`` (which the table yields to: sweeps force against the
-    rules)."""
-    key = (KIND.get(op), g.m, g.n, g.k, g.groups)
-    name = None if _forced or limits.cpu else TUNED.get(key)
-    p = None if name is None else parse_plan(name, g)
-    room = limits.max_workgroup_storage_size
-    if p is not None and shared_bytes(p.tiling, False) <= room:
-        splits, per = _chunks(g, p.tiling, min(p.splits, max(1, _scratch_cap(g, limits))))
-        pf = p.prefetch and g.k > 0 and shared_bytes(p.tiling, True) <= room
-        return Plan(p.tiling, splits, per, pf, pf and p.deep), "tuned"
-    source = "forced" if _forced else "cpu" if limits.cpu else "heuristic"
-    return _rule_plan(g, limits), source
-
-
-def _rule_plan(g: Gemm, limits) -> Plan:
-    """``choose_tiling``, ``plan_splits``, ``PREFETCH`` and ``DEEP``, each overridden by an
-    enclosing ``force_plan``."""
-    f = _forced[-1] if _forced else {}
-    t = f.get("tiling") or choose_tiling(g, limits.cpu)
-    if f.get("splits") is not None:
-        cap = max(1, min(f["splits"], MAX_SPLITS, _scratch_cap(g, limits)))
-        splits, per = _chunks(g, t, cap) if g.k else (1, t.bk)
-    else:
-        splits, per = plan_splits(g, t, limits, f.get("target"))
-    pf = f.get("prefetch")
-    prefetch = (PREFETCH and not limits.cpu) if pf is None else pf
-    # the prefetch loop gathers its first K step unconditionally: K must not be empty
-    prefetch = prefetch and g.k > 0
-    if shared_bytes(t, prefetch) > limits.max_workgroup_storage_size:
-        prefetch = False
-    # two-deep where the sweep timed it (the 64x64 and 16x256 tiles; 128x128 keeps 64
-    # accumulators a thread and was not tried with a second register set)
-    deep = (DEEP and t != LARGE) if f.get("deep") is None else f["deep"]
-    return Plan(t, splits, per, prefetch, prefetch and deep)
-
-
 def emit_gemm(
     kb: KernelBuilder,
     g: Gemm,
@@ -368,13 +125,12 @@ def emit_gemm(
         ValueError: when even one buffer of the tile exceeds the adapter's workgroup memory.
     """
     plan, source = plan_source(g, kb.limits, kb.node.op)
-    for names in _record:
+    for names in _plan._record:
         names.append((kb.node.op, plan.name))
-    for rows in _choices:
+    for rows in _plan._choices:
         rows.append({"node": kb.node.id, "op": kb.node.op, "m": g.m, "n": g.n, "k": g.k,
                      "groups": g.groups, "plan": plan.name, "source": source})  # fmt: skip
-    t, splits, per = plan.tiling, plan.splits, plan.per
-    tiles_m, tiles_n = -(-g.m // t.bm), -(-g.n // t.bn)
+    t, splits = plan.tiling, plan.splits
     key = f"partials{suffix}"
     if splits > 1:
         target = kb.scratch(key, splits * g.m * g.n * g.groups, DType.f32, "partials")
@@ -382,6 +138,61 @@ def emit_gemm(
     else:
         target = kb.write(kb.node.id, "out")
         bias = None if out.bias is None else kb.read(out.bias[0], "bias")
+    lines, slots = gemm_lines(g, a, b, out, plan, kb, target, bias)
+    flops = 2 * g.m * g.n * g.k * g.groups
+    helpers = workgroup_tiles(slots, plan.prefetch)
+    check_shared(t, plan.prefetch, kb.limits)
+    groups = gemm_groups(g, plan)
+    body = "\n".join(s for s in lines if s)
+    main = kb.finish(f"gemm{suffix}", body, THREADS, groups, helpers, flops=flops)
+    if splits == 1 or defer_sum:
+        return [main]
+    return [main, _sum_splits(kb, g, out, splits, key, suffix)]
+
+
+def gemm_groups(g: Gemm, plan: Plan) -> int:
+    """Workgroups of the GEMM dispatch: M x N tiles x groups x splits."""
+    t = plan.tiling
+    return -(-g.m // t.bm) * -(-g.n // t.bn) * g.groups * plan.splits
+
+
+def workgroup_tiles(slots: tuple[int, int], prefetch: bool) -> str:
+    """Declarations of the workgroup tiles ``As`` and ``Bs`` of ``slots`` vec4 per buffer
+    (two buffers with prefetch)."""
+    buffers = 2 if prefetch else 1
+    return (
+        f"var<workgroup> As: array<vec4<f32>, {buffers * slots[0]}>;\n"
+        f"var<workgroup> Bs: array<vec4<f32>, {buffers * slots[1]}>;\n"
+    )
+
+
+def check_shared(t: Tiling, prefetch: bool, limits) -> None:
+    """Raises ValueError when the tiles exceed the adapter's workgroup memory."""
+    shared = shared_bytes(t, prefetch)
+    if shared > limits.max_workgroup_storage_size:
+        raise ValueError(
+            f"conv GEMM tile {t.bm}x{t.bn}x{t.bk} needs {shared} B of workgroup memory; the "
+            f"limit is {limits.max_workgroup_storage_size}"
+        )
+
+
+def gemm_lines(
+    g: Gemm,
+    a: Operand,
+    b: Operand,
+    out: Output,
+    plan: Plan,
+    kb: KernelBuilder,
+    target: str,
+    bias: Src | None,
+    offset: int = 0,
+) -> tuple[list[str], tuple[int, int]]:
+    """(body statements, vec4 slots of one buffer of ``As`` and ``Bs``) of the GEMM's
+    workgroup ``wg`` (in scope, numbered from 0 for this GEMM): its tile, its K loop (none
+    when K = 0: the tile stores zeros) and its stores into ``target`` (the output through
+    ``out``, or with split-K the partials, at element ``offset`` of the scratch)."""
+    t, splits, per = plan.tiling, plan.splits, plan.per
+    tiles_m, tiles_n = -(-g.m // t.bm), -(-g.n // t.bn)
     lines = [
         f"  let tile_n = wg % {u(tiles_n)};",
         f"  let tile_m = (wg / {u(tiles_n)}) % {u(tiles_m)};",
@@ -393,7 +204,9 @@ def emit_gemm(
     ]
     stage_a = Stage(a, "a", "As", t.bm, t.bk, g.m, g.k, "tile_m")
     stage_b = Stage(b, "b", "Bs", t.bn, t.bk, g.n, g.k, "tile_n")
-    lines += stage_a.setup(plan.prefetch, plan.deep) + stage_b.setup(plan.prefetch, plan.deep)
+    if g.k:
+        lines += stage_a.setup(plan.prefetch, plan.deep)
+        lines += stage_b.setup(plan.prefetch, plan.deep)
     acc = [(gi, i, h) for gi in range(t.tm // 4) for i in range(4) for h in range(t.tn // 4)]
     lines += [f"  var acc{gi}{i}{h} = vec4<f32>(0.0);" for gi, i, h in acc]
 
@@ -419,26 +232,10 @@ def emit_gemm(
         k_begin, k_end = "k_begin", "k_end"
     else:
         k_begin, k_end = "0u", u(g.k)
-    lines += k_loop(stage_a, stage_b, t.bk, k_begin, k_end, multiply, plan.prefetch, plan.deep)
-    lines += _store(kb, out, t, g, acc, target, splits > 1, bias)
-    flops = 2 * g.m * g.n * g.k * g.groups
-    buffers = 2 if plan.prefetch else 1
-    helpers = (
-        f"var<workgroup> As: array<vec4<f32>, {buffers * stage_a.slots}>;\n"
-        f"var<workgroup> Bs: array<vec4<f32>, {buffers * stage_b.slots}>;\n"
-    )
-    shared = shared_bytes(t, plan.prefetch)
-    if shared > kb.limits.max_workgroup_storage_size:
-        raise ValueError(
-            f"conv GEMM tile {t.bm}x{t.bn}x{t.bk} needs {shared} B of workgroup memory; the "
-            f"limit is {kb.limits.max_workgroup_storage_size}"
-        )
-    groups = tiles_m * tiles_n * g.groups * splits
-    body = "\n".join(s for s in lines if s)
-    main = kb.finish(f"gemm{suffix}", body, THREADS, groups, helpers, flops=flops)
-    if splits == 1 or defer_sum:
-        return [main]
-    return [main, _sum_splits(kb, g, out, splits, key, suffix)]
+    if g.k:
+        lines += k_loop(stage_a, stage_b, t.bk, k_begin, k_end, multiply, plan.prefetch, plan.deep)
+    lines += _store(kb, out, t, g, acc, target, splits > 1, bias, offset)
+    return lines, (stage_a.slots, stage_b.slots)
 
 
 # Above this many splits, four threads share each element's partials (more loads in flight);
@@ -449,21 +246,49 @@ LANES_FROM_SPLITS = 8
 def _sum_splits(
     kb0: KernelBuilder, g: Gemm, out: Output, splits: int, key: str, suffix: str
 ) -> KernelSource:
-    """Sum the split-K partials into the output (plus the bias). With ``lanes`` threads per
-    element, lane l sums chunks l, l + lanes, ... into two alternating accumulators; lanes
-    combine in lane order, so the result is deterministic (``matmul.deferred.SplitPartials``
-    repeats this order for readers summing partials themselves)."""
+    """Sum the split-K partials into the output (plus the bias): ``sum_lines``."""
     kb = KernelBuilder(kb0.graph, kb0.node, kb0.limits)
     total = g.m * g.n * g.groups
     part = kb.scratch(key, splits * total, DType.f32, "partials")
     dst = kb.write(kb.node.id, "out")
     bias = None if out.bias is None else kb.read(out.bias[0], "bias")
+    body, lanes = sum_lines(kb, g, out, splits, part, dst, bias)
+    helpers = f"var<workgroup> red: array<f32, {THREADS}>;\n" if lanes > 1 else ""
+    groups = sum_groups(g, splits)
+    return kb.finish(f"sum_splits{suffix}", body, THREADS, groups, helpers, flops=splits * total)
+
+
+def sum_groups(g: Gemm, splits: int) -> int:
+    """Workgroups of ``sum_lines``' pass over the GEMM's elements."""
+    lanes = 4 if splits > LANES_FROM_SPLITS else 1
+    return -(-g.m * g.n * g.groups // (THREADS // lanes))
+
+
+def sum_lines(
+    kb: KernelBuilder,
+    g: Gemm,
+    out: Output,
+    splits: int,
+    part: str,
+    dst: str,
+    bias: Src | None,
+    offset: int = 0,
+) -> tuple[str, int]:
+    """(body, lanes) of workgroup ``wg`` (numbered from 0 for this GEMM) of the pass summing
+    the ``splits`` partials (at element ``offset`` of scratch ``part``) into ``dst`` through
+    ``out`` (plus the bias). With ``lanes`` threads per element (4 above
+    ``LANES_FROM_SPLITS``, using the workgroup array ``red`` of ``THREADS`` f32), lane l sums
+    chunks l, l + lanes, ... into two alternating accumulators; lanes combine in lane order,
+    so the result is deterministic (``matmul.deferred.SplitPartials`` repeats this order for
+    readers summing partials themselves)."""
+    total = g.m * g.n * g.groups
     lanes = 4 if splits > LANES_FROM_SPLITS else 1
     per = THREADS // lanes
+    base = f" + {u(offset)}" if offset else ""
     body = (
         f"  let e = wg * {u(per)} + lid % {u(per)};\n"
         f"  let lane = lid / {u(per)};\n"
-        f"  let ec = min(e, {u(total - 1)});\n"
+        f"  let ec = min(e, {u(total - 1)}){base};\n"
         "  var s0 = 0.0;\n  var s1 = 0.0;\n"
         f"  for (var t = lane; t < {u(splits)}; t = t + {u(2 * lanes)}) {{\n"
         f"    s0 += {part}[t * {u(total)} + ec];\n"
@@ -471,12 +296,10 @@ def _sum_splits(
         f"    if (t1 < {u(splits)}) {{ s1 += {part}[t1 * {u(total)} + ec]; }}\n"
         "  }\n"
     )
-    helpers = ""
     if lanes > 1:
         body += "  red[lid] = s0 + s1;\n  workgroupBarrier();\n"
         terms = " + ".join(f"red[lid + {u(i * per)}]" for i in range(1, lanes))
         value = f"(red[lid] + {terms})"
-        helpers = f"var<workgroup> red: array<f32, {THREADS}>;\n"
     else:
         value = "(s0 + s1)"
     if bias is not None:
@@ -489,8 +312,7 @@ def _sum_splits(
         f"    let col = e % {u(g.n)};\n"
         f"    {kb.store(dst, index, value)}\n  }}\n"
     )
-    groups = -(-total // per)
-    return kb.finish(f"sum_splits{suffix}", body, THREADS, groups, helpers, flops=splits * total)
+    return body, lanes
 
 
 def _store(
@@ -502,9 +324,10 @@ def _store(
     target: str,
     partial: bool,
     bias: Src | None,
+    offset: int = 0,
 ):
     """Stores of this thread's block: through ``out``'s mapping, or densely into the split's
-    slice of the partials."""
+    slice of the partials (which start at element ``offset`` of the scratch)."""
     lines = []
     for h in range(t.tn // 4):
         for c in range(4):
@@ -517,7 +340,8 @@ def _store(
             lines.append(f"    let row = tile_m * {u(t.bm)} + {u(gi * 4 * t.ty + i)} + ty * 4u;")
             if partial:
                 slab = f"(split * {u(g.groups)} + grp) * {u(g.m)} + row"
-                lines.append(f"    let rb = ({slab}) * {u(g.n)};")
+                base = f" + {u(offset)}" if offset else ""
+                lines.append(f"    let rb = ({slab}) * {u(g.n)}{base};")
             else:
                 lines.append(f"    let rb = {out.row('row')};")
             extra = ""

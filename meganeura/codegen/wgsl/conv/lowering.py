@@ -12,7 +12,8 @@ The three convolution ops are implicit GEMMs (``gemm``), batched over groups:
 so columns walk pixels (stores along NCHW rows) and no im2col buffer exists. The input
 gradient is split by stride phase so that no work goes to the zeros a stride leaves: input
 row ``ry + sh i`` is reached only by taps ``kh = kh0 + a step`` with ``(ry + ph - kh dh)``
-divisible by ``sh``, from output row ``i + o0 - a c`` (``_taps``). Padding is zero by
+divisible by ``sh``, from output row ``i + o0 - a c`` (``_taps``). On GPU adapters the
+phases' GEMMs run as one dispatch (``phases``, ``MERGE_PHASES``). Padding is zero by
 predication; bias is added in the GEMM's epilogue. Pooling lowerings live in ``pool``.
 Index math is u32 with shapes baked in; negative intermediate coordinates wrap and fail the
 ``< size`` tests (see ``gemm``).
@@ -30,6 +31,7 @@ from ..core.layout import PER_THREAD, WG, element_slots
 from ..core.literals import u
 from ..elementwise.maps import lower_fill
 from .gemm import Gemm, Operand, Output, emit_gemm, plan_gemm
+from .phases import emit_phases
 
 
 def _div(e: str, n: int) -> str:
@@ -171,16 +173,31 @@ def _taps(r: int, p: int, k: int, d: int, s: int) -> _Taps:
     return _Taps(taps[0], step, len(taps), (r + p - taps[0] * d) // s, step * d // s)
 
 
+# One dispatch for all stride phases of a strided input gradient (``phases.py``) on GPU
+# adapters; False: one GEMM dispatch (and split-K sum) per phase plus a zero pass (benchmark
+# A/B). Never on a CPU adapter (``Limits.cpu``): on lavapipe (16 threads) the U-Net's 3x3
+# stride 2 64 -> 64 input gradient at batch 2 took 22.5-23.9 ms merged against 15.5-17.5 ms
+# apart (``Session.profile``, medians of 5), as a dispatch costs little there.
+MERGE_PHASES = True
+
+
 def lower_conv2d_backward_input(
     graph: Graph, node_id: int, limits: Limits, defer_sum: bool = False
 ) -> list[KernelSource]:
-    """Input gradient (a transposed convolution): one implicit GEMM per stride phase of the
-    input over the taps that reach it (4 GEMMs for stride 2, one for stride 1). ``defer_sum``
-    (stride 1, split-K only): no summing dispatch (``backward_input_partials``)."""
+    """Input gradient (a transposed convolution): an implicit GEMM per stride phase of the
+    input over the taps that reach it (one for stride 1). Strided, with ``MERGE_PHASES`` on a
+    GPU adapter, the phases run in one dispatch (plus one split-K sum; ``phases.emit_phases``),
+    else one GEMM dispatch each (4 for stride 2) and a pass zeroing the phases no tap reaches.
+    ``defer_sum`` (stride 1, split-K only): no summing dispatch (``backward_input_partials``)."""
     node, v = graph[node_id], _Conv.of(graph, node_id)
     (sh, sw), (ph, pw), (dh, dw) = v.stride, v.padding, v.dilation
     rows = {ry: _taps(ry, ph, v.kh, dh, sh) for ry in range(min(sh, v.h))}
     cols = {rx: _taps(rx, pw, v.kw, dw, sw) for rx in range(min(sw, v.w))}
+    if MERGE_PHASES and not limits.cpu and sh * sw > 1 and node.type.numel:
+        kb = KernelBuilder(graph, node, limits)
+        phases = [((ry, rx), th, tw) for ry, th in rows.items() for rx, tw in cols.items()]
+        gemms = [_phase_gemm(kb, v, r, th, tw) for r, th, tw in phases]
+        return emit_phases(kb, gemms)
     kernels = []
     zero_rows = [ry for ry, t in rows.items() if t.count == 0]
     zero_cols = [rx for rx, t in cols.items() if t.count == 0]
@@ -190,7 +207,9 @@ def lower_conv2d_backward_input(
         for rx, tw in cols.items():
             if th.count and tw.count:
                 kb = KernelBuilder(graph, node, limits)
-                kernels += _backward_input_phase(kb, v, (ry, rx), th, tw, defer_sum)
+                gemm = _phase_gemm(kb, v, (ry, rx), th, tw)
+                suffix = "" if sh * sw == 1 else f" {ry},{rx}"
+                kernels += emit_gemm(kb, *gemm, suffix, defer_sum)
     return kernels
 
 
@@ -233,9 +252,11 @@ def _zero_phases(graph, node_id, limits, v: _Conv, zero_rows, zero_cols) -> Kern
     return kb.finish("zero_phases", body, WG, groups)
 
 
-def _backward_input_phase(
-    kb: KernelBuilder, v: _Conv, r: tuple[int, int], th: _Taps, tw: _Taps, defer_sum=False
-) -> list[KernelSource]:
+def _phase_gemm(
+    kb: KernelBuilder, v: _Conv, r: tuple[int, int], th: _Taps, tw: _Taps
+) -> tuple[Gemm, Operand, Operand, Output]:
+    """The GEMM of stride phase ``r`` = (ry, rx) of the input gradient (K = 0 when no tap
+    reaches it): sizes, operands (bound in ``kb``) and output mapping."""
     node = kb.node
     wt, gout = kb.read(node.inputs[1], "w"), kb.read(node.inputs[0], "g")
     (ry, rx), (sh, sw) = r, v.stride
@@ -289,8 +310,7 @@ def _backward_input_phase(
         return f"{_mul(_div(q, hr * wr), v.c * v.hw)} + {_offset(pix, ry * v.w + rx)}"
 
     out = Output(col=col, row=lambda m: _mul(f"(grp * {u(v.cg)} + {m})", v.hw))
-    g = Gemm(v.cg, v.n * hr * wr, v.ocg * nt, v.groups)
-    return emit_gemm(kb, g, a, b, out, "" if sh * sw == 1 else f" {ry},{rx}", defer_sum)
+    return Gemm(v.cg, v.n * hr * wr, v.ocg * nt, v.groups), a, b, out
 
 
 def lower_conv2d_backward_weight(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:

@@ -1,11 +1,11 @@
 """The measured best conv GEMM plan per (kind, m, n, k, groups) on the H200, ahead of the rules
-(``gemm.plan_source``).
+(``plan.plan_source``).
 
-Keyed by what ``gemm.plan_gemm`` sees: which product the GEMM is (``KIND`` of its op: the
-forward, one stride phase of the input gradient, the weight gradient) and the ``gemm.Gemm``
+Keyed by what ``plan.plan_gemm`` sees: which product the GEMM is (``KIND`` of its op: the
+forward, one stride phase of the input gradient, the weight gradient) and the ``plan.Gemm``
 sizes m, n, k, groups; so any network with the same GEMM shapes takes an entry. Values are
-``gemm.Plan`` names (``gemm.parse_plan``: tile, splits, prefetch mode). GPU adapters only: CPU
-adapters (``Limits.cpu``) and any enclosing ``gemm.force_plan`` ignore the table.
+``plan.Plan`` names (``plan.parse_plan``: tile, splits, prefetch mode). GPU adapters only: CPU
+adapters (``Limits.cpu``) and any enclosing ``plan.force_plan`` ignore the table.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ KIND = {
 # Printed by ``python bench/conv_sweep.py --emit-table bench/results/conv_sweep_h200.json``
 # (``bench/conv_table.py``) from the H200 sweep of 2026-12-03 (ResNet-50 b4, U-Net small b2):
 # each product's best variant where it beat today's rule plan (two-deep prefetch on the 64x64
-# and 16x256 tiles) by >= 3%; the shape and gain in the comment. Strided grad-inputs of
-# several stride-phase GEMMs are left out (none gained 3% there). The emit tool's estimate of
-# the weighted network conv time on the H200: ResNet-50 b4 8.134 -> 7.816 ms (x1.041; the best
-# variant per shape 7.800, cuDNN 6.555), U-Net small b2 2.091 -> 2.064 (x1.014; 2.061, 1.647).
+# and 16x256 tiles) by >= 3%; the shape and gain in the comment. Strided grad-inputs are left
+# out: on GPU adapters their stride phases now run as one dispatch (``phases.py``), which the
+# sweep did not time. The emit tool's estimate of the weighted network conv time on the H200:
+# ResNet-50 b4 8.143 -> 7.831 ms (x1.040; the best variant per shape 7.800, cuDNN 6.555),
+# U-Net small b2 2.097 -> 2.069 (x1.013; 2.061, 1.647).
 TUNED: dict[tuple[str, int, int, int, int], str] = {
     ("bwd_input", 4, 2048, 576, 1): "64x64x16/s2/np",  # unet_in_4_64_h32 x1.40
     ("bwd_input", 64, 2048, 36, 1): "64x64x16/pf",  # unet_3x3_64_4_h32 x1.06
@@ -33,7 +34,6 @@ TUNED: dict[tuple[str, int, int, int, int], str] = {
     ("bwd_input", 256, 784, 2304, 1): "128x128x8/s9/pf",  # l3_3x3_256 x1.04
     ("bwd_input", 256, 12544, 64, 1): "64x64x16/np",  # l1_1x1_256_64 x1.04
     ("bwd_input", 512, 196, 4608, 1): "64x64x16/s17/d2",  # l4_3x3_512 x1.08
-    ("bwd_input", 1024, 196, 2048, 1): "64x64x16/s8/np",  # l4_ds_1x1s2_1024_2048 x1.08
     ("bwd_input", 1024, 784, 512, 1): "64x64x16/pf",  # l4_1x1_1024_512 x1.23
     ("bwd_input", 2048, 196, 512, 1): "64x64x16/pf",  # l4_1x1_2048_512 x1.10
     ("bwd_weight", 4, 576, 2048, 1): "64x64x16/s8/pf",  # unet_3x3_64_4_h32 x1.31
