@@ -12,11 +12,14 @@ plans and split-K apply), and its dispatch list is counted by kernel kind.
 program before ``codegen.wgsl.matmul.deferred``), for before/after figures from one commit;
 ``--split-members join`` lets products whose plan splits K join tiled matmul groups, run
 unsplit there (``codegen.wgsl.matmul.tiled_group.set_split_members``; the default ``apart``
-keeps them split, as the H200 timed faster).
+keeps them split, as the H200 timed faster); ``--weight-grads apart`` leaves weight gradients
+sharing a right operand (``dQ.mT @ x``, ``dK.mT @ x``, ...) in their own dispatches
+(``codegen.wgsl.matmul.tiled_rgroup.set_enabled``; default ``grouped``).
 
 Usage: python bench/dispatch_counts.py [--parts prefill,train,resnet[,w1fwd,whisper,smolvla]]
                                        [--quick] [--json FILE] [--split-sums deferred|dispatch]
                                        [--split-members join|apart]
+                                       [--weight-grads grouped|apart]
 """
 
 from __future__ import annotations
@@ -224,12 +227,18 @@ def main() -> None:
     ap.add_argument("--json", help="also write the counts to this file")
     ap.add_argument("--split-sums", choices=("deferred", "dispatch"), default="deferred")
     ap.add_argument("--split-members", choices=("join", "apart"), default="apart")
+    ap.add_argument("--weight-grads", choices=("grouped", "apart"), default="grouped")
     args = ap.parse_args()
-    from meganeura.codegen.wgsl.matmul import deferred, tiled_group
+    from meganeura.codegen.wgsl.matmul import deferred, tiled_group, tiled_rgroup
 
     deferred.set_enabled(args.split_sums == "deferred")
     tiled_group.set_split_members(args.split_members == "join")
-    result = {"split_sums": args.split_sums, "split_members": args.split_members}
+    tiled_rgroup.set_enabled(args.weight_grads == "grouped")
+    result = {
+        "split_sums": args.split_sums,
+        "split_members": args.split_members,
+        "weight_grads": args.weight_grads,
+    }
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))
         print(f"== {part}: {c['dispatches']} dispatches")
