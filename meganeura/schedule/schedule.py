@@ -270,9 +270,9 @@ def _lower_all(
             if ugroup is not None:
                 is_sink = node.id == ugroup.sink
                 kernels = [lower_update_group(graph, ugroup, limits)] if is_sink else []
-            elif node.id in split_of:  # at the first product's position (split_group.py)
+            elif node.id in split_of:  # at the first (sum groups: last) product's position
                 sg = split_of[node.id]
-                kernels = lower_split_group(graph, sg, limits) if node.id == sg.first else []
+                kernels = lower_split_group(graph, sg, limits) if node.id == sg.position else []
                 if node.id in sg.summed:  # its readers need the product stored
                     kernels += lower_matmul(graph, node.id, limits, sum_only=True)
             elif node.id in deferred and node.op == "matmul":

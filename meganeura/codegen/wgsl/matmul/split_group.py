@@ -1,5 +1,5 @@
 """The partials of several split-K products sharing their left operand in one dispatch (q, k
-and v of a prefill; gate and up).
+and v of a prefill; gate and up), or summed by one kernel (sum groups, below).
 
 ``plan_split_groups`` picks, among the products whose sums are deferred to their readers
 (``deferred``) and the split anchors of matmul-anchored fusion groups (whose summing dispatch
@@ -15,6 +15,20 @@ as in ``horizontal.py``) into product j's copy of ``tiled.emit_tiled``, which wr
 j's partials into its own scratch (owned by that matmul, so its readers find it). Per product
 the arithmetic is that of its own first dispatch, so values are bit-identical; workgroup memory
 is declared at the largest tiling's size.
+
+Sum groups (``SplitGroup.shared_left`` False): split-K products whose partials one kernel
+alone reads, whatever their operands: the input gradient of a layer's MLP, ``dG @ Wg + dU @
+Wu``, is gate's product (the anchor of a fusion group adding the two, whose summing dispatch
+runs the epilogue) plus up's (its sum deferred into that same dispatch). Their partials are
+computed by one dispatch as above, at the LAST product's position (the first product's
+operands are ready there, and the one reader follows every product it reads); each product
+keeps its own partials and its own sum, in the order of its own summing loop, so values are
+bit-identical to the ungrouped program's (a single sum over the concatenated K would have
+changed the summation order for no fewer dispatches). Products whose readers do not sum
+(``summed``) keep their summing dispatch at their own position and stay out; no op with
+in-place effects may lie between the first and the last; at most a third of the
+storage-buffer limit of products (A, B and partials each). ``set_sum_groups(False)`` turns
+them off for programs compiled from then on (A/B).
 """
 
 from __future__ import annotations
@@ -30,11 +44,19 @@ from ....passes.fuse import FusionGroup
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, indent
 from ..core.literals import u
-from .deferred import ENABLED
+from .deferred import ENABLED, _readers
 from .lowering import _splits, split_layout
 from .plan import WG, choose_plan
 from .problem import fold_transpose, problem_of
 from .tiled import emit_tiled
+
+SUM_GROUPS = [True]  # sum groups are planned (``set_sum_groups``)
+
+
+def set_sum_groups(on: bool) -> None:
+    """Plan sum groups (on, the default) or not, for programs compiled from now on (A/B and
+    tests)."""
+    SUM_GROUPS[:] = [bool(on)]
 
 
 @dataclass(frozen=True)
@@ -51,13 +73,21 @@ class SplitGroup:
     anchors: tuple[int, ...]
     owners: tuple[int, ...]
     summed: frozenset[int] = frozenset()
+    shared_left: bool = True
 
     # ``summed``: plain products (no fusion group) whose readers do not sum the partials: each
     # keeps its summing dispatch at its own position (``lower_matmul(sum_only=True)``).
+    # ``shared_left`` False: a sum group (products read by one kernel, module docstring), run at
+    # the last product's position.
 
     @property
     def first(self) -> int:
         return self.anchors[0]
+
+    @property
+    def position(self) -> int:
+        """The node at whose position the dispatch runs."""
+        return self.anchors[0] if self.shared_left else self.anchors[-1]
 
 
 def _key(graph: Graph, nid: int, limits: Limits) -> tuple | None:
@@ -80,7 +110,8 @@ def plan_split_groups(
     anchors of matmul-anchored fusion groups (``groups``) and, given ``needed``, the other
     split plain products (``SplitGroup.summed``); at most as many products as keep the kernel
     within ``limits.max_storage_buffers_per_shader_stage`` (A, then each product's B and
-    partials)."""
+    partials). Then, with ``set_sum_groups`` on, sum groups among the products left alone
+    (not ``summed``): per reading kernel, in program order. Sorted by first product."""
     if not ENABLED[0]:
         return ()
     most = (limits.max_storage_buffers_per_shader_stage - 1) // 2
@@ -118,11 +149,54 @@ def plan_split_groups(
         else:
             open_runs[key] = [nid]
             runs.append(open_runs[key])
-    return tuple(
-        SplitGroup(tuple(r), tuple(owner[a] for a in r), frozenset(summed.intersection(r)))
-        for r in runs
-        if len(r) > 1
-    )
+    runs = [r for r in runs if len(r) > 1]
+    out = [SplitGroup(tuple(r), tuple(owner[a] for a in r), frozenset(summed.intersection(r)))
+           for r in runs]  # fmt: skip
+    if SUM_GROUPS[0]:
+        taken = {a for r in runs for a in r}
+        candidates = {k: v for k, v in owner.items() if k not in taken and k not in summed}
+        most = limits.max_storage_buffers_per_shader_stage // 3  # A, B and partials each
+        for r in _sum_runs(graph, candidates, groups, limits, effects, most):
+            out.append(SplitGroup(tuple(r), tuple(owner[a] for a in r), shared_left=False))
+    return tuple(sorted(out, key=lambda g: g.first))
+
+
+def _sum_runs(
+    graph: Graph,
+    owner: Mapping[int, int],
+    groups: Sequence,
+    limits: Limits,
+    effects: list[int],
+    most: int,
+) -> list[list[int]]:
+    """Runs of split-K products whose partials one kernel alone reads (module docstring:
+    sum groups), in program order, at most ``most`` products each."""
+    group_of = {m: g for g in groups for m in g.members}
+    users = graph.users()
+    by_reader: dict[int, list[int]] = {}
+    for nid in sorted(owner):
+        if _key(graph, nid, limits) is None:
+            continue
+        if owner[nid] != nid:  # a fusion group's anchor: its summing dispatch reads them
+            kernels = {owner[nid]}
+        else:  # a deferred product: the kernels of its readers
+            kernels = {
+                group_of[r].sink if r in group_of else r for r in _readers(graph, users, nid)
+            }
+        if len(kernels) == 1:
+            by_reader.setdefault(kernels.pop(), []).append(nid)
+    runs = []
+    for reader, products in by_reader.items():
+        run: list[int] = []
+        for nid in products:
+            if run and (len(run) == most or any(run[0] < e < nid for e in effects)):
+                runs.append(run)
+                run = []
+            run.append(nid)
+        runs.append(run)
+        if any(a >= reader for a in products):  # pragma: no cover - a reader follows its value
+            raise AssertionError(f"partials of {products} read at {reader}")
+    return [r for r in runs if len(r) > 1]
 
 
 _SHARED = re.compile(r"var<workgroup> (\w+): array<vec4<f32>, (\d+)>;")
@@ -160,7 +234,7 @@ def lower_split_group(graph: Graph, group: SplitGroup, limits: Limits) -> list[K
         start += groups
         flops += 2 * total * p.k
         nbytes += p.b.src.type.nbytes + 4 * splits * total
-        if j == 0:
+        if j == 0 or not group.shared_left:
             nbytes += p.a.src.type.nbytes
     decls = "".join(f"var<workgroup> {n}: array<vec4<f32>, {s}>;\n" for n, s in shared.items())
     if 16 * sum(shared.values()) > limits.max_workgroup_storage_size:
