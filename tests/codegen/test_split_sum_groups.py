@@ -1,7 +1,7 @@
-"""Sum groups (``codegen.wgsl.matmul.split_group``): split-K products whose partials one kernel
-alone reads (``dG @ Wg + dU @ Wu``) compute them in one dispatch, at the last product's
-position; each keeps its own partials and summing order, so values are bit-identical to the
-program without sum groups (``set_sum_groups(False)``).
+"""Sum groups (``codegen.wgsl.matmul.split_group``): products whose partials (or, unsplit, values)
+one kernel alone reads (``dG @ Wg + dU @ Wu``) compute them in one dispatch, at the last
+product's position; each keeps its own partials and summing order, so values are
+bit-identical to the program without sum groups (``set_sum_groups(False)``).
 
 GPU tests force a split-K plan (lavapipe's own plans never split), as
 tests/codegen/test_splitk_deferred.py does.
@@ -68,6 +68,15 @@ def test_products_summed_by_one_kernel_share_their_partials_dispatch(split_plan)
     assert name == "%" + "+".join(map(str, ids)) + " matmul"
 
 
+def test_unsplit_products_join_and_store_their_value(split_plan):
+    # K = 16 is one K step of the forced plan: that product runs unsplit
+    g = _sum_of_products(ks=(96, 16, 136))
+    on, off = _both(g, CompileOptions(), H200)
+    assert len(off.dispatches) == 4 and len(on.dispatches) == 2
+    (merged,) = [d for d in on.dispatches if "part1" in d.wgsl or "c1" in d.wgsl]
+    assert "g_c1" in merged.wgsl and "g_part2" in merged.wgsl
+
+
 def test_the_switch_and_a_second_reader_keep_products_apart(split_plan):
     split_group.set_sum_groups(False)
     try:
@@ -81,9 +90,11 @@ def test_the_switch_and_a_second_reader_keep_products_apart(split_plan):
     assert _merged(compile(b.build(), CompileOptions(), H200)) == []
 
 
-def test_smollm2_training_step_groups_the_mlp_input_gradient():
-    """SmolLM2's widths, 1 layer, 128 tokens, H200 limits: the input gradient of the MLP (K =
-    1536, 12 splits each) is one partials dispatch for dG @ Wg and dU @ Wu."""
+def test_smollm2_training_step_groups_the_input_gradients():
+    """SmolLM2's widths, 1 layer, 128 tokens, H200 limits: the input gradients of the MLP
+    (dG @ Wg + dU @ Wu, K = 1536, 12 splits each) and of attention (dK @ Wk, K = 192,
+    unsplit, with dQ @ Wq, K = 576, split; dV @ Wv anchors the epilogue adding them) are one
+    dispatch each besides their summing kernels."""
     import meganeura as mn
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
     from meganeura.nn.compiled import trace_call
@@ -94,20 +105,23 @@ def test_smollm2_training_step_groups_the_mlp_input_gradient():
     labels = ((np.arange(128) + 1) % 512).astype(np.int32)[None]
     graph = trace_call(model, lambda i, y: lm_loss(model, i, y), (ids, labels), {}, "loss").graph
     on, off = _both(graph, CompileOptions(loss="loss", optimizer=mn.optim.AdamW()), H200)
-    assert len(on.dispatches) == len(off.dispatches) - 1
-    (name,) = [n for n in _merged(on) if n not in _merged(off)]
-    assert "1536" in next(d.wgsl for d in on.dispatches if d.name == name)
+    assert len(on.dispatches) == len(off.dispatches) - 2
+    merged = [d.wgsl for d in on.dispatches if d.name not in {e.name for e in off.dispatches}]
+    assert sorted(w.count("var<storage, read_write> g_part") for w in merged) == [1, 2]
+    assert sum("g_c" in w for w in merged) == 1  # dK @ Wk, stored
 
 
 # ---- execution (GPU) --------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["m37_n52", "m8_n64"])
+@pytest.mark.parametrize("shape", ["m37_n52", "m8_n64", "m37_n52_mixed"])
 def test_sum_of_products_bit_identical(gpu_device, split_plan, shape):
+    """``mixed``: the second product (K = 16, one K step) runs unsplit and stores its value."""
     from meganeura.runtime import Session
     from meganeura.training import device_limits
 
-    m, n = (int(s[1:]) for s in shape.split("_"))
-    graph = _sum_of_products(m, (96, 72, 136), n)
+    m, n = (int(s[1:]) for s in shape.split("_")[:2])
+    ks = (96, 16, 136) if shape.endswith("mixed") else (96, 72, 136)
+    graph = _sum_of_products(m, ks, n)
     params = _params(graph)
     feeds = {
         nd.name: RNG.standard_normal(nd.type.shape).astype(np.float32)
@@ -115,7 +129,7 @@ def test_sum_of_products_bit_identical(gpu_device, split_plan, shape):
         if nd.op == "input"
     }
     on, off = _both(graph, CompileOptions(), device_limits(gpu_device))
-    assert len(_merged(on)) == 1 and len(on.dispatches) < len(off.dispatches)
+    assert len(on.dispatches) == 2 and len(off.dispatches) == 4
     got = []
     for program in (on, off):
         with Session(program, gpu_device) as s:
