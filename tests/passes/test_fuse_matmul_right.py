@@ -138,6 +138,35 @@ def test_weight_gradient_values_match_the_ungrouped_program(gpu_device, plan, k,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("plan", ["64x64x16"], indirect=True)
+def test_fast_precision_values_match_the_ungrouped_program(gpu_device, plan):
+    """Fast mode stores the operands and products as f16: the grouped kernel widens and
+    narrows them as the ungrouped ones do."""
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    limits = device_limits(gpu_device)
+    if not limits.shader_f16:
+        pytest.skip("the adapter has no shader-f16")
+    graph = _weight_grads(48, 72)
+    rng = np.random.default_rng(4)
+    feeds = {n.name: rng.standard_normal(n.type.shape).astype(np.float32)
+             for n in graph.nodes if n.op == "input"}  # fmt: skip
+    got = []
+    for on in (True, False):
+        tiled_rgroup.set_enabled(on)
+        try:
+            program = compile(graph, CompileOptions(precision="fast"), limits)
+        finally:
+            tiled_rgroup.set_enabled(True)
+        assert len(program.dispatches) == (1 if on else 3)
+        with Session(program, gpu_device) as s:
+            got.append(s.run(feeds, [name for name, _ in graph.outputs]))
+    for name, _ in graph.outputs:
+        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["64x64x16"], indirect=True)
 def test_row_major_left_operand_and_epilogues(gpu_device, plan):
     b = GraphBuilder()
     x = b.input("x", (40, 36))
