@@ -15,12 +15,16 @@ program before ``codegen.wgsl.matmul.deferred``), for before/after figures from 
 dispatch (``codegen.wgsl.conv.lowering.MERGE_PHASES`` False: the program before
 ``conv/phases.py``); ``--split-members join`` lets products whose plan splits K join tiled
 matmul groups, run unsplit there (``codegen.wgsl.matmul.tiled_group.set_split_members``; the
-default ``apart`` keeps them split, as the H200 timed faster).
+default ``apart`` keeps them split, as the H200 timed faster); ``--weight-grads apart`` leaves
+weight gradients sharing a right operand (``dQ.mT @ x``, ``dK.mT @ x``, ...) in their own
+dispatches (``codegen.wgsl.matmul.tiled_rgroup.set_enabled``; default ``grouped``);
+``--sum-groups off`` gives split-K products summed by one kernel (``dG @ Wg + dU @ Wu``) their
+own partials dispatches again (``codegen.wgsl.matmul.split_group.set_sum_groups``).
 
 Usage: python bench/dispatch_counts.py
            [--parts prefill,train,resnet[,w1fwd,whisper,smolvla,unet]] [--quick] [--json FILE]
            [--split-sums deferred|dispatch] [--split-members join|apart]
-           [--conv-phases merged|apart]
+           [--conv-phases merged|apart] [--weight-grads grouped|apart] [--sum-groups on|off]
 """
 
 from __future__ import annotations
@@ -253,17 +257,23 @@ def main() -> None:
     ap.add_argument("--split-sums", choices=("deferred", "dispatch"), default="deferred")
     ap.add_argument("--split-members", choices=("join", "apart"), default="apart")
     ap.add_argument("--conv-phases", choices=("merged", "apart"), default="merged")
+    ap.add_argument("--weight-grads", choices=("grouped", "apart"), default="grouped")
+    ap.add_argument("--sum-groups", choices=("on", "off"), default="on")
     args = ap.parse_args()
     from meganeura.codegen.wgsl.conv import lowering
-    from meganeura.codegen.wgsl.matmul import deferred, tiled_group
+    from meganeura.codegen.wgsl.matmul import deferred, split_group, tiled_group, tiled_rgroup
 
     lowering.MERGE_PHASES = args.conv_phases == "merged"
     deferred.set_enabled(args.split_sums == "deferred")
     tiled_group.set_split_members(args.split_members == "join")
+    tiled_rgroup.set_enabled(args.weight_grads == "grouped")
+    split_group.set_sum_groups(args.sum_groups == "on")
     result = {
         "split_sums": args.split_sums,
         "split_members": args.split_members,
         "conv_phases": args.conv_phases,
+        "weight_grads": args.weight_grads,
+        "sum_groups": args.sum_groups,
     }
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))

@@ -9,11 +9,16 @@ time per kernel from timestamp queries grouped by op and the 25 longest dispatch
 programs before ``codegen.wgsl.matmul.deferred``), for an A/B on one commit; ``--split-members
 join`` lets products whose plan splits K join tiled matmul groups, run unsplit there
 (``codegen.wgsl.matmul.tiled_group``; the default, ``apart``, keeps them split: the H200 timed
-the prefill at 5.48-5.73 ms joined against 4.26-4.33 apart).
+the prefill at 5.48-5.73 ms joined against 4.26-4.33 apart); ``--weight-grads apart`` leaves
+the weight gradients sharing a right operand in their own dispatches
+(``codegen.wgsl.matmul.tiled_rgroup``; default ``grouped``: q/k/v and gate/up one each);
+``--sum-groups off`` gives split-K products summed by one kernel (the MLP's input gradient)
+their own partials dispatches again (``codegen.wgsl.matmul.split_group.set_sum_groups``).
 
 Usage: python bench/llm_profile.py [--parts prefill,train] [--quick] [--out FILE]
                                    [--split-sums deferred|dispatch]
                                    [--split-members join|apart]
+                                   [--weight-grads grouped|apart] [--sum-groups on|off]
 """
 
 from __future__ import annotations
@@ -51,12 +56,16 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--split-sums", choices=("deferred", "dispatch"), default="deferred")
     ap.add_argument("--split-members", choices=("join", "apart"), default="apart")
+    ap.add_argument("--weight-grads", choices=("grouped", "apart"), default="grouped")
+    ap.add_argument("--sum-groups", choices=("on", "off"), default="on")
     args = ap.parse_args()
     import meganeura as mn
-    from meganeura.codegen.wgsl.matmul import deferred, tiled_group
+    from meganeura.codegen.wgsl.matmul import deferred, split_group, tiled_group, tiled_rgroup
 
     deferred.set_enabled(args.split_sums == "deferred")
     tiled_group.set_split_members(args.split_members == "join")
+    tiled_rgroup.set_enabled(args.weight_grads == "grouped")
+    split_group.set_sum_groups(args.sum_groups == "on")
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
     from meganeura.nn.compiled import CompiledModule
 
@@ -65,7 +74,10 @@ def main() -> None:
     model = LlamaForCausalLM(cfg)
     seq = 16 if args.quick else 128
     out = open(args.out, "w") if args.out else sys.stdout
-    out.write(f"split-K sums: {args.split_sums}, split members: {args.split_members}\n")
+    out.write(
+        f"split-K sums: {args.split_sums}, split members: {args.split_members}, "
+        f"weight gradients: {args.weight_grads}, sum groups: {args.sum_groups}\n"
+    )
     parts = args.parts.split(",")
     if "prefill" in parts:
         ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq), np.int32)

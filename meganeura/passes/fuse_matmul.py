@@ -14,13 +14,20 @@ stored. Which matmuls qualify (the small-M ``gemv`` kernel, weights stored [N, K
 ``tiled`` kernel for M > 8, unbatched, ``codegen.wgsl.matmul.tiled_group``) is the kernels'
 choice, passed in as ``key``.
 
+Right-shared groups (``shared="right"``, a second pass): weight gradients reading one right
+operand, ``dQ.mT @ x``, ``dK.mT @ x``, ``dV.mT @ x`` with ``x`` the layer's normed input, run
+as one dispatch (``codegen.wgsl.matmul.tiled_rgroup``) under the same invariants with the
+operands' roles swapped; no norm joins them.
+
 Invariants of every ``MatmulGroup`` (each check conservative; a rejected merge keeps the
 groups ``plan_fusion`` made):
   * two or more matmuls, or one matmul and a norm prologue; every member is needed;
-  * the matmuls share ``key`` (the bound left operand, its strides, M and K);
+  * the matmuls share ``key`` (the bound left operand, its strides, M and K; right-shared:
+    the bound right operand, its strides, N and K);
   * a segment's matmuls have one output shape; each epilogue member broadcasts to it; a
     member reads other members only directly (not through views), and only members of its
-    own segment, or the norm as a matmul's left operand; no right operand is a member;
+    own segment, or the norm as a matmul's left operand; no right operand (left operand, in
+    right-shared groups) is a member;
   * every node outside the group reading a member (through views, and through nodes without
     a kernel) comes after the group's last member, where the kernel runs; the norm has no
     such reader and is no graph output;
@@ -63,19 +70,22 @@ class MatmulSegment:
 
 @dataclass(frozen=True)
 class MatmulGroup:
-    """Matmuls sharing a left operand, computed by one kernel.
+    """Matmuls sharing a left (or right) operand, computed by one kernel.
 
     Attributes:
         members: every node the kernel computes, in program order.
         outputs: members the kernel stores.
         segments: in program order of their first matmul.
         norm: the ``rms_norm`` / ``layer_norm`` node computed in the prologue, or None.
+        shared: ``"left"`` (the products read one left operand) or ``"right"`` (one right
+            operand: weight gradients ``dY_i.mT @ x``; never with a norm).
     """
 
     members: tuple[int, ...]
     outputs: tuple[int, ...]
     segments: tuple[MatmulSegment, ...]
     norm: int | None = None
+    shared: str = "left"
 
     @property
     def sink(self) -> int:
@@ -102,9 +112,11 @@ class _Merger:
         needed: Sequence[bool],
         max_bindings: int | None,
         accept: Callable[[MatmulGroup], bool],
+        shared: str = "left",
     ) -> None:
         self.graph, self.needed, self.max_bindings = graph, needed, max_bindings
-        self.accept = accept
+        self.accept, self.shared = accept, shared
+        self.other = 1 if shared == "left" else 0  # the operand each product reads alone
         self.users = graph.users()
         self.out_roots = {resolve_view(graph, v) for _, v in graph.outputs}
         self.effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
@@ -152,7 +164,7 @@ class _Merger:
                         if i != r or r == norm:
                             return None  # a member read through a view, or the norm by a map
                         parent[find(k)] = find(seg_of[r])
-            if _bound(g, g[a].inputs[1]) in members:
+            if _bound(g, g[a].inputs[self.other]) in members:
                 return None
         segments: dict[int, list[int]] = {}
         for k in range(len(units)):
@@ -180,7 +192,9 @@ class _Merger:
             outs = tuple(m for m in sorted(anchors + epi) if m in stored)
             out.append(MatmulSegment(anchors, epi, outs))
         out.sort(key=lambda s: s.anchors[0])
-        group = MatmulGroup(tuple(sorted(members)), tuple(sorted(stored)), tuple(out), norm)
+        group = MatmulGroup(
+            tuple(sorted(members)), tuple(sorted(stored)), tuple(out), norm, self.shared
+        )
         if self.max_bindings is not None and self.bindings(group) > self.max_bindings:
             return None
         return group if self.accept(group) else None
@@ -217,9 +231,12 @@ def plan_matmul_groups(
     max_bindings: int | None = None,
     norm_max_k: int = 0,
     accept: Callable[[MatmulGroup], bool] = lambda _: True,
+    shared: str = "left",
 ) -> tuple[FusionGroup | MatmulGroup, ...]:
     """Merge matmuls sharing a left operand, with their epilogues and the norm producing the
-    operand, into ``MatmulGroup``s (the invariants are in the module docstring).
+    operand, into ``MatmulGroup``s (the invariants are in the module docstring); with
+    ``shared="right"``, matmuls sharing a right operand (no norm prologue), run after the
+    left pass on its result: matmuls already in a ``MatmulGroup`` stay there.
 
     Greedy, in program order per key: each matmul joins the open group of its key when the
     merged group stays valid, else opens a new one; then a group whose left operand is a
@@ -233,24 +250,35 @@ def plan_matmul_groups(
         key: matmul node id -> a key equal for matmuls one kernel can compute together
             (``horizontal.gemv_key``: the bound left operand, strides, M, K;
             ``tiled_group.tiled_key`` adds a tag), None when the matmul cannot join a group;
-            the left operand's value id, strides, M and K must be ``key[:5]``.
+            the left operand's value id, strides, M and K must be ``key[:5]`` (with
+            ``shared="right"``, ``tiled_rgroup.right_key``: the right operand's).
         max_bindings: the adapter's storage-buffer limit per kernel (None: no bound).
         norm_max_k: the longest norm row absorbed as a prologue (0: none).
         accept: the kernel's last word on a group (``horizontal.group_fits``: workgroup
             memory).
+        shared: ``"left"`` or ``"right"``: which operand ``key`` compares (for ``"right"``,
+            ``key`` describes the right operand and no norm joins).
+
+    Raises:
+        ValueError: for ``shared`` other than ``"left"`` or ``"right"``.
 
     Returns:
         ``groups`` less those merged, plus the new ``MatmulGroup``s, ordered by last member.
     """
-    merger = _Merger(graph, needed, max_bindings, accept)
+    if shared not in ("left", "right"):
+        raise ValueError(f"shared must be 'left' or 'right', got {shared!r}")
+    merger = _Merger(graph, needed, max_bindings, accept, shared)
     epilogue_of = {
         grp.anchor: tuple(m for m in grp.members if m != grp.anchor)
         for grp in groups
-        if grp.anchor is not None and graph[grp.anchor].op == "matmul"
+        if isinstance(grp, FusionGroup)
+        and grp.anchor is not None
+        and graph[grp.anchor].op == "matmul"
     }
+    grouped = {m for grp in groups if isinstance(grp, MatmulGroup) for m in grp.members}
     buckets: dict[Hashable, list[list[tuple[int, tuple[int, ...]]]]] = {}
     for node in graph.nodes:
-        if node.op != "matmul" or not needed[node.id]:
+        if node.op != "matmul" or not needed[node.id] or node.id in grouped:
             continue
         k = key(node.id)
         if k is None:
@@ -265,7 +293,7 @@ def plan_matmul_groups(
     for k, runs in buckets.items():
         for units in runs:
             group = None
-            if _prologue_ok(graph, k, needed, norm_max_k):  # type: ignore[arg-type]
+            if shared == "left" and _prologue_ok(graph, k, needed, norm_max_k):  # type: ignore[arg-type]
                 group = merger.build(units, resolve_view(graph, k[0]))  # type: ignore[index]
             if group is None and len(units) > 1:
                 group = merger.build(units, None)

@@ -8,7 +8,8 @@ the value whose buffer they share, and measures each value's lifetime in dispatc
 With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_key_value``
 pairs attention gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges matmuls
 sharing a left operand (small-M gemv ones, and tiled ones: ``matmul.tiled_group``), with the
-norm producing it, and ``passes.rope_cache`` joins rotary embeddings and KV-cache writes, and
+norm producing it, then tiled ones sharing a right operand (weight gradients:
+``matmul.tiled_rgroup``), and ``passes.rope_cache`` joins rotary embeddings and KV-cache writes, and
 in a decode step, or a forward without a cache, the attention reading them); a group is
 lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
 ``codegen.wgsl.matmul.tiled_group``, ``attention.rope_cache``, ``attention.rope_attention``,
@@ -58,6 +59,12 @@ from ..codegen.wgsl.matmul.tiled_group import (
     lower_tiled_group,
     tiled_group_fits,
     tiled_key,
+)
+from ..codegen.wgsl.matmul.tiled_rgroup import (
+    is_right_group,
+    lower_right_group,
+    right_group_fits,
+    right_key,
 )
 from ..codegen.wgsl.norm.lowering import norm_act_fusible
 from ..codegen.wgsl.optim import lower_update_group
@@ -155,6 +162,15 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
                 if is_tiled_group(g, graph, limits)
                 else group_fits(graph, g, limits)
             ),
+        )
+        fused = plan_matmul_groups(  # weight gradients sharing x (matmul.tiled_rgroup)
+            graph,
+            fused,
+            needed,
+            lambda n: right_key(graph, n, limits),
+            max_bindings=bound,
+            accept=lambda g: right_group_fits(graph, g, limits),
+            shared="right",
         )
         rope = plan_rope_cache(graph, needed, max_bindings=bound)
         rope = attach_attention(
@@ -254,9 +270,9 @@ def _lower_all(
             if ugroup is not None:
                 is_sink = node.id == ugroup.sink
                 kernels = [lower_update_group(graph, ugroup, limits)] if is_sink else []
-            elif node.id in split_of:  # at the first product's position (split_group.py)
+            elif node.id in split_of:  # at the first (sum groups: last) product's position
                 sg = split_of[node.id]
-                kernels = lower_split_group(graph, sg, limits) if node.id == sg.first else []
+                kernels = lower_split_group(graph, sg, limits) if node.id == sg.position else []
                 if node.id in sg.summed:  # its readers need the product stored
                     kernels += lower_matmul(graph, node.id, limits, sum_only=True)
             elif node.id in deferred and node.op == "matmul":
@@ -272,6 +288,8 @@ def _lower_all(
                 kernels = lower_forward_lse(graph, first, second, limits) if at_first else []
             elif node.id != group.sink:
                 kernels = []
+            elif isinstance(group, MatmulGroup) and is_right_group(group):
+                kernels = lower_right_group(graph, group, limits)
             elif isinstance(group, MatmulGroup) and is_tiled_group(group, graph, limits):
                 kernels = lower_tiled_group(graph, group, limits)
             elif isinstance(group, MatmulGroup):

@@ -226,14 +226,16 @@ def test_smollm2_dispatch_counts_on_h200_limits():
     dispatch; q, k and v keep theirs, since rotary and attention kernels read them in place
     through the permute views (``passes.permute_views``) and do not sum partials; q, k and v
     run as one first dispatch and so do gate and up. In the backward, the gradients of up's
-    input and of the q/k/v inputs (read by an epilogue's add) lose theirs."""
+    input and of the q/k/v inputs (read by an epilogue's add) lose theirs, and the products
+    summed by one kernel are one dispatch (``split_group``'s sum groups): the partials of the
+    gradients of gate's and up's inputs, and those of q's input with k's (unsplit) product."""
     (pre_on, pre_off), (tr_on, tr_off) = _smollm2_programs()
     assert len(_sums(pre_off)) == 8 and len(_sums(pre_on)) == 6
     assert len(_merged(pre_on)) == 2 and _merged(pre_off) == []
     assert len(pre_off.dispatches) - len(pre_on.dispatches) == 2 + 2 * (2 + 1)
     removed = len(tr_off.dispatches) - len(tr_on.dispatches)
     assert len(_sums(tr_off)) - len(_sums(tr_on)) == 6
-    assert removed == 6 + 2 * (2 + 1)
+    assert removed == 6 + 2 * (2 + 1) + 2 * 2
 
 
 @pytest.mark.gpu

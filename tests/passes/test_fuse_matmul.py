@@ -256,6 +256,11 @@ def _block_loss_graph() -> Graph:
 def test_training_graph_keeps_the_backward_and_merges_forward_products():
     options = CompileOptions(loss="loss", optimizer=SGD(lr=0.0), output_grads=True)
     g, groups, _ = _plan(build_training_graph(_block_loss_graph(), options))
+    # the weight gradients sharing a normed input (dGate/dUp, then dQ/dK/dV) are grouped too
+    # (tests/passes/test_fuse_matmul_right.py)
+    right = [grp for grp in groups if grp.shared == "right"]
+    assert [[len(s.anchors) for s in grp.segments] for grp in right] == [[1, 1], [1, 1, 1]]
+    groups = [grp for grp in groups if grp.shared == "left"]
     # the norms are read again by the weight gradients: no prologue, but q/k/v and gate/up
     # merge, each into one segment (``x + q * k + v`` and ``silu(gate) * up`` link them)
     assert [[len(s.anchors) for s in grp.segments] for grp in groups] == [[3], [2]]
