@@ -19,12 +19,15 @@ default ``apart`` keeps them split, as the H200 timed faster); ``--weight-grads 
 weight gradients sharing a right operand (``dQ.mT @ x``, ``dK.mT @ x``, ...) in their own
 dispatches (``codegen.wgsl.matmul.tiled_rgroup.set_enabled``; default ``grouped``);
 ``--sum-groups off`` gives split-K products summed by one kernel (``dG @ Wg + dU @ Wu``) their
-own partials dispatches again (``codegen.wgsl.matmul.split_group.set_sum_groups``).
+own partials dispatches again (``codegen.wgsl.matmul.split_group.set_sum_groups``);
+``--residual off`` keeps the residual add apart from the norm's input gradient
+(``passes.fuse_norm.RESIDUAL``).
 
 Usage: python bench/dispatch_counts.py
            [--parts prefill,train,resnet[,w1fwd,whisper,smolvla,unet]] [--quick] [--json FILE]
            [--split-sums deferred|dispatch] [--split-members join|apart]
            [--conv-phases merged|apart] [--weight-grads grouped|apart] [--sum-groups on|off]
+           [--residual on|off]
 """
 
 from __future__ import annotations
@@ -259,6 +262,7 @@ def main() -> None:
     ap.add_argument("--conv-phases", choices=("merged", "apart"), default="merged")
     ap.add_argument("--weight-grads", choices=("grouped", "apart"), default="grouped")
     ap.add_argument("--sum-groups", choices=("on", "off"), default="on")
+    ap.add_argument("--residual", choices=("on", "off"), default="on")
     args = ap.parse_args()
     from meganeura.codegen.wgsl.conv import lowering
     from meganeura.codegen.wgsl.matmul import deferred, split_group, tiled_group, tiled_rgroup
@@ -268,12 +272,16 @@ def main() -> None:
     tiled_group.set_split_members(args.split_members == "join")
     tiled_rgroup.set_enabled(args.weight_grads == "grouped")
     split_group.set_sum_groups(args.sum_groups == "on")
+    from meganeura.passes import fuse_norm
+
+    fuse_norm.RESIDUAL[:] = [args.residual == "on"]
     result = {
         "split_sums": args.split_sums,
         "split_members": args.split_members,
         "conv_phases": args.conv_phases,
         "weight_grads": args.weight_grads,
         "sum_groups": args.sum_groups,
+        "residual": args.residual,
     }
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))

@@ -11,7 +11,10 @@
 # a started cell runs to its end, W1 train ~3 min);
 # STEP:
 #   tune            re-tune W1-W5's matmul products (~95 s) and keep the cache
-#   conv-sweep      bench/conv_sweep.py (~3 min)
+#   conv-sweep      bench/conv_sweep.py (~3 min): the merged stride phases against apart too
+#   ab              the untimed dispatch levers of 2026-12-03 on SmolLM2's training step, all
+#                   on against all off, twice, interleaved (bench/llm_profile.py, ~3 min):
+#                   weight-gradient groups, sum groups, residual adds
 #   strict          the ten headline cells, strict f32, with warm-cache compile times
 #   fast            the ten headline cells, fast mode, with warm-cache compile times
 #   matrix          the rest of the matrix, resumable (strict first)
@@ -37,6 +40,14 @@ case "$step" in
     cp "$cache"/*.json bench/results/tuning_h200/ ;;
   conv-sweep)
     python bench/conv_sweep.py --budget-s 170 --machine h200 2>&1 | tee "$log" ;;
+  ab)
+    off=(--weight-grads apart --sum-groups off --residual off)
+    for i in 1 2; do
+      python bench/llm_profile.py --parts train --out "bench/results/llm_profile_h200_ab_on$i.txt"
+      python bench/llm_profile.py --parts train "${off[@]}" \
+        --out "bench/results/llm_profile_h200_ab_off$i.txt"
+    done
+    grep -h "^== " bench/results/llm_profile_h200_ab_*.txt | tee "$log" ;;
   strict)
     "${wl[@]}" --precision strict --cases "$headline" 2>&1 | tee "$log" ;;
   fast)

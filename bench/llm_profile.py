@@ -13,12 +13,15 @@ the prefill at 5.48-5.73 ms joined against 4.26-4.33 apart); ``--weight-grads ap
 the weight gradients sharing a right operand in their own dispatches
 (``codegen.wgsl.matmul.tiled_rgroup``; default ``grouped``: q/k/v and gate/up one each);
 ``--sum-groups off`` gives split-K products summed by one kernel (the MLP's input gradient)
-their own partials dispatches again (``codegen.wgsl.matmul.split_group.set_sum_groups``).
+their own partials dispatches again (``codegen.wgsl.matmul.split_group.set_sum_groups``);
+``--residual off`` keeps the residual add apart from the norm's input gradient
+(``passes.fuse_norm.RESIDUAL``).
 
 Usage: python bench/llm_profile.py [--parts prefill,train] [--quick] [--out FILE]
                                    [--split-sums deferred|dispatch]
                                    [--split-members join|apart]
                                    [--weight-grads grouped|apart] [--sum-groups on|off]
+                                   [--residual on|off]
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def main() -> None:
     ap.add_argument("--split-members", choices=("join", "apart"), default="apart")
     ap.add_argument("--weight-grads", choices=("grouped", "apart"), default="grouped")
     ap.add_argument("--sum-groups", choices=("on", "off"), default="on")
+    ap.add_argument("--residual", choices=("on", "off"), default="on")
     args = ap.parse_args()
     import meganeura as mn
     from meganeura.codegen.wgsl.matmul import deferred, split_group, tiled_group, tiled_rgroup
@@ -66,6 +70,9 @@ def main() -> None:
     tiled_group.set_split_members(args.split_members == "join")
     tiled_rgroup.set_enabled(args.weight_grads == "grouped")
     split_group.set_sum_groups(args.sum_groups == "on")
+    from meganeura.passes import fuse_norm
+
+    fuse_norm.RESIDUAL[:] = [args.residual == "on"]
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
     from meganeura.nn.compiled import CompiledModule
 
@@ -76,7 +83,8 @@ def main() -> None:
     out = open(args.out, "w") if args.out else sys.stdout
     out.write(
         f"split-K sums: {args.split_sums}, split members: {args.split_members}, "
-        f"weight gradients: {args.weight_grads}, sum groups: {args.sum_groups}\n"
+        f"weight gradients: {args.weight_grads}, sum groups: {args.sum_groups}, "
+        f"residual adds: {args.residual}\n"
     )
     parts = args.parts.split(",")
     if "prefill" in parts:
