@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import meganeura as mn
+from bench.conv_table import h200_limits
 from meganeura.codegen.kernel import Limits
 from meganeura.codegen.wgsl.conv import plan as gemm
 from meganeura.codegen.wgsl.conv import tuned
@@ -17,14 +18,7 @@ from meganeura.codegen.wgsl.conv.plan import SMALL, Gemm, parse_plan, plan_gemm,
 from .harness import run
 from .test_conv import _conv_graph, _rel, _torch_conv
 
-H200 = Limits(
-    max_workgroup_storage_size=49152,
-    max_invocations_per_workgroup=1024,
-    max_storage_buffer_binding_size=2**31 - 4,
-    max_storage_buffers_per_shader_stage=32,
-    shader_f16=True,
-    subgroups=True,
-)
+H200 = h200_limits()  # the limits the table was emitted for
 OP = {kind: op for op, kind in tuned.KIND.items()}
 
 

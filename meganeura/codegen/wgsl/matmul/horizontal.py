@@ -105,9 +105,9 @@ def _plain_rows(kb: KernelBuilder, a: Operand, k: int) -> _Rows:
     return _Rows(scalar, None)
 
 
-def _norm_prologue(kb: KernelBuilder, norm: int, m: int, k: int, lines: list[str]) -> _Rows:
-    """Bind the norm's operands, append the statistics of its ``m`` rows to ``lines`` and
-    return how the K loop reads the normalized rows."""
+def norm_operands(kb: KernelBuilder, norm: int, k: int):
+    """(rms, x, weight, bias or None) of a norm prologue over rows of ``k``: the norm's
+    operands bound (vec4 when ``k % 4 == 0``); ``rms`` for an rms_norm (no bias)."""
     g = kb.graph
     node = g[norm]
     rms = node.op == "rms_norm"
@@ -119,6 +119,15 @@ def _norm_prologue(kb: KernelBuilder, norm: int, m: int, k: int, lines: list[str
     x = operand(node.inputs[0], "x", k)
     w = operand(node.inputs[1], "weight", 0)
     b = None if rms else operand(node.inputs[2], "bias", 0)
+    return rms, x, w, b
+
+
+def _norm_prologue(kb: KernelBuilder, norm: int, m: int, k: int, lines: list[str]) -> _Rows:
+    """Bind the norm's operands, append the statistics of its ``m`` rows to ``lines`` and
+    return how the K loop reads the normalized rows."""
+    node = kb.graph[norm]
+    rms, x, w, b = norm_operands(kb, norm, k)
+    vec = k % 4 == 0  # as norm_operands bound x
 
     def elem(op: Operand, i: str) -> str:
         return op.src.literal if op.src.literal is not None else op.scalar(kb, i)

@@ -49,10 +49,11 @@ from dataclasses import dataclass, replace
 from ....graph.ir import Graph, resolve_view
 from ....passes.fuse_matmul import MatmulGroup
 from ...kernel import KernelSource, Limits
-from ..core.builder import KernelBuilder, Src, check_numel, indent, is_constant
+from ..core.builder import KernelBuilder, check_numel, indent, is_constant
 from ..core.literals import f32_literal, u
 from ..core.mathlib import helper_source
 from ..elementwise.fused import GroupBody
+from .horizontal import norm_operands
 from .plan import SMALL, TILINGS, WG, Plan, Tiling, choose_plan
 from .problem import Operand, Problem, bind_operand, problem_of, vec_ok
 from .tiled import emit_tiled
@@ -75,8 +76,9 @@ def set_split_members(on: bool) -> None:
     SPLIT_MEMBERS[:] = [bool(on)]
 
 
-def _member(graph: Graph, node_id: int, limits: Limits) -> Problem | None:
-    """The problem of a matmul the tiled group kernel can join, or None."""
+def tiled_problem(graph: Graph, node_id: int, limits: Limits) -> tuple[Problem, Plan] | None:
+    """(problem, plan) of an unbatched matmul with a non-empty K, no constant operand and a
+    tiled plan (the candidates of this kernel's and ``tiled_rgroup``'s groups), or None."""
     node = graph[node_id]
     if node.op != "matmul" or node.type.numel == 0 or graph[node.inputs[0]].type.shape[-1] == 0:
         return None
@@ -84,8 +86,15 @@ def _member(graph: Graph, node_id: int, limits: Limits) -> Problem | None:
     if p.nb != 1 or is_constant(graph, p.a.value) or is_constant(graph, p.b.value):
         return None
     plan = choose_plan(p.m, p.k, p.n, p.nb, p.layout, limits)
-    if plan.kernel != "tiled":
+    return None if plan.kernel != "tiled" else (p, plan)
+
+
+def _member(graph: Graph, node_id: int, limits: Limits) -> Problem | None:
+    """The problem of a matmul the tiled group kernel can join, or None."""
+    found = tiled_problem(graph, node_id, limits)
+    if found is None:
         return None
+    p, plan = found
     if plan.splits > 1 and (not SPLIT_MEMBERS[0] or p.k > SPLIT_MEMBERS_MAX_K):
         return None
     return p
@@ -203,17 +212,9 @@ def _norm_prologue(
 ) -> _NormA:
     """Bind the norm's operands, append the statistics of this workgroup's BM rows (row tile
     ``tile_mg``) to ``lines`` and return the left operand reading the normalized rows."""
-    g = kb.graph
-    node = g[norm]
-    rms = node.op == "rms_norm"
-    vec = k % 4 == 0
-
-    def operand(vid: int, name: str, rows: int) -> Operand:
-        return bind_operand(kb, Operand(Src(g[vid].type), vid, (), rows, 1), vec, name)
-
-    x = operand(node.inputs[0], "x", k)
-    w = operand(node.inputs[1], "weight", 0)
-    b = None if rms else operand(node.inputs[2], "bias", 0)
+    node = kb.graph[norm]
+    rms, x, w, b = norm_operands(kb, norm, k)
+    vec = k % 4 == 0  # as norm_operands bound x
     per = WG // bm  # threads per row
     n, eps = f32_literal(k), f32_literal(node.attr("eps"))
     lines += [

@@ -48,6 +48,7 @@ from ..elementwise.fused import GroupBody
 from .plan import SMALL, WG, Plan, choose_plan, tiled_shared_bytes
 from .problem import Problem, problem_of
 from .tiled import emit_tiled
+from .tiled_group import tiled_problem
 
 ENABLED = [True]  # right-shared groups are planned (``set_enabled``)
 TAG = "tiled_right"
@@ -61,17 +62,9 @@ def set_enabled(on: bool) -> None:
 
 
 def _member(graph: Graph, node_id: int, limits: Limits) -> Problem | None:
-    """The problem of a matmul this kernel can join, or None."""
-    node = graph[node_id]
-    if node.op != "matmul" or node.type.numel == 0 or graph[node.inputs[0]].type.shape[-1] == 0:
-        return None
-    p = problem_of(graph, node_id)
-    if p.nb != 1 or is_constant(graph, p.a.value) or is_constant(graph, p.b.value):
-        return None
-    plan = choose_plan(p.m, p.k, p.n, p.nb, p.layout, limits)
-    if plan.kernel != "tiled" or plan.splits > 1:
-        return None
-    return p
+    """The problem of a matmul this kernel can join (tiled and unsplit), or None."""
+    found = tiled_problem(graph, node_id, limits)
+    return None if found is None or found[1].splits > 1 else found[0]
 
 
 def right_key(graph: Graph, node_id: int, limits: Limits) -> tuple | None:
