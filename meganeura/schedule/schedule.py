@@ -71,6 +71,7 @@ from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
 from ..ops.attention import SDPA
+from ..ops.inplace import INDEX_COPY
 from ..passes.fuse import (
     FusionGroup,
     plan_attention_key_value,
@@ -295,7 +296,8 @@ def _lower_all(
             elif isinstance(group, MatmulGroup):
                 kernels = lower_matmul_group(graph, group, limits)
             elif group.anchor is not None and graph[group.anchor].op == ROPE:
-                if graph[group.sink].op == SDPA and len(group.members) == 3:
+                writes_cache = any(graph[m].op == INDEX_COPY for m in group.members)
+                if graph[group.sink].op == SDPA and not writes_cache:  # no KV cache: prefill
                     kernels = lower_rope_prefill(graph, group, limits)
                 elif graph[group.sink].op == SDPA:
                     kernels = lower_rope_attention(graph, group, limits)

@@ -134,6 +134,21 @@ def emit_phases(
     t, prefetch = plans[0].tiling, any(p.prefetch for p in plans)
     for names in cp._record:
         names += [(kb.node.op, f"merged:{p.name}") for g, p in zip(gs, plans, strict=True) if g.k]
+    for rows in cp._choices:  # Program.meta["convs"]: each phase GEMM, source "merged"
+        rows += [
+            {
+                "node": kb.node.id,
+                "op": kb.node.op,
+                "m": g.m,
+                "n": g.n,
+                "k": g.k,
+                "groups": g.groups,
+                "plan": p.name,
+                "source": "merged",
+            }  # fmt: skip
+            for g, p in zip(gs, plans, strict=True)
+            if g.k
+        ]
     offsets, total = [], 0
     for g, p in zip(gs, plans, strict=True):
         offsets.append(total)

@@ -224,7 +224,8 @@ def record_plans() -> Iterator[list[tuple[str, str]]]:
 @contextmanager
 def record_choices() -> Iterator[list[dict]]:
     """Within the block, every conv GEMM lowered, in order: ``{"node", "op", "m", "n", "k",
-    "groups", "plan", "source"}`` (``source`` as ``plan_source`` gives it)."""
+    "groups", "plan", "source"}`` (``source`` as ``plan_source`` gives it, or ``"merged"``
+    for the phases of a merged strided input gradient, ``phases.py``)."""
     rows: list[dict] = []
     _choices.append(rows)
     try:
@@ -233,8 +234,9 @@ def record_choices() -> Iterator[list[dict]]:
         _choices[:] = [r for r in _choices if r is not rows]
 
 
-# Where a plan came from (``plan_source``).
-SOURCES = ("forced", "tuned", "cpu", "heuristic")
+# Where a plan came from (``plan_source``; "merged": a stride phase of a strided input
+# gradient, planned with the other phases by ``phases.phase_plans``).
+SOURCES = ("forced", "tuned", "cpu", "heuristic", "merged")
 
 
 def plan_gemm(g: Gemm, limits, op: str | None = None) -> Plan:
