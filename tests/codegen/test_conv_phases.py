@@ -28,7 +28,6 @@ from .test_conv_prefetch import _feeds
 CASES = {
     "3x3s2p1_odd": ((2, 6, 11, 9), (10, 6, 3, 3), dict(stride=2, padding=1)),
     "3x3s2p1_even": ((1, 5, 10, 12), (20, 5, 3, 3), dict(stride=2, padding=1)),
-    "3x3s2p1_odd_even": ((2, 7, 9, 8), (12, 7, 3, 3), dict(stride=2, padding=1)),
     "7x7s2p3": ((1, 3, 19, 17), (9, 3, 7, 7), dict(stride=2, padding=3)),
     # 1x1 stride 2: three phases no tap reaches (K = 0, zeros)
     "1x1s2": ((2, 24, 9, 10), (40, 24, 1, 1), dict(stride=2)),
