@@ -179,9 +179,9 @@ def whisper(quick: bool):
     return compile(traced.graph, options, H200)
 
 
-def smolvla(quick: bool):
-    """The SmolVLA action expert's training step as ``bench/workloads.py`` runs it (W2
-    ``train_chunk50``: chunk 50, its optimizer; ``--quick``: the CPU-sized case)."""
+def _workload_train(wid: str, case_name: str, quick: bool):
+    """The training step of ``bench/workloads.py``'s case ``case_name`` of workload ``wid``
+    (its model, batch, loss and optimizer), compiled for the H200's limits."""
     import dataclasses
 
     import meganeura as mn
@@ -191,8 +191,8 @@ def smolvla(quick: bool):
     from meganeura.nn.compiled import trace_call
 
     mn.manual_seed(0)
-    wl = WORKLOADS["w2"]
-    case = wl.case("train_chunk10" if quick else "train_chunk50", quick)
+    wl = WORKLOADS[wid]
+    case = wl.case(case_name, quick)
     model, _ = wl.ours_model(case, quick)
     args = wl.batch(case, quick)
     traced = trace_call(model, lambda *a: wl.ours_loss(model, *a), args, {}, "loss")
@@ -200,29 +200,18 @@ def smolvla(quick: bool):
         _train_options(_optimizer(case.optimizer)), trainable=_trainable(traced)
     )
     return compile(traced.graph, options, H200)
+
+
+def smolvla(quick: bool):
+    """The SmolVLA action expert's training step as ``bench/workloads.py`` runs it (W2
+    ``train_chunk50``: chunk 50, its optimizer; ``--quick``: the CPU-sized case)."""
+    return _workload_train("w2", "train_chunk10" if quick else "train_chunk50", quick)
 
 
 def unet(quick: bool):
     """W5's ``train_small_b2`` (the conv U-Net, batch 2 of 4x32x32, MSE, Adam) as
     ``bench/workloads.py`` builds it (``--quick``: its CPU-sized model, 16x16)."""
-    import dataclasses
-
-    import meganeura as mn
-    from bench.workloads_lib.cell import _optimizer
-    from bench.workloads_lib.registry import WORKLOADS
-    from meganeura.compile import compile
-    from meganeura.nn.compiled import trace_call
-
-    mn.manual_seed(0)
-    wl = WORKLOADS["w5"]
-    case = wl.case("train_small_b2", quick)
-    model, _ = wl.ours_model(case, quick)
-    args = wl.batch(case, quick)
-    traced = trace_call(model, lambda *a: wl.ours_loss(model, *a), args, {}, "loss")
-    options = dataclasses.replace(
-        _train_options(_optimizer(case.optimizer)), trainable=_trainable(traced)
-    )
-    return compile(traced.graph, options, H200)
+    return _workload_train("w5", "train_small_b2", quick)
 
 
 def w1fwd(quick: bool):

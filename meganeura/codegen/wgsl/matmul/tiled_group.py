@@ -261,6 +261,19 @@ def _norm_prologue(
     return _NormA(x, w, b, k, bm, vec)
 
 
+def check_bindings(graph: Graph, group: MatmulGroup, limits: Limits) -> None:
+    """Raise as the members' own lowerings would for a value the group's kernel binds (an
+    external input or a member's value; the norm of a prologue is never stored) that is too
+    large to bind (``check_numel``)."""
+    members = set(group.members)
+    for mid in group.members:
+        for i in graph[mid].inputs:
+            if i not in members and not is_constant(graph, i):
+                check_numel(graph, resolve_view(graph, i), limits)
+        if mid != group.norm:
+            check_numel(graph, mid, limits)
+
+
 _SHARED = re.compile(r"var<workgroup> (\w+): array<vec4<f32>, (\d+)>;")
 
 
@@ -271,13 +284,7 @@ def lower_tiled_group(graph: Graph, group: MatmulGroup, limits: Limits) -> list[
         ValueError: as the members' own lowerings would, for a value too large to bind, or
             when no plan fits (``group_plan`` None: ``tiled_group_fits`` was not asked).
     """
-    members = set(group.members)
-    for mid in group.members:
-        for i in graph[mid].inputs:
-            if i not in members and not is_constant(graph, i):
-                check_numel(graph, resolve_view(graph, i), limits)
-        if mid != group.norm:
-            check_numel(graph, mid, limits)
+    check_bindings(graph, group, limits)
     plan = group_plan(graph, group, limits)
     if plan is None:
         raise ValueError(

@@ -41,14 +41,14 @@ from dataclasses import replace
 from ....graph.ir import Graph, resolve_view
 from ....passes.fuse_matmul import MatmulGroup
 from ...kernel import KernelSource, Limits
-from ..core.builder import KernelBuilder, check_numel, indent, is_constant
+from ..core.builder import KernelBuilder, indent
 from ..core.literals import u
 from ..core.mathlib import helper_source
 from ..elementwise.fused import GroupBody
 from .plan import SMALL, WG, Plan, choose_plan, tiled_shared_bytes
 from .problem import Problem, problem_of
 from .tiled import emit_tiled
-from .tiled_group import tiled_problem
+from .tiled_group import check_bindings, tiled_problem
 
 ENABLED = [True]  # right-shared groups are planned (``set_enabled``)
 TAG = "tiled_right"
@@ -116,12 +116,7 @@ def lower_right_group(graph: Graph, group: MatmulGroup, limits: Limits) -> list[
         ValueError: as the members' own lowerings would, for a value too large to bind, or
             when no plan fits (``right_group_plan`` None: ``right_group_fits`` was not asked).
     """
-    members = set(group.members)
-    for mid in group.members:
-        for i in graph[mid].inputs:
-            if i not in members and not is_constant(graph, i):
-                check_numel(graph, resolve_view(graph, i), limits)
-        check_numel(graph, mid, limits)
+    check_bindings(graph, group, limits)  # a right-shared group has no norm
     plan = right_group_plan(graph, group, limits)
     if plan is None:
         raise ValueError(
