@@ -14,8 +14,9 @@ and, for a strided shape, the default plans with the input gradient's stride pha
 (``conv.lowering.MERGE_PHASES`` False: one GEMM dispatch per phase, the program before
 ``conv/phases.py``; variant ``default/default/default/apart``, its grad-input time the part's
 ``apart_ms``) and with the merged phases' split rule going down to K chunks of 64
-(``conv.phases.MIN_CHUNK``; variant ``default/default/default/chunk64``); variants whose
-plans (``conv.gemm.record_plans``) equal an earlier one's are not rerun. Every
+(``conv.phases.MIN_CHUNK``, 64 by default since that sweep; variant
+``default/default/default/chunk64``); variants whose plans (``conv.gemm.record_plans``)
+equal an earlier one's are not rerun. Every
 variant's y, dx and dw are compared with the default plan's (max |diff| / max |default| <=
 1e-4: split-K reorders sums) and a variant that differs is rejected. GPU time per part
 (forward, grad-input, grad-weight: the dispatches of ``conv2d``, ``conv2d_backward_input``,

@@ -152,11 +152,12 @@ def test_merged_split_rule_fills_the_gpu_across_phases(monkeypatch):
         assert [p.splits for p in phase_plans(gs, Limits())] == [
             gemm.plan_gemm(g, Limits()).splits for g in gs
         ]
-    # the U-Net's 3x3 stride 2 64 -> 64 at batch 2: K <= 256, unsplit unless MIN_CHUNK is lower
+    # the U-Net's 3x3 stride 2 64 -> 64 at batch 2: K <= 256, split down to chunks of 64
+    # (MIN_CHUNK), unsplit at the old floor of MIN_SPLIT_K
     small = [Gemm(64, 2 * 16 * 16, 64 * taps, 1) for taps in (1, 2, 2, 4)]
-    assert [p.splits for p in phase_plans(small, Limits())] == [1] * 4
-    monkeypatch.setattr(phases, "MIN_CHUNK", 64)
     assert [p.splits for p in phase_plans(small, Limits())] == [1, 2, 2, 4]
+    monkeypatch.setattr(phases, "MIN_CHUNK", None)
+    assert [p.splits for p in phase_plans(small, Limits())] == [1] * 4
     k0 = phase_plans([Gemm(64, 100, 0, 1), Gemm(64, 100, 600, 1)], Limits())
     assert k0[0].prefetch is False and k0[1].prefetch is conv_plan.PREFETCH
 

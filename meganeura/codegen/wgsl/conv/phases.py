@@ -45,11 +45,12 @@ from . import plan as cp
 from .gemm import Gemm, Operand, Output, Plan
 from .stage import THREADS
 
-# The shortest K chunk of a split phase (None: ``gemm.MIN_SPLIT_K``); a knob for the sweep
-# (``bench/conv_sweep.py``'s ``chunk64`` variant): the H200 sweep of 2026-12-03 has the
-# per-phase kernels latency-bound by their chains of K steps (U-Net 3x3 stride 2 64 -> 64,
-# 8 tiles a phase, K <= 256: 78 us for 4 dispatches), where shorter chunks may pay.
-MIN_CHUNK: int | None = None
+# The shortest K chunk of a split phase (None: ``gemm.MIN_SPLIT_K``, 256); a knob for the sweep
+# (``bench/conv_sweep.py``'s ``chunk64`` variant sets 64). Only small problems reach it (work /
+# TARGET_GROUPS under 256). H200 sweep of 2026-12-03 (third session), us, merged phases at the
+# 256 floor -> at 64: U-Net small b2 3x3 stride 2 64 -> 64 25.5 -> 23.1, 128 -> 128 33.3 -> 22.2;
+# ResNet-50 b4 within 1.6% either way (l2 3x3 79.2 -> 80.4, l3 downsample 63.2 -> 62.2). So 64.
+MIN_CHUNK: int | None = 64
 
 
 def phase_plans(gs: list[Gemm], limits) -> list[Plan]:
