@@ -19,12 +19,14 @@
 #   fast            the ten headline cells, fast mode, with warm-cache compile times
 #   matrix          the rest of the matrix, resumable (strict first)
 #   data-parallel   2 ranks sharing the GPU (the machine's Open MPI), SmolLM2 and ResNet-50
+# environment: CASES overrides the headline cells of strict / fast (workloads.py --cases);
+# WL_ARGS adds arguments to every workloads.py call (e.g. "--no-warm --modes reduce_overhead")
 set -euo pipefail
 commit=${1:?usage: h200_session.sh COMMIT STEP [MINUTES]}
 step=${2:?usage: h200_session.sh COMMIT STEP [MINUTES]}
 minutes=${3:-6}
 out=${OUT:?set OUT to the output folder of the device tool}
-headline=w1:fwd_seq128,w1:train_seq128,w2:fwd_chunk50,w2:train_chunk50,w3:fwd_b4,w3:train_b4,w4:fwd,w4:train,w5:fwd_small_b2,w5:train_small_b2
+headline=${CASES:-w1:fwd_seq128,w1:train_seq128,w2:fwd_chunk50,w2:train_chunk50,w3:fwd_b4,w3:train_b4,w4:fwd,w4:train,w5:fwd_small_b2,w5:train_small_b2}
 cache=~/.cache/meganeura/tuning
 mkdir -p "$cache" bench/results/tuning_h200
 cp bench/results/tuning_h200/*.json "$cache"/ 2>/dev/null || true
@@ -33,7 +35,7 @@ log="bench/results/h200_session_${step}.txt"
 # the headline cells with warm-cache compile figures too (a compile-only child per compiling
 # side on the cold child's caches); the rest of the matrix without
 wl=(python bench/workloads.py --machine h200 --commit "$commit" --profile --jobs 3
-    --skip-done --stop-after "$minutes")
+    --skip-done --stop-after "$minutes" ${WL_ARGS:-})
 case "$step" in
   tune)
     python -m meganeura tune --workloads --budget-s 270 | tee bench/results/tune_workloads_h200.txt
