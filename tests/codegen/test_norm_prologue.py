@@ -55,18 +55,19 @@ def _both(graph, options, limits):
     return out
 
 
-def _block_graph(loss: bool = False):
+def _block_graph(loss: bool = False, d: int = D):
     """``h = x + a @ Wo.T``, ``y = rms_norm(h)``, ``h2 = h + silu(y @ Wg.T) @ Wd.T``, ``z =
     layer_norm(h2)``: two split-K groups whose stored sums feed norms (h is also read by h2's
     add, h2 is an output)."""
     b = GraphBuilder()
-    x, a = b.input("x", (1, M, D)), b.input("a", (1, M, D))
-    p = {n: b.parameter(n, s) for n, s in (("wo", (D, D)), ("wg", (FF, D)), ("wd", (D, FF)),
-                                           ("n1", (D,)), ("n2", (D,)), ("b2", (D,)))}  # fmt: skip
+    x, a = b.input("x", (1, M, d)), b.input("a", (1, M, d))
+    shapes = (("wo", (d, d)), ("wg", (FF, d)), ("wd", (d, FF)), ("n1", (d,)), ("n2", (d,)),
+              ("b2", (d,)))  # fmt: skip
+    p = {n: b.parameter(n, s) for n, s in shapes}
     h = x + F.linear(a, p["wo"])
-    y = rms_norm(h, D, p["n1"], eps=1e-6)
+    y = rms_norm(h, d, p["n1"], eps=1e-6)
     h2 = h + F.linear(silu(F.linear(y, p["wg"])), p["wd"])
-    z = layer_norm(h2, D, p["n2"], p["b2"])
+    z = layer_norm(h2, d, p["n2"], p["b2"])
     if loss:
         b.output("loss", F.sum(z * z))
     else:
@@ -102,23 +103,27 @@ def _norm_kernels(program) -> list:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["strict", "fast"])
-def test_norms_sum_the_partials_bit_identically(gpu_device, precision):
+@pytest.mark.parametrize(
+    ("precision", "d"), [("strict", D), ("fast", D), ("strict", 90)], ids=["strict", "fast", "d90"]
+)
+def test_norms_sum_the_partials_bit_identically(gpu_device, precision, d):
+    """``d`` 90: rows of scalar units (the team reads vec4 units when 4 divides the row)."""
     from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     limits = device_limits(gpu_device)
     if precision == "fast" and not limits.shader_f16:
         pytest.skip("the adapter has no shader-f16")
-    graph = _block_graph()
+    graph = _block_graph(d=d)
     params = _params(graph)
-    x, a = (RNG.standard_normal((1, M, D)).astype(np.float32) for _ in range(2))
+    x, a = (RNG.standard_normal((1, M, d)).astype(np.float32) for _ in range(2))
     on, off = _both(graph, CompileOptions(precision=precision), limits)
     # o's and down's summing dispatches go; the rms_norm and the layer_norm compute h, h2
     assert len(off.dispatches) - len(on.dispatches) == 2
     assert [d.name.split()[1] for d in _norm_kernels(on)] == ["rms_norm", "layer_norm"]
     if precision == "fast":
-        assert any("f32(f16(v))" in d.wgsl for d in _norm_kernels(on))  # h; h2 is f32
+        assert any("f32(f16(v))" in k.wgsl for k in _norm_kernels(on))  # h; h2 is f32
+    assert all(("vec4<f32>(0.0)" in k.wgsl) == (d % 4 == 0) for k in _norm_kernels(on))
     got = []
     for program in (on, off):
         with Session(program, gpu_device) as s:

@@ -116,7 +116,9 @@ def plan_norm_prologues(
 class _Prologue:
     """x of the norm computed from the group's partials and operands (``team._stats``'s
     loader): ``bind`` binds them in the norm's kernel, then calling it on a chunk emits
-    ``a{i}`` (h as read back from storage) and stores h."""
+    ``a{i}`` (h as read back from storage) and stores h. A vec4 unit's four sums come from
+    vec4 loads of the partials (``SplitPartials.helper`` with width 4: the same lane-wise
+    additions), then each element runs the epilogue on its own sum."""
 
     def __init__(self, graph: Graph, group: FusionGroup, limits: Limits) -> None:
         self.graph, self.group = graph, group
@@ -133,10 +135,12 @@ class _Prologue:
         body = GroupBody(self.graph, self.group)
         body.bind(kb)
         (self.out,) = body.outs
-        part = self.part
+        part, w = self.part, rk.plan.width
         var = kb.scratch(KEY, part.count, DType.f32, "part", owner=self.group.sink)
+        if w == 4:  # a unit's four sums from vec4 loads
+            kb.vectorize(var)
         # the anchor's value as the summing dispatch hands it to the epilogue: not narrowed
-        helper = part.helper("sum_part", var, DType.f32)
+        helper = part.helper("sum_part", var, DType.f32, w)
         n = self.graph[self.group.anchor].type.shape[-1]
         loads = [
             s.literal if s.literal is not None else s.at(body.index(k, "e", "col"))
@@ -146,10 +150,10 @@ class _Prologue:
         stored = "f32(f16(v))" if self.half else "v"
         rk.extra_helpers += (
             helper + body.helpers + "\n"
-            f"fn epi(e: u32) -> f32 {{\n  let col = {col};\n"
-            f"  {body.compute(loads, anchor='sum_part(e)')}\n"
+            f"fn epi(e: u32, s: f32) -> f32 {{\n  let col = {col};\n"
+            f"  {body.compute(loads, anchor='s')}\n"
             f"  return f32({body.var(self.h)});\n}}\n"
-            f"fn epi_x(e: u32) -> f32 {{ let v = epi(e); return {stored}; }}\n"
+            f"fn epi_x(e: u32, s: f32) -> f32 {{ let v = epi(e, s); return {stored}; }}\n"
         )
         return self
 
@@ -159,13 +163,16 @@ class _Prologue:
 
     def first(self, unit: str) -> str:
         """f32 expression: the first element of ``unit`` of x (h as read back from storage)."""
-        return f"epi_x({self._elem(unit, 0)})"
+        lane = ".x" if self.rk.plan.width == 4 else ""
+        return f"epi_x({self._elem(unit, 0)}, sum_part({unit}){lane})"
 
     def __call__(self, ch: Chunk) -> None:
         rk, w = self.rk, self.rk.plan.width
         for i in range(ch.m):
             rk.line(f"let hu{i} = {rk.at(ch.unit(i))};")
-            lanes = [f"epi({self._elem(f'hu{i}', c)})" for c in range(w)]
+            rk.line(f"let hs{i} = sum_part(hu{i});")
+            sums = [f"hs{i}.{c}" for c in "xyzw"] if w == 4 else [f"hs{i}"]
+            lanes = [f"epi({self._elem(f'hu{i}', c)}, {s})" for c, s in enumerate(sums)]
             value = "vec4<f32>(" + ", ".join(lanes) + ")" if w == 4 else lanes[0]
             rk.line(f"let h{i} = {value};")
             rk.line(f"let a{i} = {as_stored(f'h{i}', w) if self.half else f'h{i}'};")
