@@ -23,9 +23,9 @@ other reader of h and every node of those readers' groups, and no op with in-pla
 between the group's sink and the norm; h is not written through a placed view, its dtype is
 f32 or f16, and the epilogue's operands are not the norm's weight or bias (those are read as
 vec4 rows). The norm runs the team kernel in register mode (``norm.team``: rows of up to 65536
-elements read as vec4, 16384 as scalars); a longer row (chunked mode would compute h twice) or a kernel over the adapter's
-storage-binding limit keeps the summing dispatch. ``set_enabled(False)`` compiles the old
-programs (A/B).
+elements read as vec4, 16384 as scalars); a longer row (chunked mode would compute h twice) or
+a kernel over the adapter's storage-binding limit keeps the summing dispatch.
+``set_enabled(False)`` compiles the old programs (A/B).
 """
 
 from __future__ import annotations
