@@ -3,9 +3,10 @@ timing: SmolLM2-135M prefill (128 tokens into a 512-slot cache, last token's arg
 ``bench/llm_profile.py``), its training step (seq 128, AdamW, as ``Trainer``), ResNet-50's
 training step at batch 4 (SGD, cross-entropy), and on request W1's ``fwd_seq128``
 (``--parts w1fwd``: the same model's 128-token forward without a cache, full logits),
-whisper-tiny's training step (``--parts whisper``: 30 s of features, 32 tokens, SGD) and the
-SmolVLA action expert's (``--parts smolvla``: W2's ``train_chunk50``) and the W5 U-Net's
-(``--parts unet``: ``train_small_b2``). Random weights; each
+whisper-tiny's training step (``--parts whisper``: 30 s of features, 32 tokens, SGD), the
+SmolVLA action expert's (``--parts smolvla``: W2's ``train_chunk50``; ``smolvla_fwd``: its
+forward, ``fwd_chunk50``) and the W5 U-Net's (``--parts unet``: ``train_small_b2``). Random
+weights; each
 program is traced and compiled with ``H200`` limits (``Limits.cpu`` False, so the GPU's matmul
 plans and split-K apply), and its dispatch list is counted by kernel kind.
 
@@ -21,13 +22,17 @@ dispatches (``codegen.wgsl.matmul.tiled_rgroup.set_enabled``; default ``grouped`
 ``--sum-groups off`` gives split-K products summed by one kernel (``dG @ Wg + dU @ Wu``) their
 own partials dispatches again (``codegen.wgsl.matmul.split_group.set_sum_groups``);
 ``--residual off`` keeps the residual add apart from the norm's input gradient
-(``passes.fuse_norm.RESIDUAL``).
+(``passes.fuse_norm.RESIDUAL``); ``--norm-prologue off`` keeps the summing dispatch of a split-K
+matmul group whose output a layer_norm / rms_norm reads (o_proj + residual, down_proj +
+residual), instead of the norm computing that output from the partials
+(``codegen.wgsl.norm.prologue.set_enabled``).
 
 Usage: python bench/dispatch_counts.py
-           [--parts prefill,train,resnet[,w1fwd,whisper,smolvla,unet]] [--quick] [--json FILE]
+           [--parts prefill,train,resnet[,w1fwd,whisper,smolvla,smolvla_fwd,unet]]
+           [--quick] [--json FILE]
            [--split-sums deferred|dispatch] [--split-members join|apart]
            [--conv-phases merged|apart] [--weight-grads grouped|apart] [--sum-groups on|off]
-           [--residual on|off]
+           [--residual on|off] [--norm-prologue on|off]
 """
 
 from __future__ import annotations
@@ -208,6 +213,22 @@ def smolvla(quick: bool):
     return _workload_train("w2", "train_chunk10" if quick else "train_chunk50", quick)
 
 
+def smolvla_fwd(quick: bool):
+    """The SmolVLA action expert's forward as ``bench/workloads.py`` compiles it (W2
+    ``fwd_chunk50``, strict, shared parameters; ``--quick``: the CPU-sized case)."""
+    import meganeura as mn
+    from bench.workloads_lib.registry import WORKLOADS
+    from meganeura.compile import CompileOptions, compile
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    wl = WORKLOADS["w2"]
+    case = wl.case("fwd_chunk10" if quick else "fwd_chunk50", quick)
+    model = wl.build_ours(case, quick)
+    traced = trace_call(model, model.forward, wl.batch(case, quick), {})
+    return compile(traced.graph, CompileOptions(shared_parameters=True), H200)
+
+
 def unet(quick: bool):
     """W5's ``train_small_b2`` (the conv U-Net, batch 2 of 4x32x32, MSE, Adam) as
     ``bench/workloads.py`` builds it (``--quick``: its CPU-sized model, 16x16)."""
@@ -236,6 +257,7 @@ PARTS = {
     "resnet": resnet,
     "whisper": whisper,
     "smolvla": smolvla,
+    "smolvla_fwd": smolvla_fwd,
     "w1fwd": w1fwd,
     "unet": unet,
 }
@@ -252,6 +274,7 @@ def main() -> None:
     ap.add_argument("--weight-grads", choices=("grouped", "apart"), default="grouped")
     ap.add_argument("--sum-groups", choices=("on", "off"), default="on")
     ap.add_argument("--residual", choices=("on", "off"), default="on")
+    ap.add_argument("--norm-prologue", choices=("on", "off"), default="on")
     args = ap.parse_args()
     from meganeura.codegen.wgsl.conv import lowering
     from meganeura.codegen.wgsl.matmul import deferred, split_group, tiled_group, tiled_rgroup
@@ -264,6 +287,9 @@ def main() -> None:
     from meganeura.passes import fuse_norm
 
     fuse_norm.RESIDUAL[:] = [args.residual == "on"]
+    from meganeura.codegen.wgsl.norm import prologue
+
+    prologue.set_enabled(args.norm_prologue == "on")
     result = {
         "split_sums": args.split_sums,
         "split_members": args.split_members,
@@ -271,6 +297,7 @@ def main() -> None:
         "weight_grads": args.weight_grads,
         "sum_groups": args.sum_groups,
         "residual": args.residual,
+        "norm_prologue": args.norm_prologue,
     }
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))

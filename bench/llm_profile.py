@@ -15,13 +15,16 @@ the weight gradients sharing a right operand in their own dispatches
 ``--sum-groups off`` gives split-K products summed by one kernel (the MLP's input gradient)
 their own partials dispatches again (``codegen.wgsl.matmul.split_group.set_sum_groups``);
 ``--residual off`` keeps the residual add apart from the norm's input gradient
-(``passes.fuse_norm.RESIDUAL``).
+(``passes.fuse_norm.RESIDUAL``); ``--norm-prologue off`` keeps the summing dispatch of a split-K
+matmul group whose output a layer_norm / rms_norm reads (o_proj + residual, down_proj +
+residual), instead of the norm computing that output from the partials
+(``codegen.wgsl.norm.prologue.set_enabled``).
 
 Usage: python bench/llm_profile.py [--parts prefill,train] [--quick] [--out FILE]
                                    [--split-sums deferred|dispatch]
                                    [--split-members join|apart]
                                    [--weight-grads grouped|apart] [--sum-groups on|off]
-                                   [--residual on|off]
+                                   [--residual on|off] [--norm-prologue on|off]
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def main() -> None:
     ap.add_argument("--weight-grads", choices=("grouped", "apart"), default="grouped")
     ap.add_argument("--sum-groups", choices=("on", "off"), default="on")
     ap.add_argument("--residual", choices=("on", "off"), default="on")
+    ap.add_argument("--norm-prologue", choices=("on", "off"), default="on")
     args = ap.parse_args()
     import meganeura as mn
     from meganeura.codegen.wgsl.matmul import deferred, split_group, tiled_group, tiled_rgroup
@@ -73,6 +77,9 @@ def main() -> None:
     from meganeura.passes import fuse_norm
 
     fuse_norm.RESIDUAL[:] = [args.residual == "on"]
+    from meganeura.codegen.wgsl.norm import prologue
+
+    prologue.set_enabled(args.norm_prologue == "on")
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
     from meganeura.nn.compiled import CompiledModule
 
@@ -84,7 +91,7 @@ def main() -> None:
     out.write(
         f"split-K sums: {args.split_sums}, split members: {args.split_members}, "
         f"weight gradients: {args.weight_grads}, sum groups: {args.sum_groups}, "
-        f"residual adds: {args.residual}\n"
+        f"residual adds: {args.residual}, norm prologues: {args.norm_prologue}\n"
     )
     parts = args.parts.split(",")
     if "prefill" in parts:

@@ -20,7 +20,9 @@ binding the group's external inputs and its stored outputs only, so lifetimes co
 bindings; the other members get no kernel and no storage. Split-K products whose readers all
 sum the partials themselves (``matmul.deferred``) get no summing dispatch and no storage, and
 split-K products sharing their left operand compute their partials in one dispatch at the first
-one's position (``matmul.split_group``); scratch bound by another node's kernel (``ScratchRef.
+one's position (``matmul.split_group``); a layer_norm / rms_norm reading the one stored output
+of a split-K matmul group computes it from the partials, and the group keeps its partials
+dispatch only (``norm.prologue``); scratch bound by another node's kernel (``ScratchRef.
 owner``) lives until its last reader. Optimizer updates are grouped
 likewise (``update_groups``): one kernel per group at its last member's position, over arenas
 that the assembler lays out.
@@ -67,6 +69,7 @@ from ..codegen.wgsl.matmul.tiled_rgroup import (
     right_key,
 )
 from ..codegen.wgsl.norm.lowering import norm_act_fusible
+from ..codegen.wgsl.norm.prologue import lower_norm_prologue, plan_norm_prologues
 from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
@@ -202,11 +205,13 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     deferred = plan_deferred_sums(graph, needed, groups, limits) if fuse else {}
     split_groups = plan_split_groups(graph, deferred, limits, groups, needed) if fuse else ()
-    dispatches = _lower_all(graph, needed, limits, groups, updates, deferred, split_groups)
+    prologues = plan_norm_prologues(graph, needed, groups, limits, deferred) if fuse else {}
+    lowered = (deferred, split_groups, prologues)
+    dispatches = _lower_all(graph, needed, limits, groups, updates, *lowered)
     clash = _arena_clashes(graph, dispatches, updates)
     if clash:  # rare: a kernel writes one member's gradient and reads another's
         updates = plan_update_groups(graph, needed, limits, exclude=clash)
-        dispatches = _lower_all(graph, needed, limits, groups, updates, deferred, split_groups)
+        dispatches = _lower_all(graph, needed, limits, groups, updates, *lowered)
     pinned.update(arena_value(graph, m, "grad") for g in updates for m in g.members)
 
     first: dict = {}
@@ -259,7 +264,10 @@ def _lower_all(
     updates: tuple[UpdateGroup, ...],
     deferred: dict[int, SplitPartials],
     split_groups: tuple[SplitGroup, ...] = (),
+    prologues: dict[int, FusionGroup] | None = None,
 ) -> list[tuple[int, KernelSource]]:
+    prologues = prologues or {}
+    summed_by_norm = {g.sink for g in prologues.values()}
     group_of = {m: g for g in groups for m in g.members}
     split_of = {a: g for g in split_groups for a in g.anchors}
     update_of = {m: g for g in updates for m in g.members}
@@ -280,6 +288,10 @@ def _lower_all(
                 kernels = lower_matmul(graph, node.id, limits, defer_sum=True)
             elif node.id in deferred:
                 kernels = lower_conv2d_backward_input(graph, node.id, limits, defer_sum=True)
+            elif node.id in prologues:  # computes its input: the group's summing dispatch
+                kernels = lower_norm_prologue(graph, node.id, prologues[node.id], limits, deferred)
+                if kernels is None:  # pragma: no cover - plan_norm_prologues lowered it
+                    raise ValueError(f"%{node.id}: no norm prologue lowering")
             elif group is None:
                 kernels = lower(graph, node.id, limits, deferred)
             elif group.anchor is not None and graph[group.anchor].op == SDPA:
@@ -305,7 +317,8 @@ def _lower_all(
                     kernels = lower_rope_cache(graph, group, limits)
             else:
                 sum_only = group.anchor in split_of  # its partials come from a split group
-                kernels = lower_group(graph, group, limits, deferred, sum_only)
+                by_norm = node.id in summed_by_norm  # its summing dispatch runs in a norm
+                kernels = lower_group(graph, group, limits, deferred, sum_only, by_norm)
             dispatches.extend((node.id, ks) for ks in kernels)
     return dispatches
 

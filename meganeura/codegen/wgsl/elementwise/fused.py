@@ -205,10 +205,13 @@ def lower_group(
     limits: Limits,
     deferred: Mapping | None = None,
     sum_only: bool = False,
+    defer_sum: bool = False,
 ) -> list[KernelSource]:
     """The one dispatch computing every member of ``group`` and storing its outputs
     (``deferred``: split-K products read as sums of their partials, ``matmul.deferred``;
-    ``sum_only``: a split-K anchor's summing dispatch alone, ``matmul.split_group``).
+    ``sum_only``: a split-K anchor's summing dispatch alone, ``matmul.split_group``;
+    ``defer_sum``: a split-K anchor's partials dispatch alone, the summing dispatch and the
+    epilogue run by a norm reading the group's output, ``norm.prologue``; both: none).
 
     Raises:
         ValueError: as ``lower`` would for the members one by one: for the first value (in
@@ -226,6 +229,9 @@ def lower_group(
         (value,) = (m for m in group.members if m != group.anchor)
         return lower_key_value(graph, group.anchor, value, limits)
     body = GroupBody(graph, group)
+    if group.anchor is not None and defer_sum:
+        kernels = [] if sum_only else lower_matmul(graph, group.anchor, limits, defer_sum=True)
+        return [replace(ks, name=body.name) for ks in kernels]
     if group.anchor is not None:
         epilogue = _MatmulEpilogue(body)
         kernels = lower_matmul(graph, group.anchor, limits, epilogue, deferred, sum_only=sum_only)

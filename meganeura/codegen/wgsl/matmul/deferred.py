@@ -86,15 +86,24 @@ class SplitPartials:
     def count(self) -> int:
         return self.splits * self.total
 
-    def helper(self, fn: str, var: str, dtype: DType) -> str:
+    def helper(self, fn: str, var: str, dtype: DType, width: int = 1) -> str:
         """WGSL function ``fn(i) -> f32``: element i of the product from binding ``var``, as
-        the summing dispatch computes it (and stores it, as f16 for an f16 product)."""
-        ret = "f32(f16(v))" if dtype is DType.f16 else "v"
-        total = u(self.total)
-        lines = [f"fn {fn}(i: u32) -> f32 {{", f"  let e = {self.index};"]
+        the summing dispatch computes it (and stores it, as f16 for an f16 product).
+
+        ``width`` 4 (``lanes`` 0, ``index`` ``"i"``, ``total`` a multiple of 4, ``var`` an
+        ``array<vec4<f32>>``): ``fn(q) -> vec4<f32>``, elements 4q .. 4q + 3, each lane the
+        same additions in the same order (vec4 adds are lane-wise f32 adds), a quarter of
+        the loads."""
+        if width != 1 and (width != 4 or self.lanes or self.index != "i" or self.total % 4):
+            raise ValueError(f"%{self.node}: no vec4 sum over these partials")
+        ty = "f32" if width == 1 else "vec4<f32>"
+        ret = f"{ty}(vec4<f16>(v))" if width == 4 else "f32(f16(v))"
+        ret = ret if dtype is DType.f16 else "v"
+        total = u(self.total // width)
+        lines = [f"fn {fn}(i: u32) -> {ty} {{", f"  let e = {self.index};"]
         if self.lanes == 0:
             lines += [
-                "  var s = 0.0;",
+                f"  var s = {'0.0' if width == 1 else 'vec4<f32>(0.0)'};",
                 f"  for (var t = 0u; t < {u(self.splits)}; t = t + 1u) {{",
                 f"    s += {var}[t * {total} + e];",
                 "  }",

@@ -132,12 +132,15 @@ def _stats(
     ``grad = (g var, weight param)`` also ``d1 = sum gw`` and ``pg = sum gw * xc``). Register
     mode returns its chunk, whose registers ``a*`` (``g*``, ``gw*``, ``xc*``) stay live.
     ``shift`` is the first element of unit ``shift_unit`` (default the row's first unit; the
-    split group_norm, ``norm.split``, shifts every chunk of a group by the group's first)."""
+    split group_norm, ``norm.split``, shifts every chunk of a group by the group's first).
+    ``xv``: the binding of x, or (register mode) a callable emitting a chunk's ``a*`` registers
+    whose ``first(unit)`` is the expression of that unit's first element (``norm.prologue``:
+    x computed from a split-K matmul's partials)."""
     p = rk.plan
     n = f32_literal(p.n)
 
     def loads(ch: Chunk) -> None:
-        rk.load(ch, xv, "a")
+        xv(ch) if callable(xv) else rk.load(ch, xv, "a")
         if grad is not None:
             gv, wparam = grad
             gv(ch) if callable(gv) else rk.load(ch, gv, "g")
@@ -152,7 +155,8 @@ def _stats(
         lane = ".x" if p.width == 4 else ""
         # The group's first element: every thread reads it (from cache) rather than wait for
         # a broadcast.
-        rk.line(f"let shift = {rk.kb.load(xv, shift_unit)}{lane};")
+        first = xv.first(shift_unit) if callable(xv) else f"{rk.kb.load(xv, shift_unit)}{lane}"
+        rk.line(f"let shift = {first};")
     names = ["ssd"] + (["d1"] if grad is not None and not rms else []) + (["pg"] if grad else [])
     if not p.chunked:
         ch = rk.registers()
@@ -220,28 +224,38 @@ def _merge_chunk(rk: RowKernel, ch: Chunk, loads, grad: bool) -> None:
     rk.line("tn = n2;")
 
 
-def _setup(graph: Graph, node_id: int, limits: Limits, x_id: int):
+def _setup(graph: Graph, node_id: int, limits: Limits, x_id: int, prologue=None, deferred=None):
     node = graph[node_id]
     kind = kind_of(node.op)
     shape = graph[x_id].type.shape
     plan = plan_groups(shape, kind, node.attr_dict, limits)
-    if plan is None:
+    if plan is None or (prologue is not None and plan.chunked):
         return None
-    kb = KernelBuilder(graph, node, limits)
+    kb = KernelBuilder(graph, node, limits, deferred)
+    rk = RowKernel(kb, plan)
+    if prologue is not None:
+        return node, kind, shape, kb, rk, prologue(kb, rk)
     x = kb.read(x_id, "x")
     if not sources_bound(x):
         return None
-    rk = RowKernel(kb, plan)
     return node, kind, shape, kb, rk, rk.bind(x)
 
 
 def lower_norm_team(
-    graph: Graph, node_id: int, limits: Limits, act: int | None = None, store: bool = True
+    graph: Graph,
+    node_id: int,
+    limits: Limits,
+    act: int | None = None,
+    store: bool = True,
+    prologue=None,
+    deferred=None,
 ) -> list[KernelSource] | None:
     """Forward ``((x - shift) - mean) * rstd * w + b`` as one team kernel, or None. With
     ``act`` (a silu node reading this one) the kernel also stores ``silu(y)`` there, and y
-    only when ``store``."""
-    st = _setup(graph, node_id, limits, graph[node_id].inputs[0])
+    only when ``store``. With ``prologue`` (``(kb, rk) -> x loader``, register mode only, see
+    ``_stats``) x is computed in the kernel, not read (``norm.prologue``; ``deferred``: the
+    ``KernelBuilder``'s split-K products summed in place)."""
+    st = _setup(graph, node_id, limits, graph[node_id].inputs[0], prologue, deferred)
     if st is None:
         return None
     node, kind, shape, kb, rk, xv = st
@@ -315,6 +329,7 @@ def lower_norm_backward_team(
     if not rms:
         rk.line(f"let c1 = d1 * {inv_n};")
     rk.line(f"let c2 = rstd * pg * {inv_n};")
+
     def dx(i: int) -> str:
         return f"rstd * (gw{i}{centre} - (xc{i} * rstd) * c2)"
 
