@@ -97,7 +97,7 @@ def _kinds(program) -> list[str]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [1, 3], ids=["unsplit", "split3"])
+@pytest.mark.parametrize("splits", [1, 3, 9], ids=["unsplit", "split3", "split9"])
 @pytest.mark.parametrize("precision", ["strict", "fast"])
 def test_block_in_conv_epilogues_matches_the_program_without(gpu_device, splits, precision):
     from meganeura.runtime import Session
@@ -114,7 +114,8 @@ def test_block_in_conv_epilogues_matches_the_program_without(gpu_device, splits,
     # the two BN + ReLU groups and the residual one (both BNs, the add, the ReLU) run in
     # the stores of conv1, conv2 and conv3; the downsample, computed after bn3's members,
     # keeps its store. Forced to split, conv1, conv2 and the downsample split K (conv3's K
-    # is one step): the groups run in the summing dispatches of conv1 and conv2.
+    # is one step): the groups run in the summing dispatches of conv1 and conv2 (conv2's
+    # with four lanes an element when forced to 9 splits, ``gemm.LANES_FROM_SPLITS``).
     assert len(off.dispatches) - len(on.dispatches) == 3
     assert all(k.startswith("conv2d") for k in _kinds(on))
     names = [d.name for d in on.dispatches]
