@@ -227,3 +227,53 @@ def test_resnet50_eval_dispatch_counts_on_h200_limits():
     on, off = _both(traced.graph, CompileOptions(shared_parameters=True), H200)
     assert (len(off.dispatches), len(on.dispatches)) == (139, 90)
     assert not any(k.startswith(("add", "relu")) for k in _kinds(on))
+
+
+@pytest.mark.gpu
+def test_epilogue_sums_a_deferred_split_k_product(gpu_device):
+    """``conv(x) + reshape(z @ W.T)`` with the matmul forced to split K: the add runs in the
+    conv's store and sums the matmul's partials itself (``matmul.deferred``), so neither the
+    conv nor the product is stored; values bit-identical to the program without."""
+    from meganeura.codegen.wgsl.matmul import deferred
+    from meganeura.codegen.wgsl.matmul.plan import force_plan as force_matmul_plan
+    from meganeura.graph.builder import GraphBuilder
+    from meganeura.ops import functional as OF
+    from meganeura.ops.conv import conv2d
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    b = GraphBuilder()
+    x = b.input("x", (2, 4, 6, 6))
+    z = b.input("z", (2 * 8, 96))
+    y = conv2d(x, b.parameter("w", (8, 4, 3, 3)), padding=(1, 1))
+    p = OF.reshape(OF.linear(z, b.parameter("v", (36, 96))), (2, 8, 6, 6))
+    b.output("y", OF.relu(y + p))
+    graph = b.build()
+    force_matmul_plan("64x64x16/s4")
+    try:
+        on, off = _both(graph, CompileOptions(), device_limits(gpu_device))
+    finally:
+        force_matmul_plan(None)
+        deferred.set_enabled(True)
+    names = [d.name for d in on.dispatches]
+    assert not any(n.endswith("sum_splits") for n in names), names
+    assert any("conv2d gemm" in n and "+" in n for n in names)
+    assert len(off.dispatches) - len(on.dispatches) == 1
+    feeds = {
+        "x": RNG.standard_normal((2, 4, 6, 6)).astype(np.float32),
+        "z": RNG.standard_normal((16, 96)).astype(np.float32),
+    }
+    params = {
+        "w": (RNG.standard_normal((8, 4, 3, 3)) * 0.3).astype(np.float32),
+        "v": (RNG.standard_normal((36, 96)) * 0.1).astype(np.float32),
+    }
+    got = []
+    for program in (on, off):
+        with Session(program, gpu_device) as s:
+            s.load_state_dict(params)
+            got.append(s.run(feeds, ["y"])["y"])
+    np.testing.assert_array_equal(got[0], got[1])
+    want = TF.conv2d(torch.tensor(feeds["x"], dtype=torch.float64),
+                     torch.tensor(params["w"], dtype=torch.float64), padding=1).numpy()  # fmt: skip
+    want = np.maximum(want + (feeds["z"].astype(np.float64) @ params["v"].T).reshape(want.shape), 0)
+    np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
