@@ -27,9 +27,16 @@ from ..core.builder import KernelBuilder
 from ..elementwise.fused import GroupBody
 from .lowering import lower_conv2d
 
+_PER_CHANNEL = (0, 1, 0, 0)  # broadcast strides of a [C, 1, 1] operand over [N, C, H, W]
+
 
 class ConvEpilogue:
     """``gemm.Epilogue`` running a conv-anchored group's per-element code on the conv's value.
+
+    The operands read per channel, and the members computed from them and constants alone
+    (the folded BatchNorm's ``rsqrt(var + eps) * gamma``), are loaded and computed once per
+    output row (``row``), the rest per element (``store``): the same expressions on the same
+    values, so the same f32 results.
 
     Args:
         body: the group's code, the conv its anchor.
@@ -42,22 +49,42 @@ class ConvEpilogue:
 
     def bind(self, kb: KernelBuilder) -> None:
         self.kb = kb
-        self.body.bind(kb)
-        self.flops, self.nbytes = self.body.flops, self.body.nbytes
+        b = self.body
+        b.bind(kb)
+        self.flops, self.nbytes = b.flops, b.nbytes
+        graph, members = b.graph, set(b.group.members)
+        self.per_row = {  # operands read once per row: per-channel ones and literals
+            k
+            for k, src in enumerate(b.srcs)
+            if src.literal is not None or b.strides(k) == _PER_CHANNEL
+        }
+        row_ids = {b.operand_ids[k] for k in self.per_row}
+        hoisted: set[int] = set()
+        computed = [m for m in b.group.members if m not in b.anchors]
+        self.row_lets, self.element_lets = [], []
+        for m, let in zip(computed, b.lets, strict=True):
+            ins = graph[m].inputs
+            if all(i in hoisted or (i not in members and i in row_ids) for i in ins):
+                hoisted.add(m)
+                self.row_lets.append(let)
+            else:
+                self.element_lets.append(let)
 
-    def _index(self, k: int, flat: str, channel: str) -> str:
-        st = self.body.strides(k)
-        if st == (0, 1, 0, 0):  # a per-channel operand
-            return channel
-        return self.body.index(k, flat)
+    def row(self, channel: str) -> str:
+        b = self.body
+        loads = [f"let x{k} = {b.srcs[k].at(channel)};" for k in sorted(self.per_row)]
+        # (``Src.at`` of a literal is the literal itself)
+        return " ".join(loads + self.row_lets)
 
     def store(self, value: str, flat: str, channel: str) -> str:
         b = self.body
-        loads = [
-            s.literal if s.literal is not None else s.at(self._index(k, "oflat", channel))
+        lets = [
+            f"let x{k} = {s.at(b.index(k, 'oflat'))};"
             for k, s in enumerate(b.srcs)
+            if k not in self.per_row
         ]
-        compute = b.compute(loads, anchor=value)
+        lets.append(f"let {b.var(b.group.anchor)} = {value};")
+        compute = " ".join(lets + self.element_lets)
         return f"{{ let oflat = {flat}; {compute} {b.stores('oflat', self.kb)} }}"
 
 

@@ -103,9 +103,15 @@ class Epilogue(Protocol):
 
     def bind(self, kb: KernelBuilder) -> None: ...
 
+    def row(self, channel: str) -> str:
+        """Statements run once per output row (one channel) before its ``store``s: what
+        depends on the channel alone (``channel``: a WGSL u32 expression)."""
+        ...
+
     def store(self, value: str, flat: str, channel: str) -> str:
         """Statements consuming C's element ``value`` (f32, bias added) at flat output index
-        ``flat`` of output channel ``channel`` (WGSL u32 expressions)."""
+        ``flat`` of output channel ``channel`` (WGSL u32 expressions), in the scope of the
+        row's ``row`` statements."""
         ...
 
 
@@ -144,8 +150,11 @@ class Output:
         return self.epilogue.store(value, index, "oc_ch")
 
     def channel_line(self, row: str) -> str:
-        """The statement defining ``oc_ch`` for ``put`` (empty without an epilogue)."""
-        return "" if self.epilogue is None else f"let oc_ch = {self.channel(row)};"
+        """The statements defining ``oc_ch`` for ``put``, and the epilogue's per-row ones
+        (empty without an epilogue)."""
+        if self.epilogue is None:
+            return ""
+        return f"let oc_ch = {self.channel(row)}; {self.epilogue.row('oc_ch')}".rstrip()
 
 
 def emit_gemm(
@@ -394,8 +403,6 @@ def _store(
                 lines.append(f"    let rb = ({slab}) * {u(g.n)}{base};")
             else:
                 lines.append(f"    let rb = {out.row('row')};")
-                if out.epilogue is not None:
-                    lines.append(f"    {out.channel_line('row')}")
             extra = ""
             if bias is not None:
                 lines.append(f"    let bias = {bias.at(out.bias[1]('row'))};")
@@ -409,7 +416,9 @@ def _store(
                     else:
                         st = out.put(kb, target, f"cb{h}{c} + rb", value)
                     stores.append(f"if (col{h}{c} < {u(g.n)}) {{ {st} }}" if g.n % t.bn else st)
-            body = " ".join(stores)
+            # the epilogue's per-row loads stay under the row guard (rows past M read nothing)
+            head = [] if partial or out.epilogue is None else [out.channel_line("row")]
+            body = " ".join(head + stores)
             lines.append(f"    if (row < {u(g.m)}) {{ {body} }}" if g.m % t.bm else f"    {body}")
             lines.append("  }")
     return lines
