@@ -369,7 +369,8 @@ def sum_lines(
         f"    let grp = e / {u(g.m * g.n)};\n"
         f"    let row = (e / {u(g.n)}) % {u(g.m)};\n"
         f"    let col = e % {u(g.n)};\n"
-        f"    {out.channel_line('row')} {out.put(kb, dst, index, value)}\n  }}\n"
+        f"    {' '.join(filter(None, [out.channel_line('row'), out.put(kb, dst, index, value)]))}"
+        "\n  }\n"
     )
     return body, lanes
 
