@@ -277,3 +277,51 @@ def test_epilogue_sums_a_deferred_split_k_product(gpu_device):
                      torch.tensor(params["w"], dtype=torch.float64), padding=1).numpy()  # fmt: skip
     want = np.maximum(want + (feeds["z"].astype(np.float64) @ params["v"].T).reshape(want.shape), 0)
     np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
+
+
+class GroupedBlock(mnn.Module):
+    """conv (``groups`` groups, bias) -> eval BN -> ReLU, then a residual add."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.conv = mnn.Conv2d(8, 8, 3, padding=1, groups=groups, bias=True)
+        self.bn = mnn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x))) + x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [2, 8], ids=["groups2", "depthwise"])
+def test_grouped_conv_epilogue_maps_channels(gpu_device, groups):
+    """Output channel ``grp * OCg + row``: a grouped and a depthwise conv (the 16x256 tile)
+    with a per-channel BatchNorm in their store, bit-identical to the program without."""
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    model = GroupedBlock(groups)
+    state = model.state_dict()
+    for k, v in state.items():
+        lo, hi = (0.5, 2.0) if k.endswith(("running_var", "bn.weight")) else (-0.5, 0.5)
+        if "bn" in k or k.endswith("bias"):
+            state[k] = RNG.uniform(lo, hi, v.shape).astype(np.float32)
+    model.load_state_dict(state)
+    model.eval()
+    x = RNG.standard_normal((2, 8, 7, 7)).astype(np.float32)
+    traced = trace_call(model, model.forward, (x,), {})
+    with force_plan("narrow" if groups == 8 else None):
+        on, off = _both(traced.graph, CompileOptions(), device_limits(gpu_device))
+    assert len(off.dispatches) - len(on.dispatches) == 1
+    assert all(c["plan"].startswith("16x256" if groups == 8 else "") for c in on.meta["convs"])
+    got = []
+    for program in (on, off):
+        with Session(program, gpu_device) as s:
+            s.load_state_dict(model.state_dict(), strict=False)
+            got.append(s.run({"x": x}, ["output"])["output"])
+    np.testing.assert_array_equal(got[0], got[1])
+    t = {k: torch.tensor(v, dtype=torch.float64) for k, v in model.state_dict().items()}
+    xt = torch.tensor(x, dtype=torch.float64)
+    y = TF.conv2d(xt, t["conv.weight"], t["conv.bias"], padding=1, groups=groups)
+    y = TF.batch_norm(y, t["bn.running_mean"], t["bn.running_var"], t["bn.weight"],
+                      t["bn.bias"], False, 0.0, 1e-5)  # fmt: skip
+    np.testing.assert_allclose(got[0], (torch.relu(y) + xt).numpy(), rtol=1e-4, atol=1e-4)
