@@ -6,7 +6,8 @@ store stage, or, when the conv splits K, in the dispatch summing its partials. G
 (row m of group grp, column q) is output channel ``grp * OCg + m`` at the NCHW flat index the
 conv's own store uses; the group's other operands are read at that index through their
 broadcast strides, and a per-channel operand (``[C, 1, 1]`` BatchNorm statistics) at the
-channel directly, without dividing the flat index.
+channel directly, once per output row of the thread's tile (with what is computed from such
+operands alone), without dividing the flat index.
 
 Invariants: the anchor's value is the f32 the conv would have stored, so in strict f32 the
 group computes bit-identical values to the program without the epilogue (its expressions are

@@ -15,6 +15,8 @@ Split-K: when the M x N tiles are too few to fill a GPU and K is long (weight gr
 K = N * OH * OW), K is cut into ``splits`` chunks of whole K steps, each chunk writes its
 partial C densely to scratch (``[split][grp][m][n]``), and a second dispatch sums the chunks
 in a fixed order (deterministic), then stores through the output mapping and adds the bias.
+An ``Epilogue`` (a fusion group anchored on a forward conv, ``epilogue.py``) takes each
+element, bias added, in place of the store: in the GEMM's store stage, or in that sum.
 
 Prefetch (``plan.PREFETCH``, GPU adapters): the next K step's operands are gathered into
 registers before the current step multiplies and stored into the other half of

@@ -14,7 +14,8 @@ gradient is split by stride phase so that no work goes to the zeros a stride lea
 row ``ry + sh i`` is reached only by taps ``kh = kh0 + a step`` with ``(ry + ph - kh dh)``
 divisible by ``sh``, from output row ``i + o0 - a c`` (``_taps``). On GPU adapters the
 phases' GEMMs run as one dispatch (``phases``, ``MERGE_PHASES``). Padding is zero by
-predication; bias is added in the GEMM's epilogue. Pooling lowerings live in ``pool``.
+predication; bias is added in the GEMM's epilogue, and so is a fusion group reading a
+forward conv alone (``epilogue``, ``passes.fuse_conv``). Pooling lowerings live in ``pool``.
 Index math is u32 with shapes baked in; negative intermediate coordinates wrap and fail the
 ``< size`` tests (see ``gemm``).
 """
