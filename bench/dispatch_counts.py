@@ -25,14 +25,18 @@ own partials dispatches again (``codegen.wgsl.matmul.split_group.set_sum_groups`
 (``passes.fuse_norm.RESIDUAL``); ``--norm-prologue off`` keeps the summing dispatch of a split-K
 matmul group whose output a layer_norm / rms_norm reads (o_proj + residual, down_proj +
 residual), instead of the norm computing that output from the partials
-(``codegen.wgsl.norm.prologue.set_enabled``).
+(``codegen.wgsl.norm.prologue.set_enabled``); ``--conv-epilogue off`` runs elementwise groups
+reading a conv2d (the folded eval BatchNorm, ReLU, residual add) in their own dispatch after the
+conv instead of in its store (``passes.fuse_conv.set_enabled``). ``--parts`` also takes
+``resnet_eval`` and ``resnet_eval_b1`` (W3's ``fwd_b4`` / ``fwd_b1``: ResNet-50 eval forward)
+and ``unet_fwd`` (W5's ``fwd_small_b2``).
 
 Usage: python bench/dispatch_counts.py
            [--parts prefill,train,resnet[,w1fwd,whisper,smolvla,smolvla_fwd,unet]]
            [--quick] [--json FILE]
            [--split-sums deferred|dispatch] [--split-members join|apart]
            [--conv-phases merged|apart] [--weight-grads grouped|apart] [--sum-groups on|off]
-           [--residual on|off] [--norm-prologue on|off]
+           [--residual on|off] [--norm-prologue on|off] [--conv-epilogue on|off]
 """
 
 from __future__ import annotations
@@ -235,20 +239,42 @@ def unet(quick: bool):
     return _workload_train("w5", "train_small_b2", quick)
 
 
-def w1fwd(quick: bool):
-    """W1's ``fwd_seq128`` as ``bench/workloads.py`` compiles it (strict, shared parameters;
-    ``--quick``: the CPU-sized case, ``fwd_seq16``)."""
+def _workload_forward(wid: str, case_name: str, quick: bool):
+    """The forward of ``bench/workloads.py``'s case ``case_name`` of workload ``wid`` as it
+    compiles it (strict, shared parameters, eval mode where the case says so)."""
     import meganeura as mn
     from bench.workloads_lib.registry import WORKLOADS
     from meganeura.compile import CompileOptions, compile
     from meganeura.nn.compiled import trace_call
 
     mn.manual_seed(0)
-    wl = WORKLOADS["w1"]
-    case = wl.case("fwd_seq16" if quick else "fwd_seq128", quick)
+    wl = WORKLOADS[wid]
+    case = wl.case(case_name, quick)
     model = wl.build_ours(case, quick)
     traced = trace_call(model, model.forward, wl.batch(case, quick), {})
     return compile(traced.graph, CompileOptions(shared_parameters=True), H200)
+
+
+def resnet_eval(quick: bool):
+    """W3's ``fwd_b4``: ResNet-50's eval forward at batch 4 (BatchNorm folded,
+    ``passes.fold_batch_norm``)."""
+    return _workload_forward("w3", "fwd_b4", quick)
+
+
+def resnet_eval_b1(quick: bool):
+    """W3's ``fwd_b1``: ResNet-50's eval forward at batch 1."""
+    return _workload_forward("w3", "fwd_b1", quick)
+
+
+def unet_fwd(quick: bool):
+    """W5's ``fwd_small_b2``: the conv U-Net's forward at batch 2."""
+    return _workload_forward("w5", "fwd_small_b2", quick)
+
+
+def w1fwd(quick: bool):
+    """W1's ``fwd_seq128`` as ``bench/workloads.py`` compiles it (strict, shared parameters;
+    ``--quick``: the CPU-sized case, ``fwd_seq16``)."""
+    return _workload_forward("w1", "fwd_seq16" if quick else "fwd_seq128", quick)
 
 
 PARTS = {
@@ -260,6 +286,9 @@ PARTS = {
     "smolvla_fwd": smolvla_fwd,
     "w1fwd": w1fwd,
     "unet": unet,
+    "resnet_eval": resnet_eval,
+    "resnet_eval_b1": resnet_eval_b1,
+    "unet_fwd": unet_fwd,
 }
 
 
@@ -275,6 +304,7 @@ def main() -> None:
     ap.add_argument("--sum-groups", choices=("on", "off"), default="on")
     ap.add_argument("--residual", choices=("on", "off"), default="on")
     ap.add_argument("--norm-prologue", choices=("on", "off"), default="on")
+    ap.add_argument("--conv-epilogue", choices=("on", "off"), default="on")
     args = ap.parse_args()
     from meganeura.codegen.wgsl.conv import lowering
     from meganeura.codegen.wgsl.matmul import deferred, split_group, tiled_group, tiled_rgroup
@@ -284,12 +314,13 @@ def main() -> None:
     tiled_group.set_split_members(args.split_members == "join")
     tiled_rgroup.set_enabled(args.weight_grads == "grouped")
     split_group.set_sum_groups(args.sum_groups == "on")
-    from meganeura.passes import fuse_norm
+    from meganeura.passes import fuse_conv, fuse_norm
 
     fuse_norm.RESIDUAL[:] = [args.residual == "on"]
     from meganeura.codegen.wgsl.norm import prologue
 
     prologue.set_enabled(args.norm_prologue == "on")
+    fuse_conv.set_enabled(args.conv_epilogue == "on")
     result = {
         "split_sums": args.split_sums,
         "split_members": args.split_members,
@@ -298,6 +329,7 @@ def main() -> None:
         "sum_groups": args.sum_groups,
         "residual": args.residual,
         "norm_prologue": args.norm_prologue,
+        "conv_epilogue": args.conv_epilogue,
     }
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))

@@ -9,11 +9,13 @@ With fusion on, ``passes.fuse.plan_fusion`` groups nodes (and ``plan_attention_k
 pairs attention gradients, ``passes.fuse_matmul.plan_matmul_groups`` merges matmuls
 sharing a left operand (small-M gemv ones, and tiled ones: ``matmul.tiled_group``), with the
 norm producing it, then tiled ones sharing a right operand (weight gradients:
-``matmul.tiled_rgroup``), and ``passes.rope_cache`` joins rotary embeddings and KV-cache writes, and
-in a decode step, or a forward without a cache, the attention reading them); a group is
-lowered as one kernel (``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
+``matmul.tiled_rgroup``), ``passes.fuse_conv`` anchors elementwise groups on the conv2d they
+alone read (run in the conv's store, ``conv.epilogue``), and ``passes.rope_cache`` joins
+rotary embeddings and KV-cache writes, and in a decode step, or a forward without a cache,
+the attention reading them); a group is lowered as one kernel
+(``codegen.wgsl.elementwise.fused``, ``codegen.wgsl.matmul.horizontal``,
 ``codegen.wgsl.matmul.tiled_group``, ``attention.rope_cache``, ``attention.rope_attention``,
-``attention.rope_prefill``) at its last member's position (an
+``attention.rope_prefill``, ``conv.epilogue``) at its last member's position (an
 attention forward paired with its backward's ``..._lse`` node, ``plan_attention_lse``: at the
 forward's),
 binding the group's external inputs and its stored outputs only, so lifetimes come from those
@@ -49,6 +51,7 @@ from ..codegen.wgsl.attention.lowering import (
 from ..codegen.wgsl.attention.rope_attention import lower_rope_attention
 from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
 from ..codegen.wgsl.attention.rope_prefill import lower_rope_prefill
+from ..codegen.wgsl.conv.epilogue import conv_epilogue_fits, lower_conv_group
 from ..codegen.wgsl.conv.lowering import lower_conv2d_backward_input
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
@@ -81,6 +84,7 @@ from ..passes.fuse import (
     plan_attention_lse,
     plan_fusion,
 )
+from ..passes.fuse_conv import plan_conv_epilogues
 from ..passes.fuse_matmul import MatmulGroup, plan_matmul_groups
 from ..passes.fuse_norm import plan_norm_activation
 from ..passes.rope_cache import (
@@ -175,6 +179,9 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             max_bindings=bound,
             accept=lambda g: right_group_fits(graph, g, limits),
             shared="right",
+        )
+        fused = plan_conv_epilogues(  # elementwise groups in a conv's store (conv.epilogue)
+            graph, fused, FUSIBLE, needed, bound, lambda g: conv_epilogue_fits(graph, g, limits)
         )
         rope = plan_rope_cache(graph, needed, max_bindings=bound)
         rope = attach_attention(
@@ -307,6 +314,8 @@ def _lower_all(
                 kernels = lower_tiled_group(graph, group, limits)
             elif isinstance(group, MatmulGroup):
                 kernels = lower_matmul_group(graph, group, limits)
+            elif group.anchor is not None and graph[group.anchor].op == "conv2d":
+                kernels = lower_conv_group(graph, group, limits, deferred)
             elif group.anchor is not None and graph[group.anchor].op == ROPE:
                 writes_cache = any(graph[m].op == INDEX_COPY for m in group.members)
                 if graph[group.sink].op == SDPA and not writes_cache:  # no KV cache: prefill

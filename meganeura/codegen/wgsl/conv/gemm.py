@@ -15,6 +15,8 @@ Split-K: when the M x N tiles are too few to fill a GPU and K is long (weight gr
 K = N * OH * OW), K is cut into ``splits`` chunks of whole K steps, each chunk writes its
 partial C densely to scratch (``[split][grp][m][n]``), and a second dispatch sums the chunks
 in a fixed order (deterministic), then stores through the output mapping and adds the bias.
+An ``Epilogue`` (a fusion group anchored on a forward conv, ``epilogue.py``) takes each
+element, bias added, in place of the store: in the GEMM's store stage, or in that sum.
 
 Prefetch (``plan.PREFETCH``, GPU adapters): the next K step's operands are gathered into
 registers before the current step multiplies and stored into the other half of
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ....dtypes import DType
 from ...kernel import KernelSource
@@ -91,6 +94,29 @@ class Operand:
     element: Callable[[int, str], tuple[list[str], str, list[str]]]
 
 
+class Epilogue(Protocol):
+    """Per-element code run where C is stored, in place of the store (a fusion group anchored
+    on the conv: ``conv.epilogue``). ``bind`` is called once, on the kernel that stores C (the
+    GEMM's, or with split-K the summing dispatch's), before ``store``."""
+
+    helpers: str
+    flops: int
+    nbytes: int
+
+    def bind(self, kb: KernelBuilder) -> None: ...
+
+    def row(self, channel: str) -> str:
+        """Statements run once per output row (one channel) before its ``store``s: what
+        depends on the channel alone (``channel``: a WGSL u32 expression)."""
+        ...
+
+    def store(self, value: str, flat: str, channel: str) -> str:
+        """Statements consuming C's element ``value`` (f32, bias added) at flat output index
+        ``flat`` of output channel ``channel`` (WGSL u32 expressions), in the scope of the
+        row's ``row`` statements."""
+        ...
+
+
 @dataclass(frozen=True)
 class Output:
     """Where C[grp][m, n] goes: flat index ``col(n) + row(m)`` (``grp`` is in scope).
@@ -100,11 +126,37 @@ class Output:
         row: expression of a row's part.
         bias: optional per-row addend, ``(value id, index_of_row)``: the bias element for
             row ``m`` of group ``grp``.
+        epilogue: optional code consuming each element instead of storing it.
+        channel: the output channel of row ``m`` of group ``grp`` (the epilogue's).
     """
 
     col: Callable[[str], str]
     row: Callable[[str], str]
     bias: tuple[int, Callable[[str], str]] | None = None
+    epilogue: Epilogue | None = None
+    channel: Callable[[str], str] | None = None
+
+    def sink(self, kb: KernelBuilder) -> str | None:
+        """Bind where C goes in ``kb``: the node's output (returns its variable), or the
+        epilogue's operands and outputs (returns None)."""
+        if self.epilogue is None:
+            return kb.write(kb.node.id, "out")
+        self.epilogue.bind(kb)
+        return None
+
+    def put(self, kb: KernelBuilder, target: str | None, index: str, value: str) -> str:
+        """Statement storing ``value`` at flat ``index`` into ``target`` (``sink``'s), or the
+        epilogue's code for it (``oc_ch``, the row's channel, in scope)."""
+        if self.epilogue is None:
+            return kb.store(target, index, value)
+        return self.epilogue.store(value, index, "oc_ch")
+
+    def channel_line(self, row: str) -> str:
+        """The statements defining ``oc_ch`` for ``put``, and the epilogue's per-row ones
+        (empty without an epilogue)."""
+        if self.epilogue is None:
+            return ""
+        return f"let oc_ch = {self.channel(row)}; {self.epilogue.row('oc_ch')}".rstrip()
 
 
 def emit_gemm(
@@ -136,11 +188,14 @@ def emit_gemm(
         target = kb.scratch(key, splits * g.m * g.n * g.groups, DType.f32, "partials")
         bias = None
     else:
-        target = kb.write(kb.node.id, "out")
+        target = out.sink(kb)
         bias = None if out.bias is None else kb.read(out.bias[0], "bias")
     lines, slots = gemm_lines(g, a, b, out, plan, kb, target, bias)
     flops = 2 * g.m * g.n * g.k * g.groups
     helpers = workgroup_tiles(slots, plan.prefetch)
+    if splits == 1 and out.epilogue is not None:
+        helpers += out.epilogue.helpers
+        flops += out.epilogue.flops
     check_shared(t, plan.prefetch, kb.limits)
     groups = gemm_groups(g, plan)
     body = "\n".join(s for s in lines if s)
@@ -183,14 +238,15 @@ def gemm_lines(
     out: Output,
     plan: Plan,
     kb: KernelBuilder,
-    target: str,
+    target: str | None,
     bias: Src | None,
     offset: int = 0,
 ) -> tuple[list[str], tuple[int, int]]:
     """(body statements, vec4 slots of one buffer of ``As`` and ``Bs``) of the GEMM's
     workgroup ``wg`` (in scope, numbered from 0 for this GEMM): its tile, its K loop (none
     when K = 0: the tile stores zeros) and its stores into ``target`` (the output through
-    ``out``, or with split-K the partials, at element ``offset`` of the scratch)."""
+    ``out``, or its epilogue when None, or with split-K the partials, at element ``offset``
+    of the scratch)."""
     t, splits, per = plan.tiling, plan.splits, plan.per
     tiles_m, tiles_n = -(-g.m // t.bm), -(-g.n // t.bn)
     lines = [
@@ -247,15 +303,19 @@ def _sum_splits(
     kb0: KernelBuilder, g: Gemm, out: Output, splits: int, key: str, suffix: str
 ) -> KernelSource:
     """Sum the split-K partials into the output (plus the bias): ``sum_lines``."""
-    kb = KernelBuilder(kb0.graph, kb0.node, kb0.limits)
+    kb = KernelBuilder(kb0.graph, kb0.node, kb0.limits, kb0.deferred)
     total = g.m * g.n * g.groups
     part = kb.scratch(key, splits * total, DType.f32, "partials")
-    dst = kb.write(kb.node.id, "out")
+    dst = out.sink(kb)
     bias = None if out.bias is None else kb.read(out.bias[0], "bias")
     body, lanes = sum_lines(kb, g, out, splits, part, dst, bias)
     helpers = f"var<workgroup> red: array<f32, {THREADS}>;\n" if lanes > 1 else ""
+    flops = splits * total
+    if out.epilogue is not None:
+        helpers += out.epilogue.helpers
+        flops += out.epilogue.flops
     groups = sum_groups(g, splits)
-    return kb.finish(f"sum_splits{suffix}", body, THREADS, groups, helpers, flops=splits * total)
+    return kb.finish(f"sum_splits{suffix}", body, THREADS, groups, helpers, flops=flops)
 
 
 def sum_groups(g: Gemm, splits: int) -> int:
@@ -270,17 +330,18 @@ def sum_lines(
     out: Output,
     splits: int,
     part: str,
-    dst: str,
+    dst: str | None,
     bias: Src | None,
     offset: int = 0,
 ) -> tuple[str, int]:
     """(body, lanes) of workgroup ``wg`` (numbered from 0 for this GEMM) of the pass summing
     the ``splits`` partials (at element ``offset`` of scratch ``part``) into ``dst`` through
-    ``out`` (plus the bias). With ``lanes`` threads per element (4 above
-    ``LANES_FROM_SPLITS``, using the workgroup array ``red`` of ``THREADS`` f32), lane l sums
-    chunks l, l + lanes, ... into two alternating accumulators; lanes combine in lane order,
-    so the result is deterministic (``matmul.deferred.SplitPartials`` repeats this order for
-    readers summing partials themselves)."""
+    ``out`` (plus the bias; ``dst`` None: into ``out``'s epilogue). With ``lanes`` threads
+    per element (4 above ``LANES_FROM_SPLITS``, using the workgroup array ``red`` of
+    ``THREADS`` f32), lane l sums chunks l, l + lanes, ... into two alternating accumulators;
+    lanes combine in lane order, so the result is deterministic
+    (``matmul.deferred.SplitPartials`` repeats this order for readers summing partials
+    themselves)."""
     total = g.m * g.n * g.groups
     lanes = 4 if splits > LANES_FROM_SPLITS else 1
     per = THREADS // lanes
@@ -310,7 +371,8 @@ def sum_lines(
         f"    let grp = e / {u(g.m * g.n)};\n"
         f"    let row = (e / {u(g.n)}) % {u(g.m)};\n"
         f"    let col = e % {u(g.n)};\n"
-        f"    {kb.store(dst, index, value)}\n  }}\n"
+        f"    {' '.join(filter(None, [out.channel_line('row'), out.put(kb, dst, index, value)]))}"
+        "\n  }\n"
     )
     return body, lanes
 
@@ -321,7 +383,7 @@ def _store(
     t: Tiling,
     g: Gemm,
     acc,
-    target: str,
+    target: str | None,
     partial: bool,
     bias: Src | None,
     offset: int = 0,
@@ -352,9 +414,14 @@ def _store(
             for h in range(t.tn // 4):
                 for c in range(4):
                     value = f"acc{gi}{i}{h}.{'xyzw'[c]}{extra}"
-                    st = kb.store(target, f"cb{h}{c} + rb", value)
+                    if partial:
+                        st = kb.store(target, f"cb{h}{c} + rb", value)
+                    else:
+                        st = out.put(kb, target, f"cb{h}{c} + rb", value)
                     stores.append(f"if (col{h}{c} < {u(g.n)}) {{ {st} }}" if g.n % t.bn else st)
-            body = " ".join(stores)
+            # the epilogue's per-row loads stay under the row guard (rows past M read nothing)
+            head = [] if partial or out.epilogue is None else [out.channel_line("row")]
+            body = " ".join(head + stores)
             lines.append(f"    if (row < {u(g.m)}) {{ {body} }}" if g.m % t.bm else f"    {body}")
             lines.append("  }")
     return lines

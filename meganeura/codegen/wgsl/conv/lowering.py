@@ -14,7 +14,8 @@ gradient is split by stride phase so that no work goes to the zeros a stride lea
 row ``ry + sh i`` is reached only by taps ``kh = kh0 + a step`` with ``(ry + ph - kh dh)``
 divisible by ``sh``, from output row ``i + o0 - a c`` (``_taps``). On GPU adapters the
 phases' GEMMs run as one dispatch (``phases``, ``MERGE_PHASES``). Padding is zero by
-predication; bias is added in the GEMM's epilogue. Pooling lowerings live in ``pool``.
+predication; bias is added in the GEMM's epilogue, and so is a fusion group reading a
+forward conv alone (``epilogue``, ``passes.fuse_conv``). Pooling lowerings live in ``pool``.
 Index math is u32 with shapes baked in; negative intermediate coordinates wrap and fail the
 ``< size`` tests (see ``gemm``).
 """
@@ -22,6 +23,7 @@ Index math is u32 with shapes baked in; negative intermediate coordinates wrap a
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ....graph.ir import Graph
@@ -30,7 +32,7 @@ from ..core.builder import KernelBuilder
 from ..core.layout import PER_THREAD, WG, element_slots
 from ..core.literals import u
 from ..elementwise.maps import lower_fill
-from .gemm import Gemm, Operand, Output, emit_gemm, plan_gemm
+from .gemm import Epilogue, Gemm, Operand, Output, emit_gemm, plan_gemm
 from .phases import emit_phases
 
 
@@ -102,11 +104,25 @@ class _Conv:
         return self.oh * self.ow
 
 
-def lower_conv2d(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
-    """Forward convolution (optional bias): one implicit GEMM (plus a split-K sum)."""
+def lower_conv2d(
+    graph: Graph,
+    node_id: int,
+    limits: Limits,
+    epilogue: Epilogue | None = None,
+    deferred: Mapping | None = None,
+) -> list[KernelSource]:
+    """Forward convolution (optional bias): one implicit GEMM (plus a split-K sum).
+
+    Args:
+        epilogue: code consuming each output element (bias added) instead of storing it (a
+            fusion group anchored here, ``conv.epilogue``); run by the GEMM, or with split-K
+            by the summing dispatch.
+        deferred: split-K products the epilogue reads as sums of their partials
+            (``KernelBuilder``'s ``deferred``; never the conv's own operands).
+    """
     node, v = graph[node_id], _Conv.of(graph, node_id)
     (sh, sw), (ph, pw), (dh, dw) = v.stride, v.padding, v.dilation
-    kb = KernelBuilder(graph, node, limits)
+    kb = KernelBuilder(graph, node, limits, deferred)
     wt, x = kb.read(node.inputs[1], "w"), kb.read(node.inputs[0], "x")
     k = v.cg * v.kk
     a = Operand(
@@ -140,13 +156,17 @@ def lower_conv2d(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
         return [], f"b_base{j} + b_koff{s}", conds
 
     b = Operand(x, False, b_line, b_kstep, b_element)
-    bias = None
-    if len(node.inputs) == 3:
-        bias = (node.inputs[2], lambda r: f"grp * {u(v.ocg)} + {r}")
+
+    def channel(r: str) -> str:
+        return f"grp * {u(v.ocg)} + {r}"
+
+    bias = None if len(node.inputs) != 3 else (node.inputs[2], channel)
     out = Output(
         col=lambda q: f"{_mul(_div(q, v.ohw), v.oc * v.ohw)} + {_mod(q, v.ohw)}",
         row=lambda r: _mul(f"(grp * {u(v.ocg)} + {r})", v.ohw),
         bias=bias,
+        epilogue=epilogue,
+        channel=channel,
     )
     return emit_gemm(kb, Gemm(v.ocg, v.n * v.ohw, k, v.groups), a, b, out)
 

@@ -17,7 +17,8 @@ whose summing kernel adds two accumulators per lane, ``SplitPartials.lanes``).
 
 Readers that can (``plan_deferred_sums``): kernels that read operands only through ``Src.at``:
 members of an elementwise fusion group (``elementwise.fused``, scalar path), the epilogue of a
-matmul-anchored group (run in its store stage or its own summing dispatch), and ``permute``.
+matmul- or conv-anchored group (run in its store stage or its own summing dispatch), and
+``permute``.
 Every reader of the product (through views) must be one of those, the product no graph output,
 and not the left or right operand of the group's matmul.
 
@@ -204,4 +205,4 @@ def _sums(graph: Graph, reader: int, needed: Sequence[bool], group) -> bool:
         return graph[reader].op == "permute"
     if not isinstance(group, FusionGroup) or reader == group.anchor:
         return False
-    return group.anchor is None or graph[group.anchor].op == "matmul"
+    return group.anchor is None or graph[group.anchor].op in ("matmul", "conv2d")
