@@ -406,9 +406,9 @@ def _store(
                 lines.append(f"    let rb = ({slab}) * {u(g.n)}{base};")
             else:
                 lines.append(f"    let rb = {out.row('row')};")
-            extra = ""
-            if bias is not None:
-                lines.append(f"    let bias = {bias.at(out.bias[1]('row'))};")
+            extra, bias_line = "", []
+            if bias is not None:  # read under the row guard below (rows past M read nothing)
+                bias_line = [f"let bias = {bias.at(out.bias[1]('row'))};"]
                 extra = " + bias"
             stores = []
             for h in range(t.tn // 4):
@@ -420,7 +420,9 @@ def _store(
                         st = out.put(kb, target, f"cb{h}{c} + rb", value)
                     stores.append(f"if (col{h}{c} < {u(g.n)}) {{ {st} }}" if g.n % t.bn else st)
             # the epilogue's per-row loads stay under the row guard (rows past M read nothing)
-            head = [] if partial or out.epilogue is None else [out.channel_line("row")]
+            head = bias_line + (
+                [] if partial or out.epilogue is None else [out.channel_line("row")]
+            )
             body = " ".join(head + stores)
             lines.append(f"    if (row < {u(g.m)}) {{ {body} }}" if g.m % t.bm else f"    {body}")
             lines.append("  }")
