@@ -59,6 +59,7 @@ from ..codegen.wgsl.matmul.deferred import SplitPartials, plan_deferred_sums
 from ..codegen.wgsl.matmul.horizontal import NORM_MAX_K, gemv_key, group_fits, lower_matmul_group
 from ..codegen.wgsl.matmul.lowering import lower_matmul
 from ..codegen.wgsl.matmul.split_group import SplitGroup, lower_split_group, plan_split_groups
+from ..codegen.wgsl.matmul.summing import merge_sum_runs
 from ..codegen.wgsl.matmul.tiled_group import (
     is_tiled_group,
     lower_tiled_group,
@@ -279,6 +280,7 @@ def _lower_all(
     split_of = {a: g for g in split_groups for a in g.anchors}
     update_of = {m: g for g in updates for m in g.members}
     dispatches: list[tuple[int, KernelSource]] = []
+    plain_sums: set[int] = set()  # positions of plain summing dispatches (matmul.summing)
     for node in graph.nodes:
         if needed[node.id] and node.op in OPS and node.op not in VIEW_OPS:
             group = group_of.get(node.id)
@@ -291,6 +293,7 @@ def _lower_all(
                 kernels = lower_split_group(graph, sg, limits) if node.id == sg.position else []
                 if node.id in sg.summed:  # its readers need the product stored
                     kernels += lower_matmul(graph, node.id, limits, sum_only=True)
+                    plain_sums.add(len(dispatches) + len(kernels) - 1)
             elif node.id in deferred and node.op == "matmul":
                 kernels = lower_matmul(graph, node.id, limits, defer_sum=True)
             elif node.id in deferred:
@@ -301,6 +304,8 @@ def _lower_all(
                     raise ValueError(f"%{node.id}: no norm prologue lowering")
             elif group is None:
                 kernels = lower(graph, node.id, limits, deferred)
+                if node.op == "matmul" and len(kernels) == 2 and _plain_sum(kernels[1]):
+                    plain_sums.add(len(dispatches) + 1)  # [partials, sum]
             elif group.anchor is not None and graph[group.anchor].op == SDPA:
                 # the forward + lse pair runs at its FIRST member (plan_attention_lse)
                 first, second = group.members
@@ -329,7 +334,13 @@ def _lower_all(
                 by_norm = node.id in summed_by_norm  # its summing dispatch runs in a norm
                 kernels = lower_group(graph, group, limits, deferred, sum_only, by_norm)
             dispatches.extend((node.id, ks) for ks in kernels)
-    return dispatches
+    return merge_sum_runs(graph, dispatches, plain_sums, limits)
+
+
+def _plain_sum(ks: KernelSource) -> bool:
+    """Whether ``ks`` is a split-K product's summing dispatch storing the product (a
+    ``lower_matmul`` without epilogue: it binds the partials and the output only)."""
+    return ks.name.endswith(" matmul sum_splits") and len(ks.bindings) == 2
 
 
 def _arena_clashes(

@@ -179,6 +179,24 @@ def _sum_splits(
     kb = KernelBuilder(graph, graph[node_id], limits, deferred)
     part = kb.scratch("splitk", splits * total, DType.f32, "part")
     store = _output_store(kb, node_id, epilogue)
+    body, groups = sum_body(kb, part, store, splits, total, n)
+    helpers, flops, nbytes = "", splits * total, 4 * splits * total
+    if epilogue is None:
+        nbytes += graph[node_id].type.nbytes
+    else:
+        helpers = epilogue.helpers
+        flops, nbytes = flops + epilogue.flops, nbytes + epilogue.nbytes
+    return kb.finish("sum_splits", body, 256, groups, helpers, flops, nbytes)
+
+
+def sum_body(
+    kb: KernelBuilder, part: str, store: Store, splits: int, total: int, n: int
+) -> tuple[str, int]:
+    """(body, workgroups) of the summing kernel: element i of the product (``total``
+    elements, ``n`` columns) is the sum of its ``splits`` partials in ``part`` (bound in
+    ``kb``) in split order from 0.0, then ``store(value, flat, col)``. Workgroup ``wg`` (256
+    threads, ``lid``) owns ``PER_THREAD * 256`` elements; ``summing.py`` runs several such
+    bodies in one dispatch, each on its own range of workgroups."""
     slots, groups, guard = element_slots(total)
     lines = [slots.rstrip()]
     per = PER_THREAD
@@ -190,10 +208,4 @@ def _sum_splits(
     for e in range(per):
         col = f"i{e} % {u(n)}" if n > 1 else "0u"
         lines.append(f"  {{ let col = {col}; {guard(e, store(f's{e}', f'i{e}', 'col'))} }}")
-    helpers, flops, nbytes = "", splits * total, 4 * splits * total
-    if epilogue is None:
-        nbytes += graph[node_id].type.nbytes
-    else:
-        helpers = epilogue.helpers
-        flops, nbytes = flops + epilogue.flops, nbytes + epilogue.nbytes
-    return kb.finish("sum_splits", "\n".join(lines), 256, groups, helpers, flops, nbytes)
+    return "\n".join(lines), groups
