@@ -27,7 +27,9 @@ matmul group whose output a layer_norm / rms_norm reads (o_proj + residual, down
 residual), instead of the norm computing that output from the partials
 (``codegen.wgsl.norm.prologue.set_enabled``); ``--conv-epilogue off`` runs elementwise groups
 reading a conv2d (the folded eval BatchNorm, ReLU, residual add) in their own dispatch after the
-conv instead of in its store (``passes.fuse_conv.set_enabled``). ``--parts`` also takes
+conv instead of in its store (``passes.fuse_conv.set_enabled``); ``--sum-runs off`` keeps the
+summing dispatches of split-K products that run back to back (q, k and v's) apart instead of one
+dispatch (``codegen.wgsl.matmul.summing.set_enabled``). ``--parts`` also takes
 ``resnet_eval`` and ``resnet_eval_b1`` (W3's ``fwd_b4`` / ``fwd_b1``: ResNet-50 eval forward)
 and ``unet_fwd`` (W5's ``fwd_small_b2``).
 
@@ -37,6 +39,7 @@ Usage: python bench/dispatch_counts.py
            [--split-sums deferred|dispatch] [--split-members join|apart]
            [--conv-phases merged|apart] [--weight-grads grouped|apart] [--sum-groups on|off]
            [--residual on|off] [--norm-prologue on|off] [--conv-epilogue on|off]
+           [--sum-runs on|off]
 """
 
 from __future__ import annotations
@@ -305,10 +308,18 @@ def main() -> None:
     ap.add_argument("--residual", choices=("on", "off"), default="on")
     ap.add_argument("--norm-prologue", choices=("on", "off"), default="on")
     ap.add_argument("--conv-epilogue", choices=("on", "off"), default="on")
+    ap.add_argument("--sum-runs", choices=("on", "off"), default="on")
     args = ap.parse_args()
     from meganeura.codegen.wgsl.conv import lowering
-    from meganeura.codegen.wgsl.matmul import deferred, split_group, tiled_group, tiled_rgroup
+    from meganeura.codegen.wgsl.matmul import (
+        deferred,
+        split_group,
+        summing,
+        tiled_group,
+        tiled_rgroup,
+    )
 
+    summing.set_enabled(args.sum_runs == "on")
     lowering.MERGE_PHASES = args.conv_phases == "merged"
     deferred.set_enabled(args.split_sums == "deferred")
     tiled_group.set_split_members(args.split_members == "join")
@@ -330,6 +341,7 @@ def main() -> None:
         "residual": args.residual,
         "norm_prologue": args.norm_prologue,
         "conv_epilogue": args.conv_epilogue,
+        "sum_runs": args.sum_runs,
     }
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))

@@ -18,13 +18,16 @@ their own partials dispatches again (``codegen.wgsl.matmul.split_group.set_sum_g
 (``passes.fuse_norm.RESIDUAL``); ``--norm-prologue off`` keeps the summing dispatch of a split-K
 matmul group whose output a layer_norm / rms_norm reads (o_proj + residual, down_proj +
 residual), instead of the norm computing that output from the partials
-(``codegen.wgsl.norm.prologue.set_enabled``).
+(``codegen.wgsl.norm.prologue.set_enabled``); ``--sum-runs off`` keeps the summing
+dispatches of split-K products that run back to back (q, k and v's) apart instead of one
+dispatch (``codegen.wgsl.matmul.summing.set_enabled``).
 
 Usage: python bench/llm_profile.py [--parts prefill,train] [--quick] [--out FILE]
                                    [--split-sums deferred|dispatch]
                                    [--split-members join|apart]
                                    [--weight-grads grouped|apart] [--sum-groups on|off]
                                    [--residual on|off] [--norm-prologue on|off]
+                                   [--sum-runs on|off]
 """
 
 from __future__ import annotations
@@ -66,10 +69,18 @@ def main() -> None:
     ap.add_argument("--sum-groups", choices=("on", "off"), default="on")
     ap.add_argument("--residual", choices=("on", "off"), default="on")
     ap.add_argument("--norm-prologue", choices=("on", "off"), default="on")
+    ap.add_argument("--sum-runs", choices=("on", "off"), default="on")
     args = ap.parse_args()
     import meganeura as mn
-    from meganeura.codegen.wgsl.matmul import deferred, split_group, tiled_group, tiled_rgroup
+    from meganeura.codegen.wgsl.matmul import (
+        deferred,
+        split_group,
+        summing,
+        tiled_group,
+        tiled_rgroup,
+    )
 
+    summing.set_enabled(args.sum_runs == "on")
     deferred.set_enabled(args.split_sums == "deferred")
     tiled_group.set_split_members(args.split_members == "join")
     tiled_rgroup.set_enabled(args.weight_grads == "grouped")
@@ -91,7 +102,8 @@ def main() -> None:
     out.write(
         f"split-K sums: {args.split_sums}, split members: {args.split_members}, "
         f"weight gradients: {args.weight_grads}, sum groups: {args.sum_groups}, "
-        f"residual adds: {args.residual}, norm prologues: {args.norm_prologue}\n"
+        f"residual adds: {args.residual}, norm prologues: {args.norm_prologue}, "
+        f"sum runs: {args.sum_runs}\n"
     )
     parts = args.parts.split(",")
     if "prefill" in parts:
