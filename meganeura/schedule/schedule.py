@@ -22,11 +22,11 @@ binding the group's external inputs and its stored outputs only, so lifetimes co
 bindings; the other members get no kernel and no storage. Split-K products whose readers all
 sum the partials themselves (``matmul.deferred``) get no summing dispatch and no storage, and
 split-K products sharing their left operand compute their partials in one dispatch at the first
-one's position (``matmul.split_group``); a layer_norm / rms_norm reading the one stored output
-of a split-K matmul group computes it from the partials, and the group keeps its partials
-dispatch only (``norm.prologue``); scratch bound by another node's kernel (``ScratchRef.
-owner``) lives until its last reader. Optimizer updates are grouped
-likewise (``update_groups``): one kernel per group at its last member's position, over arenas
+one's position (``matmul.split_group``); summing dispatches that run back to back (q, k and
+v's) become one (``matmul.summing``, after lowering); a layer_norm / rms_norm reading the one
+stored output of a split-K matmul group computes it from the partials, and the group keeps its
+partials dispatch only (``norm.prologue``); scratch bound by another node's kernel
+(``ScratchRef.owner``) lives until its last reader. Optimizer updates are grouped likewise (``update_groups``): one kernel per group at its last member's position, over arenas
 that the assembler lays out.
 ``passes.fuse_norm.plan_norm_activation`` groups a group_norm with the SiLU reading it, and a
 group_norm_backward with the silu_backward, weight gradient and bias sum around it (and a
