@@ -26,8 +26,9 @@ one's position (``matmul.split_group``); summing dispatches that run back to bac
 v's) become one (``matmul.summing``, after lowering); a layer_norm / rms_norm reading the one
 stored output of a split-K matmul group computes it from the partials, and the group keeps its
 partials dispatch only (``norm.prologue``); scratch bound by another node's kernel
-(``ScratchRef.owner``) lives until its last reader. Optimizer updates are grouped likewise (``update_groups``): one kernel per group at its last member's position, over arenas
-that the assembler lays out.
+(``ScratchRef.owner``) lives until its last reader. Optimizer updates are grouped likewise
+(``update_groups``): one kernel per group at its last member's position, over arenas that the
+assembler lays out.
 ``passes.fuse_norm.plan_norm_activation`` groups a group_norm with the SiLU reading it, and a
 group_norm_backward with the silu_backward, weight gradient and bias sum around it (and a
 layer_norm / rms_norm input gradient with its weight gradient and layer_norm's bias sum); such a
