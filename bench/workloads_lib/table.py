@@ -36,17 +36,25 @@ def _cells(rows):
     return cells
 
 
+def primary(modes: dict) -> dict:
+    """The row of a cell that speaks for it: the fastest PyTorch mode's (its ``ours`` was
+    measured in the same run), else the first."""
+    timed = [r for r in modes.values() if r.get("torch")]
+    return min(timed, key=lambda r: r["torch"]) if timed else next(iter(modes.values()))
+
+
 def summary(rows) -> dict:
     """Won strict inference cells, the median training gap and compile times (issue 14's
     closing figures), from the rows of one result file."""
     cells = _cells(rows)
     won, inference, gaps, compile_rows = 0, 0, [], []
     for (_w, _c, precision, metric), modes in cells.items():
-        any_row = next(iter(modes.values()))
+        any_row = primary(modes)
         if precision != "strict" or metric != "ms":
             continue
-        best = min((r["torch"] for r in modes.values() if r.get("torch")), default=None)
-        ours = any_row.get("ours")
+        # ours against the best mode from the same run (a cell's modes may come from runs at
+        # different commits: each row's ours was measured beside its own torch figure)
+        best, ours = any_row.get("torch"), any_row.get("ours")
         if best is None or ours is None or any_row["gate"] != "PASS":
             continue
         if any_row.get("kind") in ("fwd", "denoise", "decode"):
@@ -102,8 +110,9 @@ def _compile_table(rows) -> list[str]:
 
 
 def markdown(path: Path) -> str:
-    """A markdown section: one line per cell (workload, case, precision, metric) with our time,
-    each PyTorch mode's time and speedup, the gate, peak memory and compile times."""
+    """A markdown section: one line per cell (workload, case, precision, metric) with our time
+    (from the fastest PyTorch mode's run, ``primary``), each PyTorch mode's time and speedup
+    (each against ours of its own run), the gate, peak memory and compile times."""
     doc = json.loads(Path(path).read_text())
     rows = doc["results"]
     m = doc.get("machine", {})
@@ -126,7 +135,7 @@ def markdown(path: Path) -> str:
     head += " | paper eager / compile | MiB ours / torch | TFLOP/s | first call s: ours / compile |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for (w, c, p, metric), modes in _cells(rows).items():
-        r0 = next(iter(modes.values()))
+        r0 = primary(modes)
         gate = r0["gate"]
         cols = []
         for mode in MODES:
@@ -168,9 +177,14 @@ def markdown(path: Path) -> str:
 
     stamps: dict = {}
     for (w, c, p, _), modes in _cells(rows).items():
-        at = next(iter(modes.values())).get("measured") or {}
-        key = f"{at.get('commit', 'unrecorded')} ({at.get('date', '?')}{_how(at)})"
-        stamps.setdefault(key, []).append(f"{w} {c} {p}")
+        by_stamp: dict = {}
+        for mode, r in modes.items():
+            at = r.get("measured") or {}
+            key = f"{at.get('commit', 'unrecorded')} ({at.get('date', '?')}{_how(at)})"
+            by_stamp.setdefault(key, []).append(HEADS.get(mode, mode))
+        for key, heads in by_stamp.items():  # a cell's modes from several runs: say which
+            which = "" if len(by_stamp) == 1 else f" [{', '.join(heads)}]"
+            stamps.setdefault(key, []).append(f"{w} {c} {p}{which}")
     if len(stamps) > 1:
         lines += [
             "",
