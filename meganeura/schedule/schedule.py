@@ -25,10 +25,11 @@ split-K products sharing their left operand compute their partials in one dispat
 one's position (``matmul.split_group``); summing dispatches that run back to back (q, k and
 v's) become one (``matmul.summing``, after lowering); a layer_norm / rms_norm reading the one
 stored output of a split-K matmul group computes it from the partials, and the group keeps its
-partials dispatch only (``norm.prologue``); scratch bound by another node's kernel
-(``ScratchRef.owner``) lives until its last reader. Optimizer updates are grouped likewise
-(``update_groups``): one kernel per group at its last member's position, over arenas that the
-assembler lays out.
+partials dispatch only (``norm.prologue``), as does a conv whose output a train-mode batch_norm
+or a group_norm reads first (``norm.conv_prologue``: the norm sums the partials); scratch bound
+by another node's kernel (``ScratchRef.owner``) lives until its last reader. Optimizer updates
+are grouped likewise (``update_groups``): one kernel per group at its last member's position,
+over arenas that the assembler lays out.
 ``passes.fuse_norm.plan_norm_activation`` groups a group_norm with the SiLU reading it, and a
 group_norm_backward with the silu_backward, weight gradient and bias sum around it (and a
 layer_norm / rms_norm input gradient with its weight gradient and layer_norm's bias sum); such a
@@ -53,7 +54,7 @@ from ..codegen.wgsl.attention.rope_attention import lower_rope_attention
 from ..codegen.wgsl.attention.rope_cache import lower_rope_cache
 from ..codegen.wgsl.attention.rope_prefill import lower_rope_prefill
 from ..codegen.wgsl.conv.epilogue import conv_epilogue_fits, lower_conv_group
-from ..codegen.wgsl.conv.lowering import lower_conv2d_backward_input
+from ..codegen.wgsl.conv.lowering import lower_conv2d, lower_conv2d_backward_input
 from ..codegen.wgsl.elementwise.fused import lower_group
 from ..codegen.wgsl.elementwise.maps import FUSIBLE
 from ..codegen.wgsl.matmul.deferred import SplitPartials, plan_deferred_sums
@@ -73,6 +74,7 @@ from ..codegen.wgsl.matmul.tiled_rgroup import (
     right_group_fits,
     right_key,
 )
+from ..codegen.wgsl.norm.conv_prologue import ConvNorm, lower_conv_norm, plan_conv_norms
 from ..codegen.wgsl.norm.lowering import norm_act_fusible
 from ..codegen.wgsl.norm.prologue import lower_norm_prologue, plan_norm_prologues
 from ..codegen.wgsl.optim import lower_update_group
@@ -215,7 +217,8 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
     deferred = plan_deferred_sums(graph, needed, groups, limits) if fuse else {}
     split_groups = plan_split_groups(graph, deferred, limits, groups, needed) if fuse else ()
     prologues = plan_norm_prologues(graph, needed, groups, limits, deferred) if fuse else {}
-    lowered = (deferred, split_groups, prologues)
+    conv_norms = plan_conv_norms(graph, needed, groups, limits, deferred) if fuse else {}
+    lowered = (deferred, split_groups, prologues, conv_norms)
     dispatches = _lower_all(graph, needed, limits, groups, updates, *lowered)
     clash = _arena_clashes(graph, dispatches, updates)
     if clash:  # rare: a kernel writes one member's gradient and reads another's
@@ -274,8 +277,11 @@ def _lower_all(
     deferred: dict[int, SplitPartials],
     split_groups: tuple[SplitGroup, ...] = (),
     prologues: dict[int, FusionGroup] | None = None,
+    conv_norms: dict[int, ConvNorm] | None = None,
 ) -> list[tuple[int, KernelSource]]:
     prologues = prologues or {}
+    conv_norms = conv_norms or {}
+    summed_convs = {cn.conv for cn in conv_norms.values()}
     summed_by_norm = {g.sink for g in prologues.values()}
     group_of = {m: g for g in groups for m in g.members}
     split_of = {a: g for g in split_groups for a in g.anchors}
@@ -303,6 +309,12 @@ def _lower_all(
                 kernels = lower_norm_prologue(graph, node.id, prologues[node.id], limits, deferred)
                 if kernels is None:  # pragma: no cover - plan_norm_prologues lowered it
                     raise ValueError(f"%{node.id}: no norm prologue lowering")
+            elif node.id in summed_convs:  # its partials alone: a norm sums them
+                kernels = lower_conv2d(graph, node.id, limits, deferred=deferred, defer_sum=True)
+            elif node.id in conv_norms:  # computes its input: the conv's summing dispatch
+                kernels = lower_conv_norm(graph, conv_norms[node.id], limits, deferred)
+                if kernels is None:  # pragma: no cover - plan_conv_norms lowered it
+                    raise ValueError(f"%{node.id}: no conv norm lowering")
             elif group is None:
                 kernels = lower(graph, node.id, limits, deferred)
                 if node.op == "matmul" and len(kernels) == 2 and _plain_sum(kernels[1]):

@@ -110,6 +110,7 @@ def lower_conv2d(
     limits: Limits,
     epilogue: Epilogue | None = None,
     deferred: Mapping | None = None,
+    defer_sum: bool = False,
 ) -> list[KernelSource]:
     """Forward convolution (optional bias): one implicit GEMM (plus a split-K sum).
 
@@ -119,6 +120,8 @@ def lower_conv2d(
             by the summing dispatch.
         deferred: split-K products the epilogue reads as sums of their partials
             (``KernelBuilder``'s ``deferred``; never the conv's own operands).
+        defer_sum: with split-K, the partials dispatch alone: the norm reading the output
+            sums them and adds the bias (``forward_partials``, ``norm.conv_prologue``).
     """
     node, v = graph[node_id], _Conv.of(graph, node_id)
     (sh, sw), (ph, pw), (dh, dw) = v.stride, v.padding, v.dilation
@@ -168,7 +171,28 @@ def lower_conv2d(
         epilogue=epilogue,
         channel=channel,
     )
-    return emit_gemm(kb, Gemm(v.ocg, v.n * v.ohw, k, v.groups), a, b, out)
+    return emit_gemm(kb, Gemm(v.ocg, v.n * v.ohw, k, v.groups), a, b, out, "", defer_sum)
+
+
+def forward_partials(graph: Graph, node_id: int, limits: Limits):
+    """(partials key, splits, elements per partial, WGSL GEMM index of output element ``i``)
+    of a ``conv2d`` whose plan splits K, else None. Its GEMM C[grp, m, q = (n, oh, ow)] holds
+    y[n, grp * ocg + m, oh, ow], so element i = (n, oc, pix) of y is GEMM element
+    oc * (N * OH * OW) + n * OH * OW + pix (``sum_lines`` sums the partials, then adds the
+    bias of channel oc)."""
+    node, v = graph[node_id], _Conv.of(graph, node_id)
+    if node.type.numel == 0 or v.cg * v.kk == 0:
+        return None
+    g = Gemm(v.ocg, v.n * v.ohw, v.cg * v.kk, v.groups)
+    splits = plan_gemm(g, limits, node.op).splits
+    if splits == 1:
+        return None
+    ochw = v.oc * v.ohw
+    index = (
+        f"({_mod(_div('i', v.ohw), v.oc)}) * {u(v.n * v.ohw)} + "
+        f"{_mul(_div('i', ochw), v.ohw)} + {_mod('i', v.ohw)}"
+    )
+    return "partials", splits, g.m * g.n * g.groups, index
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from ....graph.ir import VIEW_OPS, Graph, resolve_view
 from ....passes.fuse import FusionGroup
 from ...kernel import Limits
 from ..conv.gemm import LANES_FROM_SPLITS
-from ..conv.lowering import backward_input_partials
+from ..conv.lowering import backward_input_partials, forward_partials
 from ..core.literals import u
 from .lowering import split_layout
 
@@ -91,20 +91,30 @@ class SplitPartials:
         """WGSL function ``fn(i) -> f32``: element i of the product from binding ``var``, as
         the summing dispatch computes it (and stores it, as f16 for an f16 product).
 
-        ``width`` 4 (``lanes`` 0, ``index`` ``"i"``, ``total`` a multiple of 4, ``var`` an
-        ``array<vec4<f32>>``): ``fn(q) -> vec4<f32>``, elements 4q .. 4q + 3, each lane the
-        same additions in the same order (vec4 adds are lane-wise f32 adds), a quarter of
-        the loads."""
-        if width != 1 and (width != 4 or self.lanes or self.index != "i" or self.total % 4):
+        ``width`` 4 (``total`` a multiple of 4, ``var`` an ``array<vec4<f32>>``): ``fn(q) ->
+        vec4<f32>``, elements 4q .. 4q + 3, each lane the same additions in the same order
+        (vec4 adds are lane-wise f32 adds), a quarter of the loads. With an ``index`` other
+        than ``"i"`` the caller guarantees that ``index`` maps elements 4q .. 4q + 3 to four
+        consecutive partial elements starting at a multiple of 4 (a convolution's output
+        whose planes have a multiple of 4 pixels)."""
+        if width not in (1, 4) or (width == 4 and self.total % 4):
             raise ValueError(f"%{self.node}: no vec4 sum over these partials")
         ty = "f32" if width == 1 else "vec4<f32>"
+        zero = "0.0" if width == 1 else "vec4<f32>(0.0)"
         ret = f"{ty}(vec4<f16>(v))" if width == 4 else "f32(f16(v))"
         ret = ret if dtype is DType.f16 else "v"
         total = u(self.total // width)
-        lines = [f"fn {fn}(i: u32) -> {ty} {{", f"  let e = {self.index};"]
+        if width == 1 or self.index == "i":
+            lines = [f"fn {fn}(i: u32) -> {ty} {{", f"  let e = {self.index};"]
+        else:  # unit q: its first element's partial, in vec4 units
+            lines = [
+                f"fn {fn}(q: u32) -> {ty} {{",
+                "  let i = 4u * q;",
+                f"  let e = ({self.index}) / 4u;",
+            ]
         if self.lanes == 0:
             lines += [
-                f"  var s = {'0.0' if width == 1 else 'vec4<f32>(0.0)'};",
+                f"  var s = {zero};",
                 f"  for (var t = 0u; t < {u(self.splits)}; t = t + 1u) {{",
                 f"    s += {var}[t * {total} + e];",
                 "  }",
@@ -114,8 +124,8 @@ class SplitPartials:
             n, splits = self.lanes, u(self.splits)
             for lane in range(n):
                 lines += [
-                    f"  var s0_{lane} = 0.0;",
-                    f"  var s1_{lane} = 0.0;",
+                    f"  var s0_{lane} = {zero};",
+                    f"  var s1_{lane} = {zero};",
                     f"  for (var t = {u(lane)}; t < {splits}; t = t + {u(2 * n)}) {{",
                     f"    s0_{lane} += {var}[t * {total} + e];",
                     f"    let t1 = t + {u(n)};",
@@ -143,6 +153,18 @@ def split_partials(graph: Graph, node_id: int, limits: Limits) -> SplitPartials 
         return None
     splits, _, total = layout
     return SplitPartials(node_id, splits, total)
+
+
+def conv_partials(graph: Graph, node_id: int, limits: Limits) -> SplitPartials | None:
+    """The partials of forward ``conv2d`` ``node_id`` (``conv.lowering.forward_partials``:
+    GEMM order, summed as ``conv.gemm.sum_lines`` does, before its bias) when its plan splits
+    K, else None."""
+    found = forward_partials(graph, node_id, limits)
+    if found is None:
+        return None
+    key, splits, total, index = found
+    lanes = 4 if splits > LANES_FROM_SPLITS else 1
+    return SplitPartials(node_id, splits, total, key, index, lanes)
 
 
 def _readers(graph: Graph, users: list[list[int]], vid: int) -> list[int]:

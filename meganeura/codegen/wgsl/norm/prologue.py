@@ -42,7 +42,7 @@ from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder
 from ..core.literals import u
 from ..elementwise.fused import GroupBody
-from ..matmul.deferred import KEY, SplitPartials, _readers
+from ..matmul.deferred import SplitPartials, _readers
 from ..matmul.lowering import split_layout
 from ..rowwise.team import Chunk, RowKernel
 from .activation import as_stored
@@ -113,46 +113,45 @@ def plan_norm_prologues(
     return out
 
 
-class _Prologue:
-    """x of the norm computed from the group's partials and operands (``team._stats``'s
+class PartialsLoader:
+    """x of a norm computed in the norm's kernel from split-K partials (``team._stats``'s
     loader): ``bind`` binds them in the norm's kernel, then calling it on a chunk emits
-    ``a{i}`` (h as read back from storage) and stores h. A vec4 unit's four sums come from
-    vec4 loads of the partials (``SplitPartials.helper`` with width 4: the same lane-wise
-    additions), then each element runs the epilogue on its own sum."""
+    ``a{i}`` (x as read back from storage) and stores x (when it has a binding). A vec4
+    unit's four sums come from vec4 loads of the partials (``SplitPartials.helper`` with width
+    4: the same lane-wise additions), then each element runs ``epi`` on its own sum.
 
-    def __init__(self, graph: Graph, group: FusionGroup, limits: Limits) -> None:
-        self.graph, self.group = graph, group
-        splits, _, total = split_layout(graph, group.anchor, limits)
-        self.part = SplitPartials(group.anchor, splits, total)
-        (self.h,) = group.outputs
-        self.half = graph[self.h].type.dtype is DType.f16
+    Subclasses define ``_epilogue``: the WGSL of element e of x from its sum of partials (a
+    matmul group's epilogue here, a convolution's bias in ``conv_prologue``).
 
-    def bind(self, kb: KernelBuilder, rk: RowKernel) -> _Prologue:
-        """Bind the epilogue's operands, h and the partials; define the WGSL helpers ``epi``
-        (element e of h in f32, as the summing dispatch computes it) and ``epi_x`` (as read
-        back from storage)."""
+    Args:
+        part: the partials (``owner``'s scratch).
+        owner: the node whose scratch holds them (bound read-only, kept alive until here).
+        dtype: x's storage dtype (f16: x is narrowed as stored, and normalized as read back).
+    """
+
+    def __init__(self, part: SplitPartials, owner: int, dtype: DType) -> None:
+        self.part, self.owner = part, owner
+        self.half = dtype is DType.f16
+
+    def _epilogue(self, kb: KernelBuilder) -> tuple[str, str | None]:
+        """(WGSL defining ``fn epi(e: u32, s: f32) -> f32``: element e of x in f32 from ``s``,
+        its sum of partials; x's binding to store into, or None: x is not stored)."""
+        raise NotImplementedError
+
+    def bind(self, kb: KernelBuilder, rk: RowKernel) -> PartialsLoader:
+        """Bind the partials and what ``_epilogue`` reads and writes; define the WGSL helpers
+        ``epi`` and ``epi_x`` (element e as read back from storage)."""
         self.rk = rk
-        body = GroupBody(self.graph, self.group)
-        body.bind(kb)
-        (self.out,) = body.outs
+        epi, self.out = self._epilogue(kb)
         part, w = self.part, rk.plan.width
-        var = kb.scratch(KEY, part.count, DType.f32, "part", owner=self.group.sink)
+        var = kb.scratch(part.key, part.count, DType.f32, "part", owner=self.owner)
         if w == 4:  # a unit's four sums from vec4 loads
             kb.vectorize(var)
-        # the anchor's value as the summing dispatch hands it to the epilogue: not narrowed
+        # the sum as the summing dispatch hands it on (to the epilogue, the bias): not narrowed
         helper = part.helper("sum_part", var, DType.f32, w)
-        n = self.graph[self.group.anchor].type.shape[-1]
-        loads = [
-            s.literal if s.literal is not None else s.at(body.index(k, "e", "col"))
-            for k, s in enumerate(body.srcs)
-        ]
-        col = f"e % {u(n)}" if n > 1 else "0u"
         stored = "f32(f16(v))" if self.half else "v"
         rk.extra_helpers += (
-            helper + body.helpers + "\n"
-            f"fn epi(e: u32, s: f32) -> f32 {{\n  let col = {col};\n"
-            f"  {body.compute(loads, anchor='s')}\n"
-            f"  return f32({body.var(self.h)});\n}}\n"
+            helper + epi + "\n"
             f"fn epi_x(e: u32, s: f32) -> f32 {{ let v = epi(e, s); return {stored}; }}\n"
         )
         return self
@@ -162,7 +161,7 @@ class _Prologue:
         return f"{w}u * ({unit}) + {u(lane)}" if w > 1 else f"({unit})"
 
     def first(self, unit: str) -> str:
-        """f32 expression: the first element of ``unit`` of x (h as read back from storage)."""
+        """f32 expression: the first element of ``unit`` of x (as read back from storage)."""
         lane = ".x" if self.rk.plan.width == 4 else ""
         return f"epi_x({self._elem(unit, 0)}, sum_part({unit}){lane})"
 
@@ -176,7 +175,37 @@ class _Prologue:
             value = "vec4<f32>(" + ", ".join(lanes) + ")" if w == 4 else lanes[0]
             rk.line(f"let h{i} = {value};")
             rk.line(f"let a{i} = {as_stored(f'h{i}', w) if self.half else f'h{i}'};")
-        rk.store(ch, self.out, lambda i: f"h{i}")
+        if self.out is not None:
+            rk.store(ch, self.out, lambda i: f"h{i}")
+
+
+class _Prologue(PartialsLoader):
+    """h, the one stored output of a split-K matmul group, from the group's partials: the
+    epilogue's member ``let``s on the anchor's sum (``GroupBody``), h stored."""
+
+    def __init__(self, graph: Graph, group: FusionGroup, limits: Limits) -> None:
+        self.graph, self.group = graph, group
+        splits, _, total = split_layout(graph, group.anchor, limits)
+        (self.h,) = group.outputs
+        part = SplitPartials(group.anchor, splits, total)
+        super().__init__(part, group.sink, graph[self.h].type.dtype)
+
+    def _epilogue(self, kb: KernelBuilder) -> tuple[str, str | None]:
+        body = GroupBody(self.graph, self.group)
+        body.bind(kb)
+        (out,) = body.outs
+        n = self.graph[self.group.anchor].type.shape[-1]
+        loads = [
+            s.literal if s.literal is not None else s.at(body.index(k, "e", "col"))
+            for k, s in enumerate(body.srcs)
+        ]
+        col = f"e % {u(n)}" if n > 1 else "0u"
+        return (
+            body.helpers + "\n"
+            f"fn epi(e: u32, s: f32) -> f32 {{\n  let col = {col};\n"
+            f"  {body.compute(loads, anchor='s')}\n"
+            f"  return f32({body.var(self.h)});\n}}\n"
+        ), out
 
 
 def lower_norm_prologue(

@@ -280,7 +280,7 @@ def lower_norm_team(
     else:
         rk.each_chunk(write)
     if act is not None:
-        rk.extra_helpers = act_helpers(rk.plan.width)
+        rk.extra_helpers += act_helpers(rk.plan.width)
     return [rk.finish("", 8 * node.type.numel, 2 * node.type.nbytes)]
 
 
