@@ -29,7 +29,10 @@ residual), instead of the norm computing that output from the partials
 reading a conv2d (the folded eval BatchNorm, ReLU, residual add) in their own dispatch after the
 conv instead of in its store (``passes.fuse_conv.set_enabled``); ``--sum-runs off`` keeps the
 summing dispatches of split-K products that run back to back (q, k and v's) apart instead of one
-dispatch (``codegen.wgsl.matmul.summing.set_enabled``). ``--parts`` also takes
+dispatch (``codegen.wgsl.matmul.summing.set_enabled``); ``--conv-norm off`` keeps the summing
+dispatch of a split-K conv2d whose output a train-mode batch_norm or a group_norm reads first,
+instead of the norm summing the partials (``codegen.wgsl.norm.conv_prologue.set_enabled``).
+``--parts`` also takes
 ``resnet_eval`` and ``resnet_eval_b1`` (W3's ``fwd_b4`` / ``fwd_b1``: ResNet-50 eval forward)
 and ``unet_fwd`` (W5's ``fwd_small_b2``).
 
@@ -39,7 +42,7 @@ Usage: python bench/dispatch_counts.py
            [--split-sums deferred|dispatch] [--split-members join|apart]
            [--conv-phases merged|apart] [--weight-grads grouped|apart] [--sum-groups on|off]
            [--residual on|off] [--norm-prologue on|off] [--conv-epilogue on|off]
-           [--sum-runs on|off]
+           [--sum-runs on|off] [--conv-norm on|off]
 """
 
 from __future__ import annotations
@@ -309,6 +312,7 @@ def main() -> None:
     ap.add_argument("--norm-prologue", choices=("on", "off"), default="on")
     ap.add_argument("--conv-epilogue", choices=("on", "off"), default="on")
     ap.add_argument("--sum-runs", choices=("on", "off"), default="on")
+    ap.add_argument("--conv-norm", choices=("on", "off"), default="on")
     args = ap.parse_args()
     from meganeura.codegen.wgsl.conv import lowering
     from meganeura.codegen.wgsl.matmul import (
@@ -328,9 +332,10 @@ def main() -> None:
     from meganeura.passes import fuse_conv, fuse_norm
 
     fuse_norm.RESIDUAL[:] = [args.residual == "on"]
-    from meganeura.codegen.wgsl.norm import prologue
+    from meganeura.codegen.wgsl.norm import conv_prologue, prologue
 
     prologue.set_enabled(args.norm_prologue == "on")
+    conv_prologue.set_enabled(args.conv_norm == "on")
     fuse_conv.set_enabled(args.conv_epilogue == "on")
     result = {
         "split_sums": args.split_sums,
@@ -342,6 +347,7 @@ def main() -> None:
         "norm_prologue": args.norm_prologue,
         "conv_epilogue": args.conv_epilogue,
         "sum_runs": args.sum_runs,
+        "conv_norm": args.conv_norm,
     }
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))

@@ -85,12 +85,13 @@ def _data(side: int, seed: int = 1):
     return x, r.standard_normal((2, COUT, side, side)).astype(np.float32)
 
 
-def _step(cls, on: bool, gpu_device, x, t, splits: int):
+def _step(cls, on: bool, gpu_device, x, t, splits: int, precision: str = "strict"):
     """(loss, gradients, state after one SGD step) with the feature ``on``."""
     conv_prologue.set_enabled(on)
     model = _model(cls)
     with force_plan(splits=splits):
-        tr = mn.Trainer(model, mn.optim.SGD(lr=0.1), _mse, device=gpu_device)
+        opt = mn.optim.SGD(lr=0.1)
+        tr = mn.Trainer(model, opt, _mse, device=gpu_device, precision=precision)
         loss, grads = tr.step(x, t, return_grads=True)
         state = tr.state_dict()
     conv_prologue.set_enabled(True)
@@ -193,6 +194,22 @@ def test_group_norm_silu_training_step_bit_identical(gpu_device, case):
     off = _step(ConvGN, False, gpu_device, x, t, splits)
     _assert_exact(on, off)
     _assert_torch(on, _torch(ConvGN, x, t))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [ConvBN, ConvGN], ids=["batch_norm", "group_norm"])
+def test_fast_mode_training_step_bit_identical(gpu_device, cls):
+    """The fast mode: x stored as f16 by the norm kernel (its backward reads it), normalized
+    as that f16; bit for bit against the program with the summing dispatch."""
+    from meganeura.training import device_limits
+
+    if not device_limits(gpu_device).shader_f16:
+        pytest.skip("the adapter has no shader-f16")
+    x, t = _data(6)
+    on = _step(cls, True, gpu_device, x, t, 4, "fast")
+    off = _step(cls, False, gpu_device, x, t, 4, "fast")
+    _assert_exact(on, off)
+    assert np.isfinite(on[0])
 
 
 @pytest.mark.gpu

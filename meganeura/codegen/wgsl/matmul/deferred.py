@@ -13,7 +13,9 @@ are bit-identical to the two-dispatch program.
 
 The same holds for the input gradient of a stride-1 convolution (``conv.gemm``: one implicit
 GEMM whose partials are in GEMM order, ``SplitPartials.index`` maps an output element there, and
-whose summing kernel adds two accumulators per lane, ``SplitPartials.lanes``).
+whose summing kernel adds two accumulators per lane, ``SplitPartials.lanes``), and for a
+forward ``conv2d``'s partials read by the norm after it (``conv_partials``, used by
+``norm.conv_prologue``, which adds the conv's bias to the sum).
 
 Readers that can (``plan_deferred_sums``): kernels that read operands only through ``Src.at``:
 members of an elementwise fusion group (``elementwise.fused``, scalar path), the epilogue of a
