@@ -1,0 +1,166 @@
+"""A/B of the compiler's dispatch levers on the workloads' own programs, ours only, in one
+process: each lever's program compiled with it on and off, then timed interleaved (on, off,
+on, off, ...) so clock drift and the other side's warm-up fall on both alike.
+
+Each lever is a switch read when a program compiles (``LEVERS``); "off" compiles the workload
+case with that one lever off and everything else as shipped, "on" as shipped. ``--all``
+compares everything on against all of the chosen levers off. Times are ``bench/workloads.py``'s
+(``cell._ours_side``: a forward call and a device sync, or a training step with its loss read),
+median and min of ``--rounds`` x ``--repeats`` calls after ``--warmup``; dispatch counts from
+the compiled programs.
+
+Usage:
+    python bench/lever_ab.py --cases w3:train_b4,w5:fwd_small_b2 --levers conv_norm,conv_epilogue
+    python bench/lever_ab.py --cases w1:fwd_seq128 --levers norm_prologue,sum_runs --all
+    python bench/lever_ab.py --quick   # the CPU-sized cases on lavapipe (a smoke test)
+
+Writes ``bench/results/lever_ab_<machine>.json`` (``--out``) and prints one line per case and
+lever: ms on / off, the ratio off / on (> 1: the lever pays) and the dispatch counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# lever -> (module, how to switch it); each is read when a program compiles
+LEVERS = {
+    "norm_prologue": ("meganeura.codegen.wgsl.norm.prologue", "set_enabled"),
+    "conv_norm": ("meganeura.codegen.wgsl.norm.conv_prologue", "set_enabled"),
+    "conv_epilogue": ("meganeura.passes.fuse_conv", "set_enabled"),
+    "sum_runs": ("meganeura.codegen.wgsl.matmul.summing", "set_enabled"),
+    "broadcast_views": ("meganeura.passes.broadcast_views", "set_enabled"),
+    "weight_grads": ("meganeura.codegen.wgsl.matmul.tiled_rgroup", "set_enabled"),
+    "sum_groups": ("meganeura.codegen.wgsl.matmul.split_group", "set_sum_groups"),
+    "split_sums": ("meganeura.codegen.wgsl.matmul.deferred", "set_enabled"),
+    "residual": ("meganeura.passes.fuse_norm", "RESIDUAL"),
+}
+QUICK_CASES = "w3:train_b1,w5:fwd_small_b1"
+
+
+def switch(lever: str, on: bool) -> None:
+    """Turn ``lever`` on or off for programs compiled from now on.
+
+    Raises:
+        KeyError: an unknown lever (the message lists ``LEVERS``).
+    """
+    if lever not in LEVERS:
+        raise KeyError(f"unknown lever {lever!r}; levers: {', '.join(LEVERS)}")
+    mod, attr = LEVERS[lever]
+    target = getattr(importlib.import_module(mod), attr)
+    if callable(target):
+        target(on)
+    else:  # a one-element list switch
+        target[:] = [on]
+
+
+def build(wl, case, quick: bool, off: list[str]):
+    """Our side of ``case`` compiled with the levers ``off`` switched off (then back on):
+    (side dict of ``cell._ours_side``, dispatch count)."""
+    from bench.workloads_lib.cell import _ours_side
+
+    for lever in off:
+        switch(lever, False)
+    try:
+        model, _ = wl.ours_model(case, quick)
+        side = _ours_side(wl, case, model, wl.batch(case, quick), "strict", quick)
+        side["first"]()  # compiles here, with the switches as set
+    finally:
+        for lever in off:
+            switch(lever, True)
+    (session,) = side["sessions"]()
+    return side, len(session.program.dispatches)
+
+
+def interleaved(sides: list[dict], rounds: int, warmup: int, repeats: int) -> list[list[float]]:
+    """ms per call of each side: ``rounds`` rounds, each side ``repeats`` synced calls after
+    ``warmup`` unsynced ones in turn."""
+    out: list[list[float]] = [[] for _ in sides]
+    for _ in range(rounds):
+        for side, times in zip(sides, out, strict=True):
+            sync = side.get("sync") or (lambda: None)
+            for _ in range(warmup):
+                side["run"]()
+            sync()
+            for _ in range(repeats):
+                t = time.perf_counter()
+                side["run"]()
+                sync()
+                times.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="w1:fwd_seq128,w3:train_b4", help="workload:case,...")
+    ap.add_argument("--levers", default=",".join(LEVERS), help=f"of {', '.join(LEVERS)}")
+    ap.add_argument("--all", action="store_true", help="also all chosen levers off at once")
+    ap.add_argument("--only-all", action="store_true", help="only all chosen levers off")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help=f"CPU-sized cases ({QUICK_CASES})")
+    ap.add_argument("--machine", default=None, help="file name tag (default from the adapter)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from bench.workloads_lib.registry import WORKLOADS
+
+    levers = [x for x in args.levers.split(",") if x]
+    for lever in levers:
+        if lever not in LEVERS:
+            ap.error(f"unknown lever {lever!r}; levers: {', '.join(LEVERS)}")
+    variants = [] if args.only_all else [[x] for x in levers]
+    if args.all or args.only_all:
+        variants.append(levers)
+    cases = (QUICK_CASES if args.quick and args.cases == ap.get_default("cases") else args.cases)
+    rows = []
+    for spec in cases.split(","):
+        wid, _, name = spec.partition(":")
+        if wid not in WORKLOADS:
+            ap.error(f"--cases {spec!r}: unknown workload {wid!r} (of {', '.join(WORKLOADS)})")
+        wl = WORKLOADS[wid]
+        case = wl.case(name, args.quick)
+        on, n_on = build(wl, case, args.quick, [])
+        for off_levers in variants:
+            off, n_off = build(wl, case, args.quick, off_levers)
+            t_on, t_off = interleaved([on, off], args.rounds, args.warmup, args.repeats)
+            row = {
+                "case": f"{wid}:{name}",
+                "off": off_levers,
+                "ms_on": statistics.median(t_on),
+                "ms_off": statistics.median(t_off),
+                "min_on": min(t_on),
+                "min_off": min(t_off),
+                "dispatches_on": n_on,
+                "dispatches_off": n_off,
+            }
+            row["off_over_on"] = row["ms_off"] / row["ms_on"]
+            rows.append(row)
+            print(
+                f"{row['case']:<20} off: {'+'.join(off_levers):<40} on {row['ms_on']:8.3f} ms"
+                f" ({n_on})  off {row['ms_off']:8.3f} ms ({n_off})  off/on {row['off_over_on']:.3f}",
+                flush=True,
+            )
+    import meganeura as mn
+
+    adapter = mn.runtime.device.get_device().name if hasattr(mn, "runtime") else "unknown"
+    tag = args.machine or ("quick" if args.quick else adapter.split()[1].lower())
+    out = Path(args.out or Path(__file__).parent / "results" / f"lever_ab_{tag}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"adapter": adapter, "rounds": args.rounds, "repeats": args.repeats, "rows": rows}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
