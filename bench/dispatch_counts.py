@@ -29,7 +29,9 @@ residual), instead of the norm computing that output from the partials
 reading a conv2d (the folded eval BatchNorm, ReLU, residual add) in their own dispatch after the
 conv instead of in its store (``passes.fuse_conv.set_enabled``); ``--sum-runs off`` keeps the
 summing dispatches of split-K products that run back to back (q, k and v's) apart instead of one
-dispatch (``codegen.wgsl.matmul.summing.set_enabled``). ``--parts`` also takes
+dispatch (``codegen.wgsl.matmul.summing.set_enabled``); ``--broadcast-views off`` copies a
+broadcast that ``cat`` reads (the U-Net's nearest-2x upsample) in its own dispatch instead of
+the cat reading it in place (``passes.broadcast_views.set_enabled``). ``--parts`` also takes
 ``resnet_eval`` and ``resnet_eval_b1`` (W3's ``fwd_b4`` / ``fwd_b1``: ResNet-50 eval forward)
 and ``unet_fwd`` (W5's ``fwd_small_b2``).
 
@@ -39,7 +41,7 @@ Usage: python bench/dispatch_counts.py
            [--split-sums deferred|dispatch] [--split-members join|apart]
            [--conv-phases merged|apart] [--weight-grads grouped|apart] [--sum-groups on|off]
            [--residual on|off] [--norm-prologue on|off] [--conv-epilogue on|off]
-           [--sum-runs on|off]
+           [--sum-runs on|off] [--broadcast-views on|off]
 """
 
 from __future__ import annotations
@@ -309,6 +311,7 @@ def main() -> None:
     ap.add_argument("--norm-prologue", choices=("on", "off"), default="on")
     ap.add_argument("--conv-epilogue", choices=("on", "off"), default="on")
     ap.add_argument("--sum-runs", choices=("on", "off"), default="on")
+    ap.add_argument("--broadcast-views", choices=("on", "off"), default="on")
     args = ap.parse_args()
     from meganeura.codegen.wgsl.conv import lowering
     from meganeura.codegen.wgsl.matmul import (
@@ -332,6 +335,9 @@ def main() -> None:
 
     prologue.set_enabled(args.norm_prologue == "on")
     fuse_conv.set_enabled(args.conv_epilogue == "on")
+    from meganeura.passes import broadcast_views
+
+    broadcast_views.set_enabled(args.broadcast_views == "on")
     result = {
         "split_sums": args.split_sums,
         "split_members": args.split_members,
@@ -342,6 +348,7 @@ def main() -> None:
         "norm_prologue": args.norm_prologue,
         "conv_epilogue": args.conv_epilogue,
         "sum_runs": args.sum_runs,
+        "broadcast_views": args.broadcast_views,
     }
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))
