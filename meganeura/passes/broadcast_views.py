@@ -39,10 +39,14 @@ from ..graph.ir import VIEW_OPS, Graph
 from .permute_views import placement
 
 # Copy ops a chain may read through (their kernels are then not needed).
-VIEWABLE = frozenset({"broadcast_to"})
+VIEWABLE = frozenset({"broadcast_to", "slice"})
+REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "var", "logsumexp")
 # Ops whose kernels read every operand through ``Src.at`` of ``KernelBuilder.read`` at the
-# operand's flat row-major index, in every lowering of the op (none of them joins a group).
-READERS = frozenset({"cat"})
+# operand's flat row-major index, in every lowering of the op (``reduce.reductions`` takes
+# its vec4 path only for an operand read from its own buffer). None joins a group in which
+# another node's kernel would read the chain: a bias-gradient ``sum`` joins a norm's backward
+# group (``passes.fuse_norm``) only reading the ``silu_backward`` in it, never a chain.
+READERS = frozenset({"cat", *REDUCTIONS})
 _ENABLED = [True]
 
 Factors = list[list[tuple[int, int]]]  # per logical dim: (size, stride) factors, outer first
@@ -110,6 +114,31 @@ def _broadcast(dims: Factors, src: tuple[int, ...], shape: tuple[int, ...]) -> F
     return out
 
 
+def _slice(dims: Factors, node) -> tuple[Factors, int] | None:
+    """(``dims`` sliced as ``node`` says, the offset of its first element), or None when a
+    dim cut is made of several factors."""
+    out: Factors = []
+    offset = 0
+    for d, (group, m) in enumerate(zip(dims, node.type.shape, strict=True)):
+        start, step = node.attr("start")[d], node.attr("step")[d]
+        if start == 0 and m == _size(group):
+            out.append(group)  # the whole dim
+            continue
+        if m == 0 or len(group) != 1:
+            return None
+        n, s = group[0]
+        offset += start * s
+        out.append([(m, s * step)] if m != 1 else [])
+    return out, offset
+
+
+def _size(group: list[tuple[int, int]]) -> int:
+    size = 1
+    for n, _ in group:
+        size *= n
+    return size
+
+
 def _chain(graph: Graph, vid: int) -> tuple[int, list[int]] | None:
     """(the value the chain from ``vid`` starts at, the chain's nodes from it up to ``vid``),
     or None when no ``VIEWABLE`` copy is on it."""
@@ -122,10 +151,11 @@ def _chain(graph: Graph, vid: int) -> tuple[int, list[int]] | None:
     return vid, list(reversed(path))
 
 
-def read_view(graph: Graph, vid: int) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
+def read_view(graph: Graph, vid: int) -> tuple[int, tuple[int, ...], tuple[int, ...], int] | None:
     """How a ``READERS`` kernel reads operand ``vid`` when not from its own buffer: (the value
     whose buffer it binds, the refined shape enumerating ``vid``'s elements in row-major order,
-    the stride of each refined dim in that buffer), or None for a plain read."""
+    the stride of each refined dim in that buffer, the offset of element 0 in it), or None for
+    a plain read."""
     if not _ENABLED[0]:
         return None
     chain = _chain(graph, vid)
@@ -135,16 +165,23 @@ def read_view(graph: Graph, vid: int) -> tuple[int, tuple[int, ...], tuple[int, 
     if graph[x].op == "constant" or placement(graph, x) is not None:
         return None
     dims: Factors | None = _contiguous(graph[x].type.shape)
+    offset = 0
     for p in path:
         node = graph[p]
-        if node.op in VIEWABLE:
+        if node.op == "slice":
+            cut = _slice(dims, node)
+            if cut is None:
+                return None
+            dims, more = cut
+            offset += more
+        elif node.op == "broadcast_to":
             dims = _broadcast(dims, graph[node.inputs[0]].type.shape, node.type.shape)
         elif node.op == "reshape":
             dims = _reshape(dims, node.type.shape)
             if dims is None:
                 return None
     flat = [f for group in dims for f in group]
-    return x, tuple(n for n, _ in flat), tuple(s for _, s in flat)
+    return x, tuple(n for n, _ in flat), tuple(s for _, s in flat), offset
 
 
 def view_reads(graph: Graph, node_id: int, ids: tuple[int, ...]) -> tuple[int, ...]:

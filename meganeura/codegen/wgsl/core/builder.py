@@ -28,7 +28,7 @@ from ....passes import broadcast_views
 from ....passes.permute_views import VIEW_READERS, read_view, write_view
 from ...kernel import MAX_ELEMENTS, ArenaRef, KernelSource, Limits, ScratchRef, ValueRef
 from .layout import coalesce, fold_grid, linear_workgroup, strided_index
-from .literals import F32_BITS, F32_BITS_HELPER, F32_OPAQUE_INIT, literal
+from .literals import F32_BITS, F32_BITS_HELPER, F32_OPAQUE_INIT, literal, u
 
 ENTRY_ARGS = (
     "@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, "
@@ -75,9 +75,9 @@ class Src:
 
     ``strides``: the value is read from another value's buffer (``passes.permute_views``)
     with these strides per dim of ``type``, or per dim of ``view_shape`` when given (a
-    refinement of ``type.shape``: the same row-major elements over finer dims,
-    ``passes.broadcast_views``); ``at`` takes the flat row-major index of the value as always
-    and maps it. ``summed``: the value is a split-K matmul product never stored;
+    refinement of ``type.shape``: the same row-major elements over finer dims, element 0 at
+    ``view_offset``, ``passes.broadcast_views``); ``at`` takes the flat row-major index of
+    the value as always and maps it. ``summed``: the value is a split-K matmul product never stored;
     ``name`` binds its partial sums and element i is the helper call ``summed(i)``
     (``matmul.deferred``)."""
 
@@ -87,6 +87,7 @@ class Src:
     strides: tuple[int, ...] | None = None
     summed: str | None = None
     view_shape: tuple[int, ...] | None = None
+    view_offset: int = 0
 
     @property
     def dtype(self) -> DType:
@@ -100,6 +101,8 @@ class Src:
         if self.strides is not None:
             shape = self.type.shape if self.view_shape is None else self.view_shape
             index = view_index(index, shape, self.strides)
+            if self.view_offset:
+                index = f"{u(self.view_offset)} + {index}"
         return self.at_offset(index)
 
     def at_offset(self, offset: str) -> str:
@@ -232,10 +235,10 @@ class KernelBuilder:
         if self.node.op in broadcast_views.READERS:
             bview = broadcast_views.read_view(self.graph, vid)
             if bview is not None:
-                x, shape, strides = bview
+                x, shape, strides, offset = bview
                 assert resolve_view(self.graph, x) not in self.deferred, bview
                 var = self._bind_value(x, name, False)
-                return Src(t, name=var, strides=strides, view_shape=shape)
+                return Src(t, name=var, strides=strides, view_shape=shape, view_offset=offset)
         return Src(t, name=self._bind_value(vid, name, write=False))
 
     def is_bound(self, vid: int) -> bool:

@@ -356,8 +356,8 @@ def _vec4_fold(op: str, kept: Layout, red: Layout, x) -> tuple[Layout, Layout, s
     """(kept, reduced) layouts over vec4 units and the WGSL of ``h4`` (a unit folded to one
     value), when the reduced dims are one contiguous run of a multiple of 4 elements starting
     at multiples of 4; else None."""
-    if not VEC4 or op not in _VEC_OPS or x.literal is not None:
-        return None
+    if not VEC4 or op not in _VEC_OPS or x.literal is not None or x.strides is not None:
+        return None  # (a value read through strides, ``passes.broadcast_views``, is scalar)
     if len(red[0]) != 1 or red[1][0] != 1 or red[0][0] % 4 or any(s % 4 for s in kept[1]):
         return None
     ty = x.dtype.wgsl if x.dtype.wgsl != "f16" else "f32"
