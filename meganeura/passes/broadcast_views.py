@@ -9,8 +9,9 @@ whatever its size. This module decides which of them need no kernel, by one grap
 that the scheduler (``codegen.wgsl.lowering.reads``: what kernels bind) and the kernels
 (``codegen.wgsl.core.builder.KernelBuilder.read``) both consult, so they always agree:
 
-  * a *broadcast view*: an operand of a ``READERS`` op (``cat``) that is a chain of
-    ``reshape`` / ``stop_gradient`` views and ``VIEWABLE`` copies (``broadcast_to``) over a
+  * a *broadcast view*: an operand of a ``READERS`` op (``cat``, reductions that would read
+    element by element) that is a chain of ``reshape`` / ``stop_gradient`` views and
+    ``VIEWABLE`` copies (``broadcast_to``, ``slice``: an offset and steps) over a
     value ``x`` with at least one such copy on it is read from ``x``'s buffer through a
     *refined* shape and strides (``read_view``): the value's row-major elements enumerated
     over finer dims (each logical dim split into factors, e.g. [N, C, 2H, 2W] as [N, C, H, 2,
@@ -42,8 +43,7 @@ from .permute_views import placement
 VIEWABLE = frozenset({"broadcast_to", "slice"})
 REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "var", "logsumexp")
 # Ops whose kernels read every operand through ``Src.at`` of ``KernelBuilder.read`` at the
-# operand's flat row-major index, in every lowering of the op (``reduce.reductions`` takes
-# its vec4 path only for an operand read from its own buffer). None joins a group in which
+# operand's flat row-major index, in every lowering of the op. None joins a group in which
 # another node's kernel would read the chain: a bias-gradient ``sum`` joins a norm's backward
 # group (``passes.fuse_norm``) only reading the ``silu_backward`` in it, never a chain.
 READERS = frozenset({"cat", *REDUCTIONS})
@@ -184,10 +184,25 @@ def read_view(graph: Graph, vid: int) -> tuple[int, tuple[int, ...], tuple[int, 
     return x, tuple(n for n, _ in flat), tuple(s for _, s in flat), offset
 
 
+def reads_in_place(graph: Graph, node_id: int) -> bool:
+    """Whether node ``node_id``'s kernels read chains of its operands in place: a ``READERS``
+    op, and for a reduction only one that would read its operand, stored, element by element
+    (``reduce.reductions.takes_vec4``: the vec4 path sums in another order, so reading in
+    place there would change the values)."""
+    node = graph[node_id]
+    if not _ENABLED[0] or node.op not in READERS:
+        return False
+    if node.op in REDUCTIONS:
+        from ..codegen.wgsl.reduce.reductions import takes_vec4  # codegen imports this module
+
+        return not takes_vec4(graph, node_id)
+    return True
+
+
 def view_reads(graph: Graph, node_id: int, ids: tuple[int, ...]) -> tuple[int, ...]:
     """``ids`` (operands of node ``node_id``) with each operand a ``READERS`` kernel reads
     through a broadcast view replaced by the value whose buffer it binds."""
-    if graph[node_id].op not in READERS or not _ENABLED[0]:
+    if not reads_in_place(graph, node_id):
         return ids
     out = []
     for i in ids:

@@ -140,25 +140,31 @@ def test_slices_in_the_chain():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["strict", "fast"])
 @pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
-def test_values_bit_identical_and_match_torch(train, gpu_device):
+def test_values_bit_identical_and_match_torch(train, precision, gpu_device):
     from meganeura.runtime import Session
     from meganeura.training import device_limits
 
+    limits = device_limits(gpu_device)
+    if precision == "fast" and not limits.shader_f16:
+        pytest.skip("the adapter has no shader-f16")
     graph = _graph(train)
     params, feeds = _data()
     fetch = ["out", "dh", "dskip", "dweight"] if train else ["out"]
     got = {}
     for on in (True, False):
-        program = _compile(graph, CompileOptions(), device_limits(gpu_device), on)
+        program = _compile(graph, CompileOptions(precision=precision), limits, on)
         assert ("broadcast_to" in _names(program)) != on
         with Session(program, gpu_device) as sess:
             sess.load_state_dict(params)
             got[on] = sess.run(feeds if train else {}, fetch)
     want = _torch(params, feeds)
+    tol = 1e-4 if precision == "strict" else 3e-2  # fast: f16 storage
     for name in fetch:
+        # copies do not change values (f16 ones neither: they move f16 values)
         np.testing.assert_array_equal(got[True][name], got[False][name], err_msg=name)
-        np.testing.assert_allclose(got[True][name], want[name], rtol=1e-4, atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(got[True][name], want[name], rtol=tol, atol=tol, err_msg=name)
 
 
 def test_unet_dispatch_counts_on_h200_limits():
@@ -173,3 +179,41 @@ def test_unet_dispatch_counts_on_h200_limits():
             broadcast_views.set_enabled(True)
     assert counts[False].count("broadcast_to") == 4 and "broadcast_to" not in counts[True]
     assert len(counts[False]) - len(counts[True]) == 4
+
+
+@pytest.mark.gpu
+def test_reductions_of_slices_and_broadcasts(gpu_device):
+    """Reductions read a strided slice (offset, step) and a broadcast in place: the same
+    values as the copies give, and NumPy's. A reduction that would fold a contiguous operand
+    in vec4 units keeps its copy (the vec4 path sums in another order)."""
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    b = GraphBuilder()
+    x = b.parameter("x", (3, 8, 5))
+    stepped = slice_(x, 1, 1, 7, 2)  # [3, 3, 5] from offset 5, rows 2 apart
+    wide = F.broadcast_to(F.reshape(x, (3, 8, 1, 5)), (3, 8, 4, 5))
+    b.output("sum", F.sum(stepped, 1))
+    b.output("mean", F.mean(F.reshape(slice_(x, 2, 1, 5), (3, 32)), 1))  # vec4: a copy
+    b.output("amax", F.amax(wide, 2))
+    b.output("sum_all", F.sum(slice_(wide, 2, 1, 3), (0, 2)))
+    graph = b.build()
+    xs = np.random.default_rng(4).standard_normal((3, 8, 5)).astype(np.float32)
+    want = {
+        "sum": xs[:, 1:7:2].sum(1),
+        "mean": xs[:, :, 1:].mean((1, 2)),
+        "amax": xs,
+        "sum_all": 2 * xs.sum(0),
+    }
+    got = {}
+    for on in (True, False):
+        program = _compile(graph, CompileOptions(), device_limits(gpu_device), on)
+        names = _names(program)
+        copies = (names.count("slice"), names.count("broadcast_to"))
+        assert copies == ((1, 0) if on else (3, 1)), names
+        with Session(program, gpu_device) as sess:
+            sess.load_state_dict({"x": xs})
+            got[on] = sess.run({}, list(want))
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[True][name], got[False][name], err_msg=name)
+        np.testing.assert_allclose(got[True][name], value, rtol=1e-5, atol=1e-5, err_msg=name)

@@ -232,7 +232,7 @@ class KernelBuilder:
                 # would feed runs no kernel, so it is not needed and the product keeps its sum
                 assert resolve_view(self.graph, view[0]) not in self.deferred, view
                 return Src(t, name=self._bind_value(view[0], name, False), strides=view[1])
-        if self.node.op in broadcast_views.READERS:
+        if broadcast_views.reads_in_place(self.graph, self.node.id):
             bview = broadcast_views.read_view(self.graph, vid)
             if bview is not None:
                 x, shape, strides, offset = bview
