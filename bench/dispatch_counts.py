@@ -30,8 +30,9 @@ reading a conv2d (the folded eval BatchNorm, ReLU, residual add) in their own di
 conv instead of in its store (``passes.fuse_conv.set_enabled``); ``--sum-runs off`` keeps the
 summing dispatches of split-K products that run back to back (q, k and v's) apart instead of one
 dispatch (``codegen.wgsl.matmul.summing.set_enabled``); ``--broadcast-views off`` copies a
-broadcast that ``cat`` reads (the U-Net's nearest-2x upsample) in its own dispatch instead of
-the cat reading it in place (``passes.broadcast_views.set_enabled``). ``--parts`` also takes
+broadcast or slice that ``cat`` or a reduction reads (the U-Net's nearest-2x upsample, its
+gradient's sums) in its own dispatch instead of the reader reading it in place
+(``passes.broadcast_views.set_enabled``). ``--parts`` also takes
 ``resnet_eval`` and ``resnet_eval_b1`` (W3's ``fwd_b4`` / ``fwd_b1``: ResNet-50 eval forward)
 and ``unet_fwd`` (W5's ``fwd_small_b2``).
 
