@@ -31,8 +31,11 @@ conv instead of in its store (``passes.fuse_conv.set_enabled``); ``--sum-runs of
 summing dispatches of split-K products that run back to back (q, k and v's) apart instead of one
 dispatch (``codegen.wgsl.matmul.summing.set_enabled``); ``--conv-norm off`` keeps the summing
 dispatch of a split-K conv2d whose output a train-mode batch_norm or a group_norm reads first,
-instead of the norm summing the partials (``codegen.wgsl.norm.conv_prologue.set_enabled``).
-``--parts`` also takes
+instead of the norm summing the partials (``codegen.wgsl.norm.conv_prologue.set_enabled``);
+``--broadcast-views off`` copies a broadcast or slice that ``cat`` or a reduction reads (the
+U-Net's nearest-2x upsample, its gradient's sums) in its own dispatch instead of the reader
+reading it in place
+(``passes.broadcast_views.set_enabled``). ``--parts`` also takes
 ``resnet_eval`` and ``resnet_eval_b1`` (W3's ``fwd_b4`` / ``fwd_b1``: ResNet-50 eval forward)
 and ``unet_fwd`` (W5's ``fwd_small_b2``).
 
@@ -42,7 +45,7 @@ Usage: python bench/dispatch_counts.py
            [--split-sums deferred|dispatch] [--split-members join|apart]
            [--conv-phases merged|apart] [--weight-grads grouped|apart] [--sum-groups on|off]
            [--residual on|off] [--norm-prologue on|off] [--conv-epilogue on|off]
-           [--sum-runs on|off] [--conv-norm on|off]
+           [--sum-runs on|off] [--conv-norm on|off] [--broadcast-views on|off]
 """
 
 from __future__ import annotations
@@ -313,6 +316,7 @@ def main() -> None:
     ap.add_argument("--conv-epilogue", choices=("on", "off"), default="on")
     ap.add_argument("--sum-runs", choices=("on", "off"), default="on")
     ap.add_argument("--conv-norm", choices=("on", "off"), default="on")
+    ap.add_argument("--broadcast-views", choices=("on", "off"), default="on")
     args = ap.parse_args()
     from meganeura.codegen.wgsl.conv import lowering
     from meganeura.codegen.wgsl.matmul import (
@@ -337,6 +341,9 @@ def main() -> None:
     prologue.set_enabled(args.norm_prologue == "on")
     conv_prologue.set_enabled(args.conv_norm == "on")
     fuse_conv.set_enabled(args.conv_epilogue == "on")
+    from meganeura.passes import broadcast_views
+
+    broadcast_views.set_enabled(args.broadcast_views == "on")
     result = {
         "split_sums": args.split_sums,
         "split_members": args.split_members,
@@ -348,6 +355,7 @@ def main() -> None:
         "conv_epilogue": args.conv_epilogue,
         "sum_runs": args.sum_runs,
         "conv_norm": args.conv_norm,
+        "broadcast_views": args.broadcast_views,
     }
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))

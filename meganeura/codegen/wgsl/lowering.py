@@ -21,6 +21,7 @@ from functools import partial
 from ...graph.ir import LEAF_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph, resolve_view
 from ...ops import OPS
 from ...ops.attention import BWD_K, BWD_Q, BWD_V, DELTA, LSE, SDPA, STATS
+from ...passes import broadcast_views
 from ...passes.permute_views import placed_source, view_reads
 from ..kernel import KernelSource, Limits
 from .attention.lowering import lower_attention, lower_delta
@@ -202,7 +203,8 @@ def reads(graph: Graph, node_id: int) -> tuple[int, ...]:
     constants (inlined) left out, transposes folded into a matmul replaced by their input,
     permutes read in place by attention and rotary kernels replaced by the value whose buffer
     they read, a permute written by its operand's kernel reporting that operand
-    (``passes.permute_views``), and duplicates removed; effect ops include the param and
+    (``passes.permute_views``), broadcasts read in place by ``cat`` replaced by the value
+    broadcast (``passes.broadcast_views``), and duplicates removed; effect ops include the param and
     state they update in place.
     """
     node = graph[node_id]
@@ -221,5 +223,6 @@ def reads(graph: Graph, node_id: int) -> tuple[int, ...]:
         ids = ()
     else:
         ids = view_reads(graph, node_id, node.inputs)
+        ids = broadcast_views.view_reads(graph, node_id, ids)
     roots = (resolve_view(graph, i) for i in ids)
     return tuple(dict.fromkeys(r for r in roots if graph[r].op != "constant"))

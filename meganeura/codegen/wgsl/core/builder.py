@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 from ....dtypes import DType
 from ....graph.ir import Graph, Node, TensorType, resolve_view
+from ....passes import broadcast_views
 from ....passes.permute_views import VIEW_READERS, read_view, write_view
 from ...kernel import MAX_ELEMENTS, ArenaRef, KernelSource, Limits, ScratchRef, ValueRef
 from .layout import coalesce, fold_grid, linear_workgroup, strided_index
-from .literals import F32_BITS, F32_BITS_HELPER, F32_OPAQUE_INIT, literal
+from .literals import F32_BITS, F32_BITS_HELPER, F32_OPAQUE_INIT, literal, u
 
 ENTRY_ARGS = (
     "@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, "
@@ -73,8 +74,10 @@ class Src:
     """How a kernel reads one IR value: a binding name, or an inlined literal.
 
     ``strides``: the value is read from another value's buffer (``passes.permute_views``)
-    with these strides per dim of ``type``; ``at`` takes the flat row-major index of the value
-    as always and maps it. ``summed``: the value is a split-K matmul product never stored;
+    with these strides per dim of ``type``, or per dim of ``view_shape`` when given (a
+    refinement of ``type.shape``: the same row-major elements over finer dims, element 0 at
+    ``view_offset``, ``passes.broadcast_views``); ``at`` takes the flat row-major index of
+    the value as always and maps it. ``summed``: the value is a split-K matmul product never stored;
     ``name`` binds its partial sums and element i is the helper call ``summed(i)``
     (``matmul.deferred``)."""
 
@@ -83,6 +86,8 @@ class Src:
     literal: str | None = None
     strides: tuple[int, ...] | None = None
     summed: str | None = None
+    view_shape: tuple[int, ...] | None = None
+    view_offset: int = 0
 
     @property
     def dtype(self) -> DType:
@@ -94,7 +99,10 @@ class Src:
         if self.literal is not None:
             return self.literal
         if self.strides is not None:
-            index = view_index(index, self.type.shape, self.strides)
+            shape = self.type.shape if self.view_shape is None else self.view_shape
+            index = view_index(index, shape, self.strides)
+            if self.view_offset:
+                index = f"{u(self.view_offset)} + {index}"
         return self.at_offset(index)
 
     def at_offset(self, offset: str) -> str:
@@ -114,6 +122,8 @@ class Src:
         n = self.type.shape[-1]
         if self.strides is None:
             return f"({row}) * {n}u" if n != 1 else f"({row})"
+        if self.view_shape is not None:
+            raise ValueError(f"{self.name}: read through a refined view, not by rows")
         if self.strides[-1] != 1:
             raise ValueError(f"{self.name}: rows are not contiguous (strides {self.strides})")
         return f"({view_index(row, self.type.shape[:-1], self.strides[:-1])})"
@@ -200,7 +210,9 @@ class KernelBuilder:
     def read(self, vid: int, name: str) -> Src:
         """Bind value ``vid`` for reading (or inline it when it is a constant). In a kernel of
         a ``permute_views.VIEW_READERS`` op, a permuted operand is read from its input's buffer
-        and a placed one from its permute's (``permute_views.read_view``)."""
+        and a placed one from its permute's (``permute_views.read_view``); in a kernel of a
+        ``broadcast_views.READERS`` op, a broadcast operand is read from the buffer of the value
+        broadcast (``broadcast_views.read_view``)."""
         root = resolve_view(self.graph, vid)
         n = self.graph[root]
         t = self.graph[vid].type
@@ -220,6 +232,13 @@ class KernelBuilder:
                 # would feed runs no kernel, so it is not needed and the product keeps its sum
                 assert resolve_view(self.graph, view[0]) not in self.deferred, view
                 return Src(t, name=self._bind_value(view[0], name, False), strides=view[1])
+        if broadcast_views.reads_in_place(self.graph, self.node.id):
+            bview = broadcast_views.read_view(self.graph, vid)
+            if bview is not None:
+                x, shape, strides, offset = bview
+                assert resolve_view(self.graph, x) not in self.deferred, bview
+                var = self._bind_value(x, name, False)
+                return Src(t, name=var, strides=strides, view_shape=shape, view_offset=offset)
         return Src(t, name=self._bind_value(vid, name, write=False))
 
     def is_bound(self, vid: int) -> bool:

@@ -352,12 +352,29 @@ _VEC_OPS = {"sum": "+", "mean": "+", "amax": "max", "max": "max", "amin": "min",
 VEC4 = True  # benchmarks flip this to compare with scalar loads
 
 
+def takes_vec4(graph: Graph, node_id: int) -> bool:
+    """Whether reduction ``node_id`` reads its operand, stored contiguously, in vec4 units
+    (``passes.broadcast_views`` reads an operand in place only where it would not: the vec4
+    path folds each unit first, another summation order than the scalar path)."""
+    node = graph[node_id]
+    x_type = graph[node.inputs[0]].type
+    if node.type.numel == 0 or not VEC4 or node.op not in _VEC_OPS:
+        return False
+    kept, red = _layout(x_type.shape, tuple(node.attr("dims")))
+    return (
+        len(red[0]) == 1
+        and red[1][0] == 1
+        and red[0][0] % 4 == 0
+        and not any(s % 4 for s in kept[1])
+    )
+
+
 def _vec4_fold(op: str, kept: Layout, red: Layout, x) -> tuple[Layout, Layout, str] | None:
     """(kept, reduced) layouts over vec4 units and the WGSL of ``h4`` (a unit folded to one
     value), when the reduced dims are one contiguous run of a multiple of 4 elements starting
     at multiples of 4; else None."""
-    if not VEC4 or op not in _VEC_OPS or x.literal is not None:
-        return None
+    if not VEC4 or op not in _VEC_OPS or x.literal is not None or x.strides is not None:
+        return None  # (a value read through strides, ``passes.broadcast_views``, is scalar)
     if len(red[0]) != 1 or red[1][0] != 1 or red[0][0] % 4 or any(s % 4 for s in kept[1]):
         return None
     ty = x.dtype.wgsl if x.dtype.wgsl != "f16" else "f32"
