@@ -14,8 +14,9 @@ Usage:
     python bench/lever_ab.py --cases w1:fwd_seq128 --levers norm_prologue,sum_runs --all
     python bench/lever_ab.py --quick   # the CPU-sized cases on lavapipe (a smoke test)
 
-Writes ``bench/results/lever_ab_<machine>.json`` (``--out``) and prints one line per case and
-lever: ms on / off, the ratio off / on (> 1: the lever pays) and the dispatch counts.
+Writes ``bench/results/lever_ab_<machine>.json`` (``--quick``: under ``results/quick/``;
+``--out``) and prints one line per case and lever: ms on / off, the ratio off / on (> 1: the
+lever pays) and the dispatch counts.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ LEVERS = {
     "split_sums": ("meganeura.codegen.wgsl.matmul.deferred", "set_enabled"),
     "residual": ("meganeura.passes.fuse_norm", "RESIDUAL"),
 }
-QUICK_CASES = "w3:train_b1,w5:fwd_small_b1"
+QUICK_CASES = "w3:train_b4,w5:fwd_small_b2"  # the CPU-sized cases of the same names
 
 
 def switch(lever: str, on: bool) -> None:
@@ -120,7 +121,7 @@ def main() -> None:
     variants = [] if args.only_all else [[x] for x in levers]
     if args.all or args.only_all:
         variants.append(levers)
-    cases = (QUICK_CASES if args.quick and args.cases == ap.get_default("cases") else args.cases)
+    cases = QUICK_CASES if args.quick and args.cases == ap.get_default("cases") else args.cases
     rows = []
     for spec in cases.split(","):
         wid, _, name = spec.partition(":")
@@ -146,14 +147,20 @@ def main() -> None:
             rows.append(row)
             print(
                 f"{row['case']:<20} off: {'+'.join(off_levers):<40} on {row['ms_on']:8.3f} ms"
-                f" ({n_on})  off {row['ms_off']:8.3f} ms ({n_off})  off/on {row['off_over_on']:.3f}",
+                f" ({n_on})  off {row['ms_off']:8.3f} ms ({n_off})"
+                f"  off/on {row['off_over_on']:.3f}",
                 flush=True,
             )
-    import meganeura as mn
+    from bench.conv_sweep import machine_tag
+    from meganeura.runtime.device import get_device
 
-    adapter = mn.runtime.device.get_device().name if hasattr(mn, "runtime") else "unknown"
-    tag = args.machine or ("quick" if args.quick else adapter.split()[1].lower())
-    out = Path(args.out or Path(__file__).parent / "results" / f"lever_ab_{tag}.json")
+    adapter = get_device().name
+    tag = args.machine or ("quick" if args.quick else machine_tag(adapter))
+    results = Path(__file__).parent / "results"
+    default = (
+        results / "quick" / "lever_ab.json" if args.quick else results / f"lever_ab_{tag}.json"
+    )
+    out = Path(args.out or default)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"adapter": adapter, "rounds": args.rounds, "repeats": args.repeats, "rows": rows}
     tmp = out.with_suffix(".tmp")
