@@ -318,32 +318,9 @@ def main() -> None:
     ap.add_argument("--conv-norm", choices=("on", "off"), default="on")
     ap.add_argument("--broadcast-views", choices=("on", "off"), default="on")
     args = ap.parse_args()
-    from meganeura.codegen.wgsl.conv import lowering
-    from meganeura.codegen.wgsl.matmul import (
-        deferred,
-        split_group,
-        summing,
-        tiled_group,
-        tiled_rgroup,
-    )
+    from bench.lever_ab import apply_flags
 
-    summing.set_enabled(args.sum_runs == "on")
-    lowering.MERGE_PHASES = args.conv_phases == "merged"
-    deferred.set_enabled(args.split_sums == "deferred")
-    tiled_group.set_split_members(args.split_members == "join")
-    tiled_rgroup.set_enabled(args.weight_grads == "grouped")
-    split_group.set_sum_groups(args.sum_groups == "on")
-    from meganeura.passes import fuse_conv, fuse_norm
-
-    fuse_norm.RESIDUAL[:] = [args.residual == "on"]
-    from meganeura.codegen.wgsl.norm import conv_prologue, prologue
-
-    prologue.set_enabled(args.norm_prologue == "on")
-    conv_prologue.set_enabled(args.conv_norm == "on")
-    fuse_conv.set_enabled(args.conv_epilogue == "on")
-    from meganeura.passes import broadcast_views
-
-    broadcast_views.set_enabled(args.broadcast_views == "on")
+    apply_flags(args)
     result = {
         "split_sums": args.split_sums,
         "split_members": args.split_members,

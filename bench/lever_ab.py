@@ -43,6 +43,23 @@ LEVERS = {
     "sum_groups": ("meganeura.codegen.wgsl.matmul.split_group", "set_sum_groups"),
     "split_sums": ("meganeura.codegen.wgsl.matmul.deferred", "set_enabled"),
     "residual": ("meganeura.passes.fuse_norm", "RESIDUAL"),
+    "split_members": ("meganeura.codegen.wgsl.matmul.tiled_group", "set_split_members"),
+    "conv_phases": ("meganeura.codegen.wgsl.conv.lowering", "MERGE_PHASES"),
+}
+# the command-line flags of bench/dispatch_counts.py and bench/llm_profile.py: argparse dest ->
+# (lever, the flag's value that turns it on); split_members is off by default (measured slower)
+FLAGS = {
+    "split_sums": ("split_sums", "deferred"),
+    "split_members": ("split_members", "join"),
+    "conv_phases": ("conv_phases", "merged"),
+    "weight_grads": ("weight_grads", "grouped"),
+    "sum_groups": ("sum_groups", "on"),
+    "residual": ("residual", "on"),
+    "norm_prologue": ("norm_prologue", "on"),
+    "conv_epilogue": ("conv_epilogue", "on"),
+    "sum_runs": ("sum_runs", "on"),
+    "conv_norm": ("conv_norm", "on"),
+    "broadcast_views": ("broadcast_views", "on"),
 }
 QUICK_CASES = "w3:train_b4,w5:fwd_small_b2"  # the CPU-sized cases of the same names
 
@@ -56,11 +73,21 @@ def switch(lever: str, on: bool) -> None:
     if lever not in LEVERS:
         raise KeyError(f"unknown lever {lever!r}; levers: {', '.join(LEVERS)}")
     mod, attr = LEVERS[lever]
-    target = getattr(importlib.import_module(mod), attr)
+    module = importlib.import_module(mod)
+    target = getattr(module, attr)
     if callable(target):
         target(on)
-    else:  # a one-element list switch
+    elif isinstance(target, list):  # a one-element list switch
         target[:] = [on]
+    else:  # a module-level bool
+        setattr(module, attr, on)
+
+
+def apply_flags(args) -> None:
+    """Switch every lever whose flag (``FLAGS``) the parsed ``args`` carry."""
+    for dest, (lever, on_value) in FLAGS.items():
+        if hasattr(args, dest):
+            switch(lever, getattr(args, dest) == on_value)
 
 
 def build(wl, case, quick: bool, off: list[str]):

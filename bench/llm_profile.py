@@ -72,25 +72,9 @@ def main() -> None:
     ap.add_argument("--sum-runs", choices=("on", "off"), default="on")
     args = ap.parse_args()
     import meganeura as mn
-    from meganeura.codegen.wgsl.matmul import (
-        deferred,
-        split_group,
-        summing,
-        tiled_group,
-        tiled_rgroup,
-    )
+    from bench.lever_ab import apply_flags
 
-    summing.set_enabled(args.sum_runs == "on")
-    deferred.set_enabled(args.split_sums == "deferred")
-    tiled_group.set_split_members(args.split_members == "join")
-    tiled_rgroup.set_enabled(args.weight_grads == "grouped")
-    split_group.set_sum_groups(args.sum_groups == "on")
-    from meganeura.passes import fuse_norm
-
-    fuse_norm.RESIDUAL[:] = [args.residual == "on"]
-    from meganeura.codegen.wgsl.norm import prologue
-
-    prologue.set_enabled(args.norm_prologue == "on")
+    apply_flags(args)
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
     from meganeura.nn.compiled import CompiledModule
 

@@ -272,3 +272,19 @@ def check(
         else:
             np.testing.assert_array_equal(g, w, err_msg=what)
     return got
+
+
+def compile_both(set_enabled, graph: Graph, options, limits: Limits) -> list:
+    """[program compiled with a compiler switch on, the same with it off] for A/B tests of a
+    lever (``set_enabled(bool)``, e.g. ``norm.prologue.set_enabled``); the switch is left on,
+    even when a compile raises."""
+    from meganeura.compile import compile
+
+    out = []
+    try:
+        for on in (True, False):
+            set_enabled(on)
+            out.append(compile(graph, options, limits))
+    finally:
+        set_enabled(True)
+    return out

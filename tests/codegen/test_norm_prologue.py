@@ -17,12 +17,14 @@ from meganeura.codegen.kernel import Limits, ScratchRef
 from meganeura.codegen.wgsl.matmul import tiled_group
 from meganeura.codegen.wgsl.matmul.plan import force_plan
 from meganeura.codegen.wgsl.norm import prologue
-from meganeura.compile import CompileOptions, compile
+from meganeura.compile import CompileOptions
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 from meganeura.ops.activation import silu
 from meganeura.ops.norm import layer_norm, rms_norm
 from meganeura.optim import HYPER_INPUT, SGD
+
+from .harness import compile_both
 
 RNG = np.random.default_rng(47)
 H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
@@ -47,12 +49,7 @@ def split_plan():
 
 def _both(graph, options, limits):
     """(program with norm prologues, program without)."""
-    out = []
-    for on in (True, False):
-        prologue.set_enabled(on)
-        out.append(compile(graph, options, limits))
-    prologue.set_enabled(True)
-    return out
+    return compile_both(prologue.set_enabled, graph, options, limits)
 
 
 def _block_graph(loss: bool = False, d: int = D):

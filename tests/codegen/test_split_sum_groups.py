@@ -18,6 +18,7 @@ from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
+from .harness import compile_both
 from .test_splitk_deferred import H200, SPLIT, _params
 
 RNG = np.random.default_rng(37)
@@ -33,12 +34,7 @@ def split_plan():
 
 def _both(graph, options, limits):
     """(program with sum groups, program without)."""
-    out = []
-    for on in (True, False):
-        split_group.set_sum_groups(on)
-        out.append(compile(graph, options, limits))
-    split_group.set_sum_groups(True)
-    return out
+    return compile_both(split_group.set_sum_groups, graph, options, limits)
 
 
 def _sum_of_products(m: int = 37, ks=(96, 72, 136), n: int = 52):

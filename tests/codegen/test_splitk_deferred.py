@@ -15,11 +15,13 @@ import torch
 from meganeura.codegen.kernel import Limits
 from meganeura.codegen.wgsl.matmul import deferred, tiled_group
 from meganeura.codegen.wgsl.matmul.plan import force_plan
-from meganeura.compile import CompileOptions, compile
+from meganeura.compile import CompileOptions
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 from meganeura.ops.activation import silu
 from meganeura.optim import HYPER_INPUT, SGD
+
+from .harness import compile_both
 
 RNG = np.random.default_rng(31)
 # The H200's limits (bench/dispatch_counts.py): not a CPU, so the GPU plans and split-K apply.
@@ -49,12 +51,7 @@ def split_plan():
 
 def _both(graph, options, limits):
     """(program with deferred sums, program without)."""
-    out = []
-    for on in (True, False):
-        deferred.set_enabled(on)
-        out.append(compile(graph, options, limits))
-    deferred.set_enabled(True)
-    return out
+    return compile_both(deferred.set_enabled, graph, options, limits)
 
 
 def _sums(program) -> list[str]:

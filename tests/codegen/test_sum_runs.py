@@ -20,6 +20,7 @@ from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
+from .harness import compile_both
 from .test_splitk_deferred import H200, SPLIT, _params
 
 RNG = np.random.default_rng(53)
@@ -41,12 +42,7 @@ def split_plan():
 
 def _both(graph, options, limits):
     """(program with merged sums, program without)."""
-    out = []
-    for on in (True, False):
-        summing.set_enabled(on)
-        out.append(compile(graph, options, limits))
-    summing.set_enabled(True)
-    return out
+    return compile_both(summing.set_enabled, graph, options, limits)
 
 
 def _qkv_graph(m: int = 40, k: int = 96):

@@ -17,10 +17,12 @@ import meganeura.nn as mnn
 import meganeura.nn.functional as F
 from meganeura.codegen.kernel import Limits
 from meganeura.codegen.wgsl.conv.gemm import force_plan
-from meganeura.compile import CompileOptions, compile
+from meganeura.compile import CompileOptions
 from meganeura.nn.compiled import trace_call
 from meganeura.nn.parameter import Buffer, Parameter
 from meganeura.passes import fuse_conv
+
+from ..codegen.harness import compile_both
 
 RNG = np.random.default_rng(17)
 H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
@@ -63,14 +65,7 @@ def _block(train: bool = False) -> tuple[Block, dict[str, np.ndarray]]:
 
 def _both(graph, options, limits):
     """(program with conv epilogues, program without)."""
-    out = []
-    try:
-        for on in (True, False):
-            fuse_conv.set_enabled(on)
-            out.append(compile(graph, options, limits))
-    finally:
-        fuse_conv.set_enabled(True)
-    return out
+    return compile_both(fuse_conv.set_enabled, graph, options, limits)
 
 
 def _reference(state: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
