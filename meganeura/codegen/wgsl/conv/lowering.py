@@ -187,12 +187,16 @@ def forward_partials(graph: Graph, node_id: int, limits: Limits):
     splits = plan_gemm(g, limits, node.op).splits
     if splits == 1:
         return None
-    ochw = v.oc * v.ohw
-    index = (
-        f"({_mod(_div('i', v.ohw), v.oc)}) * {u(v.n * v.ohw)} + "
-        f"{_mul(_div('i', ochw), v.ohw)} + {_mod('i', v.ohw)}"
+    return "partials", splits, g.m * g.n * g.groups, _gemm_element(v.n, v.oc, v.ohw)
+
+
+def _gemm_element(n: int, c: int, hw: int) -> str:
+    """WGSL u32 expression: the implicit GEMM's element (channel-major: ``ch * (n * hw) +
+    image * hw + pix``) holding flat NCHW element ``i`` of an ``[n, c, hw]`` value."""
+    return (
+        f"({_mod(_div('i', hw), c)}) * {u(n * hw)} + "
+        f"{_mul(_div('i', c * hw), hw)} + {_mod('i', hw)}"
     )
-    return "partials", splits, g.m * g.n * g.groups, index
 
 
 @dataclass(frozen=True)
@@ -269,12 +273,7 @@ def backward_input_partials(graph: Graph, node_id: int, limits: Limits):
     splits = plan_gemm(g, limits, node.op).splits
     if splits == 1:
         return None
-    chw = v.c * v.hw
-    index = (
-        f"({_mod(_div('i', v.hw), v.c)}) * {u(v.n * v.hw)} + "
-        f"{_mul(_div('i', chw), v.hw)} + {_mod('i', v.hw)}"
-    )
-    return "partials", splits, g.m * g.n * g.groups, index
+    return "partials", splits, g.m * g.n * g.groups, _gemm_element(v.n, v.c, v.hw)
 
 
 def _zero_phases(graph, node_id, limits, v: _Conv, zero_rows, zero_cols) -> KernelSource:
