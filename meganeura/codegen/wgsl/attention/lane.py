@@ -142,6 +142,7 @@ def lower_flash(
     split: Split | None = None,
     prologue=None,
     lse_node: int | None = None,
+    deferred=None,
 ) -> list[KernelSource]:
     """One dispatch of the flash kernel in ``mode`` for node ``node_id``; in ``dkv`` mode
     ``node_id`` is the key-gradient node and ``value_node`` its value-gradient sibling, whose
@@ -158,6 +159,7 @@ def lower_flash(
     either the workgroup first writes its kv head's new keys and values into the caches it
     then streams (``rope_attention``, one row tile per (batch, kv head)) or the keys are read
     unrotated and each tile rotated as it is copied to workgroup memory (``rope_prefill``).
+    ``deferred``: split-K products read as the sums of their partials (``attention.summed``).
     """
     node = graph[node_id]
     ins = node.inputs
@@ -173,7 +175,7 @@ def lower_flash(
         raise ValueError(f"split keys are for the forward only, not {mode!r}")
     chunks = 1 if split is None else split.chunks
 
-    kb = KernelBuilder(graph, node, limits)
+    kb = KernelBuilder(graph, node, limits, deferred)
     q_src = kb.read(ins[0], "q") if prologue is None else prologue.queries(kb)
     keys = getattr(prologue, "keys", None)  # rope_prefill: keys rotated as tiles load
     src = {"q": q_src, "k": kb.read(ins[1], "k") if keys is None else keys(kb)}

@@ -127,9 +127,13 @@ class RopeLoads(QueryRotation):
         ]
 
 
-def lower_rope_prefill(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
+def lower_rope_prefill(
+    graph: Graph, group: FusionGroup, limits: Limits, deferred=None
+) -> list[KernelSource]:
     """The one dispatch of an ``attach_prefill_attention`` group, named
-    ``%<q rotation>+<k rotation>+<attention> rope_prefill_attention fwd``."""
-    kernels = lower_flash(graph, group.sink, limits, "fwd", prologue=RopeLoads(graph, group))
+    ``%<q rotation>+<k rotation>+<attention> rope_prefill_attention fwd``; ``deferred``:
+    split-K products (q, k, v) read as the sums of their partials (``attention.summed``)."""
+    loads = RopeLoads(graph, group)
+    kernels = lower_flash(graph, group.sink, limits, "fwd", prologue=loads, deferred=deferred)
     name = "%" + "+".join(str(m) for m in group.members) + f" {OP_NAME} fwd"
     return [replace(ks, name=name) for ks in kernels]

@@ -219,18 +219,14 @@ class KernelBuilder:
         if n.op == "constant":
             return Src(t, literal=literal(n.attr("value"), n.type.dtype))
         if root in self.deferred:
-            if root not in self._summed:
-                part = self.deferred[root]
-                var = self.scratch(part.key, part.count, DType.f32, name, owner=root)
-                self._helpers.append(part.helper(f"sum_{var}", var, n.type.dtype))
-                self._summed[root] = Src(t, name=var, summed=f"sum_{var}")
-            return Src(t, name=self._summed[root].name, summed=self._summed[root].summed)
+            return self._summed_src(root, t, name)
         if self.node.op in VIEW_READERS:
             view = read_view(self.graph, vid)
+            if view is not None and resolve_view(self.graph, view[0]) in self.deferred:
+                # a split-K product read in place through a permute by a forward attention
+                # kernel (``attention.summed``): its partials' order is the product's
+                return self._summed_src(resolve_view(self.graph, view[0]), t, name, view[1])
             if view is not None:
-                # a deferred split-K product is never read through a view: the permute it
-                # would feed runs no kernel, so it is not needed and the product keeps its sum
-                assert resolve_view(self.graph, view[0]) not in self.deferred, view
                 return Src(t, name=self._bind_value(view[0], name, False), strides=view[1])
         if broadcast_views.reads_in_place(self.graph, self.node.id):
             bview = broadcast_views.read_view(self.graph, vid)
@@ -240,6 +236,19 @@ class KernelBuilder:
                 var = self._bind_value(x, name, False)
                 return Src(t, name=var, strides=strides, view_shape=shape, view_offset=offset)
         return Src(t, name=self._bind_value(vid, name, write=False))
+
+    def _summed_src(
+        self, root: int, t: TensorType, name: str, strides: tuple[int, ...] | None = None
+    ) -> Src:
+        """A ``Src`` reading deferred split-K product ``root`` (type ``t``, through
+        ``strides`` when given) as the sums of its partials, bound once per kernel."""
+        if root not in self._summed:
+            part = self.deferred[root]
+            var = self.scratch(part.key, part.count, DType.f32, name, owner=root)
+            self._helpers.append(part.helper(f"sum_{var}", var, self.graph[root].type.dtype))
+            self._summed[root] = Src(t, name=var, summed=f"sum_{var}")
+        summed = self._summed[root]
+        return Src(t, name=summed.name, summed=summed.summed, strides=strides)
 
     def is_bound(self, vid: int) -> bool:
         """Whether value ``vid`` (or the value owning its buffer) already has a binding."""

@@ -202,12 +202,38 @@ def plan_deferred_sums(
         part = split_partials(graph, nid, limits)
         if part is None:
             continue
-        readers = _readers(graph, users, nid)
-        if readers and all(_sums(graph, r, needed, group_of.get(r)) for r in readers):
-            kernels = len({id(group_of[r]) if r in group_of else r for r in readers})
-            if extra_bytes(part, kernels) <= MAX_EXTRA_BYTES:
-                out[nid] = part
+        kernels = _summing_kernels(graph, users, part, needed, group_of, limits)
+        if kernels is not None and extra_bytes(part, kernels) <= MAX_EXTRA_BYTES:
+            out[nid] = part
     return out
+
+
+def _summing_kernels(
+    graph: Graph,
+    users: list[list[int]],
+    part: SplitPartials,
+    needed: Sequence[bool],
+    group_of: dict,
+    limits: Limits,
+) -> int | None:
+    """How many kernels read product ``part.node`` when every one of them can sum its
+    partials, else None: kernels reading through ``Src.at`` (``_sums``) and the attention
+    forward reading it in place through a permute (``attention.summed``). The attention
+    kernel loads each key and value once per row tile of its kv head (``summed.reads``),
+    re-reads that hit the cache as those of the stored product did; so it counts as one
+    kernel, and the partials it re-reads must stay small (``MAX_EXTRA_BYTES`` in all)."""
+    from ..attention.summed import in_place_readers  # attention imports the builder: late
+
+    kernels: set = set()
+    for r in _readers(graph, users, part.node):
+        if _sums(graph, r, needed, group_of.get(r)):
+            kernels.add(id(group_of[r]) if r in group_of else r)
+            continue
+        found = in_place_readers(graph, users, r, part.node, needed, group_of, limits)
+        if found is None or 4 * part.count > MAX_EXTRA_BYTES:
+            return None
+        kernels.update(key for key, _ in found)
+    return len(kernels) or None
 
 
 def extra_bytes(part: SplitPartials, kernels: int) -> int:
