@@ -38,6 +38,7 @@ LEVERS = {
     "conv_norm": ("meganeura.codegen.wgsl.norm.conv_prologue", "set_enabled"),
     "conv_epilogue": ("meganeura.passes.fuse_conv", "set_enabled"),
     "sum_runs": ("meganeura.codegen.wgsl.matmul.summing", "set_enabled"),
+    "attention_sums": ("meganeura.codegen.wgsl.attention.summed", "set_enabled"),
     "broadcast_views": ("meganeura.passes.broadcast_views", "set_enabled"),
     "weight_grads": ("meganeura.codegen.wgsl.matmul.tiled_rgroup", "set_enabled"),
     "sum_groups": ("meganeura.codegen.wgsl.matmul.split_group", "set_sum_groups"),
