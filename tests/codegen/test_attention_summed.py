@@ -152,8 +152,9 @@ def test_sdpa_bit_identical(gpu_device, precision):
 @pytest.mark.parametrize("precision", ["strict", "fast"])
 def test_tiny_llama_logits_bit_identical_and_match_transformers(gpu_device, precision, monkeypatch):
     """The project's Llama (2 layers, 20 tokens): per layer the rope-prefill attention reads
-    q, k and v's partials (strict; in fast mode q and k are rotated apart, v's partials are
-    read, narrowed to f16 as stored). Logits on and off bit for bit, and transformers' float64 ones
+    q, k and v's partials (strict; in fast mode the f16 q and k are rotated by ``rope_cache``,
+    which reads their partials, narrowed to f16 as stored, and the attention v's). Logits on
+    and off bit for bit, and transformers' float64 ones
     within f32 (f16) rounding."""
     import torch
     import transformers
@@ -188,8 +189,8 @@ def test_tiny_llama_logits_bit_identical_and_match_transformers(gpu_device, prec
         assert len([n for n in names[0] if "rope_prefill_attention" in n]) == 2
         assert len(names[1]) - len(names[0]) == 2  # q, k and v's merged sum, per layer
         assert summed_products[1] - summed_products[0] == 6
-    else:  # f16 q and k are rotated by their own kernel (rope_cache): v alone is read summed
-        assert summed_products[1] - summed_products[0] == 2
+    else:  # f16 q and k are rotated by their own kernel (rope_cache), which sums them
+        assert summed_products[1] - summed_products[0] == 6
     np.testing.assert_array_equal(got[0], got[1])
     ref = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**CFG, attn_implementation="eager")
@@ -199,3 +200,83 @@ def test_tiny_llama_logits_bit_identical_and_match_transformers(gpu_device, prec
     want = ref(torch.from_numpy(ids.astype(np.int64))).logits.detach().numpy()
     tol = 1e-4 if precision == "strict" else 3e-2
     np.testing.assert_allclose(got[0], want, rtol=0, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.gpu
+def test_tiny_llama_cache_prefill_and_decode_bit_identical(gpu_device, monkeypatch):
+    """With a KV cache: the prefill's rotations and cache writes (``rope_cache``) and the
+    decode steps' fused attention (``rope_attention``, where the adapter's plan fuses it)
+    read q, k and v's partials. Logits on and off bit for bit; prefill then decode equal a
+    full recompute within f32 rounding. (Strict only: in fast mode the program without this
+    feature does not compile on lavapipe, the ``rope_cache`` kernel storing the f16 values
+    read in place through their permute into the f32 cache without a conversion.)"""
+    precision = "strict"
+    import meganeura as mn
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
+    from meganeura.nn import compiled
+
+    names: list[list[str]] = []
+    compile_graph = compiled.compile_graph
+
+    def record(*args, **kwargs):
+        program = compile_graph(*args, **kwargs)
+        names.append([d.name for d in program.dispatches])
+        return program
+
+    monkeypatch.setattr(compiled, "compile_graph", record)
+    ids = np.random.default_rng(3).integers(0, 96, (1, 12)).astype(np.int32)
+    got = []
+    for on in (True, False):
+        summed.set_enabled(on)
+        mn.manual_seed(2)
+        model = LlamaForCausalLM(LlamaConfig(**CFG))
+        fn = mn.compile(model, precision=precision, device=gpu_device)
+        full = fn(ids)
+        model.setup_cache(1, 32)
+        out = [fn(ids[:, :9], cache_position=np.int32(0))]  # prefill 9 tokens
+        for t in range(9, 12):  # then one token at a time
+            out.append(fn(ids[:, t : t + 1], cache_position=np.asarray([t], np.int64)))
+        got.append((full, np.concatenate(out, axis=1)))
+    summed.set_enabled(True)
+    half = len(names) // 2
+    on_names, off_names = sum(names[:half], []), sum(names[half:], [])
+    assert any("rope_cache" in n or "rope_attention" in n for n in on_names)
+    assert _products(on_names) < _products(off_names)
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    np.testing.assert_array_equal(got[0][1], got[1][1])
+    full = got[0][0]
+    np.testing.assert_allclose(got[0][1], full, rtol=0, atol=1e-5 * np.abs(full).max())
+
+
+@pytest.mark.gpu
+def test_tiny_llama_training_step_bit_identical(gpu_device, monkeypatch):
+    """A training step: the rotations (``rope_cache``, storing q_rot and k_rot for the
+    backward) are q and k's only readers and sum their partials; v, read by the backward
+    too, keeps its sum. Loss and every gradient on and off bit for bit."""
+    import meganeura as mn
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
+    from meganeura.nn import compiled
+
+    names: list[list[str]] = []
+    compile_graph = compiled.compile_graph
+
+    def record(*args, **kwargs):
+        program = compile_graph(*args, **kwargs)
+        names.append([d.name for d in program.dispatches])
+        return program
+
+    monkeypatch.setattr(compiled, "compile_graph", record)
+    tokens = np.random.default_rng(6).integers(0, 96, (1, 13))
+    got = []
+    for on in (True, False):
+        summed.set_enabled(on)
+        mn.manual_seed(13)
+        model = LlamaForCausalLM(LlamaConfig(**CFG))
+        tr = mn.Trainer(model, mn.optim.SGD(lr=0.0), lm_loss, device=gpu_device)
+        got.append(tr.step(tokens[:, :-1], tokens[:, 1:].copy(), return_grads=True))
+    summed.set_enabled(True)
+    assert len(names) == 2 and _products(names[1]) - _products(names[0]) == 4  # q, k x 2
+    assert got[0][0] == got[1][0]
+    assert got[0][1].keys() == got[1][1].keys()
+    for name, g in got[0][1].items():
+        np.testing.assert_array_equal(g, got[1][1][name], err_msg=name)

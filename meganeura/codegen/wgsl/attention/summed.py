@@ -5,22 +5,25 @@ one dispatch computes (``matmul.split_group``), reshaped and permuted to the hea
 [B, H, S, D] and read in place by the attention kernel (``passes.permute_views``: the permutes
 run no kernel). Without this module each product kept its summing dispatch (three merged into
 one by ``matmul.summing``), a ~7 us launch per layer on the H200. Here the forward lane kernel
-(``lane.lower_flash``, ``fwd``: a plain ``scaled_dot_product_attention`` or the
-``rope_prefill`` group, rotations in its loads) binds the partials instead and reads element i
+(``lane.lower_flash``, ``fwd``: a plain ``scaled_dot_product_attention``, the
+``rope_prefill`` group, rotations in its loads, or the ``rope_attention`` group, cache writes
+first), or the rotations with cache writes before it (``rope_cache``, a prefill into a KV
+cache), binds the partials instead and reads element i
 through ``matmul.deferred.SplitPartials.helper`` (``KernelBuilder.read``: a ``Src`` with the
 permute's strides whose element is the summing loop over the partials at the product's storage
 offset), so the product is never stored and the values are bit-identical: the helper runs the
 summing dispatch's f32 additions in the same order (narrowed to f16 and back where the product
 is stored as f16).
 
-Cost: the query row is loaded once per row; every key and value row is loaded by each of the
-kv head's row tiles (``reads``), each element ``splits`` loads instead of one.
+Cost: the query row is loaded once per row; in the lane forward every key and value row is
+loaded by each of the kv head's row tiles (``reads``), each element ``splits`` loads instead
+of one (from the cache, as the stored product's loads were).
 ``matmul.deferred.plan_deferred_sums`` counts those reads against ``MAX_EXTRA_BYTES``.
 
 Only where the attention forward kernels are the product's only readers (a forward-only
 program: in training the backward reads q, k and v too, and they keep their sum). Not covered:
-the block and split-key forward kernels, the KV-cache forward (``rope_attention``), and the
-standalone rotation kernels. ``set_enabled(False)`` compiles the programs before this module.
+the block and split-key forward kernels, a rotation in no group. ``set_enabled(False)``
+compiles the programs before this module.
 """
 
 from __future__ import annotations
@@ -61,6 +64,14 @@ def reads(graph: Graph, reader: int, operand: int, group, limits: Limits) -> int
     """How many times the kernel of ``reader`` loads each element of ``operand`` (a permute it
     reads in place), or None when that kernel cannot read it as sums of partials.
 
+    Kernels that can: the lane forward of a ``scaled_dot_product_attention`` in no group
+    (q once per row, k and v once per row tile of the kv head), and the groups anchored on a
+    rotation (``passes.rope_cache``): the prefill attention rotating q and k as it loads them
+    (``rope_prefill``, as the plain forward), the decode attention writing its new keys and
+    values into the caches (``rope_attention``: one row tile per kv head, each element
+    loaded once) and the rotations with cache writes (``rope_cache``: one thread per element
+    or pair, each loaded once). Each reads its operands through ``Src.at`` alone.
+
     Args:
         graph: the graph.
         reader: a node reading ``operand`` directly.
@@ -69,29 +80,26 @@ def reads(graph: Graph, reader: int, operand: int, group, limits: Limits) -> int
         limits: the adapter's limits (they choose the attention kernel).
     """
     node = graph[reader]
-    if group is None:
-        if node.op != SDPA or not _lane_forward(graph, reader, limits):
-            return None
-        sdpa = node
-    elif (
-        isinstance(group, FusionGroup)
-        and group.anchor is not None
-        and graph[group.anchor].op == ROPE
-        and graph[group.sink].op == SDPA
-        and not any(graph[m].op == INDEX_COPY for m in group.members)
-    ):  # a rope_prefill group: its rotations read q and k, the attention v
-        sdpa = graph[group.sink]
-    else:
-        return None
-    tiles = _row_tiles(graph, sdpa.id, limits)
-    if node.op == ROPE:
-        if node.inputs[0] != operand or node.id not in sdpa.inputs[:2]:
-            return None
-        return 1 if sdpa.inputs[0] == node.id else tiles
     slots = [k for k, i in enumerate(node.inputs) if i == operand]
-    if not slots or max(slots) > 2 or (group is not None and slots != [2]):
-        return None  # a mask, or (in a rope group) an unrotated q or k
-    return sum(1 if k == 0 else tiles for k in slots)
+    if group is None:
+        if node.op != SDPA or not _lane_forward(graph, reader, limits) or max(slots) > 2:
+            return None  # not the lane forward, or a mask
+        tiles = _row_tiles(graph, reader, limits)
+        return sum(1 if k == 0 else tiles for k in slots)
+    if not isinstance(group, FusionGroup) or group.anchor is None:
+        return None
+    if graph[group.anchor].op != ROPE:
+        return None
+    sink = graph[group.sink]
+    prefill = sink.op == SDPA and not any(graph[m].op == INDEX_COPY for m in group.members)
+    tiles = _row_tiles(graph, sink.id, limits) if prefill else 1
+    if node.op == ROPE and slots == [0]:  # the unrotated q or k
+        return tiles if prefill and sink.inputs[1] == node.id else 1
+    if node.op == INDEX_COPY and slots == [2]:  # the new values written into the cache
+        return 1
+    if node.op == SDPA and prefill and slots == [2]:  # v
+        return tiles
+    return None
 
 
 def in_place_readers(
