@@ -126,6 +126,7 @@ def test_sdpa_bit_identical(gpu_device, precision):
     on, off = _both(graph, CompileOptions(precision=precision), limits)
     assert not _sums(on) and _sums(off)
     assert _attention(on).wgsl.count("fn sum_") == 3
+    assert _attention(on).wgsl.count("fn sum4_") == 3  # vec4 runs of rows: vec4 sums
     if precision == "fast":
         assert "f32(f16(v))" in _attention(on).wgsl
     got = []

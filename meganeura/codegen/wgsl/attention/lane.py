@@ -119,6 +119,8 @@ class _Kernel:
 def _load4(src: Src, base: str, c: int, n: int) -> str:
     """vec4 of elements 4c..4c+3 of a row starting at storage offset ``base``
     (``Src.row_offset``; 0 past the row's n)."""
+    if 4 * c + 3 < n:
+        return src.at4(base, 4 * c)
     comps = [
         src.at_offset(f"{base} + {u(4 * c + e)}") if 4 * c + e < n else "0.0" for e in range(4)
     ]
@@ -292,6 +294,8 @@ def _load_tile(
     width = -(-n // 4)
 
     def vec4(base: str, c: str) -> str:
+        if n % 4 == 0:
+            return src.at4(base)
         comps = []
         for e in range(4):
             if n % 4 == 0:

@@ -88,6 +88,7 @@ class Src:
     summed: str | None = None
     view_shape: tuple[int, ...] | None = None
     view_offset: int = 0
+    summed4: str | None = None  # with ``summed``: helper of elements 4q .. 4q + 3 (``at4``)
 
     @property
     def dtype(self) -> DType:
@@ -114,6 +115,24 @@ class Src:
         if self.type.dtype is DType.f16:
             return f"f32({self.name}[{offset}])"
         return f"{self.name}[{offset}]"
+
+    def at4(self, base: str, start: int = 0) -> str:
+        """vec4<f32> of the elements at storage offsets ``base`` + ``start`` .. + 3 of rows
+        read through ``row_offset`` (``base`` a row's start plus a multiple of 4, ``start`` a
+        multiple of 4, all inside the row): one vec4 sum of partials where the value is a
+        deferred split-K product whose rows start at multiples of 4 (``summed4``), else four
+        ``at_offset`` loads."""
+        if self.summed4 is not None and self._rows_by_4():
+            return f"{self.summed4}(({base} + {u(start)}) / 4u)"
+        comps = ", ".join(self.at_offset(f"{base} + {u(start + e)}") for e in range(4))
+        return f"vec4<f32>({comps})"
+
+    def _rows_by_4(self) -> bool:
+        if self.type.shape[-1] % 4:
+            return False
+        if self.strides is None:
+            return True
+        return self.view_shape is None and all(s % 4 == 0 for s in self.strides[:-1])
 
     def row_offset(self, row: str) -> str:
         """u32 storage offset of element 0 of row ``row`` (flat index over all dims but the
@@ -245,10 +264,21 @@ class KernelBuilder:
         if root not in self._summed:
             part = self.deferred[root]
             var = self.scratch(part.key, part.count, DType.f32, name, owner=root)
-            self._helpers.append(part.helper(f"sum_{var}", var, self.graph[root].type.dtype))
-            self._summed[root] = Src(t, name=var, summed=f"sum_{var}")
+            dtype = self.graph[root].type.dtype
+            four = None
+            if strides is not None and part.total % 4 == 0 and part.index == "i":
+                # a view reader (attention) also loads vec4 runs of rows: a vec4 binding,
+                # the scalar helper reading lanes of it (same values, same order)
+                self.vectorize(var)
+                self._helpers.append(part.helper(f"sum4_{var}", var, dtype, width=4))
+                self._helpers.append(part.helper(f"sum_{var}", var, dtype, lanes_of_vec4=True))
+                four = f"sum4_{var}"
+            else:
+                self._helpers.append(part.helper(f"sum_{var}", var, dtype))
+            self._summed[root] = Src(t, name=var, summed=f"sum_{var}", summed4=four)
         summed = self._summed[root]
-        return Src(t, name=summed.name, summed=summed.summed, strides=strides)
+        return Src(t, name=summed.name, summed=summed.summed, strides=strides,
+                   summed4=summed.summed4)  # fmt: skip
 
     def is_bound(self, vid: int) -> bool:
         """Whether value ``vid`` (or the value owning its buffer) already has a binding."""

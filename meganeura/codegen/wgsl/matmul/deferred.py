@@ -89,7 +89,9 @@ class SplitPartials:
     def count(self) -> int:
         return self.splits * self.total
 
-    def helper(self, fn: str, var: str, dtype: DType, width: int = 1) -> str:
+    def helper(
+        self, fn: str, var: str, dtype: DType, width: int = 1, lanes_of_vec4: bool = False
+    ) -> str:
         """WGSL function ``fn(i) -> f32``: element i of the product from binding ``var``, as
         the summing dispatch computes it (and stores it, as f16 for an f16 product).
 
@@ -98,9 +100,15 @@ class SplitPartials:
         (vec4 adds are lane-wise f32 adds), a quarter of the loads. With an ``index`` other
         than ``"i"`` the caller guarantees that ``index`` maps elements 4q .. 4q + 3 to four
         consecutive partial elements starting at a multiple of 4 (a convolution's output
-        whose planes have a multiple of 4 pixels)."""
+        whose planes have a multiple of 4 pixels).
+
+        ``lanes_of_vec4`` (width 1, ``total`` a multiple of 4, index ``"i"``): ``var`` is an
+        ``array<vec4<f32>>`` (bound for a width-4 helper too) and the scalar loads read lane
+        ``e % 4`` of its vectors: the same values in the same order."""
         if width not in (1, 4) or (width == 4 and self.total % 4):
             raise ValueError(f"%{self.node}: no vec4 sum over these partials")
+        if lanes_of_vec4 and (width != 1 or self.total % 4 or self.index != "i" or self.lanes):
+            raise ValueError(f"%{self.node}: no scalar sum over vec4 partials")
         ty = "f32" if width == 1 else "vec4<f32>"
         zero = "0.0" if width == 1 else "vec4<f32>(0.0)"
         ret = f"{ty}(vec4<f16>(v))" if width == 4 else "f32(f16(v))"
@@ -115,10 +123,13 @@ class SplitPartials:
                 f"  let e = ({self.index}) / 4u;",
             ]
         if self.lanes == 0:
+            load = f"{var}[t * {total} + e]"
+            if lanes_of_vec4:
+                load = f"{var}[t * {u(self.total // 4)} + e / 4u][e % 4u]"
             lines += [
                 f"  var s = {zero};",
                 f"  for (var t = 0u; t < {u(self.splits)}; t = t + 1u) {{",
-                f"    s += {var}[t * {total} + e];",
+                f"    s += {load};",
                 "  }",
                 "  let v = s;",
             ]
