@@ -20,7 +20,8 @@ forward ``conv2d``'s partials read by the norm after it (``conv_partials``, used
 Readers that can (``plan_deferred_sums``): kernels that read operands only through ``Src.at``:
 members of an elementwise fusion group (``elementwise.fused``, scalar path), the epilogue of a
 matmul- or conv-anchored group (run in its store stage or its own summing dispatch), and
-``permute``.
+``permute``; and, through a permute read in place (``passes.permute_views``), the attention
+forward and the rotations before it (``attention.summed``: q, k and v).
 Every reader of the product (through views) must be one of those, the product no graph output,
 and not the left or right operand of the group's matmul.
 
