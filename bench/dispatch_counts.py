@@ -35,7 +35,9 @@ instead of the norm summing the partials (``codegen.wgsl.norm.conv_prologue.set_
 ``--broadcast-views off`` copies a broadcast or slice that ``cat`` or a reduction reads (the
 U-Net's nearest-2x upsample, its gradient's sums) in its own dispatch instead of the reader
 reading it in place
-(``passes.broadcast_views.set_enabled``). ``--parts`` also takes
+(``passes.broadcast_views.set_enabled``); ``--attention-sums off`` keeps the summing dispatch of
+q, k and v read only by the attention forward, instead of that kernel summing their partials
+(``codegen.wgsl.attention.summed.set_enabled``). ``--parts`` also takes
 ``resnet_eval`` and ``resnet_eval_b1`` (W3's ``fwd_b4`` / ``fwd_b1``: ResNet-50 eval forward)
 and ``unet_fwd`` (W5's ``fwd_small_b2``).
 
@@ -46,6 +48,7 @@ Usage: python bench/dispatch_counts.py
            [--conv-phases merged|apart] [--weight-grads grouped|apart] [--sum-groups on|off]
            [--residual on|off] [--norm-prologue on|off] [--conv-epilogue on|off]
            [--sum-runs on|off] [--conv-norm on|off] [--broadcast-views on|off]
+           [--attention-sums on|off]
 """
 
 from __future__ import annotations
@@ -317,6 +320,8 @@ def main() -> None:
     ap.add_argument("--sum-runs", choices=("on", "off"), default="on")
     ap.add_argument("--conv-norm", choices=("on", "off"), default="on")
     ap.add_argument("--broadcast-views", choices=("on", "off"), default="on")
+    ap.add_argument("--attention-sums", choices=("on", "off"), default="on")
+    ap.add_argument("--attention-rereads", choices=("bounded", "unbounded"), default="bounded")
     args = ap.parse_args()
     from bench.lever_ab import apply_flags
 
@@ -333,6 +338,7 @@ def main() -> None:
         "sum_runs": args.sum_runs,
         "conv_norm": args.conv_norm,
         "broadcast_views": args.broadcast_views,
+        "attention_sums": args.attention_sums,
     }
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))

@@ -38,6 +38,9 @@ LEVERS = {
     "conv_norm": ("meganeura.codegen.wgsl.norm.conv_prologue", "set_enabled"),
     "conv_epilogue": ("meganeura.passes.fuse_conv", "set_enabled"),
     "sum_runs": ("meganeura.codegen.wgsl.matmul.summing", "set_enabled"),
+    "attention_sums": ("meganeura.codegen.wgsl.attention.summed", "set_enabled"),
+    # off: the attention sums partials however often its row tiles re-read them (untimed)
+    "attention_rereads": ("meganeura.codegen.wgsl.attention.summed", "set_bounded"),
     "broadcast_views": ("meganeura.passes.broadcast_views", "set_enabled"),
     "weight_grads": ("meganeura.codegen.wgsl.matmul.tiled_rgroup", "set_enabled"),
     "sum_groups": ("meganeura.codegen.wgsl.matmul.split_group", "set_sum_groups"),
@@ -60,6 +63,8 @@ FLAGS = {
     "sum_runs": ("sum_runs", "on"),
     "conv_norm": ("conv_norm", "on"),
     "broadcast_views": ("broadcast_views", "on"),
+    "attention_sums": ("attention_sums", "on"),
+    "attention_rereads": ("attention_rereads", "bounded"),
 }
 QUICK_CASES = "w3:train_b4,w5:fwd_small_b2"  # the CPU-sized cases of the same names
 

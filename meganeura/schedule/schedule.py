@@ -337,11 +337,11 @@ def _lower_all(
             elif group.anchor is not None and graph[group.anchor].op == ROPE:
                 writes_cache = any(graph[m].op == INDEX_COPY for m in group.members)
                 if graph[group.sink].op == SDPA and not writes_cache:  # no KV cache: prefill
-                    kernels = lower_rope_prefill(graph, group, limits)
+                    kernels = lower_rope_prefill(graph, group, limits, deferred)
                 elif graph[group.sink].op == SDPA:
-                    kernels = lower_rope_attention(graph, group, limits)
+                    kernels = lower_rope_attention(graph, group, limits, deferred)
                 else:
-                    kernels = lower_rope_cache(graph, group, limits)
+                    kernels = lower_rope_cache(graph, group, limits, deferred)
             else:
                 sum_only = group.anchor in split_of  # its partials come from a split group
                 by_norm = node.id in summed_by_norm  # its summing dispatch runs in a norm

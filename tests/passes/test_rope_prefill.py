@@ -139,9 +139,12 @@ def test_training_keeps_the_rotations_for_the_backward():
 
 
 def test_smollm2_forward_saves_a_dispatch_per_layer(monkeypatch):
+    from meganeura.codegen.wgsl.attention import summed
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
     from meganeura.nn.compiled import trace_call
 
+    # the attention reading q/k/v's partials (attention.summed) would also drop their sums
+    monkeypatch.setattr(summed, "ENABLED", [False])
     model = LlamaForCausalLM(LlamaConfig())
     ids = (np.arange(128, dtype=np.int32) * 7 % 49152)[None]
     traced = trace_call(model, model.forward, (ids,), {})

@@ -166,7 +166,8 @@ def lower(
         node_id: the node to lower.
         limits: the adapter's limits (grid folding, binding sizes, workgroup memory).
         deferred: split-K products never stored, read as the sums of their partials
-            (``matmul.deferred``; only a ``permute`` reads them among single-node kernels).
+            (``matmul.deferred``; a ``permute`` and the attention forward read them among
+            single-node kernels).
 
     Returns:
         Kernels, possibly none: leaves, views (``reshape``, ``stop_gradient``), row-block
@@ -192,6 +193,8 @@ def lower(
         return []
     if node.op == "permute" and deferred:
         return lower_permute(graph, node_id, limits, deferred)
+    if node.op == SDPA and deferred:  # the forward reading q/k/v's partials (attention.summed)
+        return lower_attention(graph, node_id, limits, "fwd", deferred)
     return LOWERINGS[node.op](graph, node_id, limits)
 
 

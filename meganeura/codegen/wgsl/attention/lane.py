@@ -119,6 +119,8 @@ class _Kernel:
 def _load4(src: Src, base: str, c: int, n: int) -> str:
     """vec4 of elements 4c..4c+3 of a row starting at storage offset ``base``
     (``Src.row_offset``; 0 past the row's n)."""
+    if 4 * c + 3 < n:
+        return src.at4(base, 4 * c)
     comps = [
         src.at_offset(f"{base} + {u(4 * c + e)}") if 4 * c + e < n else "0.0" for e in range(4)
     ]
@@ -142,6 +144,7 @@ def lower_flash(
     split: Split | None = None,
     prologue=None,
     lse_node: int | None = None,
+    deferred=None,
 ) -> list[KernelSource]:
     """One dispatch of the flash kernel in ``mode`` for node ``node_id``; in ``dkv`` mode
     ``node_id`` is the key-gradient node and ``value_node`` its value-gradient sibling, whose
@@ -158,6 +161,7 @@ def lower_flash(
     either the workgroup first writes its kv head's new keys and values into the caches it
     then streams (``rope_attention``, one row tile per (batch, kv head)) or the keys are read
     unrotated and each tile rotated as it is copied to workgroup memory (``rope_prefill``).
+    ``deferred``: split-K products read as the sums of their partials (``attention.summed``).
     """
     node = graph[node_id]
     ins = node.inputs
@@ -173,7 +177,7 @@ def lower_flash(
         raise ValueError(f"split keys are for the forward only, not {mode!r}")
     chunks = 1 if split is None else split.chunks
 
-    kb = KernelBuilder(graph, node, limits)
+    kb = KernelBuilder(graph, node, limits, deferred)
     q_src = kb.read(ins[0], "q") if prologue is None else prologue.queries(kb)
     keys = getattr(prologue, "keys", None)  # rope_prefill: keys rotated as tiles load
     src = {"q": q_src, "k": kb.read(ins[1], "k") if keys is None else keys(kb)}
@@ -290,6 +294,8 @@ def _load_tile(
     width = -(-n // 4)
 
     def vec4(base: str, c: str) -> str:
+        if n % 4 == 0:
+            return src.at4(base)
         comps = []
         for e in range(4):
             if n % 4 == 0:

@@ -31,11 +31,14 @@ from .plan import (
 )
 
 
-def lower_attention(graph: Graph, node_id: int, limits: Limits, mode: str) -> list[KernelSource]:
+def lower_attention(
+    graph: Graph, node_id: int, limits: Limits, mode: str, deferred=None
+) -> list[KernelSource]:
     """The forward of a short query block over several tiles of keys (``plan.choose_split``):
     the split-key lane kernel and its merge (``decode``). Otherwise the register-tiled kernel
     (``block``) when a block plan fits the adapter, else the lane kernel (``lane``);
-    ``plan.BLOCK_OVERRIDE`` forces either."""
+    ``plan.BLOCK_OVERRIDE`` forces either. ``deferred``: split-K products the lane forward
+    reads as the sums of their partials (``attention.summed`` plans them for it alone)."""
     if mode == "lse":  # the lane kernel only (the block kernel has no lse-only mode)
         return lower_flash(graph, node_id, limits, mode)
     dims = dims_of(graph, graph[node_id], mode)
@@ -44,7 +47,7 @@ def lower_attention(graph: Graph, node_id: int, limits: Limits, mode: str) -> li
         return lower_split(graph, node_id, limits, split)
     plan = choose_block_plan(mode, dims, limits)
     if plan is None:
-        return lower_flash(graph, node_id, limits, mode)
+        return lower_flash(graph, node_id, limits, mode, deferred=deferred)
     return lower_block(graph, node_id, limits, mode, dims, plan)
 
 

@@ -170,9 +170,13 @@ class RopePrologue(QueryRotation):
         ]
 
 
-def lower_rope_attention(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
+def lower_rope_attention(
+    graph: Graph, group: FusionGroup, limits: Limits, deferred=None
+) -> list[KernelSource]:
     """The one dispatch of an ``attach_attention`` group, named
-    ``%<member>+...+<attention> rope_attention fwd``."""
-    kernels = lower_flash(graph, group.sink, limits, "fwd", prologue=RopePrologue(graph, group))
+    ``%<member>+...+<attention> rope_attention fwd``; ``deferred``: split-K products (q, k,
+    v) read as the sums of their partials (``attention.summed``)."""
+    loads = RopePrologue(graph, group)
+    kernels = lower_flash(graph, group.sink, limits, "fwd", prologue=loads, deferred=deferred)
     name = "%" + "+".join(str(m) for m in group.members) + f" {OP_NAME} fwd"
     return [replace(ks, name=name) for ks in kernels]

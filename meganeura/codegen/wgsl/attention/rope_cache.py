@@ -52,9 +52,12 @@ def _cache_store(
     )
 
 
-def lower_rope_cache(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
+def lower_rope_cache(
+    graph: Graph, group: FusionGroup, limits: Limits, deferred=None
+) -> list[KernelSource]:
     """The one dispatch of a ``plan_rope_cache`` group, named
-    ``%<member>+<member>... rope_cache``.
+    ``%<member>+<member>... rope_cache``; ``deferred``: split-K products (q, k, v) read as the
+    sums of their partials (``attention.summed``).
 
     Raises:
         ValueError: for a bound value of 2^31 elements or more, or larger than one storage
@@ -72,7 +75,7 @@ def lower_rope_cache(graph: Graph, group: FusionGroup, limits: Limits) -> list[K
     first = graph[ropes[0]]
     dim = first.type.shape[-1]
     half = dim // 2
-    kb = KernelBuilder(graph, graph[group.sink], limits)
+    kb = KernelBuilder(graph, graph[group.sink], limits, deferred)
     offset = kb.read(first.inputs[1], "offset") if len(first.inputs) > 1 else None
     base = u(first.attr("position_offset"))
     sign = "-" if first.attr("inverse") else ""

@@ -74,8 +74,7 @@ class RopeLoads(QueryRotation):
         if R * d4 > shared_layout(k.mode, k.dims, k.plan)[0]:
             return super().load_queries(k)
         lq, G, src = k.dims.lq, k.dims.group, k.src["q"]
-        xa = ", ".join(src.at_offset(f"qo + {u(e)}") for e in range(4))
-        xb = ", ".join(src.at_offset(f"qo + {u(self.dim // 2 + e)}") for e in range(4))
+        xa, xb = src.at4("qo"), src.at4("qo", self.dim // 2)
         angles = [f"rope_cos_sin(qp, TURNS[qc * 4u + {u(e)}])" for e in range(4)]
         return [
             f"  for (var e = lid; e < {u(R * h4)}; e = e + {u(k.plan.size)}) {{",
@@ -83,8 +82,8 @@ class RopeLoads(QueryRotation):
             f"    let qc = e % {u(h4)};",
             f"    let qrc = min(tile * {u(R)} + qr, {u(k.n_rows - 1)});",
             f"    let qo = {src.row_offset(f'bh * {u(G * lq)} + qrc')} + qc * 4u;",
-            f"    let qxa = vec4<f32>({xa});",
-            f"    let qxb = vec4<f32>({xb});",
+            f"    let qxa = {xa};",
+            f"    let qxb = {xb};",
             f"    let qp = {self._position(f'qrc % {u(lq)}')};",
             *[f"    let qa{e} = {a};" for e, a in enumerate(angles)],
             "    let qcos = vec4<f32>(qa0.x, qa1.x, qa2.x, qa3.x);",
@@ -105,8 +104,7 @@ class RopeLoads(QueryRotation):
         off, stride = k.layout["k"]
         h4, half = self.dim // 8, self.dim // 2
         last = "kvl - 1u" if k.kvlen is not None else u(k.n_stream - 1)
-        xa = ", ".join(src.at_offset(f"kb + {u(e)}") for e in range(4))
-        xb = ", ".join(src.at_offset(f"kb + {u(half + e)}") for e in range(4))
+        xa, xb = src.at4("kb"), src.at4("kb", half)
         angles = [f"rope_cos_sin(kp, TURNS[c * 4u + {u(e)}])" for e in range(4)]
         return [
             f"    for (var e = lid; e < {u(k.plan.tile * h4)}; e = e + {u(k.plan.size)}) {{",
@@ -114,8 +112,8 @@ class RopeLoads(QueryRotation):
             f"      let c = e % {u(h4)};",
             f"      let sr = min(s0 + rr, {last});",
             f"      let kb = {src.row_offset(row)} + c * 4u;",
-            f"      let kxa = vec4<f32>({xa});",
-            f"      let kxb = vec4<f32>({xb});",
+            f"      let kxa = {xa};",
+            f"      let kxb = {xb};",
             f"      let kp = {self._position('sr')};",
             *[f"      let ka{e} = {a};" for e, a in enumerate(angles)],
             "      let kc = vec4<f32>(ka0.x, ka1.x, ka2.x, ka3.x);",
@@ -127,9 +125,13 @@ class RopeLoads(QueryRotation):
         ]
 
 
-def lower_rope_prefill(graph: Graph, group: FusionGroup, limits: Limits) -> list[KernelSource]:
+def lower_rope_prefill(
+    graph: Graph, group: FusionGroup, limits: Limits, deferred=None
+) -> list[KernelSource]:
     """The one dispatch of an ``attach_prefill_attention`` group, named
-    ``%<q rotation>+<k rotation>+<attention> rope_prefill_attention fwd``."""
-    kernels = lower_flash(graph, group.sink, limits, "fwd", prologue=RopeLoads(graph, group))
+    ``%<q rotation>+<k rotation>+<attention> rope_prefill_attention fwd``; ``deferred``:
+    split-K products (q, k, v) read as the sums of their partials (``attention.summed``)."""
+    loads = RopeLoads(graph, group)
+    kernels = lower_flash(graph, group.sink, limits, "fwd", prologue=loads, deferred=deferred)
     name = "%" + "+".join(str(m) for m in group.members) + f" {OP_NAME} fwd"
     return [replace(ks, name=name) for ks in kernels]

@@ -88,6 +88,7 @@ class Src:
     summed: str | None = None
     view_shape: tuple[int, ...] | None = None
     view_offset: int = 0
+    summed4: str | None = None  # with ``summed``: helper of elements 4q .. 4q + 3 (``at4``)
 
     @property
     def dtype(self) -> DType:
@@ -114,6 +115,24 @@ class Src:
         if self.type.dtype is DType.f16:
             return f"f32({self.name}[{offset}])"
         return f"{self.name}[{offset}]"
+
+    def at4(self, base: str, start: int = 0) -> str:
+        """vec4<f32> of the elements at storage offsets ``base`` + ``start`` .. + 3 of rows
+        read through ``row_offset`` (``base`` a row's start plus a multiple of 4, ``start`` a
+        multiple of 4, all inside the row): one vec4 sum of partials where the value is a
+        deferred split-K product whose rows start at multiples of 4 (``summed4``), else four
+        ``at_offset`` loads."""
+        if self.summed4 is not None and self._rows_by_4():
+            return f"{self.summed4}(({base} + {u(start)}) / 4u)"
+        comps = ", ".join(self.at_offset(f"{base} + {u(start + e)}") for e in range(4))
+        return f"vec4<f32>({comps})"
+
+    def _rows_by_4(self) -> bool:
+        if self.type.shape[-1] % 4:
+            return False
+        if self.strides is None:
+            return True
+        return self.view_shape is None and all(s % 4 == 0 for s in self.strides[:-1])
 
     def row_offset(self, row: str) -> str:
         """u32 storage offset of element 0 of row ``row`` (flat index over all dims but the
@@ -219,18 +238,14 @@ class KernelBuilder:
         if n.op == "constant":
             return Src(t, literal=literal(n.attr("value"), n.type.dtype))
         if root in self.deferred:
-            if root not in self._summed:
-                part = self.deferred[root]
-                var = self.scratch(part.key, part.count, DType.f32, name, owner=root)
-                self._helpers.append(part.helper(f"sum_{var}", var, n.type.dtype))
-                self._summed[root] = Src(t, name=var, summed=f"sum_{var}")
-            return Src(t, name=self._summed[root].name, summed=self._summed[root].summed)
+            return self._summed_src(root, t, name)
         if self.node.op in VIEW_READERS:
             view = read_view(self.graph, vid)
+            if view is not None and resolve_view(self.graph, view[0]) in self.deferred:
+                # a split-K product read in place through a permute by a forward attention
+                # kernel (``attention.summed``): its partials' order is the product's
+                return self._summed_src(resolve_view(self.graph, view[0]), t, name, view[1])
             if view is not None:
-                # a deferred split-K product is never read through a view: the permute it
-                # would feed runs no kernel, so it is not needed and the product keeps its sum
-                assert resolve_view(self.graph, view[0]) not in self.deferred, view
                 return Src(t, name=self._bind_value(view[0], name, False), strides=view[1])
         if broadcast_views.reads_in_place(self.graph, self.node.id):
             bview = broadcast_views.read_view(self.graph, vid)
@@ -240,6 +255,30 @@ class KernelBuilder:
                 var = self._bind_value(x, name, False)
                 return Src(t, name=var, strides=strides, view_shape=shape, view_offset=offset)
         return Src(t, name=self._bind_value(vid, name, write=False))
+
+    def _summed_src(
+        self, root: int, t: TensorType, name: str, strides: tuple[int, ...] | None = None
+    ) -> Src:
+        """A ``Src`` reading deferred split-K product ``root`` (type ``t``, through
+        ``strides`` when given) as the sums of its partials, bound once per kernel."""
+        if root not in self._summed:
+            part = self.deferred[root]
+            var = self.scratch(part.key, part.count, DType.f32, name, owner=root)
+            dtype = self.graph[root].type.dtype
+            four = None
+            if strides is not None and part.total % 4 == 0 and part.index == "i":
+                # a view reader (attention) also loads vec4 runs of rows: a vec4 binding,
+                # the scalar helper reading lanes of it (same values, same order)
+                self.vectorize(var)
+                self._helpers.append(part.helper(f"sum4_{var}", var, dtype, width=4))
+                self._helpers.append(part.helper(f"sum_{var}", var, dtype, lanes_of_vec4=True))
+                four = f"sum4_{var}"
+            else:
+                self._helpers.append(part.helper(f"sum_{var}", var, dtype))
+            self._summed[root] = Src(t, name=var, summed=f"sum_{var}", summed4=four)
+        summed = self._summed[root]
+        return Src(t, name=summed.name, summed=summed.summed, strides=strides,
+                   summed4=summed.summed4)  # fmt: skip
 
     def is_bound(self, vid: int) -> bool:
         """Whether value ``vid`` (or the value owning its buffer) already has a binding."""

@@ -20,7 +20,8 @@ forward ``conv2d``'s partials read by the norm after it (``conv_partials``, used
 Readers that can (``plan_deferred_sums``): kernels that read operands only through ``Src.at``:
 members of an elementwise fusion group (``elementwise.fused``, scalar path), the epilogue of a
 matmul- or conv-anchored group (run in its store stage or its own summing dispatch), and
-``permute``.
+``permute``; and, through a permute read in place (``passes.permute_views``), the attention
+forward and the rotations before it (``attention.summed``: q, k and v).
 Every reader of the product (through views) must be one of those, the product no graph output,
 and not the left or right operand of the group's matmul.
 
@@ -89,7 +90,9 @@ class SplitPartials:
     def count(self) -> int:
         return self.splits * self.total
 
-    def helper(self, fn: str, var: str, dtype: DType, width: int = 1) -> str:
+    def helper(
+        self, fn: str, var: str, dtype: DType, width: int = 1, lanes_of_vec4: bool = False
+    ) -> str:
         """WGSL function ``fn(i) -> f32``: element i of the product from binding ``var``, as
         the summing dispatch computes it (and stores it, as f16 for an f16 product).
 
@@ -98,9 +101,15 @@ class SplitPartials:
         (vec4 adds are lane-wise f32 adds), a quarter of the loads. With an ``index`` other
         than ``"i"`` the caller guarantees that ``index`` maps elements 4q .. 4q + 3 to four
         consecutive partial elements starting at a multiple of 4 (a convolution's output
-        whose planes have a multiple of 4 pixels)."""
+        whose planes have a multiple of 4 pixels).
+
+        ``lanes_of_vec4`` (width 1, ``total`` a multiple of 4, index ``"i"``): ``var`` is an
+        ``array<vec4<f32>>`` (bound for a width-4 helper too) and the scalar loads read lane
+        ``e % 4`` of its vectors: the same values in the same order."""
         if width not in (1, 4) or (width == 4 and self.total % 4):
             raise ValueError(f"%{self.node}: no vec4 sum over these partials")
+        if lanes_of_vec4 and (width != 1 or self.total % 4 or self.index != "i" or self.lanes):
+            raise ValueError(f"%{self.node}: no scalar sum over vec4 partials")
         ty = "f32" if width == 1 else "vec4<f32>"
         zero = "0.0" if width == 1 else "vec4<f32>(0.0)"
         ret = f"{ty}(vec4<f16>(v))" if width == 4 else "f32(f16(v))"
@@ -115,10 +124,13 @@ class SplitPartials:
                 f"  let e = ({self.index}) / 4u;",
             ]
         if self.lanes == 0:
+            load = f"{var}[t * {total} + e]"
+            if lanes_of_vec4:
+                load = f"{var}[t * {u(self.total // 4)} + e / 4u][e % 4u]"
             lines += [
                 f"  var s = {zero};",
                 f"  for (var t = 0u; t < {u(self.splits)}; t = t + 1u) {{",
-                f"    s += {var}[t * {total} + e];",
+                f"    s += {load};",
                 "  }",
                 "  let v = s;",
             ]
@@ -202,12 +214,42 @@ def plan_deferred_sums(
         part = split_partials(graph, nid, limits)
         if part is None:
             continue
-        readers = _readers(graph, users, nid)
-        if readers and all(_sums(graph, r, needed, group_of.get(r)) for r in readers):
-            kernels = len({id(group_of[r]) if r in group_of else r for r in readers})
-            if extra_bytes(part, kernels) <= MAX_EXTRA_BYTES:
-                out[nid] = part
+        kernels = _summing_kernels(graph, users, part, needed, group_of, limits)
+        if kernels is not None and extra_bytes(part, kernels) <= MAX_EXTRA_BYTES:
+            out[nid] = part
     return out
+
+
+def _summing_kernels(
+    graph: Graph,
+    users: list[list[int]],
+    part: SplitPartials,
+    needed: Sequence[bool],
+    group_of: dict,
+    limits: Limits,
+) -> int | None:
+    """How many kernels read product ``part.node`` when every one of them can sum its
+    partials, else None: kernels reading through ``Src.at`` (``_sums``) and the attention
+    forward reading it in place through a permute (``attention.summed``). The attention
+    kernel loads each key and value once per row tile of its kv head (``summed.reads``),
+    re-reads that hit the cache as those of the stored product did; so it counts as one
+    kernel, and the partials it re-reads must stay small (``MAX_EXTRA_BYTES`` in all)."""
+    from ..attention.summed import BOUNDED, in_place_readers  # attention imports the builder
+
+    kernels: set = set()
+    for r in _readers(graph, users, part.node):
+        if _sums(graph, r, needed, group_of.get(r)):
+            kernels.add(id(group_of[r]) if r in group_of else r)
+            continue
+        found = in_place_readers(graph, users, r, part.node, needed, group_of, limits)
+        if found is None or 4 * part.count > MAX_EXTRA_BYTES:
+            return None
+        if BOUNDED[0] and 4 * part.total * (part.splits - 1) * sum(n for _, n in found) > (
+            MAX_EXTRA_BYTES
+        ):  # the loads each row tile adds (``summed.BOUNDED``)
+            return None
+        kernels.update(key for key, _ in found)
+    return len(kernels) or None
 
 
 def extra_bytes(part: SplitPartials, kernels: int) -> int:
