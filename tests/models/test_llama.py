@@ -216,3 +216,23 @@ def test_two_generators_on_one_model_do_not_reuse_each_others_cache(gpu_device):
     turn = [5, 6, 7, *first.sequences[0], 9]
     again = a.generate(turn, 4, stop=[])
     assert again.sequences == Generator(model, buckets=(8,)).generate(turn, 4, stop=[]).sequences
+
+
+def test_fast_mode_cache_prefill_and_decode_follow_the_strict_model(gpu_device):
+    """Fast mode (f16 storage) through the KV cache: the prefill's rotations store v (f16,
+    read in place through its permute) into the f32 cache, which once failed to compile
+    (no f16 -> f32 conversion); logits at every position within f16 rounding of strict f32."""
+    from meganeura.nn.compiled import CompiledModule
+
+    mn.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    ids = np.random.default_rng(5).integers(0, 96, (1, 12)).astype(np.int32)
+    full = model(ids)  # strict f32, no cache
+    fast = CompiledModule(model, precision="fast")
+    model.setup_cache(1, 32)
+    got = [fast(ids[:, :8], cache_position=np.int32(0))]
+    for t in range(8, 12):
+        got.append(fast(ids[:, t : t + 1], cache_position=np.asarray([t], np.int64)))
+    got = np.concatenate(got, axis=1)
+    assert got.shape == full.shape
+    assert rel_l2(got, full) < 3e-3, rel_l2(got, full)

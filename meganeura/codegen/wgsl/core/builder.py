@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ....dtypes import DType
 from ....graph.ir import Graph, Node, TensorType, resolve_view
@@ -245,8 +245,10 @@ class KernelBuilder:
                 # a split-K product read in place through a permute by a forward attention
                 # kernel (``attention.summed``): its partials' order is the product's
                 return self._summed_src(resolve_view(self.graph, view[0]), t, name, view[1])
-            if view is not None:
-                return Src(t, name=self._bind_value(view[0], name, False), strides=view[1])
+            if view is not None:  # read as the bound value is stored (f16 in fast mode)
+                stored = self.graph[resolve_view(self.graph, view[0])].type.dtype
+                return Src(replace(t, dtype=stored), name=self._bind_value(view[0], name, False),
+                           strides=view[1])  # fmt: skip
         if broadcast_views.reads_in_place(self.graph, self.node.id):
             bview = broadcast_views.read_view(self.graph, vid)
             if bview is not None:
