@@ -317,6 +317,7 @@ def main() -> None:
     ap.add_argument("--sum-runs", choices=("on", "off"), default="on")
     ap.add_argument("--conv-norm", choices=("on", "off"), default="on")
     ap.add_argument("--broadcast-views", choices=("on", "off"), default="on")
+    ap.add_argument("--delta-in-dq", choices=("on", "off"), default="on")
     args = ap.parse_args()
     from bench.lever_ab import apply_flags
 
