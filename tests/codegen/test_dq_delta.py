@@ -159,12 +159,25 @@ def test_smollm2_widths_dispatch_counts_on_h200_limits():
     assert len(_delta_kernels(on)) == 2 and all("dq+delta" in n for n in _delta_kernels(on))
 
 
-def test_an_earlier_reader_or_too_few_bindings_keep_the_delta_dispatch():
-    """Eight storage bindings per kernel (the fused dq kernel may need nine): no pair."""
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
+def test_too_few_bindings_or_a_block_plan_keep_the_delta_dispatch(masked):
+    """The fused dq kernel binds 8 storage buffers (9 with a mask): with one fewer, or with a
+    block plan forced for dq (``plan.BLOCK_OVERRIDE``), the delta dispatch stays."""
     from dataclasses import replace
 
-    graph = _graph((1, 2, 8, 8), (1, 2, 8, 8), 8, True, False)
+    from meganeura.codegen.wgsl.attention import plan
+
+    graph = _graph((1, 2, 8, 8), (1, 2, 8, 8), 8, True, masked)
     options = CompileOptions(loss="loss", optimizer=SGD(lr=0.1))
-    on, off = compile_both(dq_delta.set_enabled, graph, options,
-                           replace(H200, max_storage_buffers_per_shader_stage=8))  # fmt: skip
+    need = 8 + masked
+    for n, fused in ((need, True), (need - 1, False)):
+        limits = replace(H200, max_storage_buffers_per_shader_stage=n)
+        on, off = compile_both(dq_delta.set_enabled, graph, options, limits)
+        assert len(off.dispatches) - len(on.dispatches) == fused, n
+    plan.BLOCK_OVERRIDE["dq"] = plan.BLOCK_PLANS[0]
+    try:
+        on, off = compile_both(dq_delta.set_enabled, graph, options, H200)
+    finally:
+        del plan.BLOCK_OVERRIDE["dq"]
     assert len(on.dispatches) == len(off.dispatches)
+    assert any(" dq block " in d.name for d in on.dispatches)

@@ -22,7 +22,8 @@ from .common import dims_of
 from .plan import choose_block_plan
 
 ENABLED = [True]  # bench A/B switch (``set_enabled``); never changed by the compiler
-BINDINGS = 9  # the fused dq kernel's storage bindings at most: q k v dO lse out mask | dq pair
+# the fused dq kernel's storage bindings besides the mask / key count: q k v dO lse out | dq pairs
+BINDINGS = 8
 
 
 def set_enabled(on: bool) -> None:
@@ -45,7 +46,7 @@ def delta_fusible(graph: Graph, delta_node: int, dq_node: int, limits: Limits) -
         return False
     if choose_block_plan("dq", dims_of(graph, dq, "dq"), limits) is not None:
         return False
-    return BINDINGS <= limits.max_storage_buffers_per_shader_stage
+    return BINDINGS + len(dq.inputs) - 5 <= limits.max_storage_buffers_per_shader_stage
 
 
 def delta_sources(kb: KernelBuilder, graph: Graph, delta_node: int) -> dict[str, Src]:
