@@ -17,7 +17,8 @@ the attention reading them); a group is lowered as one kernel
 ``codegen.wgsl.matmul.tiled_group``, ``attention.rope_cache``, ``attention.rope_attention``,
 ``attention.rope_prefill``, ``conv.epilogue``) at its last member's position (an
 attention forward paired with its backward's ``..._lse`` node, ``plan_attention_lse``: at the
-forward's),
+forward's; a ``..._delta`` node paired with the query gradient reading it,
+``plan_attention_delta``, runs in dq's kernel: ``attention.dq_delta``),
 binding the group's external inputs and its stored outputs only, so lifetimes come from those
 bindings; the other members get no kernel and no storage. Split-K products whose readers all
 sum the partials themselves (``matmul.deferred``) get no summing dispatch and no storage, and
