@@ -45,7 +45,7 @@ KERNELS = {
     "fwd": SDPA,
     "stats": f"{SDPA}_stats",  # lse and delta in one pass (what the backward used before lse)
     "lse": f"{SDPA}_lse",  # the log-sum-exp pass (0 where the forward writes it: fwd+lse)
-    "delta": f"{SDPA}_delta",  # (lse, rowsum(dO * O)) for the gradient kernels
+    "delta": f"{SDPA}_delta",  # (lse, rowsum(dO * O)); 0 where dq computes it: dq+delta
     "dq": f"{SDPA}_backward_query",
     "dk": f"{SDPA}_backward_key",
     "dv": f"{SDPA}_backward_value",

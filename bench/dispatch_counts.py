@@ -322,6 +322,7 @@ def main() -> None:
     ap.add_argument("--broadcast-views", choices=("on", "off"), default="on")
     ap.add_argument("--attention-sums", choices=("on", "off"), default="on")
     ap.add_argument("--attention-rereads", choices=("bounded", "unbounded"), default="bounded")
+    ap.add_argument("--delta-in-dq", choices=("on", "off"), default="on")
     args = ap.parse_args()
     from bench.lever_ab import apply_flags
 

@@ -48,6 +48,7 @@ LEVERS = {
     "residual": ("meganeura.passes.fuse_norm", "RESIDUAL"),
     "split_members": ("meganeura.codegen.wgsl.matmul.tiled_group", "set_split_members"),
     "conv_phases": ("meganeura.codegen.wgsl.conv.lowering", "MERGE_PHASES"),
+    "delta_in_dq": ("meganeura.codegen.wgsl.attention.dq_delta", "set_enabled"),
 }
 # the command-line flags of bench/dispatch_counts.py and bench/llm_profile.py: argparse dest ->
 # (lever, the flag's value that turns it on); split_members is off by default (measured slower)
@@ -65,6 +66,7 @@ FLAGS = {
     "broadcast_views": ("broadcast_views", "on"),
     "attention_sums": ("attention_sums", "on"),
     "attention_rereads": ("attention_rereads", "bounded"),
+    "delta_in_dq": ("delta_in_dq", "on"),
 }
 QUICK_CASES = "w3:train_b4,w5:fwd_small_b2"  # the CPU-sized cases of the same names
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from ..graph.ir import VIEW_OPS, Graph, resolve_view
 from ..ops import OPS
-from ..ops.attention import BWD_K, BWD_V, LSE, SDPA
+from ..ops.attention import BWD_K, BWD_Q, BWD_V, DELTA, LSE, SDPA
 
 
 @dataclass(frozen=True)
@@ -277,3 +277,40 @@ def plan_attention_lse(
         del forwards[(n.inputs, n.attrs)]
         groups.append(FusionGroup((fwd, n.id), (fwd, n.id), graph[fwd].type.shape, fwd))
     return tuple(sorted(groups, key=lambda grp: grp.sink))
+
+
+def plan_attention_delta(
+    graph: Graph,
+    needed: Sequence[bool],
+    accept: Callable[[int, int], bool] = lambda _d, _q: True,
+    taken: Collection[int] = (),
+) -> tuple[FusionGroup, ...]:
+    """Pair each attention backward's ``..._delta`` node with the ``..._backward_query`` node
+    reading it, for the query gradient's kernel to compute the rows' delta itself
+    (``codegen.wgsl.attention.dq_delta``): FlashAttention-2's D = rowsum(dO o O) (Dao 2023,
+    Algorithm 2 line 4) is one dot product per query row, which the dq kernel's rows need
+    anyway.
+
+    A pair is a needed delta node and a needed dq node (neither in ``taken``) whose stats
+    operand it is, when ``accept(delta, dq)`` holds (``dq_delta.delta_fusible``). The kernel
+    runs at dq's (the last member's) position, so no node may read the delta before dq, and
+    no op with in-place effects may lie between them (delta's operands are the ones it saw).
+
+    Returns:
+        Groups of (delta, dq), both stored, anchored on the dq node.
+    """
+    users = graph.users()
+    effects = [n.id for n in graph.nodes if n.op in OPS and OPS[n.op].writes]
+    groups = []
+    for n in graph.nodes:
+        if n.op != BWD_Q or not needed[n.id] or n.id in taken:
+            continue
+        delta = n.inputs[4]
+        if graph[delta].op != DELTA or not needed[delta] or delta in taken:
+            continue
+        if any(r < n.id for r in _readers(graph, users, delta)):
+            continue
+        if any(delta < e < n.id for e in effects) or not accept(delta, n.id):
+            continue
+        groups.append(FusionGroup((delta, n.id), (delta, n.id), graph[n.id].type.shape, n.id))
+    return tuple(groups)

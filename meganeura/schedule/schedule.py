@@ -17,7 +17,8 @@ the attention reading them); a group is lowered as one kernel
 ``codegen.wgsl.matmul.tiled_group``, ``attention.rope_cache``, ``attention.rope_attention``,
 ``attention.rope_prefill``, ``conv.epilogue``) at its last member's position (an
 attention forward paired with its backward's ``..._lse`` node, ``plan_attention_lse``: at the
-forward's),
+forward's; a ``..._delta`` node paired with the query gradient reading it,
+``plan_attention_delta``, runs in dq's kernel: ``attention.dq_delta``),
 binding the group's external inputs and its stored outputs only, so lifetimes come from those
 bindings; the other members get no kernel and no storage. Split-K products whose readers all
 sum the partials themselves (``matmul.deferred``) get no summing dispatch and no storage, and
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 
 from ..codegen.kernel import ArenaRef, KernelSource, Limits, ScratchRef, UpdateGroup, ValueRef
 from ..codegen.wgsl import lower, reads
+from ..codegen.wgsl.attention.dq_delta import delta_fusible, lower_dq_delta
 from ..codegen.wgsl.attention.lowering import (
     key_value_fusible,
     lower_forward_lse,
@@ -80,10 +82,11 @@ from ..codegen.wgsl.norm.prologue import lower_norm_prologue, plan_norm_prologue
 from ..codegen.wgsl.optim import lower_update_group
 from ..graph.ir import ALIAS_OPS, PLACED_OPS, SUBRANGE_OPS, VIEW_OPS, Graph
 from ..ops import OPS
-from ..ops.attention import SDPA
+from ..ops.attention import BWD_Q, SDPA
 from ..ops.inplace import INDEX_COPY
 from ..passes.fuse import (
     FusionGroup,
+    plan_attention_delta,
     plan_attention_key_value,
     plan_attention_lse,
     plan_fusion,
@@ -212,7 +215,14 @@ def schedule(graph: Graph, limits: Limits, fuse: bool = False) -> Schedule:
             lambda n: lse_fusible(graph, n, limits),
             taken={m for g in rope for m in g.members},
         )
-        groups = tuple(sorted(fused + kv + rope + norm_act + lse, key=lambda g: g.sink))
+        delta = plan_attention_delta(
+            graph,
+            needed,
+            lambda d, q: delta_fusible(graph, d, q, limits),
+            taken={m for g in fused + kv + rope + norm_act + lse for m in g.members},
+        )
+        groups = fused + kv + rope + norm_act + lse + delta
+        groups = tuple(sorted(groups, key=lambda g: g.sink))
     updates = plan_update_groups(graph, needed, limits) if fuse else ()
     deferred = plan_deferred_sums(graph, needed, groups, limits) if fuse else {}
     split_groups = plan_split_groups(graph, deferred, limits, groups, needed) if fuse else ()
@@ -326,6 +336,8 @@ def _lower_all(
                 kernels = lower_forward_lse(graph, first, second, limits) if at_first else []
             elif node.id != group.sink:
                 kernels = []
+            elif group.anchor is not None and graph[group.anchor].op == BWD_Q:
+                kernels = lower_dq_delta(graph, *group.members, limits)  # dq_delta
             elif isinstance(group, MatmulGroup) and is_right_group(group):
                 kernels = lower_right_group(graph, group, limits)
             elif isinstance(group, MatmulGroup) and is_tiled_group(group, graph, limits):

@@ -206,18 +206,19 @@ def _whisper_sized(lq):
 
 def test_attention_backward_dispatches_on_h200_limits():
     """D = 64 (6 heads): at 256 rows the forward writes the log-sum-exp too (fwd+lse), then
-    delta, dq and one lane dkv (without fusion: fwd, lse, delta, dq, dk, dv); at Whisper's 1500
-    rows dk and dv stay apart (measured faster), so that pair is not fused."""
+    dq computing delta (``dq_delta``) and one lane dkv (without fusion: fwd, lse, delta, dq,
+    dk, dv); at Whisper's 1500 rows dk and dv stay apart (measured faster), so that pair is
+    not fused."""
     graph = _whisper_sized(256)
     fused = compile(graph, CompileOptions(), H200)
     names = [d.name for d in fused.dispatches if "attention" in d.name]
-    assert [n.split()[2] for n in names] == ["fwd+lse", "delta", "dq", "dkv"]
+    assert [n.split()[2] for n in names] == ["fwd+lse", "dq+delta", "dkv"]
     assert names[-1].split()[1] == KEY_VALUE and "block" not in names[-1]
     separate = compile(graph, CompileOptions(fuse=False), H200)
     assert len(_attention_kernels(separate)) == 6
     whisper = compile(_whisper_sized(1500), CompileOptions(), H200)
     names = [d.name.split()[2] for d in whisper.dispatches if "attention" in d.name]
-    assert names == ["fwd+lse", "delta", "dq", "dk", "dv"]
+    assert names == ["fwd+lse", "dq+delta", "dk", "dv"]
 
 
 @pytest.mark.parametrize("storage", [16384, 32768, 49152], ids=lambda n: f"smem{n}")

@@ -60,12 +60,13 @@ def test_backward_reads_lse_and_delta_nodes():
 def test_forward_writes_lse_at_its_position_on_h200_limits():
     """Whisper's encoder shape (6 x 1500 x 64): the forward kernel writes the log-sum-exp
     (one pass over the keys fewer), placed before everything that reads the forward's
-    output; dk and dv stay two kernels there (the lane dkv spills: plan.fuses_key_value)."""
+    output; the dq kernel computes delta (``dq_delta``); dk and dv stay two kernels there
+    (the lane dkv spills: plan.fuses_key_value)."""
     graph = _whisper_sized(1500)
     program = compile(graph, CompileOptions(), H200)
     names = [d.name for d in program.dispatches]
     att = [n.split()[2] for n in names if "attention" in n]
-    assert att == ["fwd+lse", "delta", "dq", "dk", "dv"]
+    assert att == ["fwd+lse", "dq+delta", "dk", "dv"]  # delta in dq's kernel (dq_delta)
     assert names[0].split()[1:3] == [SDPA, "fwd+lse"]  # the forward's position: first
 
 
@@ -113,7 +114,8 @@ def test_whisper_like_values_and_gradients_match_torch(
     finally:
         attention_plan.DKV_HALF = saved
     ops = [n.split()[1] for n in names]
-    assert ops[0] == SDPA and LSE not in ops and DELTA in ops  # lse written by the forward
+    assert ops[0] == SDPA and LSE not in ops  # lse written by the forward
+    assert DELTA not in ops and any(n.endswith("dq+delta") for n in names)  # delta by dq's
     assert any(n.endswith("dkv half") for n in names) == half
     tol = 2e-6 if precision == "strict" else 5e-3  # fast: f16 storage of q, k, v, out, g
     for n in ("out", "q", "k", "v"):
@@ -213,7 +215,7 @@ def test_dkv_half_plan_rule(dkv_half):
     assert not half_fits(Dims(1, 6, 1, 1500, 1500, 60, 60), with_sg)
     graph = _whisper_sized(1500)
     names = [d.name for d in compile(graph, CompileOptions(), with_sg).dispatches]
-    assert [n.split()[2] for n in names if "attention" in n][-2:] == ["dq", "dkv"]
+    assert [n.split()[2] for n in names if "attention" in n][-2:] == ["dq+delta", "dkv"]
     assert any(n.endswith("dkv half") for n in names)
     # auto (None): only where the lane dkv would spill, not at SmolLM2's short streams
     attention_plan.DKV_HALF = None

@@ -41,6 +41,7 @@ from ..core.builder import KernelBuilder, Src
 from ..core.layout import broadcast_strides
 from ..core.literals import NEG_INF_BITS, f32_literal, u
 from .common import dims_of, kv_limit, read_extras, stride_sum
+from .dq_delta import delta_registers, delta_sources, delta_stores
 from .plan import (
     QUERY_ROW_MODES,
     SOFTMAX_MODES,
@@ -88,6 +89,7 @@ class _Kernel:
     out: str = ""
     # fwd: ``rope_attention.RopePrologue`` (rotation, cache writes), ``rope_prefill.RopeLoads``
     prologue: object | None = None
+    delta: bool = False  # dq: computes its rows' delta (``dq_delta``), no stats operand
 
     @property
     def accs(self) -> list[str]:
@@ -145,24 +147,22 @@ def lower_flash(
     prologue=None,
     lse_node: int | None = None,
     deferred=None,
+    delta_node: int | None = None,
 ) -> list[KernelSource]:
     """One dispatch of the flash kernel in ``mode`` for node ``node_id``; in ``dkv`` mode
     ``node_id`` is the key-gradient node and ``value_node`` its value-gradient sibling, whose
     output the kernel writes too. With ``lse_node`` (``fwd``, no split) the forward also
     writes that ``..._lse`` node's per-row log-sum-exp (``plan_attention_lse``); ``lse`` mode
-    computes it alone (one pass over the keys, no output row).
-
-    With ``split`` (``fwd`` only, ``plan.choose_split``) the keys are cut into
-    ``split.chunks`` chunks of ``split.length``, one workgroup per (row tile, chunk); each
-    writes its rows' unnormalized partial state (running max m, sum l, output row) to the
-    scratch ``PARTIALS``, and ``decode.lower_merge``'s kernel combines them.
-
-    With ``prologue`` (``fwd``) the queries are read unrotated and rotated in registers, and
-    either the workgroup first writes its kv head's new keys and values into the caches it
-    then streams (``rope_attention``, one row tile per (batch, kv head)) or the keys are read
-    unrotated and each tile rotated as it is copied to workgroup memory (``rope_prefill``).
-    ``deferred``: split-K products read as the sums of their partials (``attention.summed``).
-    """
+    computes it alone (one pass over the keys, no output row). With ``delta_node`` (``dq``)
+    the kernel computes and writes that ``..._delta`` node's pairs itself (``dq_delta``).
+    With ``split`` (``fwd`` only, ``plan.choose_split``) the keys are cut into ``split.chunks``
+    chunks of ``split.length``, one workgroup per (row tile, chunk), each writing its rows'
+    unnormalized state (max m, sum l, output row) to the scratch ``PARTIALS`` for
+    ``decode.lower_merge``. With ``prologue`` (``fwd``) the queries are read unrotated and
+    rotated in registers, and either the workgroup first writes its kv head's new keys and
+    values into the caches it streams (``rope_attention``) or each key tile is rotated as it
+    is copied to workgroup memory (``rope_prefill``). ``deferred``: split-K products read as
+    the sums of their partials (``attention.summed``)."""
     node = graph[node_id]
     ins = node.inputs
     dims = dims_of(graph, node, mode)
@@ -183,7 +183,10 @@ def lower_flash(
     src = {"q": q_src, "k": kb.read(ins[1], "k") if keys is None else keys(kb)}
     n_fixed = 2 + len(OPERANDS[mode])
     for name, vid in zip(OPERANDS[mode], ins[2:n_fixed], strict=True):
-        src[name] = kb.read(vid, name)
+        if name != "st" or delta_node is None:
+            src[name] = kb.read(vid, name)
+    if delta_node is not None:
+        src.update(delta_sources(kb, graph, delta_node))
     mask, kvlen = read_extras(kb, graph, ins[n_fixed:])
     strides = broadcast_strides(mask.type.shape, (b, hq, lq, lk)) if mask else (0, 0, 0, 0)
     total, layout = shared_layout(mode, dims, plan)
@@ -194,13 +197,15 @@ def lower_flash(
         outs = {"out": kb.scratch(PARTIALS, count, node.type.dtype, "part")}
     k = _Kernel(mode, dims, plan, layout, src, mask, strides,
                 f32_literal(node.attr("scale")), bool(node.attr("is_causal")), kvlen,
-                split, kb, outs["out"], prologue)  # fmt: skip
+                split, kb, outs["out"], prologue, delta_node is not None)  # fmt: skip
     if mode == "dkv":
         outs["dv"] = kb.write(value_node, "dv")
     if lse_node is not None:
         if mode != "fwd" or split is not None:
             raise ValueError(f"only an unsplit forward writes a log-sum-exp, not {mode!r}")
         outs["lse"] = kb.write(lse_node, "lse")
+    if delta_node is not None:  # dq only (dq_delta)
+        outs["delta"] = kb.write(delta_node, "st")
 
     lines = [] if split is None else [f"  let chunk = wg % {u(chunks)};"]
     wgt = "wg" if split is None else f"(wg / {u(chunks)})"
@@ -253,8 +258,11 @@ def _row_registers(k: _Kernel) -> list[str]:
             lines += [
                 f"  let g{c} = {_load4(k.src['dout'], 'gb', c, dv)};" for c in range(k.dims.dv4)
             ]
-            lines.append(f"  let lse = {k.src['st'].at('qrow * 2u')};")
-            lines.append(f"  let delta = {k.src['st'].at('qrow * 2u + 1u')};")
+            if k.delta:
+                lines += delta_registers(k)
+            else:
+                lines.append(f"  let lse = {k.src['st'].at('qrow * 2u')};")
+                lines.append(f"  let delta = {k.src['st'].at('qrow * 2u + 1u')};")
     else:
         lines = [f"  let krow = bh * {u(k.dims.lk)} + rowc;"]
         lines.append(f"  let ko = {k.src['k'].row_offset('krow')};")
@@ -578,6 +586,8 @@ def _finish(k: _Kernel, kb: KernelBuilder, outs: dict[str, str]) -> list[str]:
     elif k.mode == "dq":
         lines.append(f"    let ob = {kb.row_offset(out, 'qrow', d)};")
         lines += _store(kb, out, "ob", d, k.dims.d4, f" * {k.scale}", offset=True)
+        if "delta" in outs:
+            lines += delta_stores(kb, outs["delta"])
     elif k.mode in ("dk", "dkv"):
         lines.append(f"    let kob = {kb.row_offset(out, 'krow', d)};")
         lines += _store(kb, out, "kob", d, k.dims.d4, f" * {k.scale}", offset=True)

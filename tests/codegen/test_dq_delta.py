@@ -1,0 +1,183 @@
+"""The attention backward's delta pass inside the dq kernel (``codegen.wgsl.attention
+.dq_delta``): the delta dispatch goes, gradients bit-identical to the program with it (causal
+and not, GQA and not, a mask, a head dim not a multiple of 4; a tiny Llama's training step)
+and against float64 torch autograd; which pairs qualify; dispatch counts on the H200's limits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import meganeura.nn.functional as F
+from meganeura.codegen.kernel import Limits
+from meganeura.codegen.wgsl.attention import dq_delta
+from meganeura.compile import CompileOptions
+from meganeura.graph.builder import GraphBuilder
+from meganeura.optim import HYPER_INPUT, SGD
+
+from .harness import compile_both
+
+H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
+              max_storage_buffer_binding_size=2**31 - 4, max_storage_buffers_per_shader_stage=1024,
+              max_buffer_size=2**40, shader_f16=True, subgroups=True)  # fmt: skip
+# name: (q shape, k shape, v head dim, is_causal, mask)
+CASES = {
+    "gqa_causal": ((1, 4, 12, 16), (1, 2, 12, 16), 16, True, False),
+    "mha": ((2, 2, 9, 8), (2, 2, 11, 8), 8, False, False),
+    "gqa_mask_d6": ((1, 4, 7, 6), (1, 2, 10, 6), 6, False, True),
+    "mha_causal_dv12": ((1, 2, 10, 8), (1, 2, 10, 8), 12, True, False),
+}
+
+
+@pytest.fixture(autouse=True)
+def restore():
+    yield
+    dq_delta.set_enabled(True)
+
+
+def _graph(qs, ks, dv, causal, masked):
+    b = GraphBuilder()
+    q, k = b.parameter("q", qs), b.parameter("k", ks)
+    v = b.parameter("v", (*ks[:-1], dv))
+    m = b.input("mask", (qs[2], ks[2])) if masked else None
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=m, is_causal=causal, enable_gqa=qs[1] != ks[1]
+    )
+    b.output("loss", F.sum(out * b.input("r", out.shape)))
+    return b.build()
+
+
+def _delta_kernels(program) -> list[str]:
+    return [d.name for d in program.dispatches if "_delta" in d.name or "+delta" in d.name]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("precision", ["strict", "fast"])
+def test_attention_gradients_bit_identical_and_match_torch(gpu_device, case, precision):
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    qs, ks, dv, causal, masked = case
+    limits = device_limits(gpu_device)
+    if precision == "fast" and not limits.shader_f16:
+        pytest.skip("the adapter has no shader-f16")
+    rng = np.random.default_rng(11)
+    params = {n: rng.standard_normal(s).astype(np.float32)
+              for n, s in (("q", qs), ("k", ks), ("v", (*ks[:-1], dv)))}  # fmt: skip
+    r = rng.standard_normal((*qs[:-1], dv)).astype(np.float32)
+    feeds = {"r": r}
+    if masked:
+        feeds["mask"] = (rng.standard_normal((qs[2], ks[2])) * 0.5).astype(np.float32)
+    opt = SGD(lr=0.0)
+    feeds[HYPER_INPUT] = opt.hyper(0, opt.lr)
+    options = CompileOptions(loss="loss", optimizer=opt, output_grads=True, precision=precision)
+    on, off = compile_both(dq_delta.set_enabled, _graph(qs, ks, dv, causal, masked), options,
+                           limits)  # fmt: skip
+    assert len(off.dispatches) - len(on.dispatches) == 1
+    assert [n.split()[-1] for n in _delta_kernels(on)] == ["dq+delta"]
+    names = ["q.grad", "k.grad", "v.grad", "loss"]
+    got = []
+    for program in (on, off):
+        with Session(program, gpu_device) as s:
+            s.load_state_dict(params)
+            got.append(s.run(feeds, names))
+    for name in names:
+        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+    t = {n: torch.tensor(a, dtype=torch.float64, requires_grad=True) for n, a in params.items()}
+    mask = torch.tensor(feeds["mask"], dtype=torch.float64) if masked else None
+    out = TF.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=mask,
+                                          is_causal=causal, enable_gqa=qs[1] != ks[1])  # fmt: skip
+    (out * torch.tensor(r, dtype=torch.float64)).sum().backward()
+    tol = 1e-4 if precision == "strict" else 3e-2
+    for n, p in t.items():
+        want = p.grad.numpy()
+        scale = float(np.max(np.abs(want)))
+        np.testing.assert_allclose(got[0][f"{n}.grad"], want, rtol=0, atol=tol * scale,
+                                   err_msg=n)  # fmt: skip
+
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+
+
+def _llama(on: bool):
+    import meganeura as mn
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
+
+    dq_delta.set_enabled(on)
+    mn.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**TINY))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["strict", "fast"])
+def test_tiny_llama_training_step_bit_identical(gpu_device, precision, monkeypatch):
+    """The Trainer's step (forward, backward, SGD at lr 0): loss and every gradient; both
+    layers' dq kernels compute delta with the switch on, none with it off."""
+    import meganeura as mn
+    from meganeura.models.llama import lm_loss
+    from meganeura.schedule import schedule
+
+    fused = []
+    lowering = schedule.lower_dq_delta
+    monkeypatch.setattr(schedule, "lower_dq_delta", lambda *a: fused.append(a) or lowering(*a))
+    from meganeura.training import device_limits
+
+    if precision == "fast" and not device_limits(gpu_device).shader_f16:
+        pytest.skip("the adapter has no shader-f16")
+    tokens = np.random.default_rng(6).integers(0, 96, (1, 17))
+    got = []
+    for on in (True, False):
+        tr = mn.Trainer(_llama(on), mn.optim.SGD(lr=0.0), lm_loss, device=gpu_device,
+                        precision=precision)  # fmt: skip
+        got.append(tr.step(tokens[:, :-1], tokens[:, 1:].copy(), return_grads=True))
+        assert len(fused) == 2  # the off program adds none
+    assert got[0][0] == got[1][0]
+    for name, g in got[0][1].items():
+        np.testing.assert_array_equal(g, got[1][1][name], err_msg=name)
+
+
+def test_smollm2_widths_dispatch_counts_on_h200_limits():
+    """SmolLM2-135M's widths (2 layers, 128 tokens) compiled for the H200: each layer's delta
+    dispatch goes into its dq kernel."""
+    import meganeura as mn
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, vocab_size=512))
+    ids = (np.arange(128, dtype=np.int32) % 512)[None]
+    traced = trace_call(model, lambda i, y: lm_loss(model, i, y), (ids, (ids + 1) % 512), {},
+                        "loss")  # fmt: skip
+    on, off = compile_both(dq_delta.set_enabled, traced.graph,
+                           CompileOptions(loss="loss", optimizer=SGD(lr=0.1)), H200)  # fmt: skip
+    assert len(off.dispatches) - len(on.dispatches) == 2
+    assert len(_delta_kernels(on)) == 2 and all("dq+delta" in n for n in _delta_kernels(on))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
+def test_too_few_bindings_or_a_block_plan_keep_the_delta_dispatch(masked):
+    """The fused dq kernel binds 8 storage buffers (9 with a mask): with one fewer, or with a
+    block plan forced for dq (``plan.BLOCK_OVERRIDE``), the delta dispatch stays."""
+    from dataclasses import replace
+
+    from meganeura.codegen.wgsl.attention import plan
+
+    graph = _graph((1, 2, 8, 8), (1, 2, 8, 8), 8, True, masked)
+    options = CompileOptions(loss="loss", optimizer=SGD(lr=0.1))
+    need = 8 + masked
+    for n, fused in ((need, True), (need - 1, False)):
+        limits = replace(H200, max_storage_buffers_per_shader_stage=n)
+        on, off = compile_both(dq_delta.set_enabled, graph, options, limits)
+        assert len(off.dispatches) - len(on.dispatches) == fused, n
+    plan.BLOCK_OVERRIDE["dq"] = plan.BLOCK_PLANS[0]
+    try:
+        on, off = compile_both(dq_delta.set_enabled, graph, options, H200)
+    finally:
+        del plan.BLOCK_OVERRIDE["dq"]
+    assert len(on.dispatches) == len(off.dispatches)
+    assert any(" dq block " in d.name for d in on.dispatches)
