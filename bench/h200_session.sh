@@ -13,9 +13,11 @@
 #   tune            re-tune W1-W5's matmul products (~95 s) and keep the cache
 #   conv-sweep      bench/conv_sweep.py (~3 min): the merged stride phases against apart too
 #   ab              the dispatch levers of 2026-12-03's third session, each off against all on,
-#                   timed interleaved on the workloads' programs (bench/lever_ab.py, ~4 min):
-#                   conv_norm, conv_epilogue, broadcast_views (W3, W5), norm_prologue, sum_runs
-#                   (W1, W2 forward; the SmolLM2 A/B of both together was neutral to 1.2% faster)
+#                   timed interleaved on the workloads' programs (bench/lever_ab.py, ~6 min):
+#                   conv_norm, conv_epilogue, broadcast_views (W3, W5); norm_prologue, sum_runs
+#                   (the SmolLM2 A/B of both together was neutral to 1.2% faster),
+#                   attention_sums, delta_in_dq, and attention_rereads (off: unbounded, the
+#                   attention summing k and v's partials too) on W1, W2, W4
 #   strict          the ten headline cells, strict f32, with warm-cache compile times
 #   fast            the ten headline cells, fast mode, with warm-cache compile times
 #   matrix          the rest of the matrix, resumable (strict first)
@@ -47,8 +49,8 @@ case "$step" in
     python bench/lever_ab.py --machine h200 --cases w3:train_b4,w3:fwd_b4,w5:train_small_b2,w5:fwd_small_b2 \
       --levers conv_norm,conv_epilogue,broadcast_views --all 2>&1 | tee "$log"
     python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_llm.json \
-      --cases w1:fwd_seq128,w2:fwd_chunk50,w1:train_seq128 --levers norm_prologue,sum_runs --all \
-      2>&1 | tee -a "$log" ;;
+      --cases w1:fwd_seq128,w2:fwd_chunk50,w1:train_seq128,w2:train_chunk50,w4:train \
+      --levers norm_prologue,sum_runs,attention_sums,attention_rereads,delta_in_dq 2>&1 | tee -a "$log" ;;
   strict)
     "${wl[@]}" --precision strict --cases "$headline" 2>&1 | tee "$log" ;;
   fast)
