@@ -11,6 +11,7 @@ then every buffer read back. Each node's bound reads are checked against ``reads
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -288,3 +289,24 @@ def compile_both(set_enabled, graph: Graph, options, limits: Limits) -> list:
     finally:
         set_enabled(True)
     return out
+
+
+@contextmanager
+def split_k_everywhere(plan: str, switch=None):
+    """Force matmul plan ``plan`` (a split-K one: lavapipe's own plans never split) with split
+    products kept out of tiled matmul groups (which run them unsplit); on exit the plan, the
+    tiled-group setting and ``switch`` (a lever's ``set_enabled``, turned back on) are
+    restored."""
+    from meganeura.codegen.wgsl.matmul import tiled_group
+    from meganeura.codegen.wgsl.matmul.plan import force_plan
+
+    old = tiled_group.SPLIT_MEMBERS[0]
+    tiled_group.set_split_members(False)
+    force_plan(plan)
+    try:
+        yield plan
+    finally:
+        force_plan(None)
+        tiled_group.set_split_members(old)
+        if switch is not None:
+            switch(True)

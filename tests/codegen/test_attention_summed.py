@@ -15,14 +15,13 @@ import pytest
 
 from meganeura.codegen.kernel import ScratchRef
 from meganeura.codegen.wgsl.attention import summed
-from meganeura.codegen.wgsl.matmul import tiled_group
 from meganeura.codegen.wgsl.matmul.plan import force_plan
 from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 from meganeura.ops.attention import scaled_dot_product_attention
 
-from .harness import compile_both
+from .harness import compile_both, split_k_everywhere
 from .test_splitk_deferred import H200, SPLIT, _params
 from .test_sum_runs import CFG
 
@@ -32,15 +31,9 @@ S, E, H, HKV, D = 24, 64, 4, 2, 16
 
 @pytest.fixture(autouse=True)
 def split_plan():
-    """Split-K plans everywhere, products kept out of tiled matmul groups (which run them
-    unsplit); the feature back on afterwards."""
-    old = tiled_group.SPLIT_MEMBERS[0]
-    tiled_group.set_split_members(False)
-    force_plan(SPLIT)
-    yield SPLIT
-    force_plan(None)
-    tiled_group.set_split_members(old)
-    summed.set_enabled(True)
+    """Split-K plans everywhere (``harness.split_k_everywhere``); the feature back on afterwards."""
+    with split_k_everywhere(SPLIT, summed.set_enabled):
+        yield SPLIT
 
 
 def _both(graph, options, limits):

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from meganeura.codegen.kernel import Limits, ScratchRef
-from meganeura.codegen.wgsl.matmul import tiled_group
 from meganeura.codegen.wgsl.matmul.plan import force_plan
 from meganeura.codegen.wgsl.norm import prologue
 from meganeura.compile import CompileOptions
@@ -24,7 +23,7 @@ from meganeura.ops.activation import silu
 from meganeura.ops.norm import layer_norm, rms_norm
 from meganeura.optim import HYPER_INPUT, SGD
 
-from .harness import compile_both
+from .harness import compile_both, split_k_everywhere
 
 RNG = np.random.default_rng(47)
 H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
@@ -36,15 +35,9 @@ M, D, FF = 24, 96, 128
 
 @pytest.fixture(autouse=True)
 def split_plan():
-    """Split-K plans everywhere, products kept out of tiled matmul groups (which run them
-    unsplit)."""
-    old = tiled_group.SPLIT_MEMBERS[0]
-    tiled_group.set_split_members(False)
-    force_plan(SPLIT)
-    yield SPLIT
-    force_plan(None)
-    tiled_group.set_split_members(old)
-    prologue.set_enabled(True)
+    """Split-K plans everywhere (``harness.split_k_everywhere``); the feature back on afterwards."""
+    with split_k_everywhere(SPLIT, prologue.set_enabled):
+        yield SPLIT
 
 
 def _both(graph, options, limits):

@@ -15,13 +15,12 @@ import pytest
 
 from meganeura.codegen.kernel import ScratchRef, ValueRef
 from meganeura.codegen.wgsl.attention import summed as attention_summed
-from meganeura.codegen.wgsl.matmul import summing, tiled_group
-from meganeura.codegen.wgsl.matmul.plan import force_plan
+from meganeura.codegen.wgsl.matmul import summing
 from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
-from .harness import compile_both
+from .harness import compile_both, split_k_everywhere
 from .test_splitk_deferred import H200, SPLIT, _params
 
 RNG = np.random.default_rng(53)
@@ -30,15 +29,9 @@ WIDTHS = (48, 24, 40)
 
 @pytest.fixture(autouse=True)
 def split_plan():
-    """Split-K plans everywhere, products kept out of tiled matmul groups (which run them
-    unsplit); the feature back on afterwards."""
-    old = tiled_group.SPLIT_MEMBERS[0]
-    tiled_group.set_split_members(False)
-    force_plan(SPLIT)
-    yield SPLIT
-    force_plan(None)
-    tiled_group.set_split_members(old)
-    summing.set_enabled(True)
+    """Split-K plans everywhere (``harness.split_k_everywhere``); the feature back on afterwards."""
+    with split_k_everywhere(SPLIT, summing.set_enabled):
+        yield SPLIT
 
 
 def _both(graph, options, limits):
