@@ -197,12 +197,10 @@ def _norm_prologue(kb: KernelBuilder, norm: int, m: int, k: int, lines: list[str
     return _Rows(scalar, rows4)
 
 
-def lower_matmul_group(graph: Graph, group: MatmulGroup, limits: Limits) -> list[KernelSource]:
-    """The one dispatch computing every member of ``group`` (see the module docstring).
-
-    Raises:
-        ValueError: as the members' own lowerings would, for a value too large to bind.
-    """
+def check_bindings(graph: Graph, group: MatmulGroup, limits: Limits) -> None:
+    """Raise as the members' own lowerings would for a value the group's kernel binds (an
+    external input or a member's value; the norm of a prologue is never stored) that is too
+    large to bind (``check_numel``)."""
     members = set(group.members)
     for mid in group.members:
         for i in graph[mid].inputs:
@@ -210,6 +208,15 @@ def lower_matmul_group(graph: Graph, group: MatmulGroup, limits: Limits) -> list
                 check_numel(graph, resolve_view(graph, i), limits)
         if mid != group.norm:
             check_numel(graph, mid, limits)
+
+
+def lower_matmul_group(graph: Graph, group: MatmulGroup, limits: Limits) -> list[KernelSource]:
+    """The one dispatch computing every member of ``group`` (see the module docstring).
+
+    Raises:
+        ValueError: as the members' own lowerings would, for a value too large to bind.
+    """
+    check_bindings(graph, group, limits)
     kb = KernelBuilder(graph, graph[group.anchor], limits)
     bodies = []
     for seg in group.segments:

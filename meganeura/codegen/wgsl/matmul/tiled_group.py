@@ -49,11 +49,11 @@ from dataclasses import dataclass, replace
 from ....graph.ir import Graph, resolve_view
 from ....passes.fuse_matmul import MatmulGroup
 from ...kernel import KernelSource, Limits
-from ..core.builder import KernelBuilder, check_numel, indent, is_constant
+from ..core.builder import KernelBuilder, indent, is_constant
 from ..core.literals import f32_literal, u
 from ..core.mathlib import helper_source
 from ..elementwise.fused import GroupBody
-from .horizontal import norm_operands
+from .horizontal import check_bindings, norm_operands
 from .plan import SMALL, TILINGS, WG, Plan, Tiling, choose_plan
 from .problem import Operand, Problem, bind_operand, problem_of, vec_ok
 from .tiled import emit_tiled
@@ -259,19 +259,6 @@ def _norm_prologue(
         "  }",
     ]
     return _NormA(x, w, b, k, bm, vec)
-
-
-def check_bindings(graph: Graph, group: MatmulGroup, limits: Limits) -> None:
-    """Raise as the members' own lowerings would for a value the group's kernel binds (an
-    external input or a member's value; the norm of a prologue is never stored) that is too
-    large to bind (``check_numel``)."""
-    members = set(group.members)
-    for mid in group.members:
-        for i in graph[mid].inputs:
-            if i not in members and not is_constant(graph, i):
-                check_numel(graph, resolve_view(graph, i), limits)
-        if mid != group.norm:
-            check_numel(graph, mid, limits)
 
 
 _SHARED = re.compile(r"var<workgroup> (\w+): array<vec4<f32>, (\d+)>;")
