@@ -98,3 +98,21 @@ def gpu_device():
         return get_device()
     except Exception as e:  # any failure to get an adapter means "no GPU here", not a bug
         pytest.skip(f"no WebGPU adapter available: {type(e).__name__}: {e}")
+
+
+@pytest.fixture
+def compiled_names(monkeypatch) -> list[list[str]]:
+    """The dispatch names of every program ``meganeura.nn.compiled`` compiles during the
+    test, one list per program, in compile order."""
+    from meganeura.nn import compiled
+
+    names: list[list[str]] = []
+    compile_graph = compiled.compile_graph
+
+    def record(*args, **kwargs):
+        program = compile_graph(*args, **kwargs)
+        names.append([d.name for d in program.dispatches])
+        return program
+
+    monkeypatch.setattr(compiled, "compile_graph", record)
+    return names
