@@ -19,7 +19,8 @@ Scores are kept in the log2 domain: ``z = (q . k) * scale * log2(e) + mask * log
 Dao 2023, Algorithm 1). The forward's running max is row-uniform (lanes exchange partial
 maxima each tile); ``stats`` keeps a max and sum per thread and merges them at the end.
 Masking, fully masked rows, clamped reads and the forward's runtime key count (``kv_length``:
-the key loop stops at ``kvl``, lower-right causality) follow ``lane`` exactly.
+the key loop stops at ``kvl``, lower-right causality) follow the lane kernel
+(``lane_stream``) exactly.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from ....graph.ir import Graph
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.layout import broadcast_strides
-from ..core.literals import f32_literal, u
-from .lane import LOWEST, NEG_INF_BITS, OPERANDS, XYZW, kv_limit, read_extras, stride_sum
+from ..core.literals import NEG_INF_BITS, f32_literal, u
+from .common import LOWEST, OPERANDS, XYZW, kv_limit, read_extras, stride_sum
 from .plan import QUERY_ROW_MODES, BlockPlan, Dims, block_layout, extents
 
 LOG2E = f32_literal(1.0 / math.log(2.0))

@@ -1,12 +1,39 @@
-"""Helpers shared by the attention kernels (``lane``, ``block``, ``decode``, ``lowering``):
-problem sizes of a node, its optional operands, strided index sums."""
+"""Helpers shared by the attention kernels (``lane``, ``lane_stream``, ``block``, ``decode``,
+``dkv_half``, ``dq_delta``, ``rope_attention``, ``lowering``): the operands of each mode, the
+running-max sentinel, problem sizes of a node, its optional operands, strided index sums and
+row loads."""
 
 from __future__ import annotations
 
 from ....graph.ir import Graph
 from ..core.builder import KernelBuilder, Src
-from ..core.literals import u
+from ..core.literals import f32_literal, u
 from .plan import Dims
+
+PARTIALS = "partials"  # scratch key of split-key partial states
+LOWEST = f32_literal(-3.4028234663852886e38)  # running-max sentinel: below every finite score
+XYZW = "xyzw"
+# operand names after (q, k), per mode; an optional mask follows them
+OPERANDS = {
+    "fwd": ("v",),
+    "stats": ("o", "dout"),
+    "lse": (),
+    "dq": ("v", "dout", "st"),
+    "dk": ("v", "dout", "st"),
+    "dv": ("dout", "st"),
+    "dkv": ("v", "dout", "st"),  # the key-gradient node's operands
+}
+
+
+def load4(src: Src, base: str, c: int, n: int) -> str:
+    """vec4 of elements 4c..4c+3 of a row starting at storage offset ``base``
+    (``Src.row_offset``; 0 past the row's n)."""
+    if 4 * c + 3 < n:
+        return src.at4(base, 4 * c)
+    comps = [
+        src.at_offset(f"{base} + {u(4 * c + e)}") if 4 * c + e < n else "0.0" for e in range(4)
+    ]
+    return f"vec4<f32>({', '.join(comps)})"
 
 
 def stride_sum(terms: list[tuple[str, int]]) -> str:

@@ -23,7 +23,8 @@ from ....graph.ir import Graph
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder
 from ..core.layout import WG
-from .lane import LOWEST, PARTIALS, dims_of, lower_flash
+from .common import LOWEST, PARTIALS, dims_of
+from .lane import lower_flash
 from .plan import Split
 
 

@@ -28,8 +28,9 @@ from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder
 from ..core.layout import broadcast_strides
 from ..core.literals import NEG_INF_BITS, f32_literal, u
-from .common import dims_of, read_extras, stride_sum
-from .lane import _Kernel, _load4, _load_tile, _store
+from .common import dims_of, load4, read_extras, stride_sum
+from .lane import _store
+from .lane_stream import _Kernel, _load_tile
 from .plan import Dims, Plan
 
 ROWS = 32  # key rows per workgroup, two threads each
@@ -97,8 +98,8 @@ def lower_dkv_half(
         f"  let ko = {src['k'].row_offset('krow')} + h * {u(d // 2)};",
         f"  let vo = {src['v'].row_offset('krow')} + h * {u(dv // 2)};",
     ]
-    lines += [f"  let k{c} = {_load4(src['k'], 'ko', c, d // 2)};" for c in range(d4h)]
-    lines += [f"  let v{c} = {_load4(src['v'], 'vo', c, dv // 2)};" for c in range(dv4h)]
+    lines += [f"  let k{c} = {load4(src['k'], 'ko', c, d // 2)};" for c in range(d4h)]
+    lines += [f"  let v{c} = {load4(src['v'], 'vo', c, dv // 2)};" for c in range(dv4h)]
     lines += [f"  var acc{c} = vec4<f32>(0.0);" for c in range(d4h)]
     lines += [f"  var vacc{c} = vec4<f32>(0.0);" for c in range(dv4h)]
 

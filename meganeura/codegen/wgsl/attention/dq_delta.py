@@ -18,7 +18,7 @@ from ....graph.ir import Graph
 from ....ops.attention import BWD_Q, DELTA
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
-from .common import dims_of
+from .common import dims_of, load4
 from .plan import choose_block_plan
 
 ENABLED = [True]  # bench A/B switch (``set_enabled``); never changed by the compiler
@@ -58,14 +58,12 @@ def delta_sources(kb: KernelBuilder, graph: Graph, delta_node: int) -> dict[str,
 def delta_registers(k) -> list[str]:
     """The row's ``lse`` and ``delta``, after its ``g{c}`` registers (loaded exactly as
     ``lower_delta`` loads g): delta summed in lower_delta's order."""
-    from .lane import _load4  # lane imports this module
-
     dv = k.dims.dv
     lines = [f"  let lse = {k.src['lse'].at('qrow')};"]
     lines.append(f"  let dob = {k.src['o'].row_offset('qrow')};")
     lines.append("  var delta = 0.0;")
     for c in range(k.dims.dv4):
-        lines.append(f"  delta = delta + dot(g{c}, {_load4(k.src['o'], 'dob', c, dv)});")
+        lines.append(f"  delta = delta + dot(g{c}, {load4(k.src['o'], 'dob', c, dv)});")
     return lines
 
 

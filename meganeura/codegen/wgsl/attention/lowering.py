@@ -18,9 +18,10 @@ from ..core.builder import KernelBuilder
 from ..core.layout import WG
 from . import plan as attention_plan
 from .block import lower_block
+from .common import dims_of, load4
 from .decode import lower_split
 from .dkv_half import lower_dkv_half
-from .lane import _load4, dims_of, lower_flash
+from .lane import lower_flash
 from .plan import (
     choose_block_plan,
     choose_plan,
@@ -145,9 +146,7 @@ def lower_delta(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource
         "    var delta = 0.0;",
     ]
     for c in range(-(-dv // 4)):
-        lines.append(
-            f"    delta = delta + dot({_load4(g, 'gb', c, dv)}, {_load4(o, 'ob', c, dv)});"
-        )
+        lines.append(f"    delta = delta + dot({load4(g, 'gb', c, dv)}, {load4(o, 'ob', c, dv)});")
     lines += [
         "    " + kb.store(out, "row * 2u", lse.at("row")),
         "    " + kb.store(out, "row * 2u + 1u", "delta"),

@@ -31,7 +31,8 @@ from ....passes.fuse import FusionGroup
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.literals import f32_literal, u
-from .lane import _load4, lower_flash
+from .common import load4
+from .lane import lower_flash
 from .rope import ROPE_HELPERS, rope_turns
 from .rope_cache import _cache_store
 
@@ -79,10 +80,10 @@ class QueryRotation:
         return f"{self.base} + bitcast<u32>({self.offset.at(batch)}) + {seq_index}"
 
     def load_queries(self, k) -> list[str]:
-        """``q{c}``: the rotated query row ``qrow`` (``lane._Kernel`` ``k``), each thread
+        """``q{c}``: the rotated query row ``qrow`` (``lane_stream._Kernel`` ``k``), each thread
         loading its row's ``qx{c}`` at storage offset ``qb`` and rotating it in registers."""
         src, d = k.src["q"], self.dim
-        return [f"  let qx{c} = {_load4(src, 'qb', c, d)};" for c in range(d // 4)] + (
+        return [f"  let qx{c} = {load4(src, 'qb', c, d)};" for c in range(d // 4)] + (
             self.rotate_queries()
         )
 

@@ -64,7 +64,7 @@ class RopeLoads(QueryRotation):
         return kb.read(self.graph[self.krope].inputs[0], "k")
 
     def load_queries(self, k) -> list[str]:
-        """``q{c}``: the rotated query row of thread row ``r`` (``lane._Kernel`` ``k``). The
+        """``q{c}``: the rotated query row of thread row ``r`` (``lane_stream._Kernel`` ``k``). The
         ``lanes`` threads of a row all hold it, so rather than each rotating it (D/2 angles a
         thread), the workgroup rotates its rows once, one (row, vec4 of the first half) per
         thread, into workgroup memory, and each thread reads its row back after a barrier
@@ -99,8 +99,8 @@ class RopeLoads(QueryRotation):
         """Cooperative copy of the current key tile into workgroup segment ``k``, rotated:
         one thread per (entry, vec4 of the first half); ``row`` is the key's row index in
         ``src`` in terms of ``sr``, the key's index in the sequence (its position past the
-        first). ``k`` is ``lane._Kernel``; reads clamp to the last key (``kvl - 1`` with a
-        runtime key count), as ``lane._load_tile``'s do."""
+        first). ``k`` is ``lane_stream._Kernel``; reads clamp to the last key (``kvl - 1`` with a
+        runtime key count), as ``lane_stream._load_tile``'s do."""
         off, stride = k.layout["k"]
         h4, half = self.dim // 8, self.dim // 2
         last = "kvl - 1u" if k.kvlen is not None else u(k.n_stream - 1)
