@@ -6,9 +6,9 @@ training step at batch 4 (SGD, cross-entropy), and on request W1's ``fwd_seq128`
 whisper-tiny's training step (``--parts whisper``: 30 s of features, 32 tokens, SGD), the
 SmolVLA action expert's (``--parts smolvla``: W2's ``train_chunk50``; ``smolvla_fwd``: its
 forward, ``fwd_chunk50``) and the W5 U-Net's (``--parts unet``: ``train_small_b2``). Random
-weights; each
-program is traced and compiled with ``H200`` limits (``Limits.cpu`` False, so the GPU's matmul
-plans and split-K apply), and its dispatch list is counted by kernel kind.
+weights; each program is traced and compiled with ``meganeura.codegen.kernel.H200_LIMITS``
+(``Limits.cpu`` False, so the GPU's matmul plans and split-K apply), and its dispatch list is
+counted by kernel kind.
 
 ``--split-sums dispatch`` compiles split-K products with their own summing dispatch (the
 program before ``codegen.wgsl.matmul.deferred``), for before/after figures from one commit;
@@ -63,19 +63,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from meganeura.codegen.kernel import Limits  # noqa: E402
-
-# The H200's adapter limits (design.md). The storage-buffer count per stage is set high: with
-# it the training step's counts match bench/results/llm_profile_h200.txt (one found_inf pass).
-H200 = Limits(
-    max_workgroup_storage_size=49152,
-    max_invocations_per_workgroup=1024,
-    max_storage_buffer_binding_size=2**31 - 4,
-    max_storage_buffers_per_shader_stage=1024,
-    max_buffer_size=2**40,
-    shader_f16=True,
-    subgroups=True,
-)
+from meganeura.codegen.kernel import H200_LIMITS  # noqa: E402
 
 
 def kind(name: str) -> str:
@@ -118,7 +106,7 @@ def prefill(quick: bool):
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq), np.int32)
     kwargs = {"cache_position": np.asarray(0, np.int32), "logits_to_keep": 1, "greedy": True}
     traced = trace_call(model, model.forward, (ids,), kwargs)
-    return compile(traced.graph, CompileOptions(shared_parameters=True), H200)
+    return compile(traced.graph, CompileOptions(shared_parameters=True), H200_LIMITS)
 
 
 def train(quick: bool):
@@ -139,7 +127,7 @@ def train(quick: bool):
     options = dataclasses.replace(
         _train_options(mn.optim.AdamW(lr=1e-5)), trainable=_trainable(traced)
     )
-    return compile(traced.graph, options, H200)
+    return compile(traced.graph, options, H200_LIMITS)
 
 
 def resnet(quick: bool):
@@ -161,7 +149,7 @@ def resnet(quick: bool):
     options = dataclasses.replace(
         _train_options(mn.optim.SGD(lr=1e-5)), trainable=_trainable(traced)
     )
-    return compile(traced.graph, options, H200)
+    return compile(traced.graph, options, H200_LIMITS)
 
 
 def whisper(quick: bool):
@@ -197,7 +185,7 @@ def whisper(quick: bool):
     options = dataclasses.replace(
         _train_options(mn.optim.SGD(lr=1e-5)), trainable=_trainable(traced)
     )
-    return compile(traced.graph, options, H200)
+    return compile(traced.graph, options, H200_LIMITS)
 
 
 def _workload_train(wid: str, case_name: str, quick: bool):
@@ -220,7 +208,7 @@ def _workload_train(wid: str, case_name: str, quick: bool):
     options = dataclasses.replace(
         _train_options(_optimizer(case.optimizer)), trainable=_trainable(traced)
     )
-    return compile(traced.graph, options, H200)
+    return compile(traced.graph, options, H200_LIMITS)
 
 
 def smolvla(quick: bool):
@@ -242,7 +230,7 @@ def smolvla_fwd(quick: bool):
     case = wl.case("fwd_chunk10" if quick else "fwd_chunk50", quick)
     model = wl.build_ours(case, quick)
     traced = trace_call(model, model.forward, wl.batch(case, quick), {})
-    return compile(traced.graph, CompileOptions(shared_parameters=True), H200)
+    return compile(traced.graph, CompileOptions(shared_parameters=True), H200_LIMITS)
 
 
 def unet(quick: bool):
@@ -264,7 +252,7 @@ def _workload_forward(wid: str, case_name: str, quick: bool):
     case = wl.case(case_name, quick)
     model = wl.build_ours(case, quick)
     traced = trace_call(model, model.forward, wl.batch(case, quick), {})
-    return compile(traced.graph, CompileOptions(shared_parameters=True), H200)
+    return compile(traced.graph, CompileOptions(shared_parameters=True), H200_LIMITS)
 
 
 def resnet_eval(quick: bool):

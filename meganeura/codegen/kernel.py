@@ -45,6 +45,22 @@ class Limits:
     )
 
 
+# The NVIDIA H200's adapter limits (Vulkan, wgpu 0.32; design.md), to compile programs as
+# the H200 compiles them without a GPU (``bench/dispatch_counts.py``, the dispatch-count tests):
+# not a CPU, so the GPU's matmul plans and split-K apply. The storage-buffer count per stage is
+# set high: with it the training step's counts match bench/results/llm_profile_h200.txt (one
+# found_inf pass).
+H200_LIMITS = Limits(
+    max_workgroup_storage_size=49152,
+    max_invocations_per_workgroup=1024,
+    max_storage_buffer_binding_size=2**31 - 4,
+    max_storage_buffers_per_shader_stage=1024,
+    max_buffer_size=2**40,
+    shader_f16=True,
+    subgroups=True,
+)
+
+
 @dataclass(frozen=True)
 class ValueRef:
     """Binding of a graph value (node id); ``write`` when the kernel stores to it."""

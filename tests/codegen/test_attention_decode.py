@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from meganeura.codegen.kernel import Limits
 from meganeura.codegen.wgsl.attention import plan as attention_plan
 from meganeura.codegen.wgsl.attention.lowering import lower_attention
 from meganeura.codegen.wgsl.attention.plan import Dims, Split, choose_plan, choose_split
@@ -19,9 +18,8 @@ from meganeura.ops.attention import scaled_dot_product_attention
 
 from ..opinfo.attention import _sdpa_kv_ref, _sdpa_ref
 from .harness import run
+from .test_attention_kv import H200
 
-H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
-              max_storage_buffer_binding_size=2**31 - 4)  # fmt: skip
 SMOLLM2_DECODE = Dims(1, 3, 3, 1, 512, 64, 64)
 
 

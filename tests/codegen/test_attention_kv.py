@@ -33,6 +33,8 @@ from ..ids import attention_dims_id, plan_id
 from .test_attention import _graph, _rel, _torch
 
 rng = np.random.default_rng(23)
+# The H200's workgroup and binding-size limits, the other fields at their defaults (not
+# ``kernel.H200_LIMITS``: no subgroups, no f16, 8 bindings); test_attention_decode uses it too.
 H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
               max_storage_buffer_binding_size=2**31 - 4)  # fmt: skip
 WHISPER = Dims(1, 6, 1, 1500, 1500, 64, 64)

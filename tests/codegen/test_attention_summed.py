@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meganeura.codegen.kernel import ScratchRef
+from meganeura.codegen.kernel import H200_LIMITS, ScratchRef
 from meganeura.codegen.wgsl.attention import summed
 from meganeura.codegen.wgsl.matmul.plan import force_plan
 from meganeura.compile import CompileOptions, compile
@@ -22,7 +22,7 @@ from meganeura.ops import functional as F
 from meganeura.ops.attention import scaled_dot_product_attention
 
 from .harness import compile_both, split_k_everywhere
-from .test_splitk_deferred import H200, SPLIT, _params
+from .test_splitk_deferred import SPLIT, _params
 from .test_sum_runs import CFG
 
 RNG = np.random.default_rng(71)
@@ -75,13 +75,13 @@ def _attention(program):
 
 # ---- planning (no GPU) ------------------------------------------------------------------------
 def test_attention_binds_the_partials_and_sums_vanish():
-    on, off = _both(_sdpa_graph(), CompileOptions(), H200)
+    on, off = _both(_sdpa_graph(), CompileOptions(), H200_LIMITS)
     assert len(_sums(off)) == 1 and not _sums(on)  # q, k and v's merged sum: gone
     assert len(off.dispatches) - len(on.dispatches) == 1
     att = _attention(on)
     from meganeura.schedule.schedule import schedule
 
-    (ks,) = [k for _, k in schedule(_sdpa_graph(), H200, fuse=True).dispatches
+    (ks,) = [k for _, k in schedule(_sdpa_graph(), H200_LIMITS, fuse=True).dispatches
              if "attention fwd" in k.name]  # fmt: skip
     assert sum(isinstance(b, ScratchRef) for b in ks.bindings) == 3
     assert att.wgsl.count("fn sum_") == 3
@@ -92,7 +92,7 @@ def test_training_keeps_the_sums():
     import meganeura as mn
 
     options = CompileOptions(loss="loss", optimizer=mn.optim.SGD(lr=0.1))
-    on, off = _both(_sdpa_graph(loss=True), options, H200)
+    on, off = _both(_sdpa_graph(loss=True), options, H200_LIMITS)
     assert _sums(on) and [d.name for d in on.dispatches] == [d.name for d in off.dispatches]
 
 
@@ -269,10 +269,10 @@ def test_the_bound_keeps_sums_whose_row_tiles_would_reread_too_much():
     b.output("out", F.reshape(F.permute(out, (0, 2, 1, 3)), (1, 128, 576)))
     graph = b.build()
     force_plan("64x64x16/s8")
-    bounded = compile(graph, CompileOptions(), H200)
+    bounded = compile(graph, CompileOptions(), H200_LIMITS)
     summed.set_bounded(False)
     try:
-        unbounded = compile(graph, CompileOptions(), H200)
+        unbounded = compile(graph, CompileOptions(), H200_LIMITS)
     finally:
         summed.set_bounded(True)
     assert _products(_sums(bounded)) == 2 and _products(_sums(unbounded)) == 0

@@ -16,16 +16,13 @@ import torch
 
 import meganeura as mn
 import meganeura.nn.functional as F
-from meganeura.codegen.kernel import Limits, ScratchRef, ValueRef
+from meganeura.codegen.kernel import H200_LIMITS, Limits, ScratchRef, ValueRef
 from meganeura.codegen.wgsl.conv.gemm import force_plan
 from meganeura.codegen.wgsl.norm import conv_prologue
 from meganeura.compile import CompileOptions, compile
 from meganeura.nn import BatchNorm2d, Conv2d, GroupNorm, Module
 from meganeura.nn.compiled import trace_call
 
-H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
-              max_storage_buffer_binding_size=2**31 - 4, max_storage_buffers_per_shader_stage=1024,
-              max_buffer_size=2**40, shader_f16=True, subgroups=True)  # fmt: skip
 CIN, COUT = 16, 12
 # (x's spatial side, forced splits): 6x6 planes are read as vec4 units; 5x5 as scalars, with
 # more than 8 splits (the summing kernel's four lanes per element)
@@ -246,8 +243,8 @@ def test_sum_gone_and_partials_live_until_the_norm_on_h200_limits(cls):
     backward reads it)."""
     from meganeura.schedule.schedule import schedule
 
-    off = _kinds(cls, False, H200, 4)
-    on = _kinds(cls, True, H200, 4)
+    off = _kinds(cls, False, H200_LIMITS, 4)
+    on = _kinds(cls, True, H200_LIMITS, 4)
     sums = [sum(n.endswith("conv2d sum_splits") for n in p) for p in (off, on)]
     assert sums[0] - sums[1] == 1 and len(off) - len(on) == 1  # ConvGN's head keeps its own
     kernel = [n for n in on if "conv2d+" in n]
@@ -257,7 +254,7 @@ def test_sum_gone_and_partials_live_until_the_norm_on_h200_limits(cls):
     x, t = _data(6)
     graph = trace_call(model, model.forward, (x,), {}).graph
     with force_plan(splits=4):
-        sched = schedule(graph, H200, fuse=True)
+        sched = schedule(graph, H200_LIMITS, fuse=True)
     names = [ks.name for _, ks in sched.dispatches]
     (pos,) = [i for i, n in enumerate(names) if "conv2d+" in n]
     ks = sched.dispatches[pos][1]
@@ -274,5 +271,5 @@ def test_sum_gone_and_partials_live_until_the_norm_on_h200_limits(cls):
 
 def test_the_switch_and_an_unsplit_conv_keep_the_summing_dispatch():
     """Off, or a conv whose plan does not split K: nothing changes."""
-    assert _kinds(ConvBN, True, H200, 1) == _kinds(ConvBN, False, H200, 1)
-    assert not any("conv2d+" in n for n in _kinds(ConvBN, True, H200, 1))
+    assert _kinds(ConvBN, True, H200_LIMITS, 1) == _kinds(ConvBN, False, H200_LIMITS, 1)
+    assert not any("conv2d+" in n for n in _kinds(ConvBN, True, H200_LIMITS, 1))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as TF
 
 import meganeura.nn.functional as F
-from meganeura.codegen.kernel import Limits
+from meganeura.codegen.kernel import H200_LIMITS
 from meganeura.codegen.wgsl.attention import dq_delta
 from meganeura.compile import CompileOptions
 from meganeura.graph.builder import GraphBuilder
@@ -20,9 +20,6 @@ from meganeura.optim import HYPER_INPUT, SGD
 
 from .harness import compile_both
 
-H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
-              max_storage_buffer_binding_size=2**31 - 4, max_storage_buffers_per_shader_stage=1024,
-              max_buffer_size=2**40, shader_f16=True, subgroups=True)  # fmt: skip
 # name: (q shape, k shape, v head dim, is_causal, mask)
 CASES = {
     "gqa_causal": ((1, 4, 12, 16), (1, 2, 12, 16), 16, True, False),
@@ -153,8 +150,8 @@ def test_smollm2_widths_dispatch_counts_on_h200_limits():
     ids = (np.arange(128, dtype=np.int32) % 512)[None]
     traced = trace_call(model, lambda i, y: lm_loss(model, i, y), (ids, (ids + 1) % 512), {},
                         "loss")  # fmt: skip
-    on, off = compile_both(dq_delta.set_enabled, traced.graph,
-                           CompileOptions(loss="loss", optimizer=SGD(lr=0.1)), H200)  # fmt: skip
+    options = CompileOptions(loss="loss", optimizer=SGD(lr=0.1))
+    on, off = compile_both(dq_delta.set_enabled, traced.graph, options, H200_LIMITS)
     assert len(off.dispatches) - len(on.dispatches) == 2
     assert len(_delta_kernels(on)) == 2 and all("dq+delta" in n for n in _delta_kernels(on))
 
@@ -171,12 +168,12 @@ def test_too_few_bindings_or_a_block_plan_keep_the_delta_dispatch(masked):
     options = CompileOptions(loss="loss", optimizer=SGD(lr=0.1))
     need = 8 + masked
     for n, fused in ((need, True), (need - 1, False)):
-        limits = replace(H200, max_storage_buffers_per_shader_stage=n)
+        limits = replace(H200_LIMITS, max_storage_buffers_per_shader_stage=n)
         on, off = compile_both(dq_delta.set_enabled, graph, options, limits)
         assert len(off.dispatches) - len(on.dispatches) == fused, n
     plan.BLOCK_OVERRIDE["dq"] = plan.BLOCK_PLANS[0]
     try:
-        on, off = compile_both(dq_delta.set_enabled, graph, options, H200)
+        on, off = compile_both(dq_delta.set_enabled, graph, options, H200_LIMITS)
     finally:
         del plan.BLOCK_OVERRIDE["dq"]
     assert len(on.dispatches) == len(off.dispatches)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from meganeura.codegen.kernel import Limits, ScratchRef
+from meganeura.codegen.kernel import H200_LIMITS, ScratchRef
 from meganeura.codegen.wgsl.matmul.plan import force_plan
 from meganeura.codegen.wgsl.norm import prologue
 from meganeura.compile import CompileOptions
@@ -26,9 +26,6 @@ from meganeura.optim import HYPER_INPUT, SGD
 from .harness import compile_both, split_k_everywhere
 
 RNG = np.random.default_rng(47)
-H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
-              max_storage_buffer_binding_size=2**31 - 4, max_storage_buffers_per_shader_stage=1024,
-              max_buffer_size=2**40, shader_f16=True, subgroups=True)  # fmt: skip
 SPLIT = "64x64x16/s4"
 M, D, FF = 24, 96, 128
 
@@ -224,12 +221,12 @@ def test_smollm2_widths_dispatch_counts_on_h200_limits():
     model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, vocab_size=512))
     ids = (np.arange(128, dtype=np.int32) % 512)[None]
     fwd = trace_call(model, model.forward, (ids,), {}).graph
-    on, off = _both(fwd, CompileOptions(), H200)
+    on, off = _both(fwd, CompileOptions(), H200_LIMITS)
     assert len(off.dispatches) - len(on.dispatches) == 4
     assert len(_norm_kernels(on)) == 4
     traced = trace_call(model, lambda i, y: lm_loss(model, i, y), (ids, (ids + 1) % 512), {},
                         "loss")  # fmt: skip
-    on, off = _both(traced.graph, CompileOptions(loss="loss", optimizer=SGD(lr=0.1)), H200)
+    on, off = _both(traced.graph, CompileOptions(loss="loss", optimizer=SGD(lr=0.1)), H200_LIMITS)
     assert len(off.dispatches) - len(on.dispatches) == 4
 
 
@@ -240,10 +237,10 @@ def test_partials_live_until_the_norm_and_sums_gone_on_h200_limits():
     from meganeura.schedule.schedule import schedule
 
     graph = _block_graph()
-    on, off = _both(graph, CompileOptions(), H200)
+    on, off = _both(graph, CompileOptions(), H200_LIMITS)
     assert len(off.dispatches) - len(on.dispatches) == 2
     assert sum(d.name.endswith("sum_splits") for d in on.dispatches) == 0
-    sched = schedule(graph, H200, fuse=True)
+    sched = schedule(graph, H200_LIMITS, fuse=True)
     names = [ks.name for _, ks in sched.dispatches]
     for _, ks in sched.dispatches:
         if "norm" not in ks.name or "+" not in ks.name.split()[0]:
@@ -262,12 +259,12 @@ def test_a_long_row_or_an_earlier_reader_keeps_the_summing_dispatch():
     n = 1 << 18
     h = b.input("x", (1, 4, n)) + F.linear(b.input("a", (1, 4, 64)), b.parameter("w", (n, 64)))
     b.output("y", rms_norm(h, n))
-    on, off = _both(b.build(), CompileOptions(), H200)
+    on, off = _both(b.build(), CompileOptions(), H200_LIMITS)
     assert len(on.dispatches) == len(off.dispatches)
 
     b = GraphBuilder()
     h = b.input("x", (1, M, D)) + F.linear(b.input("a", (1, M, D)), b.parameter("w", (D, D)))
     b.output("s", F.sum(h, -1))  # a reduction reading h before the norm
     b.output("y", rms_norm(h, D))
-    on, off = _both(b.build(), CompileOptions(), H200)
+    on, off = _both(b.build(), CompileOptions(), H200_LIMITS)
     assert len(on.dispatches) == len(off.dispatches)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from meganeura.codegen.kernel import H200_LIMITS
 from meganeura.codegen.wgsl.matmul import split_group
 from meganeura.codegen.wgsl.matmul.plan import force_plan
 from meganeura.compile import CompileOptions, compile
@@ -19,7 +20,7 @@ from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
 from .harness import compile_both
-from .test_splitk_deferred import H200, SPLIT, _params
+from .test_splitk_deferred import SPLIT, _params
 
 RNG = np.random.default_rng(37)
 
@@ -54,7 +55,7 @@ def _merged(program) -> list[str]:
 
 # ---- planning (no GPU) ------------------------------------------------------------------------
 def test_products_summed_by_one_kernel_share_their_partials_dispatch(split_plan):
-    on, off = _both(_sum_of_products(), CompileOptions(), H200)
+    on, off = _both(_sum_of_products(), CompileOptions(), H200_LIMITS)
     # off: three partials dispatches and the sum with the epilogue; on: one and the sum
     assert len(off.dispatches) == 4 and len(on.dispatches) == 2
     (name,) = _merged(on)
@@ -67,7 +68,7 @@ def test_products_summed_by_one_kernel_share_their_partials_dispatch(split_plan)
 def test_unsplit_products_join_and_store_their_value(split_plan):
     # K = 16 is one K step of the forced plan: that product runs unsplit
     g = _sum_of_products(ks=(96, 16, 136))
-    on, off = _both(g, CompileOptions(), H200)
+    on, off = _both(g, CompileOptions(), H200_LIMITS)
     assert len(off.dispatches) == 4 and len(on.dispatches) == 2
     (merged,) = [d for d in on.dispatches if "part1" in d.wgsl or "c1" in d.wgsl]
     assert "g_c1" in merged.wgsl and "g_part2" in merged.wgsl
@@ -76,14 +77,14 @@ def test_unsplit_products_join_and_store_their_value(split_plan):
 def test_the_switch_and_a_second_reader_keep_products_apart(split_plan):
     split_group.set_sum_groups(False)
     try:
-        assert _merged(compile(_sum_of_products(), CompileOptions(), H200)) == []
+        assert _merged(compile(_sum_of_products(), CompileOptions(), H200_LIMITS)) == []
     finally:
         split_group.set_sum_groups(True)
     b = GraphBuilder()  # p1 is read by two kernels: no one kernel reads both partial sets
     p = [F.linear(b.input(f"a{i}", (37, 96)), b.parameter(f"w{i}", (52, 96))) for i in range(2)]
     b.output("y", p[0] + p[1])
     b.output("z", F.sum(p[1], -1))
-    assert _merged(compile(b.build(), CompileOptions(), H200)) == []
+    assert _merged(compile(b.build(), CompileOptions(), H200_LIMITS)) == []
 
 
 def test_smollm2_training_step_groups_the_input_gradients():
@@ -100,7 +101,7 @@ def test_smollm2_training_step_groups_the_input_gradients():
     ids = (np.arange(128, dtype=np.int32) % 512)[None]
     labels = ((np.arange(128) + 1) % 512).astype(np.int32)[None]
     graph = trace_call(model, lambda i, y: lm_loss(model, i, y), (ids, labels), {}, "loss").graph
-    on, off = _both(graph, CompileOptions(loss="loss", optimizer=mn.optim.AdamW()), H200)
+    on, off = _both(graph, CompileOptions(loss="loss", optimizer=mn.optim.AdamW()), H200_LIMITS)
     assert len(on.dispatches) == len(off.dispatches) - 2
     merged = [d.wgsl for d in on.dispatches if d.name not in {e.name for e in off.dispatches}]
     assert sorted(w.count("var<storage, read_write> g_part") for w in merged) == [1, 2]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from meganeura.codegen.kernel import Limits
+from meganeura.codegen.kernel import H200_LIMITS
 from meganeura.codegen.wgsl.matmul import deferred, tiled_group
 from meganeura.codegen.wgsl.matmul.plan import force_plan
 from meganeura.compile import CompileOptions
@@ -24,10 +24,6 @@ from meganeura.optim import HYPER_INPUT, SGD
 from .harness import compile_both
 
 RNG = np.random.default_rng(31)
-# The H200's limits (bench/dispatch_counts.py): not a CPU, so the GPU plans and split-K apply.
-H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
-              max_storage_buffer_binding_size=2**31 - 4, max_storage_buffers_per_shader_stage=1024,
-              max_buffer_size=2**40, shader_f16=True, subgroups=True)  # fmt: skip
 SPLIT = "64x64x16/s4"
 
 
@@ -189,7 +185,7 @@ def test_products_read_otherwise_keep_their_summing_dispatch(split_plan):
     b.output("y", F.linear(h, b.parameter("w2", (32, 64))))
     b.output("h", F.linear(x, b.parameter("w3", (48, 96))))
     b.output("r", F.sum(F.linear(x, b.parameter("w4", (48, 96))), -1))
-    on, off = _both(b.build(), CompileOptions(), H200)
+    on, off = _both(b.build(), CompileOptions(), H200_LIMITS)
     assert _summed(on) == _summed(off) == len(_sums(off)) == 4
     # 2 first dispatches merged; the sums of the product of h, w3's and w4's run back to back
     # (``matmul.summing``): 3 -> 1
@@ -224,7 +220,9 @@ def _smollm2_programs():
     # and v's partials (``attention.summed``, counted in tests/codegen/test_attention_summed.py)
     summed.set_enabled(False)
     try:
-        return _both(prefill, CompileOptions(), H200), _both(traced.graph, train_opts, H200)
+        return _both(prefill, CompileOptions(), H200_LIMITS), _both(
+            traced.graph, train_opts, H200_LIMITS
+        )
     finally:
         summed.set_enabled(True)
 
@@ -357,7 +355,7 @@ def test_products_sharing_x_run_as_one_dispatch_bit_identically(gpu_device, spli
 
 def test_a_right_operand_computed_after_the_first_product_keeps_it_apart(split_plan):
     graph = _qkv_graph(computed_b=True)
-    on, _ = _both(graph, CompileOptions(), H200)
+    on, _ = _both(graph, CompileOptions(), H200_LIMITS)
     merged = [d.name for d in on.dispatches if d.name.split()[0].count("+") == 1]
     assert len(merged) == 1  # q and k; v's weight is computed after q's matmul
     assert not any(d.name.endswith("sum_splits") for d in on.dispatches)
@@ -372,7 +370,7 @@ def test_a_large_product_read_by_three_kernels_keeps_its_sum(split_plan):
         y = F.linear(b.input("x", (2, rows, 64)), b.parameter("w", (1024, 64)))
         for name, dims in (("a", (0, 2, 1)), ("b", (1, 0, 2)), ("c", (2, 1, 0))):
             b.output(name, F.permute(y, dims))
-        on, _ = _both(b.build(), CompileOptions(), H200)
+        on, _ = _both(b.build(), CompileOptions(), H200_LIMITS)
         assert (len(_sums(on)) == 1) == kept, rows
     part = deferred.SplitPartials(0, 4, 2 * 1024 * 1024)
     assert deferred.extra_bytes(part, 1) < 0

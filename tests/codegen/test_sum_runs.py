@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meganeura.codegen.kernel import ScratchRef, ValueRef
+from meganeura.codegen.kernel import H200_LIMITS, ScratchRef, ValueRef
 from meganeura.codegen.wgsl.attention import summed as attention_summed
 from meganeura.codegen.wgsl.matmul import summing
 from meganeura.compile import CompileOptions, compile
@@ -21,7 +21,7 @@ from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
 from .harness import compile_both, split_k_everywhere
-from .test_splitk_deferred import H200, SPLIT, _params
+from .test_splitk_deferred import SPLIT, _params
 
 RNG = np.random.default_rng(53)
 WIDTHS = (48, 24, 40)
@@ -57,14 +57,14 @@ def _sums(program) -> list[str]:
 
 # ---- planning (no GPU) ------------------------------------------------------------------------
 def test_back_to_back_sums_are_one_dispatch():
-    on, off = _both(_qkv_graph(), CompileOptions(), H200)
+    on, off = _both(_qkv_graph(), CompileOptions(), H200_LIMITS)
     assert len(_sums(off)) == 3 and len(off.dispatches) - len(on.dispatches) == 2
     (name,) = _sums(on)
     ids = [int(n.split()[0][1:]) for n in _sums(off)]
     assert name == "%" + "+".join(map(str, ids)) + " matmul sum_splits"
     from meganeura.schedule.schedule import schedule
 
-    (merged,) = [ks for _, ks in schedule(_qkv_graph(), H200, fuse=True).dispatches
+    (merged,) = [ks for _, ks in schedule(_qkv_graph(), H200_LIMITS, fuse=True).dispatches
                  if ks.name == name]  # fmt: skip
     assert [type(b) for b in merged.bindings] == [ScratchRef, ValueRef] * 3
     assert [b.owner for b in merged.bindings[::2]] == ids  # each product's own partials
@@ -76,7 +76,7 @@ def test_outputs_live_from_the_merged_dispatch_and_partials_until_it():
     from meganeura.schedule.schedule import schedule
 
     graph = _qkv_graph()
-    sched = schedule(graph, H200, fuse=True)
+    sched = schedule(graph, H200_LIMITS, fuse=True)
     names = [ks.name for _, ks in sched.dispatches]
     (pos,) = [i for i, n in enumerate(names) if n.endswith("sum_splits")]
     _, ks = sched.dispatches[pos]
@@ -93,14 +93,14 @@ def test_outputs_live_from_the_merged_dispatch_and_partials_until_it():
 def test_the_switch_and_sums_apart_stay_separate():
     summing.set_enabled(False)
     try:
-        assert len(_sums(compile(_qkv_graph(), CompileOptions(), H200))) == 3
+        assert len(_sums(compile(_qkv_graph(), CompileOptions(), H200_LIMITS))) == 3
     finally:
         summing.set_enabled(True)
     b = GraphBuilder()  # different left operands: [partials, sum] per product, never adjacent
     for i in range(2):
         p = F.linear(b.input(f"x{i}", (40, 96)), b.parameter(f"w{i}", (48, 96)))
         b.output(f"s{i}", F.sum(p, -1))
-    on, off = _both(b.build(), CompileOptions(), H200)
+    on, off = _both(b.build(), CompileOptions(), H200_LIMITS)
     assert [d.name for d in on.dispatches] == [d.name for d in off.dispatches]
     assert len(_sums(on)) == 2
 
@@ -111,10 +111,12 @@ def test_lower_sum_run_errors():
     graph = _qkv_graph()
     prods = [n.id for n in graph.nodes if n.op == "matmul"]
     with pytest.raises(ValueError, match="storage bindings"):
-        summing.lower_sum_run(graph, prods, replace(H200, max_storage_buffers_per_shader_stage=4))
+        summing.lower_sum_run(
+            graph, prods, replace(H200_LIMITS, max_storage_buffers_per_shader_stage=4)
+        )
     x = next(n.id for n in graph.nodes if n.op == "input")
     with pytest.raises(ValueError, match="not a split-K matmul"):
-        summing.lower_sum_run(graph, [prods[0], x], H200)
+        summing.lower_sum_run(graph, [prods[0], x], H200_LIMITS)
 
 
 # ---- execution (GPU) --------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch.nn.functional as TF
 
 import meganeura.nn as mnn
 import meganeura.nn.functional as F
-from meganeura.codegen.kernel import Limits
+from meganeura.codegen.kernel import H200_LIMITS
 from meganeura.codegen.wgsl.conv.gemm import force_plan
 from meganeura.compile import CompileOptions
 from meganeura.nn.compiled import trace_call
@@ -25,9 +25,6 @@ from meganeura.passes import fuse_conv
 from ..codegen.harness import compile_both
 
 RNG = np.random.default_rng(17)
-H200 = Limits(max_workgroup_storage_size=49152, max_invocations_per_workgroup=1024,
-              max_storage_buffer_binding_size=2**31 - 4, max_storage_buffers_per_shader_stage=1024,
-              max_buffer_size=2**40, shader_f16=True, subgroups=True)  # fmt: skip
 
 
 class Block(mnn.Module):
@@ -202,7 +199,7 @@ def test_which_groups_anchor():
     c2 = conv2d(x, w[2], padding=(1, 1))
     b.output("d", c2 + x)  # a lone add joins c2
     graph = b.build()
-    on, off = _both(graph, CompileOptions(), H200)
+    on, off = _both(graph, CompileOptions(), H200_LIMITS)
     names = [d.name for d in on.dispatches]
     assert len(off.dispatches) - len(on.dispatches) == 2
     assert sum(n.endswith("conv2d gemm") and "+" in n for n in names) == 2
@@ -219,7 +216,7 @@ def test_resnet50_eval_dispatch_counts_on_h200_limits():
     model = ResNet(ResNetConfig("bottleneck", (3, 4, 6, 3), 1000)).eval()
     x = np.zeros((1, 3, 224, 224), np.float32)
     traced = trace_call(model, model.forward, (x,), {})
-    on, off = _both(traced.graph, CompileOptions(shared_parameters=True), H200)
+    on, off = _both(traced.graph, CompileOptions(shared_parameters=True), H200_LIMITS)
     assert (len(off.dispatches), len(on.dispatches)) == (139, 90)
     assert not any(k.startswith(("add", "relu")) for k in _kinds(on))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meganeura.codegen.kernel import Limits
+from meganeura.codegen.kernel import H200_LIMITS, Limits
 from meganeura.codegen.wgsl.matmul import tiled_rgroup
 from meganeura.codegen.wgsl.matmul.plan import force_plan
 from meganeura.compile import CompileOptions, compile
@@ -81,11 +81,9 @@ def test_a_product_reading_a_member_stays_apart(plan):
 
 def test_h200_plans_group_the_smollm2_and_smolvla_weight_gradient_shapes():
     # K = the token count: the H200's plans for these products are unsplit
-    from ..codegen.test_splitk_deferred import H200
-
-    g, (grp,), sched = _plan(_weight_grads(k=128, n=576, ms=(576, 192, 192)), H200)
+    g, (grp,), sched = _plan(_weight_grads(k=128, n=576, ms=(576, 192, 192)), H200_LIMITS)
     assert len(sched.dispatches) == 1 and grp.shared == "right"
-    g, (grp,), sched = _plan(_weight_grads(k=50, n=720, ms=(2048, 2048)), H200)
+    g, (grp,), sched = _plan(_weight_grads(k=50, n=720, ms=(2048, 2048)), H200_LIMITS)
     assert len(sched.dispatches) == 1
 
 
@@ -95,8 +93,6 @@ def test_smollm2_training_step_dispatch_count_on_h200_limits():
     import meganeura as mn
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
     from meganeura.nn.compiled import trace_call
-
-    from ..codegen.test_splitk_deferred import H200
 
     mn.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, vocab_size=512))
@@ -108,7 +104,7 @@ def test_smollm2_training_step_dispatch_count_on_h200_limits():
     def dispatches(grouped: bool):
         tiled_rgroup.set_enabled(grouped)
         try:
-            return compile(graph, options, H200).dispatches
+            return compile(graph, options, H200_LIMITS).dispatches
         finally:
             tiled_rgroup.set_enabled(True)
 

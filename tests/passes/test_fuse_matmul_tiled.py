@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from meganeura.codegen.kernel import Limits
+from meganeura.codegen.kernel import H200_LIMITS, Limits
 from meganeura.codegen.wgsl.matmul.plan import force_plan
 from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
@@ -119,8 +119,6 @@ def test_smollm2_prefill_group_kernels_validate_on_h200_limits(gpu_device):
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
     from meganeura.nn.compiled import trace_call
 
-    from ..codegen.test_splitk_deferred import H200
-
     model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, vocab_size=512))
     model.setup_cache(1, 256)
     ids = np.zeros((1, 128), np.int32)
@@ -128,7 +126,7 @@ def test_smollm2_prefill_group_kernels_validate_on_h200_limits(gpu_device):
     graph = trace_call(model, model.forward, (ids,), kw).graph
     tiled_group.set_split_members(True)
     try:
-        program = compile(graph, CompileOptions(), H200)
+        program = compile(graph, CompileOptions(), H200_LIMITS)
     finally:
         tiled_group.set_split_members(False)
     names = [d.name for d in program.dispatches]
