@@ -17,7 +17,8 @@
 #                   conv_norm, conv_epilogue, broadcast_views (W3, W5); norm_prologue, sum_runs
 #                   (the SmolLM2 A/B of both together was neutral to 1.2% faster),
 #                   attention_sums, delta_in_dq, and attention_rereads (off: unbounded, the
-#                   attention summing k and v's partials too) on W1, W2, W4
+#                   attention summing k and v's partials too) on W1, W2, W4; attention_prefetch
+#                   (the next key tile loaded while the current one is computed) on W4
 #   strict          the ten headline cells, strict f32, with warm-cache compile times
 #   fast            the ten headline cells, fast mode, with warm-cache compile times
 #   matrix          the rest of the matrix, resumable (strict first)
@@ -50,7 +51,9 @@ case "$step" in
       --levers conv_norm,conv_epilogue,broadcast_views --all 2>&1 | tee "$log"
     python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_llm.json \
       --cases w1:fwd_seq128,w2:fwd_chunk50,w1:train_seq128,w2:train_chunk50,w4:train \
-      --levers norm_prologue,sum_runs,attention_sums,attention_rereads,delta_in_dq 2>&1 | tee -a "$log" ;;
+      --levers norm_prologue,sum_runs,attention_sums,attention_rereads,delta_in_dq 2>&1 | tee -a "$log"
+    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_prefetch.json \
+      --cases w4:fwd,w4:train --levers attention_prefetch 2>&1 | tee -a "$log" ;;
   strict)
     "${wl[@]}" --precision strict --cases "$headline" 2>&1 | tee "$log" ;;
   fast)

@@ -49,6 +49,8 @@ LEVERS = {
     "split_members": ("meganeura.codegen.wgsl.matmul.tiled_group", "set_split_members"),
     "conv_phases": ("meganeura.codegen.wgsl.conv.lowering", "MERGE_PHASES"),
     "delta_in_dq": ("meganeura.codegen.wgsl.attention.dq_delta", "set_enabled"),
+    # off: query-row attention loops load each key tile after the barrier, not before (untimed)
+    "attention_prefetch": ("meganeura.codegen.wgsl.attention.lane_stream", "set_prefetch"),
 }
 # the command-line flags of bench/dispatch_counts.py and bench/llm_profile.py: argparse dest ->
 # (lever, the flag's value that turns it on); split_members is off by default (measured slower)

@@ -43,6 +43,18 @@ from .plan import (
     extents,
 )
 
+# Query-row loops (fwd, stats, lse, dq) load each key tile into registers while the previous
+# one is computed (``_prefetched``), when that takes at most PREFETCH_MAX_VEC4 vec4 registers
+# a thread. PREFETCH is a bench A/B switch (``set_prefetch``), never changed by the compiler.
+PREFETCH = [True]
+PREFETCH_MAX_VEC4 = 8
+
+
+def set_prefetch(on: bool) -> None:
+    """Let query-row loops prefetch their next key tile (on, the default) or not, for
+    programs compiled from now on."""
+    PREFETCH[:] = [bool(on)]
+
 
 @dataclass(frozen=True)
 class _Kernel:
@@ -101,14 +113,27 @@ def _sum(terms: list[str]) -> str:
 
 
 def _load_tile(
-    k: _Kernel, seg: str, src: Src, row: str, n: int, stores: list[str] | None = None
+    k: _Kernel,
+    seg: str,
+    src: Src,
+    row: str,
+    n: int,
+    stores: list[str] | None = None,
+    at: str = "s0",
+    regs: list[str] | None = None,
+    setup: list[str] | None = None,
 ) -> list[str]:
     """Cooperative copy of the current tile's segment ``seg`` (rows of ``n`` floats of
     ``src``; ``row`` is the stream entry's row index in ``src``) into workgroup memory.
 
-    With ``stores`` (forwards of short query blocks) the copy is unrolled: the
-    returned statements load into registers and the workgroup-memory stores are appended to
-    ``stores``, for the caller to place after every segment's loads."""
+    With ``stores`` (forwards of short query blocks, prefetching loops) the copy is unrolled:
+    the returned statements load into registers and the workgroup-memory stores are appended
+    to ``stores``, for the caller to place after every segment's loads. ``at`` is the tile's
+    first stream entry (an expression); with ``regs`` the registers are variables the caller
+    declares (their names are appended to ``regs``) and the returned statements assign them
+    inside a block of their own, so the same loads can be emitted twice (``_prefetched``); the
+    tile-independent indices they and the stores use are appended to ``setup`` (given with
+    the first emission only), for the caller to place once before the loop."""
     off, stride = k.layout[seg]
     # with a runtime key count, reads stop at the last kept key (kvl >= 1 inside the loop), so
     # the tile's entries past it repeat finite data (0 * NaN in a stale slot would be NaN)
@@ -147,11 +172,18 @@ def _load_tile(
                 ("e", f"min({first}, {u(total - 1)})" if guarded else first),
                 ("rr", f"{e}e / {u(width)}"),
                 ("c", f"{e}e % {u(width)}"),
-                ("sr", f"min(s0 + {e}rr, {last})"),
+                ("sr", f"min({at} + {e}rr, {last})"),
                 ("base", f"{src.row_offset(row.replace('sr', f'{e}sr'))} + {e}c * 4u"),
             ]
-            lines += [f"    let {e}{name} = {expr};" for name, expr in mine]
-            lines.append(f"    let {e}v = {vec4(f'{e}base', f'{e}c')};")
+            lets = [f"    let {e}{name} = {expr};" for name, expr in mine]
+            if regs is None:
+                lines += [*lets, f"    let {e}v = {vec4(f'{e}base', f'{e}c')};"]
+            else:  # the tile-independent indices once, before the loop; per tile the rest
+                regs.append(f"{e}v")
+                if setup is not None:
+                    setup += [line.replace("    let", "  let", 1) for line in lets[:3]]
+                load = f"    {e}v = {vec4(f'{e}base', f'{e}c')};"
+                lines += ["    {", *lets[3:], load, "    }"]
             store = f"sh[{u(off)} + {e}rr * {u(stride)} + {e}c] = {e}v;"
             stores.append(
                 f"    if ({first} < {u(total)}) {{ {store} }}" if guarded else f"    {store}"
@@ -190,6 +222,7 @@ def _stream_loops(k: _Kernel) -> list[str]:
         loads += _load_tile(k, "g", k.src["dout"], row, dv)
         loads += _load_tile(k, "st", k.src["st"], row, 2)
     body = ["    workgroupBarrier();", *loads, "    workgroupBarrier();", *_entries(k)]
+    prefetched = _prefetched(k, row) if k.query_rows and not short else None
     if not k.query_rows:
         # keys j see queries i >= j only (causal): start at the tile's first key
         start = f"tile * {u(R)}" if k.causal else "0u"
@@ -242,7 +275,43 @@ def _stream_loops(k: _Kernel) -> list[str]:
         loop = f"  for (var s0 = s_begin; s0 < s_stop; s0 = s0 + {u(BS)}) {{"
     else:
         loop = f"  for (var s0 = 0u; s0 < s_end; s0 = s0 + {u(BS)}) {{"
+        if prefetched is not None:
+            return lines + prefetched[0] + [loop, *prefetched[1], "  }"]
     return lines + [loop, *body, "  }"]
+
+
+def _prefetched(k: _Kernel, row: str) -> tuple[list[str], list[str]] | None:
+    """(statements before the loop, the loop's body) of a query-row loop that loads each tile
+    into registers while the previous one is computed, or None where it does not apply
+    (``PREFETCH`` off, a prologue's key copy, a split, a single tile, or more than
+    ``PREFETCH_MAX_VEC4`` registers a thread).
+
+    The first tile's loads are issued before the loop; each iteration stores the registers
+    into workgroup memory between the two barriers, then issues the next tile's loads
+    (``s0 + tile < s_end``: uniform) before computing its entries, so the loads' latency
+    overlaps the entries' arithmetic. Each value read and each workgroup-memory slot written
+    is the one the plain loop reads and writes (same clamped addresses), so the results are
+    the plain loop's bit for bit."""
+    BS = k.plan.tile
+    segs = [("k", k.dims.d)] + ([("v", k.dims.dv)] if k.mode in ("fwd", "dq") else [])
+    vec4s = sum(-(-(BS * -(-n // 4)) // k.plan.size) for _, n in segs)
+    if (
+        not PREFETCH[0]
+        or hasattr(k.prologue, "key_tile")
+        or k.split is not None
+        or k.n_stream <= BS
+        or vec4s > PREFETCH_MAX_VEC4
+    ):
+        return None
+    first, stores, regs, setup, following = [], [], [], [], []
+    for seg, n in segs:
+        first += _load_tile(k, seg, k.src[seg], row, n, stores, "0u", regs, setup)
+        following += _load_tile(k, seg, k.src[seg], row, n, [], f"s0 + {u(BS)}", [])
+    before = [*setup, *(f"  var {r}: vec4<f32>;" for r in regs)]
+    before += ["  if (0u < s_end) {", *first, "  }"]
+    body = ["    workgroupBarrier();", *stores, "    workgroupBarrier();"]
+    body += [f"    if (s0 + {u(BS)} < s_end) {{", *following, "    }", *_entries(k)]
+    return before, body
 
 
 def _entries(k: _Kernel) -> list[str]:
