@@ -29,9 +29,10 @@ run is recorded (``programs[].error``) and the sweep goes on.
 
 Each program: outputs and q/k/v gradients checked against float64 torch (numpy when torch is
 missing), then ``Session.profile`` per-kernel GPU times (median over ``--repeats`` after
-``--warmup``). Writes ``bench/results/attention_plans_<machine>.json`` (``--quick``: under
-``bench/results/quick/``) through a temporary name after each shape, and prints the best plan
-per (shape, kernel) against the default.
+``--warmup``), printed as one line per program (``*``: the default plan). Writes
+``bench/results/attention_plans_<machine>.json`` (``--quick``: under ``bench/results/quick/``)
+through a temporary name after each program, and prints the best plan per (shape, kernel)
+against the default after each shape.
 
 Usage: python bench/attention_plans.py [--quick] [--budget-s 230] [--cap 40] [--whisper-cap 6]
     [--repeats 10] [--warmup 3] [--shapes smollm2,smolvla_self] [--out-name NAME]
@@ -257,6 +258,7 @@ class Sweep:
                 runs[tm.repeat][1] += 1
         dims = _dims(shape)
         ok = max(errs.values()) <= TOL
+        line = []
         for label, mode in LABELS.items():
             if label not in acc or (label == "fwd") == train:
                 continue
@@ -272,19 +274,26 @@ class Sweep:
                 "default": mode not in override, "us": statistics.median(us),
                 "us_min": min(us), "n": len(us), "ok": ok,
             })  # fmt: skip
+            tag = "x".join(map(str, plan)) + ("*" if mode not in override else "")
+            line.append(f"{label} {tag} {statistics.median(us):.1f}")
         self.programs.append({"shape": name, "program": program,
                               "override": {m: list(p) for m, p in override.items()},
                               "compile_s": round(compile_s, 3),
                               "first_run_s": round(first_run_s, 3), "rel_errs": errs,
                               "kernels": [x.name for x in prog.dispatches
                                           if "attention" in x.name]})  # fmt: skip
-        if not ok:
-            print(f"  WARNING {name} {program} {override}: rel_err {errs}")
+        print(f"  {name} {program} ({compile_s + first_run_s:.1f} s): {', '.join(line)} us"
+              f"{'' if ok else f'  WRONG rel_err {errs}'}", flush=True)  # fmt: skip
+        self.write(complete=False)
 
     def write(self, complete: bool) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            host = machine(self.device)
+        except ImportError:  # machine() asks torch for its device
+            host = {"adapter": self.device.name}
         doc = {
-            "machine": machine(self.device),
+            "machine": host,
             "versions": versions(),
             "complete": complete,
             "quick": bool(self.args.quick),
