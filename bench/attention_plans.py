@@ -35,7 +35,7 @@ through a temporary name after each program, and prints the best plan per (shape
 against the default after each shape.
 
 Usage: python bench/attention_plans.py [--quick] [--budget-s 230] [--cap 40] [--whisper-cap 6]
-    [--repeats 10] [--warmup 3] [--shapes smollm2,smolvla_self] [--out-name NAME]
+    [--repeats 10] [--warmup 3] [--shapes smollm2,smolvla_self] [--out-name NAME | --out PATH]
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import re
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -206,6 +207,8 @@ class Sweep:
         self.t0 = time.perf_counter()
         name = args.out_name or f"attention_plans_{machine_tag(device)}"
         self.path = (RESULTS / "quick" if args.quick else RESULTS) / f"{name}.json"
+        if getattr(args, "out", None):
+            self.path = Path(args.out)
 
     def run(self, shape, arrays, ref, program: str, override: dict[str, tuple]) -> None:
         """``_run``, recording an exception (a plan the driver rejects) instead of raising."""
@@ -432,7 +435,7 @@ def print_table(s: dict) -> None:
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap, "", repeats=10, warmup=3)
     ap.add_argument("--budget-s", type=float, default=None,
@@ -441,7 +444,8 @@ def main() -> None:
     ap.add_argument("--whisper-cap", type=int, default=WHISPER_PLANS,
                     help="most plans per kernel at Whisper")  # fmt: skip
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="result file path (default: see above)")
+    args = ap.parse_args(argv)
     resolve_args(args)
     if args.budget_s is None:
         args.budget_s = 50.0 if args.quick else 230.0
