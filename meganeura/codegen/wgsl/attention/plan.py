@@ -2,9 +2,11 @@
 workgroup owns, how many threads share a row, how long a workgroup-memory tile is, and where
 each tile segment lives in workgroup memory.
 
-Invariants: ``rows * lanes <= THREADS``; ``tile`` is a multiple of ``lanes`` with at most
-``MAX_PER_LANE`` entries per lane (each becomes named registers); the tile segments and the
-lanes' merge area both fit the adapter's workgroup memory.
+Invariants (``check_plan``): ``rows * lanes`` threads (``THREADS`` in the automatic plan, up
+to the adapter's limit in a forced one) with ``lanes`` a power of two; ``tile`` is a multiple of
+``lanes`` with at most ``MAX_PER_LANE`` entries per lane (each becomes named registers); the
+tile segments and the lanes' merge area both fit the adapter's workgroup memory.
+``LANE_OVERRIDE`` forces a plan per mode (benchmarks: bench/attention_plans.py).
 """
 
 from __future__ import annotations
@@ -17,9 +19,22 @@ from ..core.layout import next_pow2
 # Measured on the H200 (Vulkan), f32 forward over B=4, H=16, L=2048, D=64, causal: 2.3 ms
 # (14.6 TFLOP/s) with these values; 16 entries per lane took 12.6 ms (register spills), and
 # 128-thread workgroups or 1024 target groups were no better across the workloads' shapes.
-THREADS = 64
-TARGET_GROUPS = 256  # shrink row tiles until this many workgroups (or 4-row tiles) exist
+# ``choose_plan`` reads these module globals on every call, so a benchmark may patch them
+# (bench/attention_plans.py sweeps explicit plans through ``LANE_OVERRIDE`` instead).
+THREADS = 64  # threads per workgroup the automatic plan fills (rows * lanes)
+TARGET_GROUPS = 256  # shrink row tiles until this many workgroups (or MIN_ROWS-row tiles) exist
+MIN_ROWS = 4  # the fewest rows per workgroup the shrinking goes down to
 MAX_PER_LANE = 8  # stream entries per lane per tile (each a named score register)
+# The longest tile (stream entries, a power of two) the automatic plan tries first. A choice,
+# not a limit of the kernel: any tile that is a multiple of the lanes, with at most
+# MAX_PER_LANE entries per lane and fitting workgroup memory, generates a correct kernel
+# (tests/codegen/test_attention_plans.py runs tiles of 64).
+MAX_TILE = 32
+# mode -> (rows, lanes, tile) forcing that lane plan (validated by ``check_plan``) for every
+# lane kernel of that mode: "fwd" (with or without its log-sum-exp store, split or not),
+# "stats", "lse", "dq" (with or without delta), "dk", "dv", "dkv". Modes not listed choose
+# automatically. For benchmarks and tests (bench/attention_plans.py); empty by default.
+LANE_OVERRIDE: dict[str, tuple[int, int, int]] = {}
 QUERY_ROW_MODES = ("fwd", "stats", "lse", "dq")  # rows are queries; dk, dv, dkv: keys
 SOFTMAX_MODES = ("fwd", "stats", "lse")  # an online softmax (running max and sum) per row
 
@@ -105,24 +120,66 @@ def shared_layout(mode: str, dims: Dims, plan: Plan) -> tuple[int, dict[str, tup
     return max(off, merge, 1), layout
 
 
+def check_plan(mode: str, dims: Dims, plan: Plan, limits: Limits) -> Plan:
+    """``plan`` if the lane kernel in ``mode`` can run it on this adapter.
+
+    Raises:
+        ValueError: naming the mode, the plan and the limit it breaks: rows, lanes or tile
+            below 1; lanes not a power of two (the lanes merge pairwise); rows * lanes above
+            the adapter's ``max_invocations_per_workgroup``; a tile that is not a multiple of
+            the lanes or gives a lane more than ``MAX_PER_LANE`` entries; tile segments or
+            merge area above ``max_workgroup_storage_size`` bytes.
+    """
+    what = f"lane plan for {mode!r} (rows={plan.rows}, lanes={plan.lanes}, tile={plan.tile})"
+    if min(plan.rows, plan.lanes, plan.tile) < 1:
+        raise ValueError(f"{what}: rows, lanes and tile must be at least 1")
+    if plan.lanes & (plan.lanes - 1):
+        raise ValueError(f"{what}: lanes must be a power of two (pairwise merge)")
+    if plan.size > limits.max_invocations_per_workgroup:
+        raise ValueError(
+            f"{what}: rows * lanes = {plan.size} threads exceeds the adapter's "
+            f"max_invocations_per_workgroup {limits.max_invocations_per_workgroup}"
+        )
+    if plan.tile % plan.lanes:
+        raise ValueError(f"{what}: tile must be a multiple of lanes")
+    if plan.per_lane > MAX_PER_LANE:
+        raise ValueError(
+            f"{what}: {plan.per_lane} entries per lane exceeds MAX_PER_LANE {MAX_PER_LANE}"
+        )
+    need = 16 * shared_layout(mode, dims, plan)[0]
+    if need > limits.max_workgroup_storage_size:
+        raise ValueError(
+            f"{what}: needs {need} bytes of workgroup memory at D={dims.d}, Dv={dims.dv}, "
+            f"above the adapter's max_workgroup_storage_size {limits.max_workgroup_storage_size}"
+        )
+    return plan
+
+
 def choose_plan(mode: str, dims: Dims, limits: Limits) -> Plan:
     """Rows per workgroup, lanes per row and tile length for ``mode`` on this adapter.
 
-    Rows shrink (down to 4) until there are ``TARGET_GROUPS`` workgroups, lanes take the
-    threads left, up to the stream's length, and rows take back what a short stream cannot
-    use; tiles are as long as workgroup memory allows (at most 32, at most the stream).
+    ``LANE_OVERRIDE[mode]`` wins (checked by ``check_plan``). Else rows shrink (down to
+    ``MIN_ROWS``) until there are ``TARGET_GROUPS`` workgroups of ``THREADS`` threads, lanes
+    take the threads left, up to the stream's length, and rows take back what a short stream
+    cannot use; tiles are as long as workgroup memory allows (at most ``MAX_TILE``, at most
+    the stream).
 
     Raises:
-        ValueError: when even one entry per tile does not fit workgroup memory.
+        ValueError: when even one entry per tile does not fit workgroup memory, or the
+            override does not pass ``check_plan``.
     """
+    forced = LANE_OVERRIDE.get(mode)
+    if forced is not None:
+        return check_plan(mode, dims, Plan(*forced), limits)
     n_rows, n_stream = extents(mode, dims)
     rows = min(THREADS, next_pow2(n_rows))
-    while rows > 4 and dims.b * dims.hkv * -(-n_rows // rows) < TARGET_GROUPS:
+    while rows > MIN_ROWS and dims.b * dims.hkv * -(-n_rows // rows) < TARGET_GROUPS:
         rows //= 2
     lanes = min(THREADS // rows, next_pow2(n_stream))
     rows = min(THREADS // lanes, next_pow2(n_rows))
+    tiles = [MAX_TILE >> i for i in range(MAX_TILE.bit_length())]  # MAX_TILE, ..., 2, 1
     while True:
-        for tile in (32, 16, 8, 4, 2, 1):
+        for tile in tiles:
             if tile < lanes or tile // lanes > MAX_PER_LANE:
                 continue
             if tile > max(lanes, next_pow2(n_stream)):
