@@ -51,6 +51,8 @@ LEVERS = {
     "delta_in_dq": ("meganeura.codegen.wgsl.attention.dq_delta", "set_enabled"),
     # off: query-row attention loops load each key tile after the barrier, not before (untimed)
     "attention_prefetch": ("meganeura.codegen.wgsl.attention.lane_stream", "set_prefetch"),
+    # off: the automatic lane plans instead of attention/tuned.py's measured ones
+    "attention_tuned": ("meganeura.codegen.wgsl.attention.plan", "set_tuned"),
 }
 # the command-line flags of bench/dispatch_counts.py and bench/llm_profile.py: argparse dest ->
 # (lever, the flag's value that turns it on); split_members is off by default (measured slower)

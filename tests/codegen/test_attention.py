@@ -18,6 +18,7 @@ from meganeura.codegen.wgsl.attention.plan import (
     BlockPlan,
     Dims,
     block_layout,
+    check_plan,
     choose_block_plan,
     choose_plan,
     shared_layout,
@@ -212,10 +213,11 @@ def test_large_head_dims_and_single_entries():
     ids=attention_dims_id,
 )  # fmt: skip
 def test_plans_fit_the_adapter(dims, storage):
+    limits = Limits(max_workgroup_storage_size=storage)
     for mode in ("fwd", "stats", "dq", "dk", "dv"):
-        plan = choose_plan(mode, dims, Limits(max_workgroup_storage_size=storage))
+        plan = choose_plan(mode, dims, limits)
         assert 16 * shared_layout(mode, dims, plan)[0] <= storage
-        assert plan.size <= 64 and plan.tile % plan.lanes == 0 and plan.per_lane <= 16
+        assert check_plan(mode, dims, plan, limits) == plan  # tuned plans: up to 128 threads
 
 
 @pytest.mark.parametrize("mode", ["fwd", "stats", "dq", "dk", "dv"])

@@ -13,6 +13,7 @@ import pytest
 from meganeura.codegen.kernel import Limits
 from meganeura.codegen.wgsl.attention import plan as attention_plan
 from meganeura.codegen.wgsl.attention.plan import Dims, Plan, check_plan, choose_plan
+from meganeura.codegen.wgsl.attention.tuned import TUNED
 from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
 
@@ -87,17 +88,75 @@ def test_forced_plan_sets_the_workgroup_size(lane_override):
     assert "@workgroup_size(64)" in kernels["scaled_dot_product_attention_backward_query"]
 
 
-def test_default_plans_unchanged():
-    """An empty override keeps the automatic plans (SmolLM2 at L=128 on the H200)."""
+def test_default_plans_unchanged(monkeypatch):
+    """An empty override and no tuned table keep the automatic plans (SmolLM2 at L=128 on
+    the H200)."""
+    monkeypatch.setattr(attention_plan, "USE_TUNED", [False])
     assert attention_plan.LANE_OVERRIDE == {}
     assert choose_plan("fwd", SMOLLM2, H200) == Plan(4, 16, 32)
     for mode in LANE_MODES:
         assert choose_plan(mode, SMOLLM2, H200).size == attention_plan.THREADS
 
 
+def test_tuned_plans_on_gpu_adapters_only(monkeypatch):
+    """``tuned.TUNED``'s plans are chosen for their sizes on the H200's limits; a CPU adapter,
+    an adapter whose workgroup memory cannot hold the plan, other sizes and the switch off
+    get the automatic rule."""
+    from dataclasses import replace
+
+    from meganeura.codegen.kernel import H200_LIMITS
+
+    for (mode, dims), entry in TUNED.items():
+        assert choose_plan(mode, dims, H200_LIMITS) == Plan(*entry), (mode, dims)
+        assert choose_plan(mode, dims, replace(H200_LIMITS, cpu=True)) != Plan(*entry)
+    small = replace(H200_LIMITS, max_workgroup_storage_size=32768)  # tile 64 needs 35 KiB
+    assert choose_plan("dv", SMOLLM2, small) == Plan(4, 16, 32)
+    assert choose_plan("fwd", replace(SMOLLM2, lq=127, lk=127), H200_LIMITS) == Plan(4, 16, 32)
+    monkeypatch.setattr(attention_plan, "USE_TUNED", [False])
+    assert choose_plan("fwd", SMOLLM2, H200_LIMITS) == Plan(4, 16, 32)
+
+
+# the workload shapes of tuned.TUNED: (q, k, v shapes, kwargs)
+TUNED_SHAPES = {
+    "smollm2": ((1, 9, 128, 64), (1, 3, 128, 64), (1, 3, 128, 64),
+                {"is_causal": True, "enable_gqa": True}),
+    "smolvla_self": ((1, 15, 50, 64), (1, 5, 50, 64), (1, 5, 50, 64),
+                     {"is_causal": True, "enable_gqa": True}),
+    "smolvla_cross": ((1, 15, 50, 64), (1, 5, 16, 64), (1, 5, 16, 64), {"enable_gqa": True}),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fuse", [True, False], ids=["dkv", "dk_dv"])
+@pytest.mark.parametrize("shape", TUNED_SHAPES)
+def test_tuned_plans_match_torch(shape, fuse, gpu_device, lane_override):
+    """Each of the table's plans, forced at its own sizes (the test adapter is a CPU one,
+    which ignores the table), gives float64 torch's output and gradients; plans the test
+    adapter's workgroup memory cannot hold keep the automatic plan."""
+    from meganeura.training import device_limits
+
+    limits = device_limits(gpu_device)
+    qs, ks, vs, kw = TUNED_SHAPES[shape]
+    dims = Dims(qs[0], ks[1], qs[1] // ks[1], qs[2], ks[2], qs[3], vs[3])
+    plans = {}
+    for (mode, d), entry in TUNED.items():
+        if d == dims:
+            try:
+                check_plan(mode, dims, Plan(*entry), limits)
+            except ValueError:
+                continue
+            plans[mode] = entry
+    assert plans
+    lane_override(plans, fuse)
+    got, want, _ = _run_fused(gpu_device, qs, ks, vs, seed=3, **kw)
+    for n in ("out", "q", "k", "v"):
+        assert _rel(got[n], want[n]) < 2e-6, n
+
+
 def test_max_tile_64_fits(monkeypatch):
     """Raising ``MAX_TILE`` lets the automatic plan take 64-entry tiles where they fit."""
     monkeypatch.setattr(attention_plan, "MAX_TILE", 64)
+    monkeypatch.setattr(attention_plan, "USE_TUNED", [False])
     assert choose_plan("fwd", SMOLLM2, H200).tile == 64
     small = Limits(max_workgroup_storage_size=16384)
     plan = choose_plan("fwd", SMOLLM2, small)

@@ -35,6 +35,7 @@ MAX_TILE = 32
 # "stats", "lse", "dq" (with or without delta), "dk", "dv", "dkv". Modes not listed choose
 # automatically. For benchmarks and tests (bench/attention_plans.py); empty by default.
 LANE_OVERRIDE: dict[str, tuple[int, int, int]] = {}
+USE_TUNED = [True]  # tuned.TUNED's measured plans on GPU adapters (``set_tuned``: bench A/B)
 QUERY_ROW_MODES = ("fwd", "stats", "lse", "dq")  # rows are queries; dk, dv, dkv: keys
 SOFTMAX_MODES = ("fwd", "stats", "lse")  # an online softmax (running max and sum) per row
 
@@ -155,10 +156,32 @@ def check_plan(mode: str, dims: Dims, plan: Plan, limits: Limits) -> Plan:
     return plan
 
 
+def tuned_plan(mode: str, dims: Dims, limits: Limits) -> Plan | None:
+    """The H200-measured plan of ``tuned.TUNED`` for (``mode``, ``dims``) on a GPU adapter
+    that can run it, else None (``USE_TUNED`` off, a CPU adapter, no entry, or an entry
+    ``check_plan`` refuses)."""
+    from .tuned import TUNED
+
+    entry = TUNED.get((mode, dims)) if USE_TUNED[0] and not limits.cpu else None
+    if entry is None:
+        return None
+    try:
+        return check_plan(mode, dims, Plan(*entry), limits)
+    except ValueError:
+        return None
+
+
+def set_tuned(on: bool) -> None:
+    """Let ``choose_plan`` take ``tuned.TUNED``'s plans (on, the default) or not, for programs
+    compiled from now on (a bench A/B switch)."""
+    USE_TUNED[:] = [bool(on)]
+
+
 def choose_plan(mode: str, dims: Dims, limits: Limits) -> Plan:
     """Rows per workgroup, lanes per row and tile length for ``mode`` on this adapter.
 
-    ``LANE_OVERRIDE[mode]`` wins (checked by ``check_plan``). Else rows shrink (down to
+    ``LANE_OVERRIDE[mode]`` wins (checked by ``check_plan``), then the measured plan of
+    ``tuned.TUNED`` for these sizes on a GPU adapter (``tuned_plan``). Else rows shrink (down to
     ``MIN_ROWS``) until there are ``TARGET_GROUPS`` workgroups of ``THREADS`` threads, lanes
     take the threads left, up to the stream's length, and rows take back what a short stream
     cannot use; tiles are as long as workgroup memory allows (at most ``MAX_TILE``, at most
@@ -171,6 +194,9 @@ def choose_plan(mode: str, dims: Dims, limits: Limits) -> Plan:
     forced = LANE_OVERRIDE.get(mode)
     if forced is not None:
         return check_plan(mode, dims, Plan(*forced), limits)
+    tuned = tuned_plan(mode, dims, limits)
+    if tuned is not None:
+        return tuned
     n_rows, n_stream = extents(mode, dims)
     rows = min(THREADS, next_pow2(n_rows))
     while rows > MIN_ROWS and dims.b * dims.hkv * -(-n_rows // rows) < TARGET_GROUPS:

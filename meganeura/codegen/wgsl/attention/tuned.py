@@ -1,0 +1,42 @@
+"""The measured best lane plan per (mode, problem sizes) on the H200, ahead of the automatic
+rule (``plan.choose_plan``).
+
+Keyed by the kernel's mode (``fwd`` also covers the forward that stores its log-sum-exp,
+``dq`` the query gradient that computes its rows' delta) and its ``plan.Dims`` (batch, kv
+heads, query heads per kv head, query and key lengths, head dims); values are
+``(rows, lanes, tile)``. GPU adapters only: CPU adapters (``Limits.cpu``) ignore the table, an
+entry the adapter cannot run (``plan.check_plan``) falls back to the rule, and
+``plan.LANE_OVERRIDE`` wins over both.
+
+From ``bench/attention_plans.py`` on the H200 (2026-12-03, fourth session,
+``bench/results/attention_plans_h200.json``; per-kernel GPU time from profiler timestamps,
+median of 10, the default plan timed in the same process; 7-9 of ~40 candidate plans per
+kernel timed before the 90 s budget ran out): each kernel's best plan where it beat the rule's
+plan by >= 3%, with both times in the comment. The automatic rule was tuned at L = 2048; at the
+workloads' short sequences it picks 4 rows x 16 lanes with 32-entry tiles.
+"""
+
+from __future__ import annotations
+
+from .plan import Dims
+
+SMOLLM2 = Dims(b=1, hkv=3, group=3, lq=128, lk=128, d=64, dv=64)  # W1, causal
+SMOLVLA_SELF = Dims(b=1, hkv=5, group=3, lq=50, lk=50, d=64, dv=64)  # W2 even layers, causal
+SMOLVLA_CROSS = Dims(b=1, hkv=5, group=3, lq=50, lk=16, d=64, dv=64)  # W2 odd layers
+
+TUNED: dict[tuple[str, Dims], tuple[int, int, int]] = {
+    ("fwd", SMOLLM2): (8, 16, 32),  # fwd+lse 23.2 -> 17.4 us
+    ("dq", SMOLLM2): (4, 16, 16),  # dq+delta 30.8 -> 23.9
+    ("dkv", SMOLLM2): (2, 32, 32),  # 59.5 -> 54.0
+    ("dk", SMOLLM2): (2, 32, 32),  # 38.8 -> 36.0
+    ("dv", SMOLLM2): (4, 16, 64),  # 33.2 -> 30.4
+    ("fwd", SMOLVLA_SELF): (4, 16, 16),  # fwd+lse 14.0 -> 12.7, fwd 15.4 -> 14.3
+    ("dq", SMOLVLA_SELF): (4, 16, 16),  # dq+delta 18.6 -> 16.3
+    ("dkv", SMOLVLA_SELF): (2, 32, 32),  # 36.8 -> 33.6
+    ("dk", SMOLVLA_SELF): (2, 32, 32),  # 25.1 -> 22.5
+    ("dv", SMOLVLA_SELF): (4, 16, 64),  # 21.3 -> 20.0
+    ("fwd", SMOLVLA_CROSS): (16, 8, 16),  # fwd+lse 12.2 -> 11.6, fwd 14.0 -> 13.2
+    ("dkv", SMOLVLA_CROSS): (2, 32, 32),  # 39.0 -> 37.4
+    ("dk", SMOLVLA_CROSS): (2, 32, 32),  # 28.0 -> 25.6
+    ("dv", SMOLVLA_CROSS): (8, 16, 32),  # 23.9 -> 22.1
+}
