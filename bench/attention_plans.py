@@ -310,7 +310,7 @@ class Sweep:
             "first_run_s_total": round(sum(p.get("first_run_s", 0) for p in self.programs), 2),
             "errors": sum("error" in p for p in self.programs),
             "summary": self.summary,
-            "results": self.rows,
+            "rows": self.rows,
             "programs": self.programs,
         }
         tmp = self.path.with_name(self.path.name + ".tmp")

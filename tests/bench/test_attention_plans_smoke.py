@@ -22,5 +22,5 @@ def test_attention_plans_quick(tmp_path, gpu_device):
         for label, k in s["kernels"].items():
             assert k["default_us"] is not None and k["plans_timed"] >= 2, (shape, label)
             assert k["best_us"] <= k["default_us"], (shape, label)
-    plans = {tuple(r["plan"]) for r in doc["results"] if not r["default"]}
-    assert plans and all(r["n"] == 1 for r in doc["results"])
+    plans = {tuple(r["plan"]) for r in doc["rows"] if not r["default"]}
+    assert plans and all(r["n"] == 1 for r in doc["rows"])
