@@ -32,7 +32,7 @@ from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from ..core.layout import broadcast_strides
 from ..core.literals import NEG_INF_BITS, f32_literal, u
-from .common import LOWEST, OPERANDS, XYZW, kv_limit, read_extras, stride_sum
+from .common import LOWEST, OPERANDS, XYZW, key_end, read_extras, stride_sum
 from .plan import QUERY_ROW_MODES, BlockPlan, Dims, block_layout, extents
 
 LOG2E = f32_literal(1.0 / math.log(2.0))
@@ -322,27 +322,7 @@ def lower_block(
 
     # the stream loop
     if k.qrows:
-        if kvlen is not None:  # keys j < kvl (lower-right causal: j + Lq <= kvl + i) only
-            k.emit(kv_limit(kvlen, lk))
-            if k.causal:
-                k.emit(
-                    f"  let r_first = tile * {u(R)};",
-                    f"  let r_last = min(r_first + {u(R)}, {u(k.n_rows)}) - 1u;",
-                    f"  let one_head = r_first / {u(lq)} == r_last / {u(lq)};",
-                    f"  let lim = i32(kvl) - {lq}i + i32(r_last % {u(lq)}) + 1i;",
-                    "  let s_end = select(kvl, u32(clamp(lim, 0i, i32(kvl))), one_head);",
-                )
-            else:
-                k.emit("  let s_end = kvl;")
-        elif k.causal:
-            k.emit(
-                f"  let r_first = tile * {u(R)};",
-                f"  let r_last = min(r_first + {u(R)}, {u(k.n_rows)}) - 1u;",
-                f"  let one_head = r_first / {u(lq)} == r_last / {u(lq)};",
-                f"  let s_end = select({u(lk)}, min({u(lk)}, r_last % {u(lq)} + 1u), one_head);",
-            )
-        else:
-            k.emit(f"  let s_end = {u(lk)};")
+        k.emit(*key_end(kvlen, k.causal, R, k.n_rows, lq, lk))
         k.emit(f"  for (var s0 = 0u; s0 < s_end; s0 = s0 + {u(BS)}) {{", "  workgroupBarrier();")
         row = f"bh * {u(lk)} + sr"
         last = "kvl - 1u" if kvlen is not None else lk - 1  # never past the last kept key

@@ -59,6 +59,32 @@ def kv_limit(kvlen: Src, lk: int) -> str:
     return f"  let kvl = min(u32(max({n}, 0i)), {u(lk)});"
 
 
+def key_end(kvlen: Src | None, causal: bool, rows: int, n_rows: int, lq: int, lk: int) -> list[str]:
+    """WGSL statements defining ``s_end``, where the key loop of a query-row tile stops: the
+    key count ``kvl`` with a runtime ``kvlen`` (``kv_limit``; with ``causal`` the lower-right
+    limit of the tile's last query, ``kvl - Lq + i + 1``), else the tile's last query's keys
+    when ``causal`` (``i + 1``, all keys when the tile spans two heads), else ``Lk``. ``rows``
+    query rows per tile (``tile`` is the workgroup's tile index), ``n_rows`` of them in all."""
+    if kvlen is None and not causal:
+        return [f"  let s_end = {u(lk)};"]
+    lines = [kv_limit(kvlen, lk)] if kvlen is not None else []
+    if not causal:
+        return lines + ["  let s_end = kvl;"]
+    lines += [
+        f"  let r_first = tile * {u(rows)};",
+        f"  let r_last = min(r_first + {u(rows)}, {u(n_rows)}) - 1u;",
+        f"  let one_head = r_first / {u(lq)} == r_last / {u(lq)};",
+    ]
+    if kvlen is not None:
+        return lines + [
+            f"  let lim = i32(kvl) - {lq}i + i32(r_last % {u(lq)}) + 1i;",
+            "  let s_end = select(kvl, u32(clamp(lim, 0i, i32(kvl))), one_head);",
+        ]
+    return lines + [
+        f"  let s_end = select({u(lk)}, min({u(lk)}, r_last % {u(lq)} + 1u), one_head);"
+    ]
+
+
 def dims_of(graph: Graph, node, mode: str) -> Dims:
     """Problem sizes of attention node ``node`` lowered in ``mode`` (dkv: the key-gradient
     node)."""

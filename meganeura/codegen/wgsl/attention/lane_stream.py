@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ..core.builder import KernelBuilder, Src
 from ..core.literals import NEG_INF_BITS, u
-from .common import LOWEST, kv_limit, stride_sum
+from .common import LOWEST, key_end, stride_sum
 from .plan import (
     QUERY_ROW_MODES,
     SOFTMAX_MODES,
@@ -236,27 +236,7 @@ def _stream_loops(k: _Kernel) -> list[str]:
             "  }",
             "  }",
         ]
-    if k.kvlen is not None:  # keys j < kvl (and j + Lq <= kvl + i when causal) only
-        lines = [kv_limit(k.kvlen, lk)]
-        if k.causal:
-            lines += [
-                f"  let r_first = tile * {u(R)};",
-                f"  let r_last = min(r_first + {u(R)}, {u(k.n_rows)}) - 1u;",
-                f"  let one_head = r_first / {u(lq)} == r_last / {u(lq)};",
-                f"  let lim = i32(kvl) - {lq}i + i32(r_last % {u(lq)}) + 1i;",
-                "  let s_end = select(kvl, u32(clamp(lim, 0i, i32(kvl))), one_head);",
-            ]
-        else:
-            lines.append("  let s_end = kvl;")
-    elif k.causal:  # queries i see keys j <= i: stop after the tile's last query's keys
-        lines = [
-            f"  let r_first = tile * {u(R)};",
-            f"  let r_last = min(r_first + {u(R)}, {u(k.n_rows)}) - 1u;",
-            f"  let one_head = r_first / {u(lq)} == r_last / {u(lq)};",
-            f"  let s_end = select({u(lk)}, min({u(lk)}, r_last % {u(lq)} + 1u), one_head);",
-        ]
-    else:
-        lines = [f"  let s_end = {u(lk)};"]
+    lines = key_end(k.kvlen, k.causal, R, k.n_rows, lq, lk)
     if k.split is not None:  # this workgroup's chunk of keys only
         c = u(k.split.length)
         lines += [f"  let s_begin = chunk * {c};", f"  let s_stop = min(s_end, s_begin + {c});"]
