@@ -54,6 +54,18 @@ CASES = [
 ]
 
 
+def inputs(b: int, hq: int, hkv: int, lq: int, lk: int, d: int) -> dict[str, np.ndarray]:
+    """q [b, hq, lq, d], k and v [b, hkv, lk, d] and the output gradient go [b, hq, lq, d]:
+    f32 standard normals, seeded by the shape (the same arrays on every run)."""
+    rng = np.random.default_rng(hq * 100 + lq)
+    return {
+        "q": rng.standard_normal((b, hq, lq, d), dtype=np.float32),
+        "k": rng.standard_normal((b, hkv, lk, d), dtype=np.float32),
+        "v": rng.standard_normal((b, hkv, lk, d), dtype=np.float32),
+        "go": rng.standard_normal((b, hq, lq, d), dtype=np.float32),
+    }
+
+
 def is_attention(name: str) -> bool:
     return dispatch_op(name).startswith("scaled_dot_product_attention")
 
@@ -101,13 +113,7 @@ def main() -> None:
     for name, b, hq, hkv, lq, lk, d, causal in CASES:
         if args.quick and name == "whisper":
             lq = lk = 96  # lavapipe: keep the smoke test short
-        rng = np.random.default_rng(hq * 100 + lq)
-        arrays = {
-            "q": rng.standard_normal((b, hq, lq, d), dtype=np.float32),
-            "k": rng.standard_normal((b, hkv, lk, d), dtype=np.float32),
-            "v": rng.standard_normal((b, hkv, lk, d), dtype=np.float32),
-            "go": rng.standard_normal((b, hq, lq, d), dtype=np.float32),
-        }
+        arrays = inputs(b, hq, hkv, lq, lk, d)
         tt = {n: torch.from_numpy(a).to(dev) for n, a in arrays.items()}
         gqa = hq != hkv
         shape = f"B{b} Hq{hq} Hkv{hkv} Lq{lq} Lk{lk} D{d}{' causal' if causal else ''}"

@@ -54,7 +54,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.attention import build  # noqa: E402
+from bench.attention import build, inputs  # noqa: E402
 from bench.common import RESULTS, add_args, machine, resolve_args, versions  # noqa: E402
 
 # name, B, Hq, Hkv, Lq, Lk, D, causal
@@ -341,13 +341,7 @@ def sweep_shape(sw: Sweep, shape, deadline: float, cap: int) -> None:
 
     name, b, hq, hkv, lq, lk, d, causal = shape
     dims = _dims(shape)
-    rng = np.random.default_rng(hq * 100 + lq)
-    arrays = {
-        "q": rng.standard_normal((b, hq, lq, d), dtype=np.float32),
-        "k": rng.standard_normal((b, hkv, lk, d), dtype=np.float32),
-        "v": rng.standard_normal((b, hkv, lk, d), dtype=np.float32),
-        "go": rng.standard_normal((b, hq, lq, d), dtype=np.float32),
-    }
+    arrays = inputs(b, hq, hkv, lq, lk, d)
     ref = reference(arrays, hq, hkv, causal, 1.0 / math.sqrt(d))
     defaults = {m: choose_plan(m, dims, sw.limits) for m in TRAIN_MODES}
     queues = {m: candidates(m, dims, sw.limits, defaults[m], cap) for m in TRAIN_MODES}

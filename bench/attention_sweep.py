@@ -23,11 +23,9 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.attention import CASES, build  # noqa: E402
+from bench.attention import CASES, build, inputs  # noqa: E402
 from bench.common import (  # noqa: E402
     add_args,
     dispatch_op,
@@ -96,13 +94,7 @@ def main() -> None:
             continue
         if args.quick and name == "whisper":
             lq = lk = 96
-        rng = np.random.default_rng(hq * 100 + lq)
-        arrays = {
-            "q": rng.standard_normal((b, hq, lq, d), dtype=np.float32),
-            "k": rng.standard_normal((b, hkv, lk, d), dtype=np.float32),
-            "v": rng.standard_normal((b, hkv, lk, d), dtype=np.float32),
-            "go": rng.standard_normal((b, hq, lq, d), dtype=np.float32),
-        }
+        arrays = inputs(b, hq, hkv, lq, lk, d)
         tt = {n: torch.from_numpy(a).to(dev) for n, a in arrays.items()}
         req = {n: tt[n].clone().requires_grad_(True) for n in ("q", "k", "v")}
         gqa = hq != hkv
