@@ -14,7 +14,9 @@ with the reduction over the head dim split across two threads). 256 FMAs per (ke
 pair, against the 320 of separate dk and dv kernels; the Q, dO and stats tiles are read once.
 
 Layout: ``ROWS`` key rows per workgroup (64 threads), the query stream in tiles of ``TILE``
-entries through workgroup memory (q, dO, stats), ``UNROLL`` entries per unrolled step. Masks,
+entries through workgroup memory (q, dO, stats; ``lane_stream.key_row_loops``, which
+prefetches the next tile's q into registers: 8 vec4s a thread, ``tile_loads.prefetch``'s
+budget, so dO and the stats are copied in the loop), ``UNROLL`` entries per unrolled step. Masks,
 causality (a key sees queries from its own index on) and GQA (the stream runs over each head
 of the kv head's group) as in ``lane``. Needs subgroups (``Limits.subgroups``, subgroup size
 at least 2) and head dims that are multiples of 8. Not the default until timed:

@@ -1,14 +1,17 @@
 """The lane kernel's stream (``lane``): the description of the kernel being generated
-(``_Kernel``), the loop over stream tiles and the merge of a row's lanes.
+(``_Kernel``), the loop over stream tiles (query rows: ``_stream_loops``; key rows:
+``key_row_loops``, shared with ``dkv_half``) and the merge of a row's lanes.
 
-Each tile of the stream is copied cooperatively into workgroup memory (``_load_tile``, or the
-prologue's rotating copy of key tiles, ``rope_prefill``; the forward of a short query block
-issues every load of a tile at once), then each of a row's ``lanes`` threads takes entries
-``t + lanes * u`` of the tile (``_entries``): its scores (f32, scaled, plus the mask) and the
-mode's update, an online softmax with a running max and sum (``fwd``, ``stats``, ``lse``;
-FlashAttention-2) or the gradients' accumulation (``dq``, ``dk``, ``dv``, ``dkv``). After the
-last tile the lanes of each row merge pairwise in workgroup memory into lane 0 (``_merge``:
-online-softmax rescaling for the forward, sums for gradients).
+Each tile of the stream is copied cooperatively into workgroup memory (``tile_loads.load_tile``,
+or the prologue's rotating copy of key tiles, ``rope_prefill``; the forward of a short query
+block issues every load of a tile at once; where ``tile_loads.prefetch`` applies, the next
+tile's loads are in flight while the current one is computed), then each of a row's
+``lanes`` threads takes entries ``t + lanes * u`` of the tile (``_entries``): its scores (f32,
+scaled, plus the mask) and the mode's update, an online softmax with a running max and sum
+(``fwd``, ``stats``, ``lse``; FlashAttention-2) or the gradients' accumulation (``dq``,
+``dk``, ``dv``, ``dkv``). After the last tile the lanes of each row merge pairwise in
+workgroup memory into lane 0 (``_merge``: online-softmax rescaling for the forward, sums for
+gradients).
 
 Masking never relies on inf arithmetic: an entry is masked when its mask value has the bit
 pattern of -inf, when the causal rule excludes it (key j > query i) or when it lies past the

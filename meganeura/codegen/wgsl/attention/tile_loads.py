@@ -5,14 +5,26 @@ Prefetch: the stream loop loads the next tile's segments into registers while th
 is computed. The first tile's loads are issued before the loop; each iteration stores the
 registers into workgroup memory between its two barriers, then issues the next tile's loads
 (guarded by a uniform condition, the next tile's first entry below the stream's end) before
-computing its entries, so the loads' latency overlaps the entries' arithmetic. Which kernels
-prefetch (``prefetch``'s rule): query-row loops (``fwd``, ``stats``, ``lse``, ``dq``: key and
-value tiles) and key-row loops (``dk``, ``dv``, ``dkv``, ``dkv half``: within each query
-head's stream, query, dO and stats tiles), each with at least two tiles, prefetching the
-longest prefix of their segments (in the tile's order) that takes at most
-``PREFETCH_MAX_VEC4`` vec4 registers a thread; segments past it are copied as before, between
-the barriers. Each value read and each workgroup-memory slot written is the plain loop's (same
-clamped addresses), so the results are the plain loop's bit for bit.
+computing its entries, so the loads' latency overlaps the entries' arithmetic. Which loops
+prefetch (``prefetch``'s rule, at most ``PREFETCH_MAX_VEC4`` vec4 registers a thread, each
+thread's share of a segment's vec4s rounded up, a stats entry counting one):
+
+- query-row loops (``fwd``, ``stats``, ``lse``, ``dq``; ``lane_stream._stream_loops``): their
+  key (and value) tiles, all or nothing; not a prologue's key copy, a split forward, a short
+  query block or a single key tile;
+- key-row loops (``dk``, ``dv``, ``dkv``, ``dkv half``; ``lane_stream.key_row_loops``): within
+  each query head's stream of at least two query tiles, the longest prefix of (q, dO, stats)
+  that fits; the segments past it are copied as before, between the barriers.
+
+On the H200's limits that is Whisper's (1 x 6 x 1500 x 64) fwd+lse and dq+delta (k, v: 4 + 4
+registers), its dk, dv or lane dkv (q, dO: 4 + 4; the stats, 1 more, copied in the loop) and
+its dkv half (q only: 8 of its 32-entry tiles; q and dO would take 16); SmolLM2's fwd+lse,
+dq+delta (k, v), dkv and dk (q only), not its dv (64-entry tiles: q alone takes 16). The
+key-row prefetch is untimed.
+
+Each value read and each workgroup-memory slot written is the plain loop's (same clamped
+addresses, same entries), so the results are the plain loop's bit for bit
+(tests/codegen/test_attention_prefetch.py).
 """
 
 from __future__ import annotations
