@@ -281,3 +281,36 @@ def test_which_training_kernels_prefetch_on_h200_limits(monkeypatch, key):
     assert _segments(_training(*shapes[workload])) == H200_SEGMENTS[key]
     lane_stream.set_prefetch(False)
     assert not any(_segments(_training(*shapes[workload])).values())
+
+
+@pytest.mark.gpu
+def test_dkv_half_16_entry_tiles_same_bits(gpu_device, monkeypatch):
+    """dkv half's 32-entry query tiles prefetch q only at Whisper's shape (q and dO would take
+    16 registers); with ``dkv_half.TILE`` = 16 (an A/B knob, untimed) q and dO fit (4 + 4) and
+    the gradients are the 32-entry tiles' bit for bit (the same entries, in steps of
+    ``UNROLL``)."""
+    from meganeura.codegen.wgsl.attention import dkv_half
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    monkeypatch.setattr(attention_plan, "DKV_HALF", True)
+    whisper = ((1, 6, 1500, 64), (1, 6, 1500, 64), False)
+    assert _segments(_training(*whisper))["dkv half"] == "q"
+    monkeypatch.setattr(dkv_half, "TILE", 16)
+    assert _segments(_training(*whisper))["dkv half"] == "q+g"
+    qs, ks, dv, causal, masked = CASES["gqa_causal"]
+    rng = np.random.default_rng(3)
+    params = {n: rng.standard_normal(s).astype(np.float32) for n, s in zip("qkv", (qs, ks, ks))}
+    opt = SGD(lr=0.0)
+    feeds = {"r": rng.standard_normal(qs).astype(np.float32), HYPER_INPUT: opt.hyper(0, opt.lr)}
+    options = CompileOptions(loss="loss", optimizer=opt, output_grads=True)
+    got = []
+    for tile in (32, 16):
+        monkeypatch.setattr(dkv_half, "TILE", tile)
+        program = compile(_graph(qs, ks, dv, causal, masked), options, device_limits(gpu_device))
+        assert any(d.name.endswith("dkv half") for d in program.dispatches)
+        with Session(program, gpu_device) as s:
+            s.load_state_dict(params)
+            got.append(s.run(feeds, ["k.grad", "v.grad"]))
+    for name in ("k.grad", "v.grad"):
+        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
