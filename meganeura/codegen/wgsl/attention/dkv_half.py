@@ -14,7 +14,9 @@ with the reduction over the head dim split across two threads). 256 FMAs per (ke
 pair, against the 320 of separate dk and dv kernels; the Q, dO and stats tiles are read once.
 
 Layout: ``ROWS`` key rows per workgroup (64 threads), the query stream in tiles of ``TILE``
-entries through workgroup memory (q, dO, stats), ``UNROLL`` entries per unrolled step. Masks,
+entries through workgroup memory (q, dO, stats; ``lane_stream.key_row_loops``, which
+prefetches the next tile's q into registers: 8 vec4s a thread, ``tile_loads.prefetch``'s
+budget, so dO and the stats are copied in the loop), ``UNROLL`` entries per unrolled step. Masks,
 causality (a key sees queries from its own index on) and GQA (the stream runs over each head
 of the kv head's group) as in ``lane``. Needs subgroups (``Limits.subgroups``, subgroup size
 at least 2) and head dims that are multiples of 8. Not the default until timed:
@@ -30,7 +32,7 @@ from ..core.layout import broadcast_strides
 from ..core.literals import NEG_INF_BITS, f32_literal, u
 from .common import dims_of, load4, read_extras, stride_sum
 from .lane import _store
-from .lane_stream import _Kernel, _load_tile
+from .lane_stream import _Kernel, key_row_loops
 from .plan import Dims, Plan
 
 ROWS = 32  # key rows per workgroup, two threads each
@@ -103,25 +105,9 @@ def lower_dkv_half(
     lines += [f"  var acc{c} = vec4<f32>(0.0);" for c in range(d4h)]
     lines += [f"  var vacc{c} = vec4<f32>(0.0);" for c in range(dv4h)]
 
-    row = f"(bh * {u(G)} + hg) * {u(lq)} + sr"
-    loads = _load_tile(k, "q", src["q"], row, d)
-    loads += _load_tile(k, "g", src["dout"], row, dv)
-    loads += _load_tile(k, "st", src["st"], row, 2)
-    sb, sh, si, sj = strides
-    head = f"(hk * {u(G)} + hg)"
-    start = f"tile * {u(ROWS)}" if causal else "0u"
+    loop = [f"    for (var e0 = 0u; e0 < {u(TILE)}; e0 = e0 + {u(UNROLL)}) {{"]
+    lines += key_row_loops(k, [*loop, *_entries(k, d4h, dv4h), "    }"])
     lines += [
-        f"  for (var hg = 0u; hg < {u(G)}; hg = hg + 1u) {{",
-        f"  let mcol = {stride_sum([('b', sb), (head, sh), ('rowc', sj)])};",
-        f"  for (var s0 = {start}; s0 < {u(lq)}; s0 = s0 + {u(TILE)}) {{",
-        "    workgroupBarrier();",
-        *loads,
-        "    workgroupBarrier();",
-        f"    for (var e0 = 0u; e0 < {u(TILE)}; e0 = e0 + {u(UNROLL)}) {{",
-        *_entries(k, d4h, dv4h),
-        "    }",
-        "  }",
-        "  }",
         "  if (live) {",
         f"    let kob = {kb.row_offset(out, 'krow', d)} + h * {u(d // 2)};",
         *_store(kb, out, "kob", d // 2, d4h, f" * {scale}", offset=True),

@@ -1,14 +1,17 @@
 """The lane kernel's stream (``lane``): the description of the kernel being generated
-(``_Kernel``), the loop over stream tiles and the merge of a row's lanes.
+(``_Kernel``), the loop over stream tiles (query rows: ``_stream_loops``; key rows:
+``key_row_loops``, shared with ``dkv_half``) and the merge of a row's lanes.
 
-Each tile of the stream is copied cooperatively into workgroup memory (``_load_tile``, or the
-prologue's rotating copy of key tiles, ``rope_prefill``; the forward of a short query block
-issues every load of a tile at once), then each of a row's ``lanes`` threads takes entries
-``t + lanes * u`` of the tile (``_entries``): its scores (f32, scaled, plus the mask) and the
-mode's update, an online softmax with a running max and sum (``fwd``, ``stats``, ``lse``;
-FlashAttention-2) or the gradients' accumulation (``dq``, ``dk``, ``dv``, ``dkv``). After the
-last tile the lanes of each row merge pairwise in workgroup memory into lane 0 (``_merge``:
-online-softmax rescaling for the forward, sums for gradients).
+Each tile of the stream is copied cooperatively into workgroup memory (``tile_loads.load_tile``,
+or the prologue's rotating copy of key tiles, ``rope_prefill``; the forward of a short query
+block issues every load of a tile at once; where ``tile_loads.prefetch`` applies, the next
+tile's loads are in flight while the current one is computed), then each of a row's
+``lanes`` threads takes entries ``t + lanes * u`` of the tile (``_entries``): its scores (f32,
+scaled, plus the mask) and the mode's update, an online softmax with a running max and sum
+(``fwd``, ``stats``, ``lse``; FlashAttention-2) or the gradients' accumulation (``dq``,
+``dk``, ``dv``, ``dkv``). After the last tile the lanes of each row merge pairwise in
+workgroup memory into lane 0 (``_merge``: online-softmax rescaling for the forward, sums for
+gradients).
 
 Masking never relies on inf arithmetic: an entry is masked when its mask value has the bit
 pattern of -inf, when the causal rule excludes it (key j > query i) or when it lies past the
@@ -42,18 +45,8 @@ from .plan import (
     accumulators,
     extents,
 )
-
-# Query-row loops (fwd, stats, lse, dq) load each key tile into registers while the previous
-# one is computed (``_prefetched``), when that takes at most PREFETCH_MAX_VEC4 vec4 registers
-# a thread. PREFETCH is a bench A/B switch (``set_prefetch``), never changed by the compiler.
-PREFETCH = [True]
-PREFETCH_MAX_VEC4 = 8
-
-
-def set_prefetch(on: bool) -> None:
-    """Let query-row loops prefetch their next key tile (on, the default) or not, for
-    programs compiled from now on."""
-    PREFETCH[:] = [bool(on)]
+from .tile_loads import load_tile, prefetch
+from .tile_loads import set_prefetch as set_prefetch  # the lever's switch, re-exported
 
 
 @dataclass(frozen=True)
@@ -112,130 +105,32 @@ def _sum(terms: list[str]) -> str:
     return " + ".join(terms)
 
 
-def _load_tile(
-    k: _Kernel,
-    seg: str,
-    src: Src,
-    row: str,
-    n: int,
-    stores: list[str] | None = None,
-    at: str = "s0",
-    regs: list[str] | None = None,
-    setup: list[str] | None = None,
-) -> list[str]:
-    """Cooperative copy of the current tile's segment ``seg`` (rows of ``n`` floats of
-    ``src``; ``row`` is the stream entry's row index in ``src``) into workgroup memory.
-
-    With ``stores`` (forwards of short query blocks, prefetching loops) the copy is unrolled:
-    the returned statements load into registers and the workgroup-memory stores are appended
-    to ``stores``, for the caller to place after every segment's loads. ``at`` is the tile's
-    first stream entry (an expression); with ``regs`` the registers are variables the caller
-    declares (their names are appended to ``regs``) and the returned statements assign them
-    inside a block of their own, so the same loads can be emitted twice (``_prefetched``); the
-    tile-independent indices they and the stores use are appended to ``setup`` (given with
-    the first emission only), for the caller to place once before the loop."""
-    off, stride = k.layout[seg]
-    # with a runtime key count, reads stop at the last kept key (kvl >= 1 inside the loop), so
-    # the tile's entries past it repeat finite data (0 * NaN in a stale slot would be NaN)
-    last = "kvl - 1u" if k.kvlen is not None else u(k.n_stream - 1)
-    step = u(k.plan.size)
-    if seg == "st":
-        return [
-            f"    for (var e = lid; e < {u(k.plan.tile)}; e = e + {step}) {{",
-            f"      let sr = min(s0 + e, {last});",
-            f"      let base = ({row}) * 2u;",
-            f"      let lse_delta = vec2<f32>({src.at('base')}, {src.at('base + 1u')});",
-            f"      sh[{u(off)} + e] = vec4<f32>(lse_delta, 0.0, 0.0);",
-            "    }",
-        ]
-    width = -(-n // 4)
-
-    def vec4(base: str, c: str) -> str:
-        if n % 4 == 0:
-            return src.at4(base)
-        comps = []
-        for e in range(4):
-            if n % 4 == 0:
-                comps.append(src.at_offset(f"{base} + {u(e)}"))
-            else:  # the row's last vec4 is partial: clamp the read, zero the value
-                load = src.at_offset(f"min({base} + {u(e)}, {u(src.type.numel - 1)})")
-                comps.append(f"select(0.0, {load}, {c} * 4u + {u(e)} < {u(n)})")
-        return f"vec4<f32>({', '.join(comps)})"
-
-    total = k.plan.tile * width
-    if stores is not None:  # straight-line loads, all in flight at once
-        lines = []
-        for it in range(-(-total // k.plan.size)):
-            e, guarded = f"{seg}e{it}", (it + 1) * k.plan.size > total
-            first = f"lid + {u(it * k.plan.size)}"
-            mine = [
-                ("e", f"min({first}, {u(total - 1)})" if guarded else first),
-                ("rr", f"{e}e / {u(width)}"),
-                ("c", f"{e}e % {u(width)}"),
-                ("sr", f"min({at} + {e}rr, {last})"),
-                ("base", f"{src.row_offset(row.replace('sr', f'{e}sr'))} + {e}c * 4u"),
-            ]
-            lets = [f"    let {e}{name} = {expr};" for name, expr in mine]
-            if regs is None:
-                lines += [*lets, f"    let {e}v = {vec4(f'{e}base', f'{e}c')};"]
-            else:  # the tile-independent indices once, before the loop; per tile the rest
-                regs.append(f"{e}v")
-                if setup is not None:
-                    setup += [line.replace("    let", "  let", 1) for line in lets[:3]]
-                load = f"    {e}v = {vec4(f'{e}base', f'{e}c')};"
-                lines += ["    {", *lets[3:], load, "    }"]
-            store = f"sh[{u(off)} + {e}rr * {u(stride)} + {e}c] = {e}v;"
-            stores.append(
-                f"    if ({first} < {u(total)}) {{ {store} }}" if guarded else f"    {store}"
-            )
-        return lines
-    return [
-        f"    for (var e = lid; e < {u(total)}; e = e + {step}) {{",
-        f"      let rr = e / {u(width)};",
-        f"      let c = e % {u(width)};",
-        f"      let sr = min(s0 + rr, {last});",
-        f"      let base = {src.row_offset(row)} + c * 4u;",
-        f"      sh[{u(off)} + rr * {u(stride)} + c] = {vec4('base', 'c')};",
-        "    }",
-    ]
-
-
 def _stream_loops(k: _Kernel) -> list[str]:
-    """The loop over stream tiles: barrier, cooperative loads, barrier, this lane's entries."""
-    d, dv, lq, lk, G = k.dims.d, k.dims.dv, k.dims.lq, k.dims.lk, k.dims.group
+    """The loop over stream tiles: barrier, cooperative loads, barrier, this lane's entries
+    (with the next tile's loads in flight where ``tile_loads.prefetch`` applies)."""
+    d, dv, lq, lk = k.dims.d, k.dims.dv, k.dims.lq, k.dims.lk
     R, BS = k.plan.rows, k.plan.tile
-    if k.query_rows:
-        row = f"bh * {u(lk)} + sr"
-        # short query blocks (decoding) wait on each tile's loads: issue them all at once
-        short = k.mode == "fwd" and k.dims.lq <= SPLIT_MAX_LQ
-        stores = [] if short else None
-        if hasattr(k.prologue, "key_tile"):
-            loads = k.prologue.key_tile(k, k.src["k"], row)
-        else:
-            loads = _load_tile(k, "k", k.src["k"], row, d, stores)
-        if k.mode in ("fwd", "dq"):
-            loads += _load_tile(k, "v", k.src["v"], row, dv, stores)
-        loads += stores or []
-    else:
-        row = f"(bh * {u(G)} + hg) * {u(lq)} + sr"
-        loads = _load_tile(k, "q", k.src["q"], row, d)
-        loads += _load_tile(k, "g", k.src["dout"], row, dv)
-        loads += _load_tile(k, "st", k.src["st"], row, 2)
-    body = ["    workgroupBarrier();", *loads, "    workgroupBarrier();", *_entries(k)]
-    prefetched = _prefetched(k, row) if k.query_rows and not short else None
     if not k.query_rows:
-        # keys j see queries i >= j only (causal): start at the tile's first key
-        start = f"tile * {u(R)}" if k.causal else "0u"
-        sb, sh, _, sj = k.mask_strides
-        head = f"(hk * {u(G)} + hg)"
-        return [
-            f"  for (var hg = 0u; hg < {u(G)}; hg = hg + 1u) {{",
-            f"  let mcol = {stride_sum([('b', sb), (head, sh), ('rowc', sj)])};",
-            f"  for (var s0 = {start}; s0 < {u(lq)}; s0 = s0 + {u(BS)}) {{",
-            *body,
-            "  }",
-            "  }",
-        ]
+        # the lane dkv already holds k, v, dk and dv (2 (D/4 + Dv/4) vec4s, 64 at D = 64: it
+        # spills on NVIDIA, plan.fuses_key_value): no prefetch registers on top
+        return key_row_loops(k, _entries(k), prefetching=k.mode != "dkv")
+    row = f"bh * {u(lk)} + sr"
+    # short query blocks (decoding) wait on each tile's loads: issue them all at once
+    short = k.mode == "fwd" and k.dims.lq <= SPLIT_MAX_LQ
+    stores = [] if short else None
+    if hasattr(k.prologue, "key_tile"):
+        loads = k.prologue.key_tile(k, k.src["k"], row)
+    else:
+        loads = load_tile(k, "k", k.src["k"], row, d, stores)
+    if k.mode in ("fwd", "dq"):
+        loads += load_tile(k, "v", k.src["v"], row, dv, stores)
+    loads += stores or []
+    body = ["    workgroupBarrier();", *loads, "    workgroupBarrier();", *_entries(k)]
+    # a prologue's key copy, a split or a single tile: no prefetch; both segments or none
+    segs = [("k", d)] + ([("v", dv)] if k.mode in ("fwd", "dq") else [])
+    fetch = None
+    if not (short or hasattr(k.prologue, "key_tile") or k.split is not None or lk <= BS):
+        fetch = prefetch(k, segs, k.src, row, "0u", "s_end", partial=False)
     lines = key_end(k.kvlen, k.causal, R, k.n_rows, lq, lk)
     if k.split is not None:  # this workgroup's chunk of keys only
         c = u(k.split.length)
@@ -255,43 +150,48 @@ def _stream_loops(k: _Kernel) -> list[str]:
         loop = f"  for (var s0 = s_begin; s0 < s_stop; s0 = s0 + {u(BS)}) {{"
     else:
         loop = f"  for (var s0 = 0u; s0 < s_end; s0 = s0 + {u(BS)}) {{"
-        if prefetched is not None:
-            return lines + prefetched[0] + [loop, *prefetched[1], "  }"]
+        if fetch is not None:
+            decls, first, copies, following = fetch
+            body = ["    workgroupBarrier();", *copies, "    workgroupBarrier();", *following]
+            return lines + decls + first + [loop, *body, *_entries(k), "  }"]
     return lines + [loop, *body, "  }"]
 
 
-def _prefetched(k: _Kernel, row: str) -> tuple[list[str], list[str]] | None:
-    """(statements before the loop, the loop's body) of a query-row loop that loads each tile
-    into registers while the previous one is computed, or None where it does not apply
-    (``PREFETCH`` off, a prologue's key copy, a split, a single tile, or more than
-    ``PREFETCH_MAX_VEC4`` registers a thread).
-
-    The first tile's loads are issued before the loop; each iteration stores the registers
-    into workgroup memory between the two barriers, then issues the next tile's loads
-    (``s0 + tile < s_end``: uniform) before computing its entries, so the loads' latency
-    overlaps the entries' arithmetic. Each value read and each workgroup-memory slot written
-    is the one the plain loop reads and writes (same clamped addresses), so the results are
-    the plain loop's bit for bit."""
+def key_row_loops(k: _Kernel, entries: list[str], prefetching: bool = True) -> list[str]:
+    """The key-row modes' stream (``dk``, ``dv``, ``dkv``; ``dkv_half``): each query head of
+    the kv head's group in turn (``hg``), its query tiles from the workgroup's first key on
+    when causal (keys j see queries i >= j only), the q, dO and stats segments of each tile,
+    then ``entries``. Within each head's query loop the tiles' segments are prefetched
+    (``tile_loads.prefetch``: the longest prefix of q, dO, stats that fits the budget) when
+    that loop has at least two tiles and ``prefetching`` is True."""
+    d, dv, lq, G = k.dims.d, k.dims.dv, k.dims.lq, k.dims.group
     BS = k.plan.tile
-    segs = [("k", k.dims.d)] + ([("v", k.dims.dv)] if k.mode in ("fwd", "dq") else [])
-    vec4s = sum(-(-(BS * -(-n // 4)) // k.plan.size) for _, n in segs)
-    if (
-        not PREFETCH[0]
-        or hasattr(k.prologue, "key_tile")
-        or k.split is not None
-        or k.n_stream <= BS
-        or vec4s > PREFETCH_MAX_VEC4
-    ):
-        return None
-    first, stores, regs, setup, following = [], [], [], [], []
-    for seg, n in segs:
-        first += _load_tile(k, seg, k.src[seg], row, n, stores, "0u", regs, setup)
-        following += _load_tile(k, seg, k.src[seg], row, n, [], f"s0 + {u(BS)}", [])
-    before = [*setup, *(f"  var {r}: vec4<f32>;" for r in regs)]
-    before += ["  if (0u < s_end) {", *first, "  }"]
-    body = ["    workgroupBarrier();", *stores, "    workgroupBarrier();"]
-    body += [f"    if (s0 + {u(BS)} < s_end) {{", *following, "    }", *_entries(k)]
-    return before, body
+    row = f"(bh * {u(G)} + hg) * {u(lq)} + sr"
+    start = f"tile * {u(k.plan.rows)}" if k.causal else "0u"
+    segs = [("q", d), ("g", dv), ("st", 2)]
+    srcs = {"q": k.src["q"], "g": k.src["dout"], "st": k.src["st"]}
+    fetch = prefetch(k, segs, srcs, row, start, u(lq)) if prefetching and lq > BS else None
+    if fetch is None:
+        decls, first, following = [], [], []
+        copies = [line for seg, n in segs for line in load_tile(k, seg, srcs[seg], row, n)]
+    else:
+        decls, first, copies, following = fetch
+    sb, sh, _, sj = k.mask_strides
+    head = f"(hk * {u(G)} + hg)"
+    return [
+        *decls,
+        f"  for (var hg = 0u; hg < {u(G)}; hg = hg + 1u) {{",
+        f"  let mcol = {stride_sum([('b', sb), (head, sh), ('rowc', sj)])};",
+        *first,
+        f"  for (var s0 = {start}; s0 < {u(lq)}; s0 = s0 + {u(BS)}) {{",
+        "    workgroupBarrier();",
+        *copies,
+        "    workgroupBarrier();",
+        *following,
+        *entries,
+        "  }",
+        "  }",
+    ]
 
 
 def _entries(k: _Kernel) -> list[str]:

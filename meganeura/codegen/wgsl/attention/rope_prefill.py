@@ -100,7 +100,7 @@ class RopeLoads(QueryRotation):
         one thread per (entry, vec4 of the first half); ``row`` is the key's row index in
         ``src`` in terms of ``sr``, the key's index in the sequence (its position past the
         first). ``k`` is ``lane_stream._Kernel``; reads clamp to the last key (``kvl - 1`` with a
-        runtime key count), as ``lane_stream._load_tile``'s do."""
+        runtime key count), as ``tile_loads.load_tile``'s do."""
         off, stride = k.layout["k"]
         h4, half = self.dim // 8, self.dim // 2
         last = "kvl - 1u" if k.kvlen is not None else u(k.n_stream - 1)
