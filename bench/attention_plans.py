@@ -443,15 +443,27 @@ def main(argv: list[str] | None = None) -> None:
     resolve_args(args)
     if args.budget_s is None:
         args.budget_s = 50.0 if args.quick else 230.0
-    from bench.common import warm_gpu
-    from meganeura.runtime import get_device
-
     try:
         import torch
 
         dev = "cuda" if torch.cuda.is_available() else "cpu"
     except ImportError:
         dev = "cpu"
+
+    from meganeura.codegen.wgsl.attention.plan import set_tuned
+
+    # "default" is the automatic rule, not attention/tuned.py's table (which this sweep's
+    # winners are; re-emit it from the result); the table is back on when main returns
+    set_tuned(False)
+    try:
+        _sweep(args, dev)
+    finally:
+        set_tuned(True)
+
+
+def _sweep(args, dev: str) -> None:
+    from bench.common import warm_gpu
+    from meganeura.runtime import get_device
 
     t0 = time.perf_counter()
     device = get_device(args.adapter)

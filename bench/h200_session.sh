@@ -12,13 +12,14 @@
 # STEP:
 #   tune            re-tune W1-W5's matmul products (~95 s) and keep the cache
 #   conv-sweep      bench/conv_sweep.py (~3 min): the merged stride phases against apart too
-#   ab              the dispatch levers of 2026-12-03's third session, each off against all on,
-#                   timed interleaved on the workloads' programs (bench/lever_ab.py, ~6 min):
-#                   conv_norm, conv_epilogue, broadcast_views (W3, W5); norm_prologue, sum_runs
-#                   (the SmolLM2 A/B of both together was neutral to 1.2% faster),
-#                   attention_sums, delta_in_dq, and attention_rereads (off: unbounded, the
-#                   attention summing k and v's partials too) on W1, W2, W4; attention_prefetch
-#                   (the next key tile loaded while the current one is computed) on W4
+#   ab              the fourth session's untimed attention levers, each off against all on,
+#                   timed interleaved on the workloads' programs (bench/lever_ab.py, ~4 min):
+#                   attention_prefetch (now also the key-row streams: dk, dv, dkv half) on W4,
+#                   W1 and W2 training and W4 fwd; dkv_half_tile32 (off: 16-entry query tiles,
+#                   q and dO prefetched) on W4 training
+#   attention-plans bench/attention_plans.py --budget-s 400 (~8 min): every lane plan at the
+#                   workloads' attention shapes against the automatic rule; re-emit
+#                   meganeura/codegen/wgsl/attention/tuned.py from its summary
 #   strict          the ten headline cells, strict f32, with warm-cache compile times
 #   fast            the ten headline cells, fast mode, with warm-cache compile times
 #   matrix          the rest of the matrix, resumable (strict first)
@@ -47,13 +48,12 @@ case "$step" in
   conv-sweep)
     python bench/conv_sweep.py --budget-s 170 --machine h200 2>&1 | tee "$log" ;;
   ab)
-    python bench/lever_ab.py --machine h200 --cases w3:train_b4,w3:fwd_b4,w5:train_small_b2,w5:fwd_small_b2 \
-      --levers conv_norm,conv_epilogue,broadcast_views --all 2>&1 | tee "$log"
-    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_llm.json \
-      --cases w1:fwd_seq128,w2:fwd_chunk50,w1:train_seq128,w2:train_chunk50,w4:train \
-      --levers norm_prologue,sum_runs,attention_sums,attention_rereads,delta_in_dq 2>&1 | tee -a "$log"
-    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_prefetch.json \
-      --cases w4:fwd,w4:train --levers attention_prefetch 2>&1 | tee -a "$log" ;;
+    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_prefetch2.json \
+      --cases w4:train,w4:fwd,w1:train_seq128,w2:train_chunk50 --levers attention_prefetch 2>&1 | tee "$log"
+    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_dkv_half.json \
+      --cases w4:train --levers dkv_half_tile32 2>&1 | tee -a "$log" ;;
+  attention-plans)
+    python bench/attention_plans.py --budget-s 400 2>&1 | tail -80 | tee "$log" ;;
   strict)
     "${wl[@]}" --precision strict --cases "$headline" 2>&1 | tee "$log" ;;
   fast)

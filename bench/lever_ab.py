@@ -53,6 +53,8 @@ LEVERS = {
     "attention_prefetch": ("meganeura.codegen.wgsl.attention.lane_stream", "set_prefetch"),
     # off: the automatic lane plans instead of attention/tuned.py's measured ones
     "attention_tuned": ("meganeura.codegen.wgsl.attention.plan", "set_tuned"),
+    # off: dkv half streams 16-entry query tiles (q and dO prefetched) instead of 32 (untimed)
+    "dkv_half_tile32": ("meganeura.codegen.wgsl.attention.dkv_half", "set_long_tiles"),
 }
 # the command-line flags of bench/dispatch_counts.py and bench/llm_profile.py: argparse dest ->
 # (lever, the flag's value that turns it on); split_members is off by default (measured slower)

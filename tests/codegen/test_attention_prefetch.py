@@ -288,7 +288,8 @@ def test_which_training_kernels_prefetch_on_h200_limits(monkeypatch, key):
 @pytest.mark.gpu
 def test_dkv_half_16_entry_tiles_same_bits(gpu_device, monkeypatch):
     """dkv half's 32-entry query tiles prefetch q only at Whisper's shape (q and dO would take
-    16 registers); with ``dkv_half.TILE`` = 16 (an A/B knob, untimed) q and dO fit (4 + 4) and
+    16 registers); with ``dkv_half.TILE`` = 16 (``set_long_tiles(False)``, an A/B knob,
+    untimed) q and dO fit (4 + 4) and
     the gradients are the 32-entry tiles' bit for bit (the same entries, in steps of
     ``UNROLL``)."""
     from meganeura.codegen.wgsl.attention import dkv_half
@@ -298,7 +299,9 @@ def test_dkv_half_16_entry_tiles_same_bits(gpu_device, monkeypatch):
     monkeypatch.setattr(attention_plan, "DKV_HALF", True)
     whisper = ((1, 6, 1500, 64), (1, 6, 1500, 64), False)
     assert _segments(_training(*whisper))["dkv half"] == "q"
-    monkeypatch.setattr(dkv_half, "TILE", 16)
+    monkeypatch.setattr(dkv_half, "TILE", 32)  # restored after the test
+    dkv_half.set_long_tiles(False)  # the lever's switch (bench/lever_ab.py dkv_half_tile32)
+    assert dkv_half.TILE == 16
     assert _segments(_training(*whisper))["dkv half"] == "q+g"
     qs, ks, dv, causal, masked = CASES["gqa_causal"]
     rng = np.random.default_rng(3)

@@ -36,8 +36,16 @@ from .lane_stream import _Kernel, key_row_loops
 from .plan import Dims, Plan
 
 ROWS = 32  # key rows per workgroup, two threads each
-TILE = 32  # query entries per workgroup-memory tile
+TILE = 32  # query entries per workgroup-memory tile (``set_long_tiles``: a bench A/B knob)
 UNROLL = 4  # entries per unrolled step of the tile loop
+
+
+def set_long_tiles(on: bool) -> None:
+    """32-entry query tiles (on, the default) or 16 for programs compiled from now on (off: q
+    and dO then fit the prefetch budget, 4 + 4 vec4s a thread, at twice the barriers; the
+    gradients are the same bits). A bench A/B switch, never changed by the compiler."""
+    global TILE
+    TILE = 32 if on else 16
 
 
 def _layout(dims: Dims) -> tuple[int, dict[str, tuple[int, int]]]:
