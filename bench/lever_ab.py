@@ -53,6 +53,10 @@ LEVERS = {
     "attention_prefetch": ("meganeura.codegen.wgsl.attention.lane_stream", "set_prefetch"),
     # off: the automatic lane plans instead of attention/tuned.py's measured ones
     "attention_tuned": ("meganeura.codegen.wgsl.attention.plan", "set_tuned"),
+    # off: a norm read only by a left-shared matmul group keeps its own dispatch instead of
+    # being the group's prologue (candidate for W4: its fc1 with the prologue runs at 13
+    # TFLOP/s, fc2 without at 18)
+    "matmul_norm_prologue": ("meganeura.passes.fuse_matmul", "set_prologues"),
     # off: dkv half streams 16-entry query tiles (q and dO prefetched) instead of 32 (untimed)
     "dkv_half_tile32": ("meganeura.codegen.wgsl.attention.dkv_half", "set_long_tiles"),
 }

@@ -46,6 +46,13 @@ from ..ops import OPS
 from .fuse import FusionGroup
 
 NORM_OPS = ("rms_norm", "layer_norm")
+PROLOGUES = [True]  # norms join groups as prologues (``set_prologues``: a bench A/B switch)
+
+
+def set_prologues(on: bool) -> None:
+    """Let a norm read only by a left-shared group's matmuls join it as a prologue (on, the
+    default) or keep its own dispatch (off), for programs compiled from now on."""
+    PROLOGUES[:] = [bool(on)]
 
 
 @dataclass(frozen=True)
@@ -308,6 +315,8 @@ def _prologue_ok(graph: Graph, key: tuple, needed: Sequence[bool], max_k: int) -
     """Whether the left operand of ``key`` ((value, row stride, column stride, M, K, ...)) is a
     needed norm over rows of its last dim, of K <= ``max_k`` elements, read as M contiguous
     rows of K."""
+    if not PROLOGUES[0]:
+        return False
     value, rows, cols, m, k = key[:5]
     nid = resolve_view(graph, value)
     node = graph[nid]

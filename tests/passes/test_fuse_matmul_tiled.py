@@ -38,6 +38,21 @@ def test_qkv_of_many_rows_and_their_norm_become_one_dispatch(plan):
     assert len(compile(_attention_in(m=70, k=40), CompileOptions(fuse=False), BIG).dispatches) == 4
 
 
+@pytest.mark.parametrize("plan", ["64x64x16"], indirect=True)
+def test_prologue_switch_keeps_the_norm_apart(plan):
+    """``fuse_matmul.set_prologues(False)`` (the bench lever ``matmul_norm_prologue``): the
+    qkv matmuls still run as one group, the norm in its own dispatch before it."""
+    from meganeura.passes import fuse_matmul
+
+    fuse_matmul.set_prologues(False)
+    try:
+        g, (grp,), sched = _plan(_attention_in(m=70, k=40))
+    finally:
+        fuse_matmul.set_prologues(True)
+    assert grp.norm is None and _ops(g, grp.members) == ["matmul", "matmul", "matmul"]
+    assert len(sched.dispatches) == 2 and "<workgroup> nst" not in sched.dispatches[1][1].wgsl
+
+
 @pytest.mark.parametrize("plan", ["128x128x8/d2"], indirect=True)
 def test_two_product_segments_take_a_smaller_per_thread_tile(plan):
     from meganeura.codegen.wgsl.matmul.tiled_group import group_plan
