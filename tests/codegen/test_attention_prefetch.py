@@ -13,8 +13,6 @@ import re
 
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as TF
 
 import meganeura.nn.functional as F
 from meganeura.codegen.kernel import H200_LIMITS
@@ -26,6 +24,7 @@ from meganeura.graph.builder import GraphBuilder
 from meganeura.ops.attention import scaled_dot_product_attention
 from meganeura.optim import HYPER_INPUT, SGD
 
+from .attention_ab import graph, run_both
 from .harness import compile_both
 
 # name: (q shape, k shape, v head dim, is_causal, mask); streams longer than one tile
@@ -42,19 +41,6 @@ CASES = {
 def restore():
     yield
     lane_stream.set_prefetch(True)
-
-
-def _graph(qs, ks, dv, causal, masked):
-    b = GraphBuilder()
-    q, k = b.parameter("q", qs), b.parameter("k", ks)
-    v = b.parameter("v", (*ks[:-1], dv))
-    m = b.input("mask", (qs[2], ks[2])) if masked else None
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=m, is_causal=causal, enable_gqa=qs[1] != ks[1]
-    )
-    b.output("out", out)
-    b.output("loss", F.sum(out * b.input("r", out.shape)))
-    return b.build()
 
 
 def _prefetching(program) -> list[str]:
@@ -77,45 +63,8 @@ def _segments(program) -> dict[str, str]:
 def _run_both(gpu_device, case, precision, check_wgsl):
     """Compile ``case``'s training step with the prefetch on and off, ``check_wgsl(on, off)``,
     then run both: outputs and q, k, v gradients bit-identical, and within tolerance of
-    float64 torch autograd."""
-    from meganeura.runtime import Session
-    from meganeura.training import device_limits
-
-    qs, ks, dv, causal, masked = case
-    limits = device_limits(gpu_device)
-    if precision == "fast" and not limits.shader_f16:
-        pytest.skip("the adapter has no shader-f16")
-    rng = np.random.default_rng(5)
-    params = {n: rng.standard_normal(s).astype(np.float32)
-              for n, s in (("q", qs), ("k", ks), ("v", (*ks[:-1], dv)))}  # fmt: skip
-    r = rng.standard_normal((*qs[:-1], dv)).astype(np.float32)
-    feeds = {"r": r}
-    if masked:
-        feeds["mask"] = (rng.standard_normal((qs[2], ks[2])) * 0.5).astype(np.float32)
-    opt = SGD(lr=0.0)
-    feeds[HYPER_INPUT] = opt.hyper(0, opt.lr)
-    options = CompileOptions(loss="loss", optimizer=opt, output_grads=True, precision=precision)
-    graph = _graph(qs, ks, dv, causal, masked)
-    on, off = compile_both(lane_stream.set_prefetch, graph, options, limits)
-    check_wgsl(on, off)
-    names = ["out", "q.grad", "k.grad", "v.grad", "loss"]
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run(feeds, names))
-    for name in names:
-        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
-    t = {n: torch.tensor(a, dtype=torch.float64, requires_grad=True) for n, a in params.items()}
-    mask = torch.tensor(feeds["mask"], dtype=torch.float64) if masked else None
-    out = TF.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=mask,
-                                          is_causal=causal, enable_gqa=qs[1] != ks[1])  # fmt: skip
-    (out * torch.tensor(r, dtype=torch.float64)).sum().backward()
-    tol = 1e-4 if precision == "strict" else 3e-2
-    want = {"out": out.detach().numpy(), **{f"{n}.grad": p.grad.numpy() for n, p in t.items()}}
-    for name, w in want.items():
-        scale = float(np.max(np.abs(w)))
-        np.testing.assert_allclose(got[0][name], w, rtol=0, atol=tol * scale, err_msg=name)
+    float64 torch autograd (``attention_ab.run_both``)."""
+    run_both(gpu_device, lane_stream.set_prefetch, case, precision, check_wgsl, out=True)
 
 
 @pytest.mark.gpu
@@ -312,7 +261,9 @@ def test_dkv_half_16_entry_tiles_same_bits(gpu_device, monkeypatch):
     got = []
     for tile in (32, 16):
         monkeypatch.setattr(dkv_half, "TILE", tile)
-        program = compile(_graph(qs, ks, dv, causal, masked), options, device_limits(gpu_device))
+        program = compile(
+            graph(qs, ks, dv, causal, masked, out=True), options, device_limits(gpu_device)
+        )
         assert any(d.name.endswith("dkv half") for d in program.dispatches)
         with Session(program, gpu_device) as s:
             s.load_state_dict(params)

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as TF
 
-import meganeura.nn.functional as F
 from meganeura.codegen.kernel import H200_LIMITS
 from meganeura.codegen.wgsl.attention import dq_delta
 from meganeura.compile import CompileOptions
-from meganeura.graph.builder import GraphBuilder
-from meganeura.optim import HYPER_INPUT, SGD
+from meganeura.optim import SGD
 
+from .attention_ab import graph, run_both
 from .harness import compile_both
 
 # name: (q shape, k shape, v head dim, is_causal, mask)
@@ -35,18 +32,6 @@ def restore():
     dq_delta.set_enabled(True)
 
 
-def _graph(qs, ks, dv, causal, masked):
-    b = GraphBuilder()
-    q, k = b.parameter("q", qs), b.parameter("k", ks)
-    v = b.parameter("v", (*ks[:-1], dv))
-    m = b.input("mask", (qs[2], ks[2])) if masked else None
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=m, is_causal=causal, enable_gqa=qs[1] != ks[1]
-    )
-    b.output("loss", F.sum(out * b.input("r", out.shape)))
-    return b.build()
-
-
 def _delta_kernels(program) -> list[str]:
     return [d.name for d in program.dispatches if "_delta" in d.name or "+delta" in d.name]
 
@@ -55,46 +40,11 @@ def _delta_kernels(program) -> list[str]:
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 @pytest.mark.parametrize("precision", ["strict", "fast"])
 def test_attention_gradients_bit_identical_and_match_torch(gpu_device, case, precision):
-    from meganeura.runtime import Session
-    from meganeura.training import device_limits
+    def check(on, off):
+        assert len(off.dispatches) - len(on.dispatches) == 1
+        assert [n.split()[-1] for n in _delta_kernels(on)] == ["dq+delta"]
 
-    qs, ks, dv, causal, masked = case
-    limits = device_limits(gpu_device)
-    if precision == "fast" and not limits.shader_f16:
-        pytest.skip("the adapter has no shader-f16")
-    rng = np.random.default_rng(11)
-    params = {n: rng.standard_normal(s).astype(np.float32)
-              for n, s in (("q", qs), ("k", ks), ("v", (*ks[:-1], dv)))}  # fmt: skip
-    r = rng.standard_normal((*qs[:-1], dv)).astype(np.float32)
-    feeds = {"r": r}
-    if masked:
-        feeds["mask"] = (rng.standard_normal((qs[2], ks[2])) * 0.5).astype(np.float32)
-    opt = SGD(lr=0.0)
-    feeds[HYPER_INPUT] = opt.hyper(0, opt.lr)
-    options = CompileOptions(loss="loss", optimizer=opt, output_grads=True, precision=precision)
-    on, off = compile_both(dq_delta.set_enabled, _graph(qs, ks, dv, causal, masked), options,
-                           limits)  # fmt: skip
-    assert len(off.dispatches) - len(on.dispatches) == 1
-    assert [n.split()[-1] for n in _delta_kernels(on)] == ["dq+delta"]
-    names = ["q.grad", "k.grad", "v.grad", "loss"]
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run(feeds, names))
-    for name in names:
-        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
-    t = {n: torch.tensor(a, dtype=torch.float64, requires_grad=True) for n, a in params.items()}
-    mask = torch.tensor(feeds["mask"], dtype=torch.float64) if masked else None
-    out = TF.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=mask,
-                                          is_causal=causal, enable_gqa=qs[1] != ks[1])  # fmt: skip
-    (out * torch.tensor(r, dtype=torch.float64)).sum().backward()
-    tol = 1e-4 if precision == "strict" else 3e-2
-    for n, p in t.items():
-        want = p.grad.numpy()
-        scale = float(np.max(np.abs(want)))
-        np.testing.assert_allclose(got[0][f"{n}.grad"], want, rtol=0, atol=tol * scale,
-                                   err_msg=n)  # fmt: skip
+    run_both(gpu_device, dq_delta.set_enabled, case, precision, check, seed=11)
 
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -164,16 +114,16 @@ def test_too_few_bindings_or_a_block_plan_keep_the_delta_dispatch(masked):
 
     from meganeura.codegen.wgsl.attention import plan
 
-    graph = _graph((1, 2, 8, 8), (1, 2, 8, 8), 8, True, masked)
+    g = graph((1, 2, 8, 8), (1, 2, 8, 8), 8, True, masked)
     options = CompileOptions(loss="loss", optimizer=SGD(lr=0.1))
     need = 8 + masked
     for n, fused in ((need, True), (need - 1, False)):
         limits = replace(H200_LIMITS, max_storage_buffers_per_shader_stage=n)
-        on, off = compile_both(dq_delta.set_enabled, graph, options, limits)
+        on, off = compile_both(dq_delta.set_enabled, g, options, limits)
         assert len(off.dispatches) - len(on.dispatches) == fused, n
     plan.BLOCK_OVERRIDE["dq"] = plan.BLOCK_PLANS[0]
     try:
-        on, off = compile_both(dq_delta.set_enabled, graph, options, H200_LIMITS)
+        on, off = compile_both(dq_delta.set_enabled, g, options, H200_LIMITS)
     finally:
         del plan.BLOCK_OVERRIDE["dq"]
     assert len(on.dispatches) == len(off.dispatches)
