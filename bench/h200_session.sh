@@ -17,7 +17,8 @@
 #                   attention_prefetch (now also the key-row streams: dk, dv, dkv half) on W4,
 #                   W1 and W2 training and W4 fwd; dkv_half_tile32 (off: 16-entry query tiles,
 #                   q and dO prefetched) on W4 training; matmul_norm_prologue (off: the norm
-#                   before a left-shared matmul group keeps its own dispatch) on W4 and W1 fwd
+#                   before a left-shared matmul group keeps its own dispatch) on W4 and W1 fwd;
+#                   resident_inputs (off: inputs uploaded every timed call) on 4 fwd cells
 #   attention-plans bench/attention_plans.py --budget-s 400 (~8 min): every lane plan at the
 #                   workloads' attention shapes against the automatic rule; re-emit
 #                   meganeura/codegen/wgsl/attention/tuned.py from its summary
@@ -54,7 +55,10 @@ case "$step" in
     python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_dkv_half.json \
       --cases w4:train --levers dkv_half_tile32 2>&1 | tee -a "$log"
     python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_norm_prologue.json \
-      --cases w4:fwd,w4:train,w1:fwd_seq128 --levers matmul_norm_prologue 2>&1 | tee -a "$log" ;;
+      --cases w4:fwd,w4:train,w1:fwd_seq128 --levers matmul_norm_prologue 2>&1 | tee -a "$log"
+    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_resident.json \
+      --cases w3:fwd_b4,w4:fwd,w5:fwd_small_b2,w2:fwd_chunk50 --levers resident_inputs 2>&1 \
+      | tee -a "$log" ;;
   attention-plans)
     python bench/attention_plans.py --budget-s 400 2>&1 | tail -80 | tee "$log" ;;
   strict)

@@ -7,6 +7,26 @@ import time
 
 import numpy as np
 
+# Timed inference calls read inputs written once to the Session (``Session.write``: resident
+# on the GPU, as PyTorch's batch stays on the device) instead of uploading them each call.
+# ``set_resident_inputs(False)`` uploads every call (bench/lever_ab.py lever resident_inputs).
+RESIDENT_INPUTS = [True]
+
+
+def set_resident_inputs(on: bool) -> None:
+    """Timed inference calls read resident inputs (on, the default) or upload them (off)."""
+    RESIDENT_INPUTS[:] = [bool(on)]
+
+
+def timed_feeds(runner, feeds: dict) -> dict:
+    """The feeds each timed call of ``runner`` passes: ``{}`` after writing ``feeds`` to its
+    Session once (``RESIDENT_INPUTS``), else ``feeds`` (uploaded every call)."""
+    if not RESIDENT_INPUTS[0]:
+        return feeds
+    for name, value in feeds.items():
+        runner.session.write(name, value)
+    return {}
+
 
 def compile_call(model, fn, args: tuple, precision: str, outputs_prefix: str = "output"):
     """Trace ``fn(*args)`` (reading ``model``), compile it in ``precision``, open its Session

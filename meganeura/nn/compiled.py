@@ -230,8 +230,8 @@ def _dtype(a: np.ndarray):
 class ProgramRunner:
     """One compiled program of a model and its Session, bound to the shared parameter copy.
 
-    Reopens its Session (carrying its private state) when the shared store moved a tensor it
-    binds.
+    Reopens its Session (carrying its private state and resident inputs) when the shared store
+    moved a tensor it binds.
 
     Args:
         traced: the traced call.
@@ -290,10 +290,11 @@ class ProgramRunner:
         return self.fresh_session().run(feeds, fetch)
 
     def fresh_session(self):
-        """The Session, reopened (its private tensors carried over) if the shared store has
-        moved the buffers it binds since it was opened."""
+        """The Session, reopened (its private tensors and the inputs written to it carried
+        over) if the shared store has moved the buffers it binds since it was opened."""
         if self.store.is_stale(self._token):
-            carry = {n: self.session.read(n) for n in self.private}
+            keep = [*self.private, *self.session.resident_inputs]
+            carry = {n: self.session.read(n) for n in keep}
             self.session.close()
             self.session = self._open(carry)
         return self.session

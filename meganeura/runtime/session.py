@@ -146,6 +146,7 @@ class Session:
         ]
         self._bases = [external[b.id][1] if b.id in external else 0 for b in program.buffers]
         self._bound = bind_slots(program, self._buffers, self._bases)
+        self._resident: set[str] = set()  # inputs written with ``write``: feeds may omit them
         for lc in program.label_checks:
             if lc.name not in program.inputs or not program.inputs[lc.name].dtype.is_integer:
                 raise ValueError(f"label check names {lc.name!r}, which is not an integer input")
@@ -250,7 +251,8 @@ class Session:
         Args:
             feeds: every input by name, each an array of the slot's exact shape and NumPy dtype
                 (``np.bool_`` for bool inputs); int64 arrays are accepted for int32 inputs
-                when every value fits int32 (InputError otherwise).
+                when every value fits int32 (InputError otherwise). Inputs written with
+                :meth:`write` may be left out: they keep the written value.
             fetch: output names to read back after the step (a single name may be a str).
 
         Returns:
@@ -285,7 +287,7 @@ class Session:
         self._live()
         inputs = self.program.inputs
         unknown = sorted(set(feeds) - set(inputs))
-        missing = sorted(set(inputs) - set(feeds))
+        missing = sorted(set(inputs) - set(feeds) - self._resident)
         if unknown or missing:
             raise InputError(
                 f"feeds do not match the program's inputs: missing {missing}, "
@@ -440,12 +442,29 @@ class Session:
     def write(self, name: str, value: np.ndarray) -> None:
         """Overwrite an input, parameter or state slot; checked as strictly as ``run`` feeds.
 
+        An input written here stays on the GPU: later :meth:`run` calls may leave it out of
+        their feeds and read this value (inputs own their buffers; no step writes them), until
+        a feed or another ``write`` replaces it. What a PyTorch user gets by keeping a batch
+        on the device.
+
         Raises:
-            InputError: unknown name, an output, or wrong shape/dtype.
+            InputError: unknown name, an output, wrong shape/dtype, or an index input with a
+                value out of its reader's range (as ``run`` feeds).
         """
         self._live()
         b = self._slot(name, ("input", "parameter", "state"))
-        self._upload(b, checked(b, value))
+        data = checked(b, value)
+        if "input" in b.kinds:
+            check_labels(self.program, {name: value})
+        self._upload(b, data)
+        if "input" in b.kinds:
+            self._resident.add(name)
+
+    @property
+    def resident_inputs(self) -> tuple[str, ...]:
+        """Inputs written with :meth:`write`, which feeds may leave out (a value fed to
+        :meth:`run` is not kept for later calls' missing feeds)."""
+        return tuple(sorted(self._resident))
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters and optimizer state by name, as host copies."""

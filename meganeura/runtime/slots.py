@@ -156,10 +156,13 @@ def narrow_int64(b: BoundSlot, value: np.ndarray) -> np.ndarray:
 
 
 def check_labels(program: Program, feeds: Mapping[str, np.ndarray]) -> None:
-    """Raise InputError if an index input (class indices, token ids, gather indices) holds
-    a value out of its reader's range; the message names the input, the first bad value as
-    its reader sees it (``LabelCheck.what``), its position, the bound and the reader."""
+    """Raise InputError if an index input (class indices, token ids, gather indices) among
+    ``feeds`` holds a value out of its reader's range; the message names the input, the first
+    bad value as its reader sees it (``LabelCheck.what``), its position, the bound and the
+    reader."""
     for lc in program.label_checks:
+        if lc.name not in feeds:
+            continue  # a resident input, checked when it was written
         x = feeds[lc.name]
         bad = (x < 0) | (x >= lc.num_classes)
         if lc.ignore_index is not None:

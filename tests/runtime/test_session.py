@@ -207,6 +207,36 @@ def test_missing_unknown_feeds_and_fetch(session):
         session.run(make_feeds(), fetch=["w"])  # a parameter is read(), not fetched
 
 
+def test_written_inputs_stay_resident(session):
+    """An input written with ``write`` may be left out of later feeds (its value stays on the
+    GPU across steps); a feed replaces it; an input never written is still missing; a label
+    input is range-checked when written, and a rejected write changes nothing."""
+    from meganeura.runtime import InputError
+
+    feeds = make_feeds()
+    session.write("x", feeds["x"])
+    session.write("y", feeds["y"])
+    assert session.resident_inputs == ("x", "y")
+    w0 = session.read("w")
+    rest = {n: v for n, v in feeds.items() if n not in ("x", "y")}
+    out = session.run(rest, fetch=["out", "picked"])
+    np.testing.assert_allclose(out["out"], feeds["x"] + w0, rtol=1e-6)
+    np.testing.assert_array_equal(out["picked"], (feeds["y"] * 2).astype(np.float32))
+    w1 = session.read("w")
+    out = session.run(rest, fetch=["out"])  # the second step reads the same x
+    np.testing.assert_allclose(out["out"], feeds["x"] + w1, rtol=1e-6)
+    x2, w2 = make_feeds(1)["x"], session.read("w")
+    out = session.run({**rest, "x": x2}, fetch=["out"])  # a feed replaces the written value
+    np.testing.assert_allclose(out["out"], x2 + w2, rtol=1e-6)
+    with pytest.raises(InputError, match="missing \\['lr'\\]"):
+        session.run({"mask": feeds["mask"]})
+    bad = np.array([[0, 1, 2], [7, 4, 1]], np.int32)
+    with pytest.raises(InputError, match="class index 7"):
+        session.write("y", bad)
+    picked = session.run(rest, fetch=["picked"])["picked"]
+    np.testing.assert_array_equal(picked, (feeds["y"] * 2).astype(np.float32))
+
+
 def test_label_check_failure_leaves_parameters_untouched(session):
     from meganeura.runtime import InputError
 
