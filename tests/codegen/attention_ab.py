@@ -16,7 +16,7 @@ from meganeura.compile import CompileOptions
 from meganeura.graph.builder import GraphBuilder
 from meganeura.optim import HYPER_INPUT, SGD
 
-from .harness import compile_both
+from .harness import compile_both, run_identical
 
 
 def graph(qs, ks, dv, causal, masked, out=False):
@@ -42,7 +42,6 @@ def run_both(gpu_device, switch, case, precision, check_programs, out=False, see
     bit-identical, and within tolerance of float64 torch autograd (1e-4 of each value's
     largest magnitude in strict precision, 3e-2 in fast). Skips fast precision on an adapter
     without shader-f16."""
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     qs, ks, dv, causal, masked = case
@@ -62,13 +61,7 @@ def run_both(gpu_device, switch, case, precision, check_programs, out=False, see
     on, off = compile_both(switch, graph(qs, ks, dv, causal, masked, out), options, limits)
     check_programs(on, off)
     names = [*(["out"] if out else []), "q.grad", "k.grad", "v.grad", "loss"]
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run(feeds, names))
-    for name in names:
-        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+    got = run_identical(gpu_device, (on, off), feeds, names, params)
     t = {n: torch.tensor(a, dtype=torch.float64, requires_grad=True) for n, a in params.items()}
     mask = torch.tensor(feeds["mask"], dtype=torch.float64) if masked else None
     o = TF.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=mask,
@@ -80,4 +73,4 @@ def run_both(gpu_device, switch, case, precision, check_programs, out=False, see
         want["out"] = o.detach().numpy()
     for name, w in want.items():
         scale = float(np.max(np.abs(w)))
-        np.testing.assert_allclose(got[0][name], w, rtol=0, atol=tol * scale, err_msg=name)
+        np.testing.assert_allclose(got[name], w, rtol=0, atol=tol * scale, err_msg=name)

@@ -291,6 +291,30 @@ def compile_both(set_enabled, graph: Graph, options, limits: Limits) -> list:
     return out
 
 
+def run_identical(
+    gpu_device, programs, feeds: Mapping[str, np.ndarray], fetch, state=None, strict=True
+) -> dict:
+    """Run each of ``programs`` once on its own Session (``state`` loaded first, with
+    ``load_state_dict(state, strict)``), fetch ``fetch`` from each and assert every fetched
+    value is the same bit for bit across them (the lever A/B tests: a switch on and off).
+
+    Returns:
+        The first program's ``{name: array}``.
+    """
+    from meganeura.runtime import Session
+
+    got = []
+    for program in programs:
+        with Session(program, gpu_device) as s:
+            if state is not None:
+                s.load_state_dict(state, strict=strict)
+            got.append(s.run(feeds, fetch))
+    for other in got[1:]:
+        for name, value in got[0].items():
+            np.testing.assert_array_equal(value, other[name], err_msg=name)
+    return got[0]
+
+
 @contextmanager
 def split_k_everywhere(plan: str, switch=None):
     """Force matmul plan ``plan`` (a split-K one: lavapipe's own plans never split) with split

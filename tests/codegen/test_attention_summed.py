@@ -21,7 +21,7 @@ from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 from meganeura.ops.attention import scaled_dot_product_attention
 
-from .harness import compile_both, split_k_everywhere
+from .harness import compile_both, run_identical, split_k_everywhere
 from .test_splitk_deferred import SPLIT, _params
 from .test_sum_runs import CFG
 
@@ -103,7 +103,6 @@ def test_sdpa_bit_identical(gpu_device, precision):
     """Fast mode stores the products as f16: the attention narrows its sums likewise."""
     import torch
 
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     limits = device_limits(gpu_device)
@@ -118,12 +117,7 @@ def test_sdpa_bit_identical(gpu_device, precision):
     assert _attention(on).wgsl.count("fn sum4_") == 3  # vec4 runs of rows: vec4 sums
     if precision == "fast":
         assert "f32(f16(v))" in _attention(on).wgsl
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run({"x": x}, ["out"])["out"])
-    np.testing.assert_array_equal(got[0], got[1])
+    got = run_identical(gpu_device, (on, off), {"x": x}, ["out"], params)["out"]
     t = {k: torch.from_numpy(v).double() for k, v in params.items()}
     xt = torch.from_numpy(x).double()
 
@@ -135,7 +129,7 @@ def test_sdpa_bit_identical(gpu_device, precision):
     ref = torch.nn.functional.scaled_dot_product_attention(heads("wq", H), k, v, is_causal=True)
     want = ref.permute(0, 2, 1, 3).reshape(1, S, H * D).numpy()
     tol = 1e-5 if precision == "strict" else 2e-2
-    np.testing.assert_allclose(got[0], want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
 @pytest.mark.gpu

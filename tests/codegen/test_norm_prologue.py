@@ -23,7 +23,7 @@ from meganeura.ops.activation import silu
 from meganeura.ops.norm import layer_norm, rms_norm
 from meganeura.optim import HYPER_INPUT, SGD
 
-from .harness import compile_both, split_k_everywhere
+from .harness import compile_both, run_identical, split_k_everywhere
 
 RNG = np.random.default_rng(47)
 SPLIT = "64x64x16/s4"
@@ -95,7 +95,6 @@ def _norm_kernels(program) -> list:
 )
 def test_norms_sum_the_partials_bit_identically(gpu_device, precision, d):
     """``d`` 90: rows of scalar units (the team reads vec4 units when 4 divides the row)."""
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     limits = device_limits(gpu_device)
@@ -111,21 +110,14 @@ def test_norms_sum_the_partials_bit_identically(gpu_device, precision, d):
     if precision == "fast":
         assert any("f32(f16(v))" in k.wgsl for k in _norm_kernels(on))  # h; h2 is f32
     assert all(("vec4<f32>(0.0)" in k.wgsl) == (d % 4 == 0) for k in _norm_kernels(on))
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run({"x": x, "a": a}, ["z", "h2"]))
-    for name in ("z", "h2"):
-        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+    got = run_identical(gpu_device, (on, off), {"x": x, "a": a}, ["z", "h2"], params)
     tol = 1e-4 if precision == "strict" else 3e-2
     for name, ref in zip(("z", "h2"), _reference(params, x, a), strict=True):
-        np.testing.assert_allclose(got[0][name], ref, rtol=tol, atol=tol, err_msg=name)
+        np.testing.assert_allclose(got[name], ref, rtol=tol, atol=tol, err_msg=name)
 
 
 @pytest.mark.gpu
 def test_training_gradients_exact_and_match_torch_float64(gpu_device):
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     graph = _block_graph(loss=True)
@@ -136,13 +128,9 @@ def test_training_gradients_exact_and_match_torch_float64(gpu_device):
     on, off = _both(graph, options, device_limits(gpu_device))
     assert len(off.dispatches) - len(on.dispatches) == 2
     names = [f"{n}.grad" for n in params] + ["loss"]
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run({"x": x, "a": a, HYPER_INPUT: opt.hyper(0, opt.lr)}, names))
-    for name in names:
-        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+    got = run_identical(
+        gpu_device, (on, off), {"x": x, "a": a, HYPER_INPUT: opt.hyper(0, opt.lr)}, names, params
+    )
     t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
     xt, at = (torch.tensor(v, dtype=torch.float64) for v in (x, a))
     h = xt + at @ t["wo"].T
@@ -151,12 +139,12 @@ def test_training_gradients_exact_and_match_torch_float64(gpu_device):
     z = torch.nn.functional.layer_norm(h2, (D,), t["n2"], t["b2"])
     loss = (z * z).sum()
     loss.backward()
-    np.testing.assert_allclose(got[0]["loss"], loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
     for name, p in t.items():
         want = p.grad.numpy()
         scale = float(np.max(np.abs(want)))
         np.testing.assert_allclose(
-            got[0][f"{name}.grad"], want, rtol=0, atol=1e-4 * scale, err_msg=name
+            got[f"{name}.grad"], want, rtol=0, atol=1e-4 * scale, err_msg=name
         )
 
 

@@ -19,7 +19,7 @@ from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
-from .harness import compile_both
+from .harness import compile_both, run_identical
 from .test_splitk_deferred import SPLIT, _params
 
 RNG = np.random.default_rng(37)
@@ -114,7 +114,6 @@ def test_smollm2_training_step_groups_the_input_gradients():
 def test_sum_of_products_bit_identical(gpu_device, split_plan, shape):
     """``mixed``: the second product (K = 16, one K step) runs unsplit and stores its value;
     ``fast``: fast precision (products stored as f16)."""
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     m, n = (int(s[1:]) for s in shape.split("_")[:2])
@@ -132,18 +131,13 @@ def test_sum_of_products_bit_identical(gpu_device, split_plan, shape):
     }
     on, off = _both(graph, CompileOptions(precision=precision), limits)
     assert len(on.dispatches) == 2 and len(off.dispatches) == 4
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run(feeds, ["y"])["y"])
-    np.testing.assert_array_equal(got[0], got[1])
+    got = run_identical(gpu_device, (on, off), feeds, ["y"], params)["y"]
     p = {k: v.astype(np.float64) for k, v in params.items()}
     y = feeds["r"].astype(np.float64)
     for i in range(3):
         y = y + feeds[f"a{i}"].astype(np.float64) @ p[f"w{i}"].T
     tol = 1e-5 if precision == "strict" else 1e-2
-    np.testing.assert_allclose(got[0], 1 / (1 + np.exp(-y)), rtol=tol, atol=tol / 10)
+    np.testing.assert_allclose(got, 1 / (1 + np.exp(-y)), rtol=tol, atol=tol / 10)
 
 
 @pytest.mark.gpu

@@ -21,7 +21,7 @@ from meganeura.ops import functional as F
 from meganeura.ops.activation import silu
 from meganeura.optim import HYPER_INPUT, SGD
 
-from .harness import compile_both
+from .harness import compile_both, run_identical
 
 RNG = np.random.default_rng(31)
 SPLIT = "64x64x16/s4"
@@ -88,7 +88,6 @@ def _params(graph) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("precision", ["strict", "fast"])
 def test_readers_sum_the_partials_bit_identically(gpu_device, split_plan, precision):
     """Fast mode stores the products as f16: the readers round their sums to f16 likewise."""
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     limits = device_limits(gpu_device)
@@ -104,13 +103,7 @@ def test_readers_sum_the_partials_bit_identically(gpu_device, split_plan, precis
     # dispatches of q, g, u, a, b and r become one (``split_group``)
     assert len(off.dispatches) - len(on.dispatches) == 3 + 5
     assert len(_sums(on)) == 1 and len(_sums(off)) == 4
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run({"x": x}, ["q", "mlp", "s", "r"]))
-    for name in ("q", "mlp", "s", "r"):
-        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+    got = run_identical(gpu_device, (on, off), {"x": x}, ["q", "mlp", "s", "r"], params)
     p = {k: v.astype(np.float64) for k, v in params.items()}
     x64 = x.astype(np.float64)
 
@@ -126,7 +119,7 @@ def test_readers_sum_the_partials_bit_identically(gpu_device, split_plan, precis
     }
     tol = 1e-4 if precision == "strict" else 1e-2
     for name, ref in want.items():
-        np.testing.assert_allclose(got[0][name], ref, rtol=tol, atol=tol, err_msg=name)
+        np.testing.assert_allclose(got[name], ref, rtol=tol, atol=tol, err_msg=name)
 
 
 def _mlp_loss_graph(m: int = 24, k: int = 80, n: int = 112):
@@ -142,7 +135,6 @@ def _mlp_loss_graph(m: int = 24, k: int = 80, n: int = 112):
 
 @pytest.mark.gpu
 def test_training_gradients_exact_and_match_torch_float64(gpu_device, split_plan):
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     graph = _mlp_loss_graph()
@@ -153,25 +145,21 @@ def test_training_gradients_exact_and_match_torch_float64(gpu_device, split_plan
     on, off = _both(graph, options, device_limits(gpu_device))
     assert len(on.dispatches) < len(off.dispatches)
     names = [f"{n}.grad" for n in params] + ["loss"]
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run({"x": x, HYPER_INPUT: opt.hyper(0, opt.lr)}, names))
-    for name in names:
-        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+    got = run_identical(
+        gpu_device, (on, off), {"x": x, HYPER_INPUT: opt.hyper(0, opt.lr)}, names, params
+    )
     t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
     xt = torch.tensor(x, dtype=torch.float64)
     gu = torch.nn.functional.silu(xt @ t["gate.weight"].T) * (xt @ t["up.weight"].T)
     y = xt + gu @ t["down.weight"].T
     loss = (y * y).sum()
     loss.backward()
-    np.testing.assert_allclose(got[0]["loss"], loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
     for name, p in t.items():
         want = p.grad.numpy()
         scale = float(np.max(np.abs(want)))
         np.testing.assert_allclose(
-            got[0][f"{name}.grad"], want, rtol=0, atol=1e-5 * scale, err_msg=name
+            got[f"{name}.grad"], want, rtol=0, atol=1e-5 * scale, err_msg=name
         )
 
 
@@ -280,7 +268,6 @@ def test_conv_input_gradient_sums_exact_and_match_torch_float64(gpu_device, oc2)
     thread per element in the summing kernel) and 9 ways (four lanes)."""
     import dataclasses
 
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     graph = _conv_loss_graph(oc2)
@@ -293,25 +280,21 @@ def test_conv_input_gradient_sums_exact_and_match_torch_float64(gpu_device, oc2)
     assert not any("backward_input sum_splits" in d.name for d in on.dispatches)
     assert any("backward_input sum_splits" in d.name for d in off.dispatches)
     names = ["w1.grad", "w2.grad", "loss"]
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run({"x": x, HYPER_INPUT: opt.hyper(0, opt.lr)}, names))
-    for name in names:
-        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+    got = run_identical(
+        gpu_device, (on, off), {"x": x, HYPER_INPUT: opt.hyper(0, opt.lr)}, names, params
+    )
     t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
     conv = torch.nn.functional.conv2d
     h = torch.relu(conv(torch.tensor(x, dtype=torch.float64), t["w1"], padding=1))
     y = torch.relu(conv(h, t["w2"], padding=1))
     loss = (y * y).sum()
     loss.backward()
-    np.testing.assert_allclose(got[0]["loss"], loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
     for name, p in t.items():
         want = p.grad.numpy()
         scale = float(np.max(np.abs(want)))
         np.testing.assert_allclose(
-            got[0][f"{name}.grad"], want, rtol=0, atol=1e-5 * scale, err_msg=name
+            got[f"{name}.grad"], want, rtol=0, atol=1e-5 * scale, err_msg=name
         )
 
 
@@ -331,7 +314,6 @@ def _qkv_graph(m: int = 40, k: int = 96, computed_b: bool = False):
 
 @pytest.mark.gpu
 def test_products_sharing_x_run_as_one_dispatch_bit_identically(gpu_device, split_plan):
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     graph = _qkv_graph()
@@ -341,16 +323,11 @@ def test_products_sharing_x_run_as_one_dispatch_bit_identically(gpu_device, spli
     names = [d.name for d in on.dispatches]
     assert names[0].endswith(" matmul") and names[0].count("+") == 2
     assert len(on.dispatches) == 4 and len(off.dispatches) == 9  # 1 + 3 permutes; 3 x 3
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run({"x": x}, ["q", "k", "v"]))
+    got = run_identical(gpu_device, (on, off), {"x": x}, ["q", "k", "v"], params)
     for name, n in (("q", 48), ("k", 32), ("v", 32)):
-        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
         ref = x.astype(np.float64) @ params[f"w{name}"].T.astype(np.float64)
         ref = ref.reshape(1, 40, n // 8, 8).transpose(0, 2, 1, 3)
-        np.testing.assert_allclose(got[0][name], ref, rtol=1e-4, atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
 def test_a_right_operand_computed_after_the_first_product_keeps_it_apart(split_plan):

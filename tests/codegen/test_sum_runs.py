@@ -20,7 +20,7 @@ from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops import functional as F
 
-from .harness import compile_both, split_k_everywhere
+from .harness import compile_both, run_identical, split_k_everywhere
 from .test_splitk_deferred import SPLIT, _params
 
 RNG = np.random.default_rng(53)
@@ -124,7 +124,6 @@ def test_lower_sum_run_errors():
 @pytest.mark.parametrize("precision", ["strict", "fast"])
 def test_merged_sums_bit_identical(gpu_device, precision):
     """Fast mode stores the products as f16: each body narrows as its own dispatch did."""
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     limits = device_limits(gpu_device)
@@ -136,16 +135,11 @@ def test_merged_sums_bit_identical(gpu_device, precision):
     on, off = _both(graph, CompileOptions(precision=precision), limits)
     assert len(_sums(on)) == 1 and len(_sums(off)) == 3
     names = [f"s{i}" for i in range(3)]
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run({"x": x}, names))
+    got = run_identical(gpu_device, (on, off), {"x": x}, names, params)
     tol = 1e-5 if precision == "strict" else 2e-2
     for i, name in enumerate(names):
-        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
         p = x[0].astype(np.float64) @ params[f"w{i}"].astype(np.float64).T
-        np.testing.assert_allclose(got[0][name][0], p.sum(-1), rtol=tol, atol=tol, err_msg=name)
+        np.testing.assert_allclose(got[name][0], p.sum(-1), rtol=tol, atol=tol, err_msg=name)
 
 
 CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

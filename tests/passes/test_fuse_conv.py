@@ -22,7 +22,7 @@ from meganeura.nn.compiled import trace_call
 from meganeura.nn.parameter import Buffer, Parameter
 from meganeura.passes import fuse_conv
 
-from ..codegen.harness import compile_both
+from ..codegen.harness import compile_both, run_identical
 
 RNG = np.random.default_rng(17)
 
@@ -149,7 +149,6 @@ def test_training_gradients_are_unchanged(gpu_device, net):
     residual block the add reading conv2 alone runs in conv2's store (the backward reads
     neither): one dispatch fewer. The gradients are the same bit for bit either way."""
     from meganeura.optim import HYPER_INPUT, SGD
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     model = _block(train=True)[0] if net == "batch_norm" else Residual().train()
@@ -170,15 +169,9 @@ def test_training_gradients_are_unchanged(gpu_device, net):
     else:
         assert len(off.dispatches) - len(on.dispatches) == 1
     names = [f"{n}.grad" for n in trainable] + ["loss"]
-    got = []
     feeds = {"x": x, HYPER_INPUT: opt.hyper(0, opt.lr)}
     state = {n: o.data for n, o in objs.items() if isinstance(o, (Parameter, Buffer))}
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(state, strict=False)
-            got.append(s.run(feeds, names))
-    for name in names:
-        np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+    run_identical(gpu_device, (on, off), feeds, names, state, strict=False)
 
 
 def test_which_groups_anchor():
@@ -231,7 +224,6 @@ def test_epilogue_sums_a_deferred_split_k_product(gpu_device):
     from meganeura.graph.builder import GraphBuilder
     from meganeura.ops import functional as OF
     from meganeura.ops.conv import conv2d
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     b = GraphBuilder()
@@ -259,16 +251,11 @@ def test_epilogue_sums_a_deferred_split_k_product(gpu_device):
         "w": (RNG.standard_normal((8, 4, 3, 3)) * 0.3).astype(np.float32),
         "v": (RNG.standard_normal((36, 96)) * 0.1).astype(np.float32),
     }
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(params)
-            got.append(s.run(feeds, ["y"])["y"])
-    np.testing.assert_array_equal(got[0], got[1])
+    got = run_identical(gpu_device, (on, off), feeds, ["y"], params)["y"]
     want = TF.conv2d(torch.tensor(feeds["x"], dtype=torch.float64),
                      torch.tensor(params["w"], dtype=torch.float64), padding=1).numpy()  # fmt: skip
     want = np.maximum(want + (feeds["z"].astype(np.float64) @ params["v"].T).reshape(want.shape), 0)
-    np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 class GroupedBlock(mnn.Module):
@@ -288,7 +275,6 @@ class GroupedBlock(mnn.Module):
 def test_grouped_conv_epilogue_maps_channels(gpu_device, groups):
     """Output channel ``grp * OCg + row``: a grouped and a depthwise conv (the 16x256 tile)
     with a per-channel BatchNorm in their store, bit-identical to the program without."""
-    from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     model = GroupedBlock(groups)
@@ -305,15 +291,11 @@ def test_grouped_conv_epilogue_maps_channels(gpu_device, groups):
         on, off = _both(traced.graph, CompileOptions(), device_limits(gpu_device))
     assert len(off.dispatches) - len(on.dispatches) == 1
     assert all(c["plan"].startswith("16x256" if groups == 8 else "") for c in on.meta["convs"])
-    got = []
-    for program in (on, off):
-        with Session(program, gpu_device) as s:
-            s.load_state_dict(model.state_dict(), strict=False)
-            got.append(s.run({"x": x}, ["output"])["output"])
-    np.testing.assert_array_equal(got[0], got[1])
-    t = {k: torch.tensor(v, dtype=torch.float64) for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    got = run_identical(gpu_device, (on, off), {"x": x}, ["output"], state, strict=False)
+    t = {k: torch.tensor(v, dtype=torch.float64) for k, v in state.items()}
     xt = torch.tensor(x, dtype=torch.float64)
     y = TF.conv2d(xt, t["conv.weight"], t["conv.bias"], padding=1, groups=groups)
     y = TF.batch_norm(y, t["bn.running_mean"], t["bn.running_var"], t["bn.weight"],
                       t["bn.bias"], False, 0.0, 1e-5)  # fmt: skip
-    np.testing.assert_allclose(got[0], (torch.relu(y) + xt).numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got["output"], (torch.relu(y) + xt).numpy(), rtol=1e-4, atol=1e-4)
