@@ -3,6 +3,7 @@ and the profile of a slow cell."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -152,6 +153,16 @@ def profile_text(session, feeds: dict, wall_ms: float, top: int = 15, repeats: i
             for r in rows
         ),
     ]
+    products = matmul_products(prof, session.program)
+    if products:
+        lines += [
+            "matmul products (M x K x N, layout, batch; plan and its source; split-K sums apart):",
+            *(
+                f"  {r['product']:28s} {r['plan']:22s} {r['count']:4d} x {r['mean_us']:7.1f} us"
+                f" = {r['us']:8.1f} us {100 * r['share']:5.1f}% {r['TFLOP_per_s']:7.3f} TFLOP/s"
+                for r in products[:top]
+            ),
+        ]
     return {
         "text": "\n".join(lines),
         "gpu_ms": gpu_ms,
@@ -160,7 +171,55 @@ def profile_text(session, feeds: dict, wall_ms: float, top: int = 15, repeats: i
         "host_share": host_share,
         "dispatches": len(session.program.dispatches),
         "top": rows,
+        "matmul_products": products,
     }
+
+
+_IDS = re.compile(r"^%([0-9+]+) ")
+
+
+def matmul_products(prof, program) -> list[dict]:
+    """GPU time per matmul product of one profiled step, longest first: the dispatches whose
+    name's node ids (``"%823+829 matmul"``) include a matmul of ``program.meta["matmuls"]``,
+    grouped by (M, K, N, layout, batch) and plan (a horizontal group: its products joined by
+    ``" | "``); a split product's ``sum_splits`` dispatches are a row of their own.
+
+    Returns:
+        [{"product", "plan", "count" (dispatches per step), "mean_us", "us" (per step),
+        "share" (of the step's summed GPU time), "TFLOP_per_s"}].
+    """
+    meta = {e["node"]: e for e in program.meta.get("matmuls", ())}
+    total = sum(t.duration_ns for t in prof.timings) or 1.0
+    groups: dict[tuple[str, str], list] = {}
+    for t in prof.timings:
+        m = _IDS.match(t.name)
+        if m is None:
+            continue
+        found = [meta[int(i)] for i in m.group(1).split("+") if int(i) in meta]
+        if not found:
+            continue
+        product = " | ".join(
+            f"{e['m']}x{e['k']}x{e['n']} {e['layout']} b{e['batch']}" for e in found
+        )
+        plan = " | ".join(f"{e['plan']} ({e['source']})" for e in found)
+        if "sum_splits" in t.name:
+            plan = "sum_splits"
+        groups.setdefault((product, plan), []).append(t)
+    rows = []
+    for (product, plan), ts in groups.items():
+        ns = sum(t.duration_ns for t in ts)
+        rows.append(
+            {
+                "product": product,
+                "plan": plan,
+                "count": len(ts) // prof.repeats,
+                "mean_us": ns / len(ts) / 1e3,
+                "us": ns / prof.repeats / 1e3,
+                "share": ns / total,
+                "TFLOP_per_s": sum(t.flops for t in ts) / ns / 1e3 if ns > 0 else 0.0,
+            }
+        )
+    return sorted(rows, key=lambda r: -r["us"])
 
 
 def first_call(fn) -> float:
