@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call of the device tool's `run` on the H200: restores the tuned matmul and attention
 # plans, runs one step of the evaluation, and leaves everything it wrote in $OUT/results.tgz
-# (a `run` brings back at most 8 files). Unpack it here with `tar xzf <files_at>/results.tgz` and commit
-# before the next call: the device's bench/results is replaced by this checkout's each call.
+# (a `run` brings back at most 8 files). Unpack it here with `tar xzf <files_at>/results.tgz`
+# and commit before the next call: the device's bench/results is replaced by this checkout's
+# each call.
 #
 # usage (on the device, after `source .gpu/setup.sh`):
 #   bash bench/h200_session.sh COMMIT STEP [MINUTES]
