@@ -40,8 +40,8 @@ this adapter reads through ``Limits.attention_plans``) where it beat the default
 ``MIN_GAIN`` (3%), and removes an entry of that key where the default won. The ``fwd`` mode is
 decided by the fwd+lse kernel (the training programs', timed for every plan), ``dq`` by
 dq+delta; the forward-only ``fwd`` label shares the fwd mode and is not consulted. The cache
-folder is ``$MEGANEURA_CACHE_DIR/tuning`` when that is set (as the CLI), else
-``~/.cache/meganeura/tuning``.
+folder is the library's default, ``~/.cache/meganeura/tuning``, the one the other benchmark
+scripts read (whatever ``MEGANEURA_CACHE_DIR`` says: docs/tuning.md).
 
 Usage: python bench/attention_plans.py [--quick] [--budget-s 230] [--cap 40] [--whisper-cap 6]
     [--repeats 10] [--warmup 3] [--shapes smollm2,smolvla_self] [--out-name NAME | --out PATH]
@@ -515,11 +515,6 @@ def main(argv: list[str] | None = None) -> None:
 
     from meganeura.codegen.wgsl.attention.plan import set_tuned
 
-    root = os.environ.get("MEGANEURA_CACHE_DIR")
-    if root:  # the folder the CLI (and so ``meganeura tune --list``) reads
-        from meganeura.tune import set_cache_dir
-
-        set_cache_dir(Path(root).expanduser() / "tuning")
     # "default" is the automatic rule, not the measured plans (this device's tuning cache,
     # attention/tuned.py's table), which are back on when main returns
     set_tuned(False)
