@@ -34,8 +34,18 @@ missing), then ``Session.profile`` per-kernel GPU times (median over ``--repeats
 through a temporary name after each program, and prints the best plan per (shape, kernel)
 against the default after each shape.
 
+``--record`` then writes, per (shape, mode), the best plan into this device's tuning cache
+(``meganeura.tune.cache``: the ``attention`` table of its file, which every later compile on
+this adapter reads through ``Limits.attention_plans``) where it beat the default plan by
+``MIN_GAIN`` (3%), and removes an entry of that key where the default won. The ``fwd`` mode is
+decided by the fwd+lse kernel (the training programs', timed for every plan), ``dq`` by
+dq+delta; the forward-only ``fwd`` label shares the fwd mode and is not consulted. The cache
+folder is the library's default, ``~/.cache/meganeura/tuning``, the one the other benchmark
+scripts read (whatever ``MEGANEURA_CACHE_DIR`` says: docs/tuning.md).
+
 Usage: python bench/attention_plans.py [--quick] [--budget-s 230] [--cap 40] [--whisper-cap 6]
     [--repeats 10] [--warmup 3] [--shapes smollm2,smolvla_self] [--out-name NAME | --out PATH]
+    [--record]
 """
 
 from __future__ import annotations
@@ -78,6 +88,9 @@ TOL = 1e-4  # relative L2 error above which a plan's program counts as wrong
 
 # label -> plan mode; the training program's kernels, then the forward program's
 LABELS = {"fwd+lse": "fwd", "dq+delta": "dq", "dkv": "dkv", "dk": "dk", "dv": "dv", "fwd": "fwd"}
+# mode -> the label whose times decide its recorded plan (``--record``): fwd+lse for fwd
+RECORD_LABELS = {"fwd": "fwd+lse", "dq": "dq+delta", "dkv": "dkv", "dk": "dk", "dv": "dv"}
+MIN_GAIN = 1.03  # a plan is recorded only when this much faster than the default (tune.matmul)
 TRAIN_MODES = ("fwd", "dq", "dkv", "dk", "dv")
 # output -> the reference it is checked against
 TRAIN_OUTPUTS = {"o": "o", "dq": "dq", "dk": "dk", "dv": "dv", "dk_k": "dk", "dv_v": "dv"}
@@ -429,6 +442,53 @@ def print_table(s: dict) -> None:
         )
 
 
+def record(summary: dict, shapes, device, min_gain: float = MIN_GAIN) -> list[str]:
+    """Write each (shape, mode)'s best plan of ``summary`` (``Sweep.summary``) into
+    ``device``'s tuning cache where it beat the default by ``min_gain``; remove the entry of a
+    key whose default won. Returns one line per key: what was recorded, kept or removed.
+
+    Raises:
+        ValueError: the tuning cache is off (``set_cache_dir(None)``).
+        OSError: the cache file cannot be written.
+    """
+    from meganeura.tune import cache as tc
+    from meganeura.tune.attention_entries import format_attention_key, format_lane_plan
+
+    key = tc.device_key(device)
+    cache = tc.load(key)
+    timing = "timestamps" if "timestamp-query" in device.features else "wall"
+    lines = []
+    for shape in shapes:
+        kernels = summary.get(shape[0], {}).get("kernels", {})
+        dims = _dims(shape)
+        for mode, label in RECORD_LABELS.items():
+            k = kernels.get(label)
+            if k is None:
+                continue
+            entry_key = (mode, dims.b, dims.hkv, dims.group, dims.lq, dims.lk, dims.d, dims.dv)
+            text = f"{shape[0]} {label} ({format_attention_key(entry_key)})"
+            default, best = format_lane_plan(k["default_plan"]), format_lane_plan(k["best_plan"])
+            du, bu = k["default_us"], k["best_us"]
+            if not du or not bu:
+                lines.append(f"{text}: default plan not timed, left as it was")
+                continue
+            gain = du / bu
+            if best != default and gain >= min_gain:
+                cache.attention[entry_key] = tc.AttentionEntry(
+                    best, round(bu, 3), default, round(du, 3), timing
+                )
+                lines.append(f"{text}: recorded {best} {bu:.1f} us (default {default} "
+                             f"{du:.1f} us, {gain:.2f}x)")  # fmt: skip
+            elif cache.attention.pop(entry_key, None) is not None:
+                lines.append(f"{text}: default {default} kept ({gain:.2f}x < {min_gain}), "
+                             "old entry removed")  # fmt: skip
+            else:
+                lines.append(f"{text}: default {default} kept ({gain:.2f}x < {min_gain})")
+    path = tc.save(cache)
+    lines.append(f"tuning cache: {path} ({len(cache.attention)} attention entries)")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap, "", repeats=10, warmup=3)
@@ -439,6 +499,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="most plans per kernel at Whisper")  # fmt: skip
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
     ap.add_argument("--out", default=None, help="result file path (default: see above)")
+    ap.add_argument("--record", action="store_true",
+                    help="write the winning plans (>= 3%% over the default) into this "
+                    "device's tuning cache, which later compiles on it read")  # fmt: skip
     args = ap.parse_args(argv)
     resolve_args(args)
     if args.budget_s is None:
@@ -452,8 +515,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from meganeura.codegen.wgsl.attention.plan import set_tuned
 
-    # "default" is the automatic rule, not attention/tuned.py's table (which this sweep's
-    # winners are; re-emit it from the result); the table is back on when main returns
+    # "default" is the automatic rule, not the measured plans (this device's tuning cache,
+    # attention/tuned.py's table), which are back on when main returns
     set_tuned(False)
     try:
         _sweep(args, dev)
@@ -486,6 +549,10 @@ def _sweep(args, dev: str) -> None:
     sw.write(complete=True)
     print(f"wrote {sw.path} ({len(sw.rows)} rows, {len(sw.programs)} compiles, "
           f"{time.perf_counter() - t0:.1f} s)")  # fmt: skip
+    if args.record:
+        print("\nrecording in this device's tuning cache:")
+        for line in record(sw.summary, shapes, device):
+            print("  " + line)
 
 
 if __name__ == "__main__":

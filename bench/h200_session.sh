@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One call of the device tool's `run` on the H200: restores the tuned matmul plans, runs one
-# step of the evaluation, and leaves everything it wrote in $OUT/results.tgz (a `run` brings
-# back at most 8 files). Unpack it here with `tar xzf <files_at>/results.tgz` and commit
-# before the next call: the device's bench/results is replaced by this checkout's each call.
+# One call of the device tool's `run` on the H200: restores the tuned matmul and attention
+# plans, runs one step of the evaluation, and leaves everything it wrote in $OUT/results.tgz
+# (a `run` brings back at most 8 files). Unpack it here with `tar xzf <files_at>/results.tgz`
+# and commit before the next call: the device's bench/results is replaced by this checkout's
+# each call.
 #
 # usage (on the device, after `source .gpu/setup.sh`):
 #   bash bench/h200_session.sh COMMIT STEP [MINUTES]
@@ -19,9 +20,11 @@
 #                   q and dO prefetched) on W4 training; matmul_norm_prologue (off: the norm
 #                   before a left-shared matmul group keeps its own dispatch) on W4 and W1 fwd;
 #                   resident_inputs (off: inputs uploaded every timed call) on 4 fwd cells
-#   attention-plans bench/attention_plans.py --budget-s 400 (~8 min): every lane plan at the
-#                   workloads' attention shapes against the automatic rule; re-emit
-#                   meganeura/codegen/wgsl/attention/tuned.py from its summary
+#   attention-plans bench/attention_plans.py --budget-s 400 --record (~8 min): every lane plan
+#                   at the workloads' attention shapes against the automatic rule; the winners
+#                   (>= 3%) go into the H200's tuning cache (attention table), copied to
+#                   bench/results/tuning_h200/ like tune's; attention/tuned.py stays as the
+#                   fallback for GPUs without a cache (no hand rewrite needed)
 #   strict          the ten headline cells, strict f32, with warm-cache compile times
 #   fast            the ten headline cells, fast mode, with warm-cache compile times
 #   matrix          the rest of the matrix, resumable (strict first)
@@ -60,7 +63,8 @@ case "$step" in
       --cases w3:fwd_b4,w4:fwd,w5:fwd_small_b2,w2:fwd_chunk50 --levers resident_inputs 2>&1 \
       | tee -a "$log" ;;
   attention-plans)
-    python bench/attention_plans.py --budget-s 400 2>&1 | tail -80 | tee "$log" ;;
+    python bench/attention_plans.py --budget-s 400 --record 2>&1 | tail -120 | tee "$log"
+    cp "$cache"/*.json bench/results/tuning_h200/ ;;
   strict)
     "${wl[@]}" --precision strict --cases "$headline" 2>&1 | tee "$log" ;;
   fast)

@@ -51,7 +51,8 @@ LEVERS = {
     "delta_in_dq": ("meganeura.codegen.wgsl.attention.dq_delta", "set_enabled"),
     # off: query-row attention loops load each key tile after the barrier, not before (untimed)
     "attention_prefetch": ("meganeura.codegen.wgsl.attention.lane_stream", "set_prefetch"),
-    # off: the automatic lane plans instead of attention/tuned.py's measured ones
+    # off: the automatic lane plans instead of the measured ones (the device's tuning cache,
+    # attention/tuned.py)
     "attention_tuned": ("meganeura.codegen.wgsl.attention.plan", "set_tuned"),
     # off: a norm read only by a left-shared matmul group keeps its own dispatch instead of
     # being the group's prologue (candidate for W4: its fc1 with the prologue runs at 13

@@ -43,6 +43,14 @@ class Limits:
     matmul_plans: tuple[tuple[tuple[int, int, int, str, int], str], ...] = field(
         default=(), repr=False
     )
+    # Flash-attention lane plans measured on this very adapter (``bench/attention_plans.py
+    # --record``, the same per-device cache's ``attention`` table, loaded by
+    # ``training.device_limits``): ((mode, b, hkv, group, lq, lk, d, dv), (rows, lanes, tile))
+    # pairs, sorted; ``attention.plan.choose_plan`` takes them ahead of its static table, on
+    # CPU adapters too (they were measured there).
+    attention_plans: tuple[
+        tuple[tuple[str, int, int, int, int, int, int, int], tuple[int, int, int]], ...
+    ] = field(default=(), repr=False)
 
 
 # The NVIDIA H200's adapter limits (Vulkan, wgpu 0.32; design.md), to compile programs as

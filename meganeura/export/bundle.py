@@ -297,6 +297,7 @@ def trace_program(
         changes["cpu"] = cpu
     # A bundle runs on another adapter (a browser's WebGPU): plans tuned on this one do not apply.
     changes["matmul_plans"] = ()
+    changes["attention_plans"] = ()
     limits = dataclasses.replace(limits, **changes)
     traced = trace_call(model, model.forward, tuple(example_inputs), {})
     program = compile_graph(traced.graph, CompileOptions(precision=precision), limits)

@@ -49,8 +49,10 @@ def add_commands(sub) -> None:
         help="products to tune: A [M, K] @ B [K, N], layout nn, nt (B stored [N, K]), tn (A "
         "stored [K, M]) or tt; batch default 1",
     )
-    t.add_argument("--list", action="store_true", help="print this device's cache and exit")
-    t.add_argument("--clear", action="store_true", help="remove this device's cache and exit")
+    t.add_argument("--list", action="store_true", help="print this device's cache (matmul "
+                   "and attention plans) and exit")  # fmt: skip
+    t.add_argument("--clear", action="store_true", help="remove this device's cache (matmul "
+                   "and attention plans) and exit")  # fmt: skip
     t.add_argument("--batch-size", type=int, default=None, help="rows, sequences or images "
                    "per step (default the model's: mnist 64, smollm2 1, smolvla 1, resnet50 4, "
                    "whisper 1, unet 2)")  # fmt: skip
@@ -265,21 +267,31 @@ def _shape_line(i: int, count: int, r, seconds: float, saved: bool = True) -> No
 
 
 def format_cache(cache, path: str) -> str:
-    """The ``--list`` table of a device's cache."""
+    """The ``--list`` tables of a device's cache: its matmul products, then its attention lane
+    kernels (``bench/attention_plans.py --record``) when it has any."""
+    from ..tune.attention_entries import format_attention_key
+    from ..tune.cache import format_shape
+
     k = cache.key
     lines = [f"device: {k.adapter} | {k.driver} | {k.backend}", f"cache: {path}"]
     if not cache.matmul:
-        lines.append("(no tuned products)")
-        return "\n".join(lines)
-    lines.append(
-        f"{'shape (M,K,N,layout,batch)':<28} {'plan':<16} {'us':>10} {'default':<16} "
-        f"{'us':>10} {'gain':>6} {'timing':<10} measured"
-    )
-    from ..tune.cache import format_shape
+        lines.append("(no tuned matmul products)")
+    else:
+        lines += _table("shape (M,K,N,layout,batch)", 28, cache.matmul, format_shape)
+    if cache.attention:
+        lines += _table("attention (mode,b,hkv,group,lq,lk,d,dv)", 40, cache.attention,
+                        format_attention_key)  # fmt: skip
+    return "\n".join(lines)
 
-    for key, e in sorted(cache.matmul.items()):
+
+def _table(title: str, width: int, entries: dict, fmt) -> list[str]:
+    lines = [
+        f"{title:<{width}} {'plan':<16} {'us':>10} {'default':<16} "
+        f"{'us':>10} {'gain':>6} {'timing':<10} measured"
+    ]
+    for key, e in sorted(entries.items()):
         lines.append(
-            f"{format_shape(key):<28} {e.plan:<16} {e.gpu_us:>10.1f} {e.default_plan:<16} "
+            f"{fmt(key):<{width}} {e.plan:<16} {e.gpu_us:>10.1f} {e.default_plan:<16} "
             f"{e.heuristic_us:>10.1f} {e.gain:>5.2f}x {e.timing:<10} {e.measured}"
         )
-    return "\n".join(lines)
+    return lines

@@ -29,9 +29,9 @@ from .guard import StepGuard, StepRun, check_finite_feeds, check_mode
 
 
 def device_limits(device) -> Limits:
-    """The codegen Limits of a runtime Device, with the matmul plans tuned on it
-    (``meganeura.tune``: its file in the tuning cache, if there is one)."""
-    from ..tune.cache import device_plans
+    """The codegen Limits of a runtime Device, with the matmul and attention lane plans tuned
+    on it (``meganeura.tune``: its file in the tuning cache, if there is one)."""
+    from ..tune.cache import device_attention_plans, device_plans
 
     return Limits(
         max_workgroups_per_dimension=device.max_compute_workgroups_per_dimension,
@@ -45,6 +45,7 @@ def device_limits(device) -> Limits:
         subgroups="subgroup" in device.features,
         cpu=str(device.info.get("adapter_type", "")).upper() == "CPU",
         matmul_plans=device_plans(device),
+        attention_plans=device_attention_plans(device),
     )
 
 

@@ -1,4 +1,5 @@
-"""The per-device tuning cache: matmul plans measured on one adapter, read by the next run.
+"""The per-device tuning cache: matmul and attention lane plans measured on one adapter, read
+by the next run.
 
 One JSON file per device under the cache directory (``default_cache_dir()``,
 ``~/.cache/meganeura/tuning``; the CLI points it at ``$MEGANEURA_CACHE_DIR/tuning``, library
@@ -10,9 +11,17 @@ device ids (``DeviceKey``); a new driver is a new device, so a driver update re-
      "device": {"adapter": ..., "driver": ..., "backend": ..., "vendor_id": ..., "device_id": ...},
      "matmul": {"M,K,N,layout,batch": {"plan": "64x64x16/s8", "gpu_us": 12.3,
                                        "default_plan": "64x64x16", "heuristic_us": 15.9,
-                                       "timing": "timestamps", "measured": "2026-12-03"}}}
+                                       "timing": "timestamps", "measured": "2026-12-03"}},
+     "attention": {"fwd,1,3,3,128,128,64,64": {"plan": "8x16x32", "gpu_us": 17.4,
+                                               "default_plan": "4x16x32", "heuristic_us": 23.2,
+                                               "timing": "timestamps", "measured": ...}}}
 
-``heuristic_us`` is the time of the plan chosen without the cache (``default_plan``).
+``heuristic_us`` is the time of the plan chosen without the cache (``default_plan``). The
+``attention`` table (optional: files without it are valid, ``bench/attention_plans.py
+--record`` writes it) keys a flash-attention lane kernel by its mode (``attention.plan``'s lane
+modes: fwd, stats, lse, dq, dk, dv, dkv) and its ``attention.plan.Dims`` (batch, kv heads,
+query heads per kv head, query and key lengths, head dims), its plan is ``ROWSxLANESxTILE``
+(``attention_entries``).
 
 Invariants:
   * a file is written to a temporary name in the same folder and renamed over the old one, so
@@ -36,6 +45,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .attention_entries import (
+    AttentionEntry,
+    AttentionKey,
+    format_attention_key,
+    parse_attention_key,
+    parse_lane_plan,
+)
 
 FORMAT = 1
 LAYOUTS = ("nn", "nt", "tn", "tt")
@@ -131,21 +148,32 @@ class MatmulEntry:
 
 @dataclass
 class TuningCache:
-    """A device's tuning file in memory: ``matmul`` maps shape keys to entries."""
+    """A device's tuning file in memory: ``matmul`` maps shape keys to entries, ``attention``
+    maps (mode, b, hkv, group, lq, lk, d, dv) keys to lane-plan entries."""
 
     key: DeviceKey
     matmul: dict[ShapeKey, MatmulEntry] = field(default_factory=dict)
+    attention: dict[AttentionKey, AttentionEntry] = field(default_factory=dict)
 
     def plans(self) -> tuple[tuple[ShapeKey, str], ...]:
         """Sorted ``(shape key, plan)`` pairs: ``Limits.matmul_plans``."""
         return tuple(sorted((k, e.plan) for k, e in self.matmul.items()))
 
+    def attention_plans(self) -> tuple[tuple[AttentionKey, tuple[int, int, int]], ...]:
+        """Sorted ``(key, (rows, lanes, tile))`` pairs: ``Limits.attention_plans``."""
+        return tuple(sorted((k, parse_lane_plan(e.plan)) for k, e in self.attention.items()))
+
     def to_json(self) -> dict:
-        return {
+        doc = {
             "format": FORMAT,
             "device": asdict(self.key),
             "matmul": {format_shape(k): asdict(e) for k, e in sorted(self.matmul.items())},
         }
+        if self.attention:  # a file without attention entries reads as before
+            doc["attention"] = {
+                format_attention_key(k): asdict(e) for k, e in sorted(self.attention.items())
+            }
+        return doc
 
 
 def format_shape(key: ShapeKey) -> str:
@@ -189,8 +217,10 @@ def cache_path(key: DeviceKey, directory: str | os.PathLike | None = None) -> Pa
 
 def load(key: DeviceKey, directory: str | os.PathLike | None = None) -> TuningCache:
     """The device's cache; empty when there is no file, or when it cannot be used (then with a
-    ``TuningCacheWarning`` naming the file and why). Entries with a plan name this version does
-    not parse are dropped with a warning; the rest are kept."""
+    ``TuningCacheWarning`` naming the file and why). Entries with a key or plan this version
+    does not parse (matmul or attention) are dropped with a warning; the rest are kept. An
+    ``attention`` table that is not an object is dropped with a warning, the matmul entries
+    kept."""
     if directory is None and cache_dir() is None:
         return TuningCache(key)
     path = cache_path(key, directory)
@@ -222,6 +252,27 @@ def load(key: DeviceKey, directory: str | os.PathLike | None = None) -> TuningCa
             )
             continue
         cache.matmul[shape] = entry
+    table = doc.get("attention", {})
+    if not isinstance(table, dict):
+        warnings.warn(
+            f"tuning cache {path}: 'attention' table ignored (not an object)",
+            TuningCacheWarning,
+            2,
+        )
+        table = {}
+    for text, raw in table.items():
+        try:
+            key = parse_attention_key(text)
+            entry = AttentionEntry(**raw)
+            parse_lane_plan(entry.plan)
+        except (TypeError, ValueError) as e:
+            warnings.warn(
+                f"tuning cache {path}: attention entry {text!r} ignored ({e})",
+                TuningCacheWarning,
+                2,
+            )
+            continue
+        cache.attention[key] = entry
     return cache
 
 
@@ -271,23 +322,37 @@ def clear(key: DeviceKey, directory: str | os.PathLike | None = None) -> bool:
     return True
 
 
-# Plans per (file, modification time, size): ``device_limits`` runs at every compile.
-_loaded: dict[tuple, tuple] = {}
+# (matmul plans, attention plans) per (file, modification time, size): ``device_limits`` runs
+# at every compile.
+_loaded: dict[tuple, tuple[tuple, tuple]] = {}
 
 
-def device_plans(device: Any) -> tuple[tuple[ShapeKey, str], ...]:
-    """``Limits.matmul_plans`` of a runtime Device: its cache's plans, () without one. Reads
-    the file again only when it changed, so a corrupt file warns once."""
+def _device_tables(device: Any) -> tuple[tuple, tuple]:
+    """(matmul plans, attention plans) of a runtime Device's cache file, ((), ()) without
+    one. Reads the file again only when it changed, so a corrupt file warns once."""
     folder = cache_dir()
     if folder is None:
-        return ()
+        return (), ()
     key = device_key(device)
     path = cache_path(key)
     try:
         st = path.stat()
     except OSError:
-        return ()
+        return (), ()
     stamp = (str(path), st.st_mtime_ns, st.st_size)
     if stamp not in _loaded:
-        _loaded[stamp] = load(key).plans()
+        cache = load(key)
+        _loaded[stamp] = cache.plans(), cache.attention_plans()
     return _loaded[stamp]
+
+
+def device_plans(device: Any) -> tuple[tuple[ShapeKey, str], ...]:
+    """``Limits.matmul_plans`` of a runtime Device: its cache's plans, () without one."""
+    return _device_tables(device)[0]
+
+
+def device_attention_plans(device: Any) -> tuple[tuple[AttentionKey, tuple[int, int, int]], ...]:
+    """``Limits.attention_plans`` of a runtime Device: its cache's attention lane plans,
+    ``((mode, b, hkv, group, lq, lk, d, dv), (rows, lanes, tile))`` pairs sorted, () without
+    a file or a table."""
+    return _device_tables(device)[1]

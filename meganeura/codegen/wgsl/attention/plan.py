@@ -7,10 +7,18 @@ to the adapter's limit in a forced one) with ``lanes`` a power of two; ``tile`` 
 ``lanes`` with at most ``MAX_PER_LANE`` entries per lane (each becomes named registers); the
 tile segments and the lanes' merge area both fit the adapter's workgroup memory.
 ``LANE_OVERRIDE`` forces a plan per mode (benchmarks: bench/attention_plans.py).
+
+Where a plan comes from (``choose_plan``), first match wins: ``LANE_OVERRIDE``; the plans
+measured on this very adapter (``Limits.attention_plans``: the per-device tuning cache that
+``bench/attention_plans.py --record`` writes, ``meganeura.tune.cache``), on any adapter, CPU
+ones included; the static table measured on the H200 (``tuned.TUNED``), GPU adapters only; the
+automatic rule. A measured plan the adapter cannot run (``check_plan``) is passed over.
+``set_tuned(False)`` turns off both measured sources (a benchmark's "default" is the rule).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ...kernel import Limits
@@ -35,7 +43,9 @@ MAX_TILE = 32
 # "stats", "lse", "dq" (with or without delta), "dk", "dv", "dkv". Modes not listed choose
 # automatically. For benchmarks and tests (bench/attention_plans.py); empty by default.
 LANE_OVERRIDE: dict[str, tuple[int, int, int]] = {}
-USE_TUNED = [True]  # tuned.TUNED's measured plans on GPU adapters (``set_tuned``: bench A/B)
+# Limits.attention_plans (any adapter) and tuned.TUNED (GPU adapters): ``set_tuned``, bench A/B
+USE_TUNED = [True]
+LANE_MODES = ("fwd", "stats", "lse", "dq", "dk", "dv", "dkv")  # the lane kernels' modes
 QUERY_ROW_MODES = ("fwd", "stats", "lse", "dq")  # rows are queries; dk, dv, dkv: keys
 SOFTMAX_MODES = ("fwd", "stats", "lse")  # an online softmax (running max and sum) per row
 
@@ -156,6 +166,27 @@ def check_plan(mode: str, dims: Dims, plan: Plan, limits: Limits) -> Plan:
     return plan
 
 
+@functools.lru_cache(maxsize=16)
+def _device_table(plans: tuple) -> dict:
+    return dict(plans)
+
+
+def device_plan(mode: str, dims: Dims, limits: Limits) -> Plan | None:
+    """The plan measured on this adapter for (``mode``, ``dims``) (``limits.attention_plans``,
+    from its tuning cache), on any adapter, CPU ones included, else None (``USE_TUNED`` off,
+    no entry, or an entry ``check_plan`` refuses)."""
+    if not (USE_TUNED[0] and limits.attention_plans):
+        return None
+    key = (mode, dims.b, dims.hkv, dims.group, dims.lq, dims.lk, dims.d, dims.dv)
+    entry = _device_table(limits.attention_plans).get(key)
+    if entry is None:
+        return None
+    try:
+        return check_plan(mode, dims, Plan(*entry), limits)
+    except (TypeError, ValueError):
+        return None
+
+
 def tuned_plan(mode: str, dims: Dims, limits: Limits) -> Plan | None:
     """The H200-measured plan of ``tuned.TUNED`` for (``mode``, ``dims``) on a GPU adapter
     that can run it, else None (``USE_TUNED`` off, a CPU adapter, no entry, or an entry
@@ -172,16 +203,19 @@ def tuned_plan(mode: str, dims: Dims, limits: Limits) -> Plan | None:
 
 
 def set_tuned(on: bool) -> None:
-    """Let ``choose_plan`` take ``tuned.TUNED``'s plans (on, the default) or not, for programs
-    compiled from now on (a bench A/B switch)."""
+    """Let ``choose_plan`` take measured plans, the adapter's own (``limits.attention_plans``)
+    and ``tuned.TUNED``'s (on, the default), or only the automatic rule (off), for programs
+    compiled from now on (a bench A/B switch: bench/attention_plans.py times the rule)."""
     USE_TUNED[:] = [bool(on)]
 
 
 def choose_plan(mode: str, dims: Dims, limits: Limits) -> Plan:
     """Rows per workgroup, lanes per row and tile length for ``mode`` on this adapter.
 
-    ``LANE_OVERRIDE[mode]`` wins (checked by ``check_plan``), then the measured plan of
-    ``tuned.TUNED`` for these sizes on a GPU adapter (``tuned_plan``). Else rows shrink (down to
+    ``LANE_OVERRIDE[mode]`` wins (checked by ``check_plan``), then the plan measured on this
+    adapter for these sizes (``device_plan``: ``limits.attention_plans``, any adapter), then the
+    H200-measured plan of ``tuned.TUNED`` on a GPU adapter (``tuned_plan``); a measured plan
+    ``check_plan`` refuses is passed over. Else rows shrink (down to
     ``MIN_ROWS``) until there are ``TARGET_GROUPS`` workgroups of ``THREADS`` threads, lanes
     take the threads left, up to the stream's length, and rows take back what a short stream
     cannot use; tiles are as long as workgroup memory allows (at most ``MAX_TILE``, at most
@@ -194,7 +228,7 @@ def choose_plan(mode: str, dims: Dims, limits: Limits) -> Plan:
     forced = LANE_OVERRIDE.get(mode)
     if forced is not None:
         return check_plan(mode, dims, Plan(*forced), limits)
-    tuned = tuned_plan(mode, dims, limits)
+    tuned = device_plan(mode, dims, limits) or tuned_plan(mode, dims, limits)
     if tuned is not None:
         return tuned
     n_rows, n_stream = extents(mode, dims)

@@ -6,7 +6,10 @@ Keyed by the kernel's mode (``fwd`` also covers the forward that stores its log-
 heads, query heads per kv head, query and key lengths, head dims); values are
 ``(rows, lanes, tile)``. GPU adapters only: CPU adapters (``Limits.cpu``) ignore the table, an
 entry the adapter cannot run (``plan.check_plan``) falls back to the rule, and
-``plan.LANE_OVERRIDE`` wins over both.
+``plan.LANE_OVERRIDE`` wins over both. The plans measured on the adapter at hand
+(``Limits.attention_plans``: its per-device tuning cache, which ``bench/attention_plans.py
+--record`` writes) also win over this table; it is the fallback for GPUs without a cache, and
+is not rewritten after each sweep. ``plan.set_tuned(False)`` turns off both.
 
 From ``bench/attention_plans.py`` on the H200 (2026-12-03, fourth session,
 ``bench/results/attention_plans_h200.json``; per-kernel GPU time from profiler timestamps,
