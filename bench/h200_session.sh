@@ -20,7 +20,7 @@
 #                   q and dO prefetched) on W4 training; matmul_norm_prologue (off: the norm
 #                   before a left-shared matmul group keeps its own dispatch) on W4 and W1 fwd;
 #                   resident_inputs (off: inputs uploaded every timed call) on 4 fwd cells
-#   attention-plans bench/attention_plans.py --budget-s 400 --record (~8 min): every lane plan
+#   attention-plans bench/attention_plans.py --record, Whisper (230 s) then the rest (250 s): lane plans
 #                   at the workloads' attention shapes against the automatic rule; the winners
 #                   (>= 3%) go into the H200's tuning cache (attention table), copied to
 #                   bench/results/tuning_h200/ like tune's; attention/tuned.py stays as the
@@ -63,7 +63,11 @@ case "$step" in
       --cases w3:fwd_b4,w4:fwd,w5:fwd_small_b2,w2:fwd_chunk50 --levers resident_inputs 2>&1 \
       | tee -a "$log" ;;
   attention-plans)
-    python bench/attention_plans.py --budget-s 400 --record 2>&1 | tail -120 | tee "$log"
+    # Whisper first (W4, the slowest cells, never reached before), then the short shapes
+    python bench/attention_plans.py --budget-s 230 --record --shapes whisper --whisper-cap 12 \
+      --out-name attention_plans_h200_whisper 2>&1 | tail -60 | tee "$log"
+    python bench/attention_plans.py --budget-s 250 --record \
+      --shapes smollm2,smolvla_self,smolvla_cross 2>&1 | tail -90 | tee -a "$log"
     cp "$cache"/*.json bench/results/tuning_h200/ ;;
   strict)
     "${wl[@]}" --precision strict --cases "$headline" 2>&1 | tee "$log" ;;
