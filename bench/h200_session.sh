@@ -39,7 +39,9 @@ out=${OUT:?set OUT to the output folder of the device tool}
 headline=${CASES:-w1:fwd_seq128,w1:train_seq128,w2:fwd_chunk50,w2:train_chunk50,w3:fwd_b4,w3:train_b4,w4:fwd,w4:train,w5:fwd_small_b2,w5:train_small_b2}
 cache=~/.cache/meganeura/tuning
 mkdir -p "$cache" bench/results/tuning_h200
-cp bench/results/tuning_h200/*.json "$cache"/ 2>/dev/null || true
+# -n: on a warm machine the cache this session recorded (attention-plans) is newer than the
+# checkout's copy, which comes back only with that call's results
+cp -n bench/results/tuning_h200/*.json "$cache"/ 2>/dev/null || true
 stamp=$(mktemp)
 log="bench/results/h200_session_${step}.txt"
 # the headline cells with warm-cache compile figures too (a compile-only child per compiling
