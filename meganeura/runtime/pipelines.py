@@ -28,8 +28,10 @@ pipelines cannot be persisted from here. Drivers keep their own on-disk caches (
 from __future__ import annotations
 
 import hashlib
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import wgpu
@@ -60,6 +62,9 @@ def wgsl_hash(wgsl: str) -> str:
 # every device, or None (the default) for ``default_runtime_checks`` of each device's backend.
 # Read when a pipeline is compiled; see PipelineCache.runtime_checks.
 RUNTIME_CHECKS: bool | None = None
+# Threads that ``PipelineCache.prepare`` compiles pipelines on at once (1: one after another,
+# on the calling thread).
+COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
 
 def default_runtime_checks(backend: str | None) -> bool:
@@ -116,6 +121,7 @@ class PipelineCache:
         self.pipeline_seconds = 0.0
         self._layouts: dict[tuple[bool, ...], tuple[wgpu.GPUBindGroupLayout, object]] = {}
         self._pipelines: dict[tuple[str, tuple[bool, ...], bool], wgpu.GPUComputePipeline] = {}
+        self._prepared: set[tuple] = set()  # compiled by ``prepare``, not yet asked for
 
     def __len__(self) -> int:
         return len(self._pipelines)
@@ -169,17 +175,28 @@ class PipelineCache:
         key = (wgsl_hash(wgsl), writes, checks)
         pipeline = self._pipelines.get(key)
         if pipeline is not None:
-            self.hits += 1
+            if key in self._prepared:  # compiled by ``prepare`` for this request: not a hit
+                self._prepared.discard(key)
+            else:
+                self.hits += 1
             return pipeline
+        _, layout = self._layout_pair(writes)
+        pipeline, shader_s, pipeline_s = self._compile(name, wgsl, writes, checks, layout)
+        self.shader_seconds += shader_s
+        self.pipeline_seconds += pipeline_s
+        self.compiled += 1
+        self._pipelines[key] = pipeline
+        return pipeline
+
+    def _compile(self, name: str, wgsl: str, writes: tuple[bool, ...], checks: bool, layout):
+        """(pipeline, seconds in create_shader_module, seconds in create_compute_pipeline);
+        touches no attribute of the cache, so threads may run it at once (``prepare``)."""
         t0 = time.perf_counter()
         try:
             module = create_shader_module(self.gpu, name, wgsl, checks)
         except wgpu.GPUError as e:
             raise KernelError(f"kernel {name!r}: WGSL failed to compile:\n{e}") from e
-        finally:
-            t1 = time.perf_counter()
-            self.shader_seconds += t1 - t0
-        _, layout = self._layout_pair(writes)
+        t1 = time.perf_counter()
         try:
             pipeline = self.gpu.create_compute_pipeline(
                 label=name, layout=layout, compute={"module": module, "entry_point": "main"}
@@ -190,11 +207,63 @@ class PipelineCache:
                 f"kernel {name!r}: pipeline creation failed (bindings declared by the program: "
                 f"{access or 'none'}):\n{e}"
             ) from e
-        finally:
-            self.pipeline_seconds += time.perf_counter() - t1
-        self.compiled += 1
-        self._pipelines[key] = pipeline
-        return pipeline
+        return pipeline, t1 - t0, time.perf_counter() - t1
+
+    def prepare(self, kernels: Iterable[tuple[str, str, Sequence[bool]]]) -> int:
+        """Compile the pipelines of ``kernels`` (``(name, wgsl, writes)``, as ``get`` takes
+        them) that are not cached yet, on up to ``COMPILE_THREADS`` threads at once, so that
+        the ``get`` calls which follow are cache hits.
+
+        The driver's compile (SPIR-V to machine code) dominates a cold Session's setup (42 ms
+        a pipeline on the H200's driver, against 11 ms with its disk cache warm:
+        bench/results/startup_h200.json); wgpu-native's device is thread-safe, cffi releases
+        the GIL around each native call, and wgpu-py captures a call's validation error on the
+        calling thread, so each thread's failures raise in that thread. Pipelines are compiled
+        whatever their order; ``shader_seconds`` and ``pipeline_seconds`` add the threads'
+        times (they may then exceed the wall time); ``compiled`` counts them here, and the
+        first ``get`` of each is not counted in ``hits`` (as if ``get`` had compiled it).
+
+        Returns:
+            The number of pipelines compiled.
+
+        Raises:
+            KernelError: a kernel fails to compile: the first such kernel in ``kernels``'
+                order (the pipelines of the others are kept).
+        """
+        checks = self.checks_now()
+        todo: dict[tuple, tuple] = {}
+        for name, wgsl, writes in kernels:
+            writes = tuple(bool(w) for w in writes)
+            key = (wgsl_hash(wgsl), writes, checks)
+            if key not in self._pipelines and key not in todo:
+                todo[key] = (name, wgsl, writes, checks, self._layout_pair(writes)[1])
+        threads = min(COMPILE_THREADS, len(todo))
+        if threads <= 1:
+            for key, job in todo.items():
+                pipeline, shader_s, pipeline_s = self._compile(*job)
+                self.shader_seconds += shader_s
+                self.pipeline_seconds += pipeline_s
+                self.compiled += 1
+                self._pipelines[key] = pipeline
+                self._prepared.add(key)
+            return len(todo)
+        with ThreadPoolExecutor(threads, thread_name_prefix="meganeura-pipelines") as pool:
+            futures = {key: pool.submit(self._compile, *job) for key, job in todo.items()}
+        error = None
+        for key, future in futures.items():  # the kernels' order: the first error is raised
+            try:
+                pipeline, shader_s, pipeline_s = future.result()
+            except KernelError as e:
+                error = error or e
+                continue
+            self.shader_seconds += shader_s
+            self.pipeline_seconds += pipeline_s
+            self.compiled += 1
+            self._pipelines[key] = pipeline
+            self._prepared.add(key)
+        if error is not None:
+            raise error
+        return len(todo)
 
     def bind_group(
         self,

@@ -178,6 +178,7 @@ class Session:
     def _build_plan(self):
         cache, plan = self.device.pipelines, []
         self._bind_groups, self._pipelines, self._bind_group_seconds = [], [], 0.0
+        cache.prepare((d.name, d.wgsl, d.writes) for d in self.program.dispatches)
         for d in self.program.dispatches:
             pipeline = cache.get(d.name, d.wgsl, d.writes)
             t = time.perf_counter()

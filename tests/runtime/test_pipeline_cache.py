@@ -153,3 +153,72 @@ def test_runtime_checks_default_by_backend(monkeypatch):
 @pytest.mark.gpu
 def test_device_cache_knows_its_backend(gpu_device):
     assert gpu_device.pipelines.backend == gpu_device.info.get("backend_type")
+
+
+def _scaled(tag: str, i: int) -> str:
+    """A distinct kernel per ``i``: y = (i + 1) * x."""
+    return (
+        "@group(0) @binding(0) var<storage, read> x: array<f32>;\n"
+        "@group(0) @binding(1) var<storage, read_write> y: array<f32>;\n"
+        "@compute @workgroup_size(64)\n"
+        "fn main(@builtin(global_invocation_id) g: vec3<u32>) {\n"
+        f"  if (g.x >= {N}u) {{ return; }}\n  y[g.x] = {i + 1}.0 * x[g.x];\n}}\n// {tag}\n"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threads", [1, 4], ids=["one_thread", "four_threads"])
+def test_prepare_compiles_once_and_counts_as_get_would(gpu_device, monkeypatch, threads):
+    """Pipelines compiled on threads run like ``get``'s: each distinct kernel compiled once,
+    the first ``get`` of each no hit, later ones hits, and every pipeline computes its own
+    kernel (no mix-up between threads)."""
+    from meganeura.runtime import Session, pipelines
+
+    monkeypatch.setattr(pipelines, "COMPILE_THREADS", threads)
+    tag, f32 = uuid.uuid4().hex, DType.f32
+    dispatches = tuple(
+        Dispatch(f"%{i} scale", _scaled(tag, i % 6), (0, 1 + i), (False, True), (4, 1, 1))
+        for i in range(8)
+    )
+    program = Program(
+        buffers=(
+            BufferSpec(0, N * 4, "input", "x"),
+            *(BufferSpec(1 + i, N * 4, "output", f"y{i}") for i in range(8)),
+        ),
+        dispatches=dispatches,
+        inputs={"x": TensorSlot(0, (N,), f32)},
+        outputs={f"y{i}": TensorSlot(1 + i, (N,), f32) for i in range(8)},
+        parameters={},
+    )
+    cache = gpu_device.pipelines
+    compiled, hits = cache.compiled, cache.hits
+    with Session(program, gpu_device) as sess:
+        assert (sess.pipelines_compiled, sess.pipelines_reused) == (6, 2)
+        assert (cache.compiled - compiled, cache.hits - hits) == (6, 2)
+        x = np.linspace(-1.0, 1.0, N, dtype=np.float32)
+        out = sess.run({"x": x}, fetch=[f"y{i}" for i in range(8)])
+    for i in range(8):
+        np.testing.assert_array_equal(out[f"y{i}"], np.float32(i % 6 + 1) * x)
+
+
+@pytest.mark.gpu
+def test_prepare_raises_the_first_broken_kernel_and_keeps_the_others(gpu_device, monkeypatch):
+    from meganeura.runtime import pipelines
+    from meganeura.runtime.pipelines import KernelError
+
+    monkeypatch.setattr(pipelines, "COMPILE_THREADS", 4)
+    tag = uuid.uuid4().hex
+    kernels = [
+        ("%1 fine", _scaled(tag, 0), (False, True)),
+        ("%2 broken", f"fn main( {{ // {tag} a", (True,)),
+        ("%3 fine", _scaled(tag, 1), (False, True)),
+        ("%4 broken", f"fn main( {{ // {tag} b", (True,)),
+    ]
+    cache = gpu_device.pipelines
+    compiled = cache.compiled
+    with pytest.raises(KernelError, match="'%2 broken'.*failed to compile"):
+        cache.prepare(kernels)
+    assert cache.compiled - compiled == 2
+    hits = cache.hits
+    cache.get("%3 fine", _scaled(tag, 1), (False, True))  # prepared: not a hit, not compiled
+    assert (cache.compiled - compiled, cache.hits - hits) == (2, 0)
