@@ -37,7 +37,9 @@ against the default after each shape.
 ``--record`` then writes, per (shape, mode), the best plan into this device's tuning cache
 (``meganeura.tune.cache``: the ``attention`` table of its file, which every later compile on
 this adapter reads through ``Limits.attention_plans``) where it beat the default plan by
-``MIN_GAIN`` (3%), and removes an entry of that key where the default won. The ``fwd`` mode is
+``MIN_GAIN`` (3%) in medians that include ``--confirm`` (2) more samples of both, timed
+after the rounds, interleaved (the best of many plans, each timed once, is biased low), and
+removes an entry of that key where the default won. The ``fwd`` mode is
 decided by the fwd+lse kernel (the training programs', timed for every plan), ``dq`` by
 dq+delta; the forward-only ``fwd`` label shares the fwd mode and is not consulted. The cache
 folder is the library's default, ``~/.cache/meganeura/tuning``, the one the other benchmark
@@ -365,12 +367,23 @@ def sweep_shape(sw: Sweep, shape, deadline: float, cap: int) -> None:
     t = time.perf_counter()
     sw.run(shape, arrays, ref, "fwd", {})
     n_fwd = 1 if sw.args.quick else FWD_ONLY_BEST
-    reserve = 1.2 * n_fwd * (time.perf_counter() - t)  # for the forward-only programs
+    # time kept for the forward-only programs and the confirming training programs
+    reserve = 1.2 * n_fwd * (time.perf_counter() - t)
+    reserve += 1.2 * 2 * sw.args.confirm * (t - t_shape)
     rounds = 0
     while any(queues.values()) and time.perf_counter() < deadline - reserve:
         override = {m: q.pop(0) for m, q in queues.items() if q}
         sw.run(shape, arrays, ref, "train", override)
         rounds += 1
+    # The best plan of each mode was picked from one sample among many (biased low): time it
+    # again against the default, interleaved, so the medians the summary (and --record) use
+    # hold unbiased samples of both.
+    best = best_overrides(sw.rows, name, defaults)
+    for _ in range(sw.args.confirm if best else 0):
+        if time.perf_counter() >= deadline:
+            break
+        sw.run(shape, arrays, ref, "train", {})
+        sw.run(shape, arrays, ref, "train", best)
     # the forward alone: its default and the fastest forward plans of the training programs
     rows = [r for r in sw.rows if r["shape"] == name and r["label"] == "fwd+lse" and r["ok"]]
     best = sorted({tuple(r["plan"]) for r in rows if not r["default"]},
@@ -385,6 +398,23 @@ def sweep_shape(sw: Sweep, shape, deadline: float, cap: int) -> None:
     )
     print_table(sw.summary[name])
     sw.write(complete=False)
+
+
+def best_overrides(rows, name, defaults) -> dict[str, tuple[int, int, int]]:
+    """Per training mode of shape ``name``, the plan with the lowest median time among the
+    correct ones, where it is not the default plan (``RECORD_LABELS``' kernels)."""
+    out = {}
+    for mode, label in RECORD_LABELS.items():
+        per_plan: dict[tuple, list[float]] = {}
+        for r in rows:
+            if r["shape"] == name and r["label"] == label and r["ok"]:
+                per_plan.setdefault(tuple(r["plan"]), []).append(r["us"])
+        if per_plan:
+            plan = min(per_plan, key=lambda p: statistics.median(per_plan[p]))
+            d = defaults[mode]
+            if plan != (d.rows, d.lanes, d.tile):
+                out[mode] = plan
+    return out
 
 
 def summarize(rows, name, defaults, left, rounds, seconds) -> dict:
@@ -499,6 +529,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="most plans per kernel at Whisper")  # fmt: skip
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
     ap.add_argument("--out", default=None, help="result file path (default: see above)")
+    ap.add_argument("--confirm", type=int, default=2,
+                    help="after a shape's rounds, time its best plans against the default "
+                    "this many times more, interleaved (0: none)")  # fmt: skip
     ap.add_argument("--record", action="store_true",
                     help="write the winning plans (>= 3%% over the default) into this "
                     "device's tuning cache, which later compiles on it read")  # fmt: skip
