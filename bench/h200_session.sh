@@ -12,6 +12,7 @@
 # a started cell runs to its end, W1 train ~3 min);
 # STEP:
 #   tune            re-tune W1-W5's matmul products (~95 s) and keep the cache
+#   tune-whisper    tune (200 s budget) and attention-plans' Whisper part (200 s) in one call
 #   conv-sweep      bench/conv_sweep.py (~3 min): the merged stride phases against apart too
 #   ab              the fourth session's untimed attention levers, each off against all on,
 #                   timed interleaved on the workloads' programs (bench/lever_ab.py, ~4 min):
@@ -51,6 +52,13 @@ wl=(python bench/workloads.py --machine h200 --commit "$commit" --profile --jobs
 case "$step" in
   tune)
     python -m meganeura tune --workloads --budget-s 270 | tee bench/results/tune_workloads_h200.txt
+    cp "$cache"/*.json bench/results/tuning_h200/ ;;
+  tune-whisper)
+    # the matmul re-tune (its timing now keeps the GPU under load) and Whisper's attention
+    # plans in one call (~8 min)
+    python -m meganeura tune --workloads --budget-s 200 | tee bench/results/tune_workloads_h200.txt
+    python bench/attention_plans.py --budget-s 200 --record --shapes whisper --whisper-cap 10 \
+      --out-name attention_plans_h200_whisper 2>&1 | tail -60 | tee "$log"
     cp "$cache"/*.json bench/results/tuning_h200/ ;;
   conv-sweep)
     python bench/conv_sweep.py --budget-s 170 --machine h200 2>&1 | tee "$log" ;;

@@ -325,12 +325,14 @@ def profile_dispatches(
     bind_groups: Sequence[wgpu.GPUBindGroup],
     repeats: int = 1,
     method: Literal["inside", "passes"] = "passes",
+    replays: int = 1,
 ) -> Profile:
     """Replay a step's dispatches ``repeats`` times with timestamps; see :meth:`Session.profile`.
 
     Each repeat is one command buffer and one submission, followed by a read-back of the
-    resolved timestamps. Inputs must already be uploaded: nothing is checked or written here
-    but the dispatches' own bindings.
+    resolved timestamps; with ``replays`` > 1 the submission holds the step's dispatches that
+    many times over, back to back, each replay counted as a repeat of the Profile. Inputs must
+    already be uploaded: nothing is checked or written here but the dispatches' own bindings.
 
     Args:
         device: the Device that owns the pipelines and bind groups.
@@ -338,21 +340,26 @@ def profile_dispatches(
             skipped, as the step skips them.
         pipelines: one per dispatch, in the same order.
         bind_groups: one per dispatch, in the same order.
-        repeats: profiled steps (at least 1).
+        repeats: profiled submissions (at least 1).
         method: from :func:`choose_method`.
+        replays: the step's dispatches per submission (at least 1).
 
     Returns:
-        One :class:`DispatchTiming` per executed dispatch per repeat, in a :class:`Profile`.
+        One :class:`DispatchTiming` per executed dispatch per repeat and replay, in a
+        :class:`Profile` of ``repeats * replays`` repeats.
 
     Raises:
-        ValueError: ``repeats`` < 1.
+        ValueError: ``repeats`` or ``replays`` < 1.
     """
     if repeats < 1:
         raise ValueError(f"need repeats >= 1, got {repeats}")
+    if replays < 1:
+        raise ValueError(f"need replays >= 1, got {replays}")
     inside = method == "inside"
-    todo = [
+    step = [
         (i, d, pipelines[i], bind_groups[i]) for i, d in enumerate(dispatches) if 0 not in d.grid
     ]
+    todo = step * replays
     gpu, queue = device.gpu, device.gpu.queue
     count = len(todo) + 1 if inside else 2 * len(todo)
     sizes = [min(_MAX_QUERIES, count - k) for k in range(0, count, _MAX_QUERIES)]
@@ -390,7 +397,7 @@ def profile_dispatches(
                 DispatchTiming(
                     index=i,
                     name=d.name,
-                    repeat=r,
+                    repeat=r * replays + k // max(len(step), 1),
                     start_ns=(begin - origin) * period,
                     duration_ns=(end - begin) * period,
                     flops=d.flops,
@@ -398,7 +405,7 @@ def profile_dispatches(
                     grid=tuple(d.grid),
                 )
             )
-    return Profile(tuple(timings), repeats, device.name, period, source, method)
+    return Profile(tuple(timings), repeats * replays, device.name, period, source, method)
 
 
 def _record_passes(enc, todo, slot) -> None:

@@ -309,6 +309,7 @@ class Session:
         repeats: int = 1,
         warmup: int = 1,
         method: Method = "auto",
+        replays: int = 1,
     ) -> Profile:
         """Time every dispatch of the step on the GPU with timestamp queries.
 
@@ -322,6 +323,10 @@ class Session:
             warmup: ordinary steps first (drivers compile lazily on first dispatch).
             method: ``"inside"`` (timestamps inside the step's one pass), ``"passes"`` (a pass
                 per dispatch) or ``"auto"`` (inside when the device allows it).
+            replays: steps per profiled submission, back to back (the Profile then counts
+                ``repeats * replays`` repeats). A program of one short dispatch, profiled one
+                step a submission, leaves the GPU idle between steps, where it lowers its clocks;
+                replays keep it under load, as a real step does.
 
         Returns:
             A :class:`~meganeura.runtime.profiler.Profile`: per-dispatch GPU times, a table and a
@@ -331,11 +336,15 @@ class Session:
             ProfilerError: the device lacks ``timestamp-query`` (or, for ``"inside"``,
                 ``timestamp-query-inside-passes``).
             InputError: as :meth:`run`; raised before anything runs.
-            ValueError: ``repeats`` < 1, ``warmup`` < 0 or an unknown ``method``.
+            ValueError: ``repeats`` or ``replays`` < 1, ``warmup`` < 0 or an unknown
+                ``method``.
             RuntimeError: the Session is closed.
         """
-        if repeats < 1 or warmup < 0:
-            raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+        if repeats < 1 or warmup < 0 or replays < 1:
+            raise ValueError(
+                f"need repeats >= 1, warmup >= 0 and replays >= 1, got {repeats}, {warmup} "
+                f"and {replays}"
+            )
         chosen = choose_method(self.device, method)
         self._live()
         self._feed(feeds)
@@ -348,6 +357,7 @@ class Session:
             self._bind_groups,
             repeats=repeats,
             method=chosen,
+            replays=replays,
         )
 
     def recorder(self, dispatches: Sequence[int]) -> fastpath.Recorder:

@@ -4,9 +4,14 @@ For each distinct product (``ShapeKey``: M, K, N, layout, batch after batch fold
 ``Program.meta["matmuls"]`` lists them) ``tune_matmuls`` compiles a graph of that one matmul
 once per candidate plan, the plan forced (``matmul.plan.force_plan``), runs it on random
 operands and times it: GPU time of its dispatches from timestamp queries (``Session.profile``),
-the median of ``repeats`` profiled steps after ``warmup`` ordinary ones; on a device without
-``timestamp-query``, the host clock around synchronized steps (``TuneReport.timing`` says
-which). The default plan (the choice without the device cache) is checked against NumPy, and
+the median over ``repeats`` profiled submissions of ``REPLAYS`` steps each (back to back:
+every step a sample), after ``warmup`` ordinary steps; on a device without
+``timestamp-query``, the host clock around ``REPLAYS`` steps per synchronization
+(``TuneReport.timing`` says which). One step a submission left the GPU idle between steps:
+that way the H200 timed SmolVLA's products at 30-114 us (bench/results/tune_workloads_h200.txt)
+where its training step's matmuls take 19 us on average (their profile), most likely the
+idle GPU's lowered clocks. The default plan (the choice without the device cache) is checked
+against NumPy, and
 every candidate against the default's result: a plan whose result differs is rejected, never
 recorded. The best candidate is recorded in the device's tuning cache only when it beats the
 default by ``MIN_GAIN`` (3%) in the sweep and again when the two are timed once more (the
@@ -45,6 +50,8 @@ MAX_REL_ERR = 1e-4  # max |candidate - default| / max |default| (split-K reorder
 # plan the same way, ran 278 plans in 57.5 s there (0.21 s a plan, its PyTorch timings
 # included) and the small products' 326 in 41.6 s (0.13 s). ``estimate_seconds`` uses it.
 PLAN_SECONDS = 0.2
+# Steps per timed submission: the GPU kept under load, as in a real step (module docstring).
+REPLAYS = 16
 
 
 @dataclass
@@ -383,7 +390,7 @@ def _time_plan(name, shape, graph, a, b, device, limits, repeats, warmup):
         sess.load_state_dict({"a": a, "b": b})
         y = sess.run({}, fetch=("y",))["y"]
         if "timestamp-query" in device.features:
-            prof = sess.profile({}, repeats=repeats, warmup=warmup)
+            prof = sess.profile({}, repeats=repeats, warmup=warmup, replays=REPLAYS)
             per = [0.0] * prof.repeats
             for t in prof.timings:
                 per[t.repeat] += t.duration_ns / 1e3
@@ -394,7 +401,8 @@ def _time_plan(name, shape, graph, a, b, device, limits, repeats, warmup):
             per = []
             for _ in range(repeats):
                 t = time.perf_counter()
-                sess.run({})
+                for _ in range(REPLAYS):
+                    sess.run({})
                 sess.synchronize()
-                per.append((time.perf_counter() - t) * 1e6)
+                per.append((time.perf_counter() - t) * 1e6 / REPLAYS)
     return y, statistics.median(per)

@@ -206,6 +206,28 @@ def test_profile_times_each_executed_dispatch_and_runs_the_step(ts_device, metho
         assert s.read("count")[0] == 6
 
 
+@pytest.mark.parametrize("method", ["inside", "passes"])
+def test_profile_replays_run_the_step_back_to_back_as_repeats(ts_device, method):
+    from meganeura.runtime import Session
+
+    if method == "inside" and "timestamp-query-inside-passes" not in ts_device.features:
+        pytest.skip(f"{ts_device.name} has no timestamp-query-inside-passes")
+    with Session(_counting_program(), ts_device) as s:
+        x = np.arange(N, dtype=np.float32)
+        p = s.profile({"x": x}, repeats=2, warmup=1, method=method, replays=3)
+        assert p.repeats == 6
+        assert [(t.index, t.repeat) for t in p.timings] == [
+            (i, r) for r in range(6) for i in (0, 2)
+        ]
+        starts = [t.start_ns for t in p.timings]
+        assert starts == sorted(starts)
+        # 1 warm-up step + 2 submissions of 3 steps each
+        np.testing.assert_array_equal(s.read("count"), np.full(N, 7, np.float32))
+        with pytest.raises(ValueError, match="replays >= 1"):
+            s.profile({"x": x}, replays=0)
+        assert s.read("count")[0] == 7  # refused before any step ran
+
+
 def test_profile_rejects_bad_arguments_before_running(ts_device):
     from meganeura.runtime import InputError, Session
 
