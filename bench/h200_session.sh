@@ -17,8 +17,8 @@
 #   ab              the fourth session's untimed attention levers, each off against all on,
 #                   timed interleaved on the workloads' programs (bench/lever_ab.py, ~4 min):
 #                   attention_prefetch (now also the key-row streams: dk, dv, dkv half) on W4,
-#                   W1 and W2 training and W4 fwd; dkv_half_tile32 (off: 16-entry query tiles,
-#                   q and dO prefetched) on W4 training; matmul_norm_prologue (off: the norm
+#                   W1 and W2 training and W4 fwd; dkv_half_tile16 (off: 32-entry query tiles,
+#                   q only prefetched) on W4 training; matmul_norm_prologue (off: the norm
 #                   before a left-shared matmul group keeps its own dispatch) on W4 and W1 fwd;
 #                   resident_inputs (off: inputs uploaded every timed call) on 4 fwd cells
 #   attention-plans bench/attention_plans.py --record, Whisper (230 s) then the rest (250 s): lane plans
@@ -66,7 +66,7 @@ case "$step" in
     python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_prefetch2.json \
       --cases w4:train,w4:fwd,w1:train_seq128,w2:train_chunk50 --levers attention_prefetch 2>&1 | tee "$log"
     python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_dkv_half.json \
-      --cases w4:train --levers dkv_half_tile32 2>&1 | tee -a "$log"
+      --cases w4:train --levers dkv_half_tile16 2>&1 | tee -a "$log"
     python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_norm_prologue.json \
       --cases w4:fwd,w4:train,w1:fwd_seq128 --levers matmul_norm_prologue 2>&1 | tee -a "$log"
     python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_resident.json \

@@ -61,8 +61,9 @@ LEVERS = {
     # off: timed inference calls upload their inputs every call instead of reading inputs
     # written once to the Session (a harness switch, not the compiler's)
     "resident_inputs": ("bench.workloads_lib.ours", "set_resident_inputs"),
-    # off: dkv half streams 16-entry query tiles (q and dO prefetched) instead of 32 (untimed)
-    "dkv_half_tile32": ("meganeura.codegen.wgsl.attention.dkv_half", "set_long_tiles"),
+    # off: dkv half streams 32-entry query tiles instead of 16 (q and dO prefetched; W4 train
+    # 12.54 against 11.28 ms on the H200, lever_ab_h200_tile16.json)
+    "dkv_half_tile16": ("meganeura.codegen.wgsl.attention.dkv_half", "set_short_tiles"),
 }
 # the command-line flags of bench/dispatch_counts.py and bench/llm_profile.py: argparse dest ->
 # (lever, the flag's value that turns it on); split_members is off by default (measured slower)

@@ -84,14 +84,15 @@ def test_forward_and_gradients_bit_identical_and_match_torch(gpu_device, case, p
 # key-row kernel -> (plan.FUSE_KEY_VALUE, plan.DKV_HALF) forcing it
 KEY_KERNELS = {"dkv": (True, False), "dk_dv": (False, False), "dkv_half": (True, True)}
 # (case, kernel, budget) -> {key-row dispatch: the segments it prefetches}, on lavapipe's plans
-# (64 threads; 32-entry query tiles): q, dO, stats all where they fit, else a prefix
+# (64 threads; 32-entry query tiles, dkv half 16): q, dO, stats all where they fit, else a
+# prefix
 KEY_SEGMENTS = {
     ("mha", "dkv", 8): {"dkv": ""},
     ("mha", "dk_dv", 8): {"dk": "q+g+st", "dv": "q+g+st"},
     ("mha", "dkv_half", 8): {"dkv half": "q+g+st"},
     ("mha", "dkv", 2): {"dkv": ""},
     ("mha", "dk_dv", 2): {"dk": "q", "dv": "q"},
-    ("mha", "dkv_half", 2): {"dkv half": "q"},
+    ("mha", "dkv_half", 2): {"dkv half": "q+g"},
     ("gqa_causal", "dkv", 8): {"dkv": ""},
     ("gqa_causal", "dk_dv", 8): {"dk": "q+g+st", "dv": "q+g+st"},
     ("gqa_causal", "dkv_half", 8): {"dkv half": "q+g+st"},
@@ -203,7 +204,7 @@ def _training(qs, ks, causal):
 H200_SEGMENTS = {
     # Whisper's encoder (1 x 6 x 1500 x 64): 32 rows x 2 lanes, 16-entry tiles (4 + 4 + 1
     # registers: the stats are copied between the barriers); dkv half's 32-entry tiles: q only
-    ("whisper", None, None): {"fwd+lse": "k+v", "dq+delta": "k+v", "dkv half": "q"},
+    ("whisper", None, None): {"fwd+lse": "k+v", "dq+delta": "k+v", "dkv half": "q+g"},
     ("whisper", None, False): {"fwd+lse": "k+v", "dq+delta": "k+v", "dk": "q+g", "dv": "q+g"},
     # the lane dkv keeps k, v, dk and dv in one thread: no prefetch registers on top
     ("whisper", True, False): {"fwd+lse": "k+v", "dq+delta": "k+v", "dkv": ""},
@@ -231,22 +232,22 @@ def test_which_training_kernels_prefetch_on_h200_limits(monkeypatch, key):
 
 @pytest.mark.gpu
 def test_dkv_half_16_entry_tiles_same_bits(gpu_device, monkeypatch):
-    """dkv half's 32-entry query tiles prefetch q only at Whisper's shape (q and dO would take
-    16 registers); with ``dkv_half.TILE`` = 16 (``set_long_tiles(False)``, an A/B knob,
-    untimed) q and dO fit (4 + 4) and
-    the gradients are the 32-entry tiles' bit for bit (the same entries, in steps of
-    ``UNROLL``)."""
+    """dkv half's 16-entry query tiles (the default since the H200 timed them faster) prefetch
+    q and dO (4 + 4 registers) at Whisper's shape; 32-entry tiles (``set_short_tiles(False)``,
+    the lever's switch) q only, as q and dO would take 16; the gradients are the same bits
+    either way (the same entries, in steps of ``UNROLL``)."""
     from meganeura.codegen.wgsl.attention import dkv_half
     from meganeura.runtime import Session
     from meganeura.training import device_limits
 
     monkeypatch.setattr(attention_plan, "DKV_HALF", True)
     whisper = ((1, 6, 1500, 64), (1, 6, 1500, 64), False)
-    assert _segments(_training(*whisper))["dkv half"] == "q"
-    monkeypatch.setattr(dkv_half, "TILE", 32)  # restored after the test
-    dkv_half.set_long_tiles(False)  # the lever's switch (bench/lever_ab.py dkv_half_tile32)
     assert dkv_half.TILE == 16
     assert _segments(_training(*whisper))["dkv half"] == "q+g"
+    monkeypatch.setattr(dkv_half, "TILE", 16)  # restored after the test
+    dkv_half.set_short_tiles(False)  # the lever's switch (bench/lever_ab.py dkv_half_tile16)
+    assert dkv_half.TILE == 32
+    assert _segments(_training(*whisper))["dkv half"] == "q"
     qs, ks, dv, causal, masked = CASES["gqa_causal"]
     rng = np.random.default_rng(3)
     params = {n: rng.standard_normal(s).astype(np.float32) for n, s in zip("qkv", (qs, ks, ks))}

@@ -15,8 +15,9 @@ pair, against the 320 of separate dk and dv kernels; the Q, dO and stats tiles a
 
 Layout: ``ROWS`` key rows per workgroup (64 threads), the query stream in tiles of ``TILE``
 entries through workgroup memory (q, dO, stats; ``lane_stream.key_row_loops``, which
-prefetches the next tile's q into registers: 8 vec4s a thread, ``tile_loads.prefetch``'s
-budget, so dO and the stats are copied in the loop), ``UNROLL`` entries per unrolled step. Masks,
+prefetches the next tile's q and dO into registers: 4 + 4 vec4s a thread at 16 entries,
+``tile_loads.prefetch``'s budget, so the stats are copied in the loop), ``UNROLL`` entries per
+unrolled step. Masks,
 causality (a key sees queries from its own index on) and GQA (the stream runs over each head
 of the kv head's group) as in ``lane``. Needs subgroups (``Limits.subgroups``, subgroup size
 at least 2) and head dims that are multiples of 8. Not the default until timed:
@@ -36,16 +37,20 @@ from .lane_stream import _Kernel, key_row_loops
 from .plan import Dims, Plan
 
 ROWS = 32  # key rows per workgroup, two threads each
-TILE = 32  # query entries per workgroup-memory tile (``set_long_tiles``: a bench A/B knob)
+# Query entries per workgroup-memory tile (``set_short_tiles``: a bench A/B knob). 16 lets q
+# and dO both fit the prefetch budget (4 + 4 vec4s a thread) at twice the barriers of 32; on
+# the H200, W4's training step took 11.28 ms with 16 against 12.54 with 32 (same process,
+# interleaved: bench/results/lever_ab_h200_tile16.json).
+TILE = 16
 UNROLL = 4  # entries per unrolled step of the tile loop
 
 
-def set_long_tiles(on: bool) -> None:
-    """32-entry query tiles (on, the default) or 16 for programs compiled from now on (off: q
-    and dO then fit the prefetch budget, 4 + 4 vec4s a thread, at twice the barriers; the
-    gradients are the same bits). A bench A/B switch, never changed by the compiler."""
+def set_short_tiles(on: bool) -> None:
+    """16-entry query tiles (on, the default) or 32 for programs compiled from now on (the
+    gradients are the same bits either way). A bench A/B switch, never changed by the
+    compiler."""
     global TILE
-    TILE = 32 if on else 16
+    TILE = 16 if on else 32
 
 
 def _layout(dims: Dims) -> tuple[int, dict[str, tuple[int, int]]]:

@@ -20,9 +20,9 @@ thread's share of a segment's vec4s rounded up, a stats entry counting one):
 
 On the H200's limits that is Whisper's (1 x 6 x 1500 x 64) fwd+lse and dq+delta (k, v: 4 + 4
 registers), its dk or dv (q, dO: 4 + 4; the stats, 1 more, copied in the loop) and its dkv
-half (q only: 8 of its 32-entry tiles; q and dO would take 16); SmolLM2's fwd+lse, dq+delta
+half (q and dO: 4 + 4 of its 16-entry tiles); SmolLM2's fwd+lse, dq+delta
 (k, v) and dk (q only), not its dv (64-entry tiles: q alone takes 16) or dkv. The key-row
-prefetch is untimed.
+prefetch is timed in docs/attention.md.
 
 Each value read and each workgroup-memory slot written is the plain loop's (same clamped
 addresses, same entries), so the results are the plain loop's bit for bit
