@@ -7,16 +7,19 @@ operands and times it: GPU time of its dispatches from timestamp queries (``Sess
 the median over ``repeats`` profiled submissions of ``REPLAYS`` steps each (back to back:
 every step a sample), after ``warmup`` ordinary steps; on a device without
 ``timestamp-query``, the host clock around ``REPLAYS`` steps per synchronization
-(``TuneReport.timing`` says which). One step a submission left the GPU idle between steps:
-that way the H200 timed SmolVLA's products at 30-114 us (bench/results/tune_workloads_h200.txt)
-where its training step's matmuls take 19 us on average (their profile), most likely the
-idle GPU's lowered clocks. The default plan (the choice without the device cache) is checked
-against NumPy, and
-every candidate against the default's result: a plan whose result differs is rejected, never
-recorded. The best candidate is recorded in the device's tuning cache only when it beats the
-default by ``MIN_GAIN`` (3%) in the sweep and again when the two are timed once more (the
-fastest of many noisy medians is biased low); otherwise any old entry of that shape is
-removed, since the default measured as good.
+(``TuneReport.timing`` says which), after ``warm_up`` on a GPU adapter. The H200 timed
+SmolVLA's products at 30-114 us here (bench/results/tune_workloads_h200.txt) where its
+training step runs them at 9-42 us a dispatch (that cell's profile), and one step a
+submission or ``REPLAYS`` gave the same times; the tune ran first on a fresh machine, without
+the warm-up the benchmarks do, so an idle GPU's clocks are the suspect (unverified). Until the
+tuner's times match the workloads' profiles its plans are checked there: the LM head plans it
+recorded for SmolLM2 (128 x 576 x 49152) ran 24 and 94 us slower inside the training step,
+and were dropped. The default plan (the choice without the device cache) is checked against
+NumPy, and every candidate against the default's result: a plan whose result differs is
+rejected, never recorded. The best candidate is recorded in the device's tuning cache only
+when it beats the default by ``MIN_GAIN`` (3%) in the sweep and again when the two are timed
+once more (the fastest of many noisy medians is biased low); otherwise any old entry of that
+shape is removed, since the default measured as good.
 
 Invariants:
   * the forced plan is reset whatever happens (a failing compile, run or check);
@@ -52,6 +55,32 @@ MAX_REL_ERR = 1e-4  # max |candidate - default| / max |default| (split-K reorder
 PLAN_SECONDS = 0.2
 # Steps per timed submission: the GPU kept under load, as in a real step (module docstring).
 REPLAYS = 16
+# Seconds of back-to-back work before the first timing on a GPU adapter (``warm_up``).
+WARM_SECONDS = 3.0
+
+
+def warm_up(device, seconds: float, n: int = 2048) -> int:
+    """Run an ``n`` x ``n`` x ``n`` matmul back to back for ``seconds`` (nothing when <= 0),
+    so the first plans are not timed on a GPU that has idled (bench/common.warm_gpu: a cold
+    H200 ran the first case 5x slower). Returns the steps run (a multiple of 8)."""
+    if seconds <= 0:
+        return 0
+    from ..compile import compile
+    from ..runtime import Session
+    from ..training import device_limits
+
+    graph, a_shape, b_shape = build_matmul((n, n, n, "nn", 1))
+    steps, t = 0, time.perf_counter()
+    with Session(compile(graph, limits=device_limits(device)), device) as sess:
+        sess.load_state_dict(
+            {"a": np.full(a_shape, 1e-3, np.float32), "b": np.full(b_shape, 1e-3, np.float32)}
+        )
+        while time.perf_counter() - t < seconds:
+            for _ in range(8):
+                sess.run({})
+            sess.synchronize()
+            steps += 8
+    return steps
 
 
 @dataclass
@@ -224,6 +253,7 @@ def tune_matmuls(
     save: bool = True,
     progress=None,
     shape_done=None,
+    warm_seconds: float | None = None,
 ) -> TuneReport:
     """Time the candidate plans of each product on ``device`` and record the winners.
 
@@ -243,6 +273,8 @@ def tune_matmuls(
         shape_done: called after each product, once its result is in the cache file, as
             ``shape_done(index, count, result, seconds)``: its 0-based index among ``count``
             distinct products, its ``ShapeResult``, wall seconds since the start.
+        warm_seconds: seconds of back-to-back matmuls before the first timing (``warm_up``);
+            None: ``WARM_SECONDS`` on a GPU adapter, 0 on a CPU one.
 
     Returns:
         A ``TuneReport``.
@@ -267,6 +299,9 @@ def tune_matmuls(
         tc.cache_path(key, directory)  # raises now when the cache is off
     timing = "timestamps" if "timestamp-query" in device.features else "wall"
     t0 = time.perf_counter()
+    if warm_seconds is None:
+        warm_seconds = 0.0 if limits.cpu else WARM_SECONDS
+    warm_up(device, warm_seconds)
     results, path = [], None
     for i, shape in enumerate(keys):
         deadline = None if budget_s is None else t0 + budget_s * (i + 1) / len(keys)

@@ -174,3 +174,18 @@ def test_a_training_step_with_device_plans_matches_the_defaults(gpu_device, tmp_
     assert loss == pytest.approx(base_loss, rel=1e-5)
     for name, value in base_params.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_warm_up_runs_until_its_time_is_spent_and_cpu_adapters_skip_it(gpu_device, monkeypatch):
+    assert tm.warm_up(gpu_device, 0.0) == 0
+    steps = tm.warm_up(gpu_device, 0.05, n=32)
+    assert steps >= 8 and steps % 8 == 0
+    # tune_matmuls warms a GPU adapter for WARM_SECONDS, a CPU one not at all
+    seen = []
+    monkeypatch.setattr(tm, "warm_up", lambda device, seconds: seen.append(seconds) or 0)
+    tm.tune_matmuls([SHAPES[0]], gpu_device, repeats=1, warmup=0, plans=[], save=False)
+    assert seen == [0.0 if device_limits(gpu_device).cpu else tm.WARM_SECONDS]
+    tm.tune_matmuls([SHAPES[0]], gpu_device, repeats=1, warmup=0, plans=[], save=False,
+                    warm_seconds=0.25)  # fmt: skip
+    assert seen[-1] == 0.25
