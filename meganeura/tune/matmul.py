@@ -7,7 +7,8 @@ operands and times it: GPU time of its dispatches from timestamp queries (``Sess
 the median over ``repeats`` profiled submissions of ``REPLAYS`` steps each (back to back:
 every step a sample), after ``warmup`` ordinary steps; on a device without
 ``timestamp-query``, the host clock around ``REPLAYS`` steps per synchronization
-(``TuneReport.timing`` says which), after ``warm_up`` on a GPU adapter. The H200 timed
+(``TuneReport.timing`` says which); on a GPU adapter a ``Heater`` runs first and before
+each plan. The H200 timed
 SmolVLA's products at 30-114 us here (bench/results/tune_workloads_h200.txt) where its
 training step runs them at 9-42 us a dispatch (that cell's profile), and one step a
 submission or ``REPLAYS`` gave the same times; the tune ran first on a fresh machine, without
@@ -59,28 +60,59 @@ REPLAYS = 16
 WARM_SECONDS = 3.0
 
 
-def warm_up(device, seconds: float, n: int = 2048) -> int:
-    """Run an ``n`` x ``n`` x ``n`` matmul back to back for ``seconds`` (nothing when <= 0),
-    so the first plans are not timed on a GPU that has idled (bench/common.warm_gpu: a cold
-    H200 ran the first case 5x slower). Returns the steps run (a multiple of 8)."""
-    if seconds <= 0:
-        return 0
-    from ..compile import compile
-    from ..runtime import Session
-    from ..training import device_limits
+# Warm steps queued (no wait) right before each plan is timed, ~8 ms of GPU work on the H200.
+KICK_STEPS = 16
 
-    graph, a_shape, b_shape = build_matmul((n, n, n, "nn", 1))
-    steps, t = 0, time.perf_counter()
-    with Session(compile(graph, limits=device_limits(device)), device) as sess:
-        sess.load_state_dict(
+
+class Heater:
+    """Back-to-back ``n`` x ``n`` x ``n`` matmuls that keep a GPU at its working clocks while
+    plans are timed: ``run`` before the first product, ``kick`` (queued, no wait) before each
+    plan, so no timed step follows an idle GPU (bench/common.warm_gpu: a cold H200 ran the
+    first case 5x slower; the tuner's plans compile between timings, which leaves it idle)."""
+
+    def __init__(self, device, n: int = 2048):
+        from ..compile import compile
+        from ..runtime import Session
+        from ..training import device_limits
+
+        graph, a_shape, b_shape = build_matmul((n, n, n, "nn", 1))
+        self.session = Session(compile(graph, limits=device_limits(device)), device)
+        self.session.load_state_dict(
             {"a": np.full(a_shape, 1e-3, np.float32), "b": np.full(b_shape, 1e-3, np.float32)}
         )
+
+    def run(self, seconds: float) -> int:
+        """Steps back to back for ``seconds`` (nothing when <= 0); returns the steps run (a
+        multiple of 8)."""
+        steps, t = 0, time.perf_counter()
         while time.perf_counter() - t < seconds:
             for _ in range(8):
-                sess.run({})
-            sess.synchronize()
+                self.session.run({})
+            self.session.synchronize()
             steps += 8
-    return steps
+        return steps
+
+    def kick(self, steps: int = KICK_STEPS) -> None:
+        """Queue ``steps`` steps without waiting for them."""
+        for _ in range(steps):
+            self.session.run({})
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def warm_up(device, seconds: float, n: int = 2048) -> int:
+    """``Heater(device, n).run(seconds)``: the steps run (0 when ``seconds`` <= 0)."""
+    if seconds <= 0:
+        return 0
+    heater = Heater(device, n)
+    try:
+        return heater.run(seconds)
+    finally:
+        heater.close()
+
+
+_HEATER: list[Heater | None] = [None]  # the running tune's heater (``_time_plan`` kicks it)
 
 
 @dataclass
@@ -273,8 +305,9 @@ def tune_matmuls(
         shape_done: called after each product, once its result is in the cache file, as
             ``shape_done(index, count, result, seconds)``: its 0-based index among ``count``
             distinct products, its ``ShapeResult``, wall seconds since the start.
-        warm_seconds: seconds of back-to-back matmuls before the first timing (``warm_up``);
-            None: ``WARM_SECONDS`` on a GPU adapter, 0 on a CPU one.
+        warm_seconds: seconds of back-to-back matmuls before the first timing (``Heater``,
+            which is also kicked before each plan); None: ``WARM_SECONDS`` on a GPU adapter;
+            0 (a CPU adapter's default) runs no heater at all.
 
     Returns:
         A ``TuneReport``.
@@ -301,16 +334,24 @@ def tune_matmuls(
     t0 = time.perf_counter()
     if warm_seconds is None:
         warm_seconds = 0.0 if limits.cpu else WARM_SECONDS
-    warm_up(device, warm_seconds)
     results, path = [], None
-    for i, shape in enumerate(keys):
-        deadline = None if budget_s is None else t0 + budget_s * (i + 1) / len(keys)
-        result = _tune_one(shape, device, limits, repeats, warmup, plans, deadline, progress)
-        results.append(result)
-        if store is not None:
-            path = _store(store, shape, result, timing, directory)
-        if shape_done is not None:
-            shape_done(i, len(keys), result, time.perf_counter() - t0)
+    heater = Heater(device) if warm_seconds > 0 else None
+    try:
+        if heater is not None:
+            heater.run(warm_seconds)
+        _HEATER[0] = heater
+        for i, shape in enumerate(keys):
+            deadline = None if budget_s is None else t0 + budget_s * (i + 1) / len(keys)
+            result = _tune_one(shape, device, limits, repeats, warmup, plans, deadline, progress)
+            results.append(result)
+            if store is not None:
+                path = _store(store, shape, result, timing, directory)
+            if shape_done is not None:
+                shape_done(i, len(keys), result, time.perf_counter() - t0)
+    finally:
+        _HEATER[0] = None
+        if heater is not None:
+            heater.close()
     return TuneReport(device.name, timing, results, path, time.perf_counter() - t0)
 
 
@@ -424,6 +465,8 @@ def _time_plan(name, shape, graph, a, b, device, limits, repeats, warmup):
     with Session(program, device) as sess:
         sess.load_state_dict({"a": a, "b": b})
         y = sess.run({}, fetch=("y",))["y"]
+        if _HEATER[0] is not None:
+            _HEATER[0].kick()  # the timed steps follow queued work, not an idle GPU
         if "timestamp-query" in device.features:
             prof = sess.profile({}, repeats=repeats, warmup=warmup, replays=REPLAYS)
             per = [0.0] * prof.repeats

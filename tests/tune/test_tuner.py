@@ -177,15 +177,37 @@ def test_a_training_step_with_device_plans_matches_the_defaults(gpu_device, tmp_
 
 
 @pytest.mark.gpu
-def test_warm_up_runs_until_its_time_is_spent_and_cpu_adapters_skip_it(gpu_device, monkeypatch):
+def test_heater_runs_its_time_and_is_kicked_before_each_plan(gpu_device, monkeypatch):
     assert tm.warm_up(gpu_device, 0.0) == 0
     steps = tm.warm_up(gpu_device, 0.05, n=32)
     assert steps >= 8 and steps % 8 == 0
-    # tune_matmuls warms a GPU adapter for WARM_SECONDS, a CPU one not at all
-    seen = []
-    monkeypatch.setattr(tm, "warm_up", lambda device, seconds: seen.append(seconds) or 0)
-    tm.tune_matmuls([SHAPES[0]], gpu_device, repeats=1, warmup=0, plans=[], save=False)
-    assert seen == [0.0 if device_limits(gpu_device).cpu else tm.WARM_SECONDS]
-    tm.tune_matmuls([SHAPES[0]], gpu_device, repeats=1, warmup=0, plans=[], save=False,
-                    warm_seconds=0.25)  # fmt: skip
-    assert seen[-1] == 0.25
+    events = []
+
+    class Fake:
+        def __init__(self, device):
+            events.append("new")
+
+        def run(self, seconds):
+            events.append(("run", seconds))
+
+        def kick(self):
+            events.append("kick")
+
+        def close(self):
+            events.append("close")
+
+    monkeypatch.setattr(tm, "Heater", Fake)
+    plans = ["simd8"]
+    tm.tune_matmuls([SHAPES[0]], gpu_device, repeats=1, warmup=0, plans=plans, save=False)
+    if device_limits(gpu_device).cpu:  # a CPU adapter runs no heater by default
+        assert events == []
+    else:
+        assert events[:2] == ["new", ("run", tm.WARM_SECONDS)] and events[-1] == "close"
+    events.clear()
+    report = tm.tune_matmuls(
+        [SHAPES[0]], gpu_device, repeats=1, warmup=0, plans=plans, save=False, warm_seconds=0.25
+    )
+    timed = len(report.results[0].times)
+    assert events[:2] == ["new", ("run", 0.25)] and events[-1] == "close"
+    assert events.count("kick") >= timed  # every timed plan (and any re-timing) after a kick
+    assert tm._HEATER[0] is None
