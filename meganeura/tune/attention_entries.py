@@ -78,20 +78,17 @@ def parse_lane_plan(text: str) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
-class AttentionEntry:
-    """One tuned lane kernel (same fields as ``cache.MatmulEntry``).
+class PlanEntry:
+    """One measured plan of a tuning cache table (``cache.MatmulEntry``, ``AttentionEntry``).
 
     Attributes:
-        plan: the plan to use, ``"ROWSxLANESxTILE"``.
+        plan: the plan to use, in its kernel's plan grammar.
         gpu_us: its time, microseconds (median of the repeats).
-        default_plan: the plan the automatic rule chose when it was measured.
+        default_plan: the plan chosen without the cache when it was measured.
         heuristic_us: that plan's time, microseconds.
-        timing: ``"timestamps"`` (GPU time from timestamp queries) or ``"wall"``.
+        timing: ``"timestamps"`` (GPU time from timestamp queries) or ``"wall"`` (host clock
+            around synchronized runs, where the device has no timestamp queries).
         measured: ISO date of the measurement.
-
-    Raises:
-        ValueError: a plan or default plan ``parse_lane_plan`` refuses, or a time that is not
-            a positive number.
     """
 
     plan: str
@@ -101,6 +98,22 @@ class AttentionEntry:
     timing: str = "timestamps"
     measured: str = field(default_factory=lambda: datetime.date.today().isoformat())
 
+    @property
+    def gain(self) -> float:
+        """``heuristic_us / gpu_us``: how much faster than the default."""
+        return self.heuristic_us / self.gpu_us if self.gpu_us > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class AttentionEntry(PlanEntry):
+    """One tuned lane kernel: a ``PlanEntry`` whose plans are ``"ROWSxLANESxTILE"``
+    (``parse_lane_plan``), the default the automatic rule's.
+
+    Raises:
+        ValueError: a plan or default plan ``parse_lane_plan`` refuses, or a time that is not
+            a positive number.
+    """
+
     def __post_init__(self):
         parse_lane_plan(self.plan)
         parse_lane_plan(self.default_plan)
@@ -108,8 +121,3 @@ class AttentionEntry:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of microseconds, got {value!r}")
-
-    @property
-    def gain(self) -> float:
-        """``heuristic_us / gpu_us``: how much faster than the default."""
-        return self.heuristic_us / self.gpu_us

@@ -34,7 +34,6 @@ Invariants:
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
@@ -49,6 +48,7 @@ from typing import Any
 from .attention_entries import (
     AttentionEntry,
     AttentionKey,
+    PlanEntry,
     format_attention_key,
     parse_attention_key,
     parse_lane_plan,
@@ -120,30 +120,8 @@ def device_key(device_or_info: Any) -> DeviceKey:
 
 
 @dataclass(frozen=True)
-class MatmulEntry:
-    """One tuned product.
-
-    Attributes:
-        plan: the plan to use (``matmul.plan.parse_plan``'s grammar).
-        gpu_us: its time, microseconds (median of the repeats).
-        default_plan: the plan chosen without the cache when it was measured.
-        heuristic_us: that plan's time, microseconds.
-        timing: ``"timestamps"`` (GPU time from timestamp queries) or ``"wall"`` (host clock
-            around synchronized runs, where the device has no timestamp queries).
-        measured: ISO date of the measurement.
-    """
-
-    plan: str
-    gpu_us: float
-    default_plan: str
-    heuristic_us: float
-    timing: str = "timestamps"
-    measured: str = field(default_factory=lambda: datetime.date.today().isoformat())
-
-    @property
-    def gain(self) -> float:
-        """``heuristic_us / gpu_us``: how much faster than the default."""
-        return self.heuristic_us / self.gpu_us if self.gpu_us > 0 else 1.0
+class MatmulEntry(PlanEntry):
+    """One tuned product: a ``PlanEntry`` whose plans are ``matmul.plan.parse_plan``'s."""
 
 
 @dataclass
@@ -235,23 +213,11 @@ def load(key: DeviceKey, directory: str | os.PathLike | None = None) -> TuningCa
         return _ignored(key, path, f"format {found!r}, this version reads {FORMAT}")
     if doc.get("device") != asdict(key):
         return _ignored(key, path, f"written for device {doc.get('device')!r}")
-    from ..codegen.wgsl.matmul.plan import parse_plan
-
     cache = TuningCache(key)
     table = doc.get("matmul")
     if not isinstance(table, dict):
         return _ignored(key, path, "no 'matmul' table")
-    for text, raw in table.items():
-        try:
-            shape = parse_shape(text)
-            entry = MatmulEntry(**raw)
-            parse_plan(entry.plan)
-        except (TypeError, ValueError) as e:
-            warnings.warn(
-                f"tuning cache {path}: entry {text!r} ignored ({e})", TuningCacheWarning, 2
-            )
-            continue
-        cache.matmul[shape] = entry
+    cache.matmul.update(_entries(path, "entry", table, _matmul_entry))
     table = doc.get("attention", {})
     if not isinstance(table, dict):
         warnings.warn(
@@ -260,20 +226,40 @@ def load(key: DeviceKey, directory: str | os.PathLike | None = None) -> TuningCa
             2,
         )
         table = {}
+    cache.attention.update(_entries(path, "attention entry", table, _attention_entry))
+    return cache
+
+
+def _matmul_entry(text: str, raw) -> tuple[ShapeKey, MatmulEntry]:
+    from ..codegen.wgsl.matmul.plan import parse_plan
+
+    shape = parse_shape(text)
+    entry = MatmulEntry(**raw)
+    parse_plan(entry.plan)
+    return shape, entry
+
+
+def _attention_entry(text: str, raw) -> tuple:
+    key = parse_attention_key(text)
+    entry = AttentionEntry(**raw)
+    parse_lane_plan(entry.plan)
+    return key, entry
+
+
+def _entries(path: Path, what: str, table: dict, read) -> dict:
+    """``{key: entry}`` of ``table``'s items through ``read(text, raw)``; an item it refuses
+    (TypeError, ValueError) is dropped with a ``TuningCacheWarning`` naming it."""
+    out = {}
     for text, raw in table.items():
         try:
-            key = parse_attention_key(text)
-            entry = AttentionEntry(**raw)
-            parse_lane_plan(entry.plan)
+            key, entry = read(text, raw)
         except (TypeError, ValueError) as e:
             warnings.warn(
-                f"tuning cache {path}: attention entry {text!r} ignored ({e})",
-                TuningCacheWarning,
-                2,
+                f"tuning cache {path}: {what} {text!r} ignored ({e})", TuningCacheWarning, 3
             )
             continue
-        cache.attention[key] = entry
-    return cache
+        out[key] = entry
+    return out
 
 
 def _ignored(key: DeviceKey, path: Path, why: str) -> TuningCache:
