@@ -1,13 +1,24 @@
 """A/B of the compiler's dispatch levers on the workloads' own programs, ours only, in one
-process: each lever's program compiled with it on and off, then timed interleaved (on, off,
-on, off, ...) so clock drift and the other side's warm-up fall on both alike.
+process: each lever's program compiled with it on and off, then timed interleaved (on, off;
+off, on; ...) so clock drift and the other side's warm-up fall on both alike.
 
 Each lever is a switch read when a program compiles (``LEVERS``); "off" compiles the workload
 case with that one lever off and everything else as shipped, "on" as shipped. ``--all``
 compares everything on against all of the chosen levers off. Times are ``bench/workloads.py``'s
 (``cell._ours_side``: a forward call and a device sync, or a training step with its loss read),
-median and min of ``--rounds`` x ``--repeats`` calls after ``--warmup``; dispatch counts from
-the compiled programs.
+median and min of ``--rounds`` x ``--repeats`` calls after ``--warmup``, with the rounds
+alternating which side goes first and, as a cell, ``--warm-seconds`` of calls first (both sides
+in turn) so the GPU's clocks have ramped up; dispatch counts from the compiled programs.
+
+Why the heat and the alternation: the on side used to be timed first in every round, the
+first round right after the off side's compile had left the GPU idle, so a slow start (the
+clocks ramping up, the likeliest reading; not measured per call on the H200) fell on it alone.
+W2 fwd (143 short dispatches) with ``resident_inputs`` measured on 4.31 ms against off 2.58
+on the H200 (``lever_ab_h200_resident.json``) although on's min, 2.33 ms, was below off's 2.45
+and the same program measured 2.50 ms in its own cell: its timed calls do strictly less host
+work than off's (no uploads, no Session reopened; ``tests/bench/test_lever_ab.py``), but its
+median/min was 1.85 against off's 1.05 (1.36 and 1.19 against 1.17 and 1.13 in two earlier
+W2 fwd rows).
 
 Usage:
     python bench/lever_ab.py --cases w3:train_b4,w5:fwd_small_b2 --levers conv_norm,conv_epilogue
@@ -16,7 +27,8 @@ Usage:
 
 Writes ``bench/results/lever_ab_<machine>.json`` (``--quick``: under ``results/quick/``;
 ``--out``) and prints one line per case and lever: ms on / off, the ratio off / on (> 1: the
-lever pays) and the dispatch counts.
+lever pays) and the dispatch counts; the file's rows also hold each side's median per round
+(``rounds_on``, ``rounds_off``), where a side slow in some rounds only shows.
 """
 
 from __future__ import annotations
@@ -130,12 +142,39 @@ def build(wl, case, quick: bool, off: list[str]):
     return side, len(session.program.dispatches)
 
 
-def interleaved(sides: list[dict], rounds: int, warmup: int, repeats: int) -> list[list[float]]:
-    """ms per call of each side: ``rounds`` rounds, each side ``repeats`` synced calls after
-    ``warmup`` unsynced ones in turn."""
+def heat_all(sides: list[dict], seconds: float) -> int:
+    """Call each side's ``run`` in turn (one call each, round robin) until ``seconds`` have
+    passed, then sync every side: the GPU under sustained load before the first timed call, as
+    ``cell.heat`` does before a cell's (the clocks ramp up under load; a side timed right after
+    a compile would otherwise take the ramp alone). Returns the calls made (0 when
+    ``seconds`` <= 0)."""
+    n = 0
+    if seconds <= 0:
+        return n
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for side in sides:
+            side["run"]()
+            n += 1
+    for side in sides:
+        (side.get("sync") or (lambda: None))()
+    return n
+
+
+def interleaved(
+    sides: list[dict], rounds: int, warmup: int, repeats: int, warm_seconds: float = 0.0
+) -> list[list[float]]:
+    """ms per call of each side (in ``sides``' order; round by round, ``repeats`` a round):
+    after :func:`heat_all` for ``warm_seconds``, ``rounds`` rounds, each side ``repeats`` synced
+    calls after ``warmup`` unsynced ones in turn. Round ``r`` starts with side ``r mod
+    len(sides)``, so no side is always the first timed after another's calls (with two
+    sides: on, off; off, on; ...)."""
     out: list[list[float]] = [[] for _ in sides]
-    for _ in range(rounds):
-        for side, times in zip(sides, out, strict=True):
+    heat_all(sides, warm_seconds)
+    for r in range(rounds):
+        k = r % len(sides)
+        for i in [*range(k, len(sides)), *range(k)]:
+            side, times = sides[i], out[i]
             sync = side.get("sync") or (lambda: None)
             for _ in range(warmup):
                 side["run"]()
@@ -148,6 +187,11 @@ def interleaved(sides: list[dict], rounds: int, warmup: int, repeats: int) -> li
     return out
 
 
+def round_medians(times: list[float], repeats: int) -> list[float]:
+    """Median ms of each round of one side's ``times`` (``repeats`` calls a round, in order)."""
+    return [statistics.median(times[i : i + repeats]) for i in range(0, len(times), repeats)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="w1:fwd_seq128,w3:train_b4", help="workload:case,...")
@@ -157,10 +201,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument(
+        "--warm-seconds",
+        type=float,
+        default=None,
+        help="calls of both sides in turn before the rounds, for this long (default 2; quick 0;"
+        " as bench/workloads.py's cells): GPU clocks",
+    )
     ap.add_argument("--quick", action="store_true", help=f"CPU-sized cases ({QUICK_CASES})")
     ap.add_argument("--machine", default=None, help="file name tag (default from the adapter)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.warm_seconds is None:
+        args.warm_seconds = 0.0 if args.quick else 2.0
     from bench.workloads_lib.registry import WORKLOADS
 
     levers = [x for x in args.levers.split(",") if x]
@@ -181,7 +234,9 @@ def main() -> None:
         on, n_on = build(wl, case, args.quick, [])
         for off_levers in variants:
             off, n_off = build(wl, case, args.quick, off_levers)
-            t_on, t_off = interleaved([on, off], args.rounds, args.warmup, args.repeats)
+            t_on, t_off = interleaved(
+                [on, off], args.rounds, args.warmup, args.repeats, args.warm_seconds
+            )
             row = {
                 "case": f"{wid}:{name}",
                 "off": off_levers,
@@ -191,6 +246,8 @@ def main() -> None:
                 "min_off": min(t_off),
                 "dispatches_on": n_on,
                 "dispatches_off": n_off,
+                "rounds_on": round_medians(t_on, args.repeats),
+                "rounds_off": round_medians(t_off, args.repeats),
             }
             row["off_over_on"] = row["ms_off"] / row["ms_on"]
             rows.append(row)
@@ -211,7 +268,13 @@ def main() -> None:
     )
     out = Path(args.out or default)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"adapter": adapter, "rounds": args.rounds, "repeats": args.repeats, "rows": rows}
+    doc = {
+        "adapter": adapter,
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "warm_seconds": args.warm_seconds,
+        "rows": rows,
+    }
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, out)
