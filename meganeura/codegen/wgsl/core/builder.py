@@ -432,12 +432,15 @@ class KernelBuilder:
         src = "\n".join(decls) + "\n\n"
         if self._helpers:
             helpers = "\n".join(self._helpers) + "\n" + helpers
-        # f16 bindings, or an f16 conversion in the code (a fused cast to f16 not stored)
-        if any(re.search(r"\bf16\b", ty) for _, ty in self._decls) or re.search(
-            r"\bf16\b", body + helpers
+        # f16 bindings, or an f16 conversion in the code (a fused cast to f16 not stored); the
+        # substring tests first skip the regex scans of long unrolled kernels (0.39 s of W1's
+        # 3.1 s training compile on a 2-core CPU)
+        code = body + helpers
+        if any(re.search(r"\bf16\b", ty) for _, ty in self._decls) or (
+            "f16" in code and re.search(r"\bf16\b", code)
         ):
             src = "enable f16;\n\n" + src
-        opaque = re.search(rf"\b{F32_BITS}\(", body + helpers) is not None
+        opaque = F32_BITS + "(" in code and re.search(rf"\b{F32_BITS}\(", code) is not None
         if opaque:  # a non-finite or zero constant
             helpers = F32_BITS_HELPER + "\n" + helpers
         if helpers:
