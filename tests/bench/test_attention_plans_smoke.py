@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 
-from bench.attention_plans import LABELS, MIN_GAIN, QUICK_SHAPES, RECORD_LABELS, _dims, main
+from bench.attention_plans import QUICK_SHAPES, main
+from bench.attention_plans_summary import LABELS, MIN_GAIN, RECORD_LABELS, _dims
 from meganeura.training import device_limits
 from meganeura.tune import cache as tc
 

@@ -162,7 +162,8 @@ def test_list_shows_attention_entries():
 
 
 def test_bench_record_writes_winners_and_removes_beaten_entries(tmp_path):
-    from bench.attention_plans import SHAPES, record
+    from bench.attention_plans import SHAPES
+    from bench.attention_plans_summary import record
 
     tc.set_cache_dir(tmp_path)
     dev = fake_device(H200)
