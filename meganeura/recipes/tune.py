@@ -97,7 +97,8 @@ def _description() -> str:
         "(>= 3% over the default, its result checked) in the device's tuning cache "
         "($MEGANEURA_CACHE_DIR/tuning, default ~/.cache/meganeura/tuning), which every later "
         "compile on this device reads. A model is compiled (never run) for a training step "
-        "and a forward; its sizes default to those of the bench/workloads.py cells."
+        "and a forward; its sizes default to those of the bench/workloads.py cells. On a GPU "
+        "the timings start after 3 s of back-to-back matmuls that keep it at working clocks."
     )
     lines = [textwrap.fill(head, 88), "", "models:"]
     lines += [wrap.fill(f"  {k}: {v}") for k, v in MODELS.items()]
