@@ -70,6 +70,8 @@ LEVERS = {
     # being the group's prologue (candidate for W4: its fc1 with the prologue runs at 13
     # TFLOP/s, fc2 without at 18)
     "matmul_norm_prologue": ("meganeura.passes.fuse_matmul", "set_prologues"),
+    # off: tiled groups take the norm as a prologue again (W4 fwd 5.3% slower on the H200)
+    "tiled_norms_apart": ("meganeura.passes.fuse_matmul", "set_tiled_norms_apart"),
     # off: timed inference calls upload their inputs every call instead of reading inputs
     # written once to the Session (a harness switch, not the compiler's)
     "resident_inputs": ("bench.workloads_lib.ours", "set_resident_inputs"),

@@ -47,12 +47,27 @@ from .fuse import FusionGroup
 
 NORM_OPS = ("rms_norm", "layer_norm")
 PROLOGUES = [True]  # norms join groups as prologues (``set_prologues``: a bench A/B switch)
+# Tiled groups (``tiled_group.tiled_key``: products past the GEMV kernels) leave the norm its
+# own dispatch; GEMV groups (decoding) keep the prologue. On the H200 W4's fc1 (1500 x 384 x
+# 1536) ran 137 us a layer with the layer-norm prologue against 88-95 us for the plain product
+# (bench/results/sweeps/matmul_sweep*_h200.json) plus ~13 for the norm's dispatch, and W4's
+# forward ran 5.3% faster without the prologue (bench/results/lever_ab_h200_norm_prologue.json;
+# W1's and SmolVLA's forwards have no tiled prologue: their groups' products split K).
+# ``set_tiled_norms_apart``: an A/B switch (lever ``tiled_norms_apart``).
+TILED_NORMS_APART = [True]
 
 
 def set_prologues(on: bool) -> None:
     """Let a norm read only by a left-shared group's matmuls join it as a prologue (on, the
-    default) or keep its own dispatch (off), for programs compiled from now on."""
+    default; tiled groups only with ``set_tiled_norms_apart(False)``) or keep its own dispatch
+    (off), for programs compiled from now on."""
     PROLOGUES[:] = [bool(on)]
+
+
+def set_tiled_norms_apart(on: bool) -> None:
+    """Keep a norm's own dispatch before a tiled group (on, the default) or let it join the
+    group as a prologue like a GEMV group's (off), for programs compiled from now on."""
+    TILED_NORMS_APART[:] = [bool(on)]
 
 
 @dataclass(frozen=True)
@@ -316,6 +331,8 @@ def _prologue_ok(graph: Graph, key: tuple, needed: Sequence[bool], max_k: int) -
     needed norm over rows of its last dim, of K <= ``max_k`` elements, read as M contiguous
     rows of K."""
     if not PROLOGUES[0]:
+        return False
+    if TILED_NORMS_APART[0] and "tiled" in key[5:]:
         return False
     value, rows, cols, m, k = key[:5]
     nid = resolve_view(graph, value)

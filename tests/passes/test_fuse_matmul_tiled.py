@@ -29,7 +29,34 @@ def plan(request):
     force_plan(None)
 
 
+@pytest.fixture(autouse=True)
+def tiled_prologues():
+    """The tiled groups' norm prologue, off by default (``fuse_matmul.TILED_NORMS_APART``: the
+    H200 timed it slower), is what most of this file tests: on here, restored after."""
+    from meganeura.passes import fuse_matmul
+
+    fuse_matmul.set_tiled_norms_apart(False)
+    yield
+    fuse_matmul.set_tiled_norms_apart(True)
+
+
 # ---- planning (no GPU) ------------------------------------------------------------------------
+@pytest.mark.parametrize("plan", ["64x64x16"], indirect=True)
+def test_tiled_groups_keep_the_norm_apart_by_default(plan):
+    """By default (``set_tiled_norms_apart(True)``) a tiled group leaves the norm its own
+    dispatch; a GEMV group (M <= 8 rows) still takes it as a prologue."""
+    from meganeura.passes import fuse_matmul
+
+    fuse_matmul.set_tiled_norms_apart(True)
+    g, (grp,), sched = _plan(_attention_in(m=70, k=40))
+    assert grp.norm is None and _ops(g, grp.members) == ["matmul", "matmul", "matmul"]
+    assert len(sched.dispatches) == 2 and "<workgroup> nst" not in sched.dispatches[1][1].wgsl
+    force_plan(None)  # decode-sized rows: the GEMV group, prologue kept
+    g, (grp,), sched = _plan(_attention_in(m=1, k=40))
+    assert _ops(g, grp.members) == ["rms_norm", "matmul", "matmul", "matmul"]
+    assert len(sched.dispatches) == 1
+
+
 @pytest.mark.parametrize("plan", ["64x64x16"], indirect=True)
 def test_qkv_of_many_rows_and_their_norm_become_one_dispatch(plan):
     g, (grp,), sched = _plan(_attention_in(m=70, k=40))
