@@ -14,13 +14,12 @@
 #   tune            re-tune W1-W5's matmul products (~95 s) and keep the cache
 #   tune-whisper    tune (200 s budget) and attention-plans' Whisper part (200 s) in one call
 #   conv-sweep      bench/conv_sweep.py (~3 min): the merged stride phases against apart too
-#   ab              the fourth session's untimed attention levers, each off against all on,
-#                   timed interleaved on the workloads' programs (bench/lever_ab.py, ~4 min):
-#                   attention_prefetch (now also the key-row streams: dk, dv, dkv half) on W4,
-#                   W1 and W2 training and W4 fwd; dkv_half_tile16 (off: 32-entry query tiles,
-#                   q only prefetched) on W4 training; matmul_norm_prologue (off: the norm
-#                   before a left-shared matmul group keeps its own dispatch) on W4 and W1 fwd;
-#                   resident_inputs (off: inputs uploaded every timed call) on 4 fwd cells
+#   ab              levers, each off against all on, timed interleaved on the workloads'
+#                   programs after 2 s of heat (bench/lever_ab.py, ~4 min): tiled_norms_apart
+#                   (off: tiled groups take the norm as a prologue) on W4 fwd; resident_inputs
+#                   (off: inputs uploaded every timed call) on 4 fwd cells, again with the
+#                   harness's heat and alternating order; dkv_half_tile16 and
+#                   attention_prefetch on W4 training, to confirm
 #   attention-plans bench/attention_plans.py --record, Whisper (230 s) then the rest (250 s): lane plans
 #                   at the workloads' attention shapes against the automatic rule; the winners
 #                   (>= 3%) go into the H200's tuning cache (attention table), copied to
@@ -63,15 +62,13 @@ case "$step" in
   conv-sweep)
     python bench/conv_sweep.py --budget-s 170 --machine h200 2>&1 | tee "$log" ;;
   ab)
-    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_prefetch2.json \
-      --cases w4:train,w4:fwd,w1:train_seq128,w2:train_chunk50 --levers attention_prefetch 2>&1 | tee "$log"
-    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_dkv_half.json \
-      --cases w4:train --levers dkv_half_tile16 2>&1 | tee -a "$log"
-    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_norm_prologue.json \
-      --cases w4:fwd,w4:train,w1:fwd_seq128 --levers matmul_norm_prologue 2>&1 | tee -a "$log"
-    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_resident.json \
+    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_norms_apart.json \
+      --cases w4:fwd --levers tiled_norms_apart 2>&1 | tee "$log"
+    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_resident2.json \
       --cases w3:fwd_b4,w4:fwd,w5:fwd_small_b2,w2:fwd_chunk50 --levers resident_inputs 2>&1 \
-      | tee -a "$log" ;;
+      | tee -a "$log"
+    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_tile16b.json \
+      --cases w4:train --levers dkv_half_tile16,attention_prefetch 2>&1 | tee -a "$log" ;;
   attention-plans)
     # Whisper first (W4, the slowest cells, never reached before), then the short shapes
     python bench/attention_plans.py --budget-s 230 --record --shapes whisper --whisper-cap 12 \
