@@ -323,10 +323,9 @@ class Session:
             warmup: ordinary steps first (drivers compile lazily on first dispatch).
             method: ``"inside"`` (timestamps inside the step's one pass), ``"passes"`` (a pass
                 per dispatch) or ``"auto"`` (inside when the device allows it).
-            replays: steps per profiled submission, back to back (the Profile then counts
-                ``repeats * replays`` repeats). A program of one short dispatch, profiled one
-                step a submission, leaves the GPU idle between steps, where it lowers its clocks;
-                replays keep it under load, as a real step does.
+            replays: steps per profiled submission, back to back with no host round trip
+                between them, as a loop of steps runs (the Profile then counts ``repeats *
+                replays`` repeats; ``meganeura.tune.matmul`` times its one-matmul programs so).
 
         Returns:
             A :class:`~meganeura.runtime.profiler.Profile`: per-dispatch GPU times, a table and a
