@@ -228,7 +228,8 @@ class PipelineCache:
 
         Raises:
             KernelError: a kernel fails to compile: the first such kernel in ``kernels``'
-                order (the pipelines of the others are kept).
+                order. The pipelines compiled are kept (on threads, every other kernel's; on
+                one, those before it), and a later ``get`` of one counts as a hit.
         """
         checks = self.checks_now()
         todo: dict[tuple, tuple] = {}
@@ -238,32 +239,37 @@ class PipelineCache:
             if key not in self._pipelines and key not in todo:
                 todo[key] = (name, wgsl, writes, checks, self._layout_pair(writes)[1])
         threads = min(COMPILE_THREADS, len(todo))
+        results: dict[tuple, tuple | KernelError] = {}
         if threads <= 1:
             for key, job in todo.items():
-                pipeline, shader_s, pipeline_s = self._compile(*job)
-                self.shader_seconds += shader_s
-                self.pipeline_seconds += pipeline_s
-                self.compiled += 1
-                self._pipelines[key] = pipeline
-                self._prepared.add(key)
-            return len(todo)
-        with ThreadPoolExecutor(threads, thread_name_prefix="meganeura-pipelines") as pool:
-            futures = {key: pool.submit(self._compile, *job) for key, job in todo.items()}
-        error = None
-        for key, future in futures.items():  # the kernels' order: the first error is raised
-            try:
-                pipeline, shader_s, pipeline_s = future.result()
-            except KernelError as e:
-                error = error or e
+                try:
+                    results[key] = self._compile(*job)
+                except KernelError as e:
+                    results[key] = e
+                    break
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="meganeura-pipelines") as pool:
+                futures = {key: pool.submit(self._compile, *job) for key, job in todo.items()}
+            for key, future in futures.items():
+                try:
+                    results[key] = future.result()
+                except KernelError as e:
+                    results[key] = e
+        error, done = None, []
+        for key, result in results.items():  # the kernels' order: the first error is raised
+            if isinstance(result, KernelError):
+                error = error or result
                 continue
+            pipeline, shader_s, pipeline_s = result
             self.shader_seconds += shader_s
             self.pipeline_seconds += pipeline_s
             self.compiled += 1
             self._pipelines[key] = pipeline
-            self._prepared.add(key)
-        if error is not None:
+            done.append(key)
+        if error is not None:  # no Session asks for these now: a later ``get`` is a hit
             raise error
-        return len(todo)
+        self._prepared.update(done)
+        return len(done)
 
     def bind_group(
         self,
