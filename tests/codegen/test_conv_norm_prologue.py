@@ -168,29 +168,18 @@ def _check_kernel(gpu_device, cls, case: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
-def test_batch_norm_training_step_bit_identical(gpu_device, case):
-    """conv -> batch_norm (train) -> relu, one SGD step: loss, every gradient, the updated
-    parameters and running statistics, bit for bit; and against float64 torch."""
-    _check_kernel(gpu_device, ConvBN, case)
+@pytest.mark.parametrize("cls", [ConvBN, ConvGN], ids=["batch_norm", "group_norm"])
+def test_training_step_bit_identical(gpu_device, cls, case):
+    """conv -> batch_norm (train) -> relu, and conv (with bias) -> group_norm -> silu, one SGD
+    step: loss, every gradient, the updated parameters (and batch_norm's running statistics),
+    bit for bit; and against float64 torch."""
+    _check_kernel(gpu_device, cls, case)
     side, splits = CASES[case]
     x, t = _data(side)
-    on = _step(ConvBN, True, gpu_device, x, t, splits)
-    off = _step(ConvBN, False, gpu_device, x, t, splits)
+    on = _step(cls, True, gpu_device, x, t, splits)
+    off = _step(cls, False, gpu_device, x, t, splits)
     _assert_exact(on, off)
-    _assert_torch(on, _torch(ConvBN, x, t))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", list(CASES))
-def test_group_norm_silu_training_step_bit_identical(gpu_device, case):
-    """conv (with bias) -> group_norm -> silu, one SGD step, bit for bit; and torch."""
-    _check_kernel(gpu_device, ConvGN, case)
-    side, splits = CASES[case]
-    x, t = _data(side)
-    on = _step(ConvGN, True, gpu_device, x, t, splits)
-    off = _step(ConvGN, False, gpu_device, x, t, splits)
-    _assert_exact(on, off)
-    _assert_torch(on, _torch(ConvGN, x, t))
+    _assert_torch(on, _torch(cls, x, t))
 
 
 @pytest.mark.gpu
