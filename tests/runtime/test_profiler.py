@@ -175,19 +175,24 @@ def _counting_program() -> Program:
     )
 
 
+@pytest.mark.parametrize("replays", [1, 3], ids=["one_step", "three_steps"])
 @pytest.mark.parametrize("method", ["inside", "passes"])
-def test_profile_times_each_executed_dispatch_and_runs_the_step(ts_device, method):
+def test_profile_times_each_executed_dispatch_and_runs_the_step(ts_device, method, replays):
+    """Each profiled submission replays the step ``replays`` times back to back, each replay
+    a repeat of the Profile."""
     from meganeura.runtime import Session
 
     if method == "inside" and "timestamp-query-inside-passes" not in ts_device.features:
         pytest.skip(f"{ts_device.name} has no timestamp-query-inside-passes")
     with Session(_counting_program(), ts_device) as s:
         x = np.arange(N, dtype=np.float32)
-        p = s.profile({"x": x}, repeats=3, warmup=2, method=method)
-        assert p.method == method
+        p = s.profile({"x": x}, repeats=3, warmup=2, method=method, replays=replays)
+        assert p.method == method and p.repeats == 3 * replays
         # The empty grid is skipped, as in run(); every other dispatch once per repeat.
         assert [(t.index, t.name, t.repeat) for t in p.timings] == [
-            (i, name, r) for r in range(3) for i, name in ((0, "%1 scale"), (2, "%3 count"))
+            (i, name, r)
+            for r in range(3 * replays)
+            for i, name in ((0, "%1 scale"), (2, "%3 count"))
         ]
         assert all(t.duration_ns >= 0 and t.start_ns >= 0 for t in p.timings)
         assert p.timings[0].start_ns == 0
@@ -198,34 +203,13 @@ def test_profile_times_each_executed_dispatch_and_runs_the_step(ts_device, metho
             assert b.start_ns == a.start_ns + a.duration_ns
         assert p.timings[0].flops == N and p.timings[0].bytes == 8 * N
         assert p.timestamp_period > 0
-        # Warm-up and profiled steps really ran: 2 + 3 increments, and y = 2x.
-        np.testing.assert_array_equal(s.read("count"), np.full(N, 5, np.float32))
+        # Warm-up and profiled steps really ran: 2 + 3 x replays increments, and y = 2x.
+        steps = 2 + 3 * replays
+        np.testing.assert_array_equal(s.read("count"), np.full(N, steps, np.float32))
         np.testing.assert_array_equal(s.read("y"), 2 * x)
         # run() is unaffected afterwards.
         np.testing.assert_array_equal(s.run({"x": x + 1}, ["y"])["y"], 2 * (x + 1))
-        assert s.read("count")[0] == 6
-
-
-@pytest.mark.parametrize("method", ["inside", "passes"])
-def test_profile_replays_run_the_step_back_to_back_as_repeats(ts_device, method):
-    from meganeura.runtime import Session
-
-    if method == "inside" and "timestamp-query-inside-passes" not in ts_device.features:
-        pytest.skip(f"{ts_device.name} has no timestamp-query-inside-passes")
-    with Session(_counting_program(), ts_device) as s:
-        x = np.arange(N, dtype=np.float32)
-        p = s.profile({"x": x}, repeats=2, warmup=1, method=method, replays=3)
-        assert p.repeats == 6
-        assert [(t.index, t.repeat) for t in p.timings] == [
-            (i, r) for r in range(6) for i in (0, 2)
-        ]
-        starts = [t.start_ns for t in p.timings]
-        assert starts == sorted(starts)
-        # 1 warm-up step + 2 submissions of 3 steps each
-        np.testing.assert_array_equal(s.read("count"), np.full(N, 7, np.float32))
-        with pytest.raises(ValueError, match="replays >= 1"):
-            s.profile({"x": x}, replays=0)
-        assert s.read("count")[0] == 7  # refused before any step ran
+        assert s.read("count")[0] == steps + 1
 
 
 def test_profile_rejects_bad_arguments_before_running(ts_device):
@@ -242,6 +226,8 @@ def test_profile_rejects_bad_arguments_before_running(ts_device):
             s.profile({"x": np.zeros(N, np.float32)}, repeats=0)
         with pytest.raises(ValueError, match="method"):
             s.profile({"x": np.zeros(N, np.float32)}, method="fast")
+        with pytest.raises(ValueError, match="replays >= 1"):
+            s.profile({"x": np.zeros(N, np.float32)}, replays=0)
         np.testing.assert_array_equal(s.read("count"), np.zeros(N, np.float32))
 
 
