@@ -37,9 +37,10 @@ U-Net's nearest-2x upsample, its gradient's sums) in its own dispatch instead of
 reading it in place
 (``passes.broadcast_views.set_enabled``); ``--attention-sums off`` keeps the summing dispatch of
 q, k and v read only by the attention forward, instead of that kernel summing their partials
-(``codegen.wgsl.attention.summed.set_enabled``). ``--parts`` also takes
-``resnet_eval`` and ``resnet_eval_b1`` (W3's ``fwd_b4`` / ``fwd_b1``: ResNet-50 eval forward)
-and ``unet_fwd`` (W5's ``fwd_small_b2``).
+(``codegen.wgsl.attention.summed.set_enabled``); ``--pack off`` leaves independent
+neighbouring dispatches apart instead of packing them into one (``schedule.pack.set_enabled``).
+``--parts`` also takes ``resnet_eval`` and ``resnet_eval_b1`` (W3's ``fwd_b4`` / ``fwd_b1``:
+ResNet-50 eval forward) and ``unet_fwd`` (W5's ``fwd_small_b2``).
 
 Usage: python bench/dispatch_counts.py
            [--parts prefill,train,resnet[,w1fwd,whisper,smolvla,smolvla_fwd,unet]]
@@ -48,7 +49,7 @@ Usage: python bench/dispatch_counts.py
            [--conv-phases merged|apart] [--weight-grads grouped|apart] [--sum-groups on|off]
            [--residual on|off] [--norm-prologue on|off] [--conv-epilogue on|off]
            [--sum-runs on|off] [--conv-norm on|off] [--broadcast-views on|off]
-           [--attention-sums on|off]
+           [--attention-sums on|off] [--pack on|off]
 """
 
 from __future__ import annotations
@@ -311,6 +312,7 @@ def main() -> None:
     ap.add_argument("--attention-sums", choices=("on", "off"), default="on")
     ap.add_argument("--attention-rereads", choices=("bounded", "unbounded"), default="bounded")
     ap.add_argument("--delta-in-dq", choices=("on", "off"), default="on")
+    ap.add_argument("--pack", choices=("on", "off"), default="on")
     args = ap.parse_args()
     from bench.lever_ab import apply_flags
 
@@ -328,6 +330,7 @@ def main() -> None:
         "conv_norm": args.conv_norm,
         "broadcast_views": args.broadcast_views,
         "attention_sums": args.attention_sums,
+        "pack": args.pack,
     }
     for part in args.parts.split(","):
         c = result[part] = count(PARTS[part](args.quick))

@@ -15,11 +15,11 @@
 #   tune-whisper    tune (200 s budget) and attention-plans' Whisper part (200 s) in one call
 #   conv-sweep      bench/conv_sweep.py (~3 min): the merged stride phases against apart too
 #   ab              levers, each off against all on, timed interleaved on the workloads'
-#                   programs after 2 s of heat (bench/lever_ab.py, ~4 min): tiled_norms_apart
+#                   programs after 2 s of heat (bench/lever_ab.py, ~6 min): pack (independent
+#                   neighbouring dispatches as one) on the five training cells; tiled_norms_apart
 #                   (off: tiled groups take the norm as a prologue) on W4 fwd; resident_inputs
 #                   (off: inputs uploaded every timed call) on 4 fwd cells, again with the
-#                   harness's heat and alternating order; dkv_half_tile16 and
-#                   attention_prefetch on W4 training, to confirm
+#                   harness's heat and alternating order
 #   attention-plans bench/attention_plans.py --record, Whisper (230 s) then the rest (250 s): lane plans
 #                   at the workloads' attention shapes against the automatic rule; the winners
 #                   (>= 3%) go into the H200's tuning cache (attention table), copied to
@@ -62,13 +62,14 @@ case "$step" in
   conv-sweep)
     python bench/conv_sweep.py --budget-s 170 --machine h200 2>&1 | tee "$log" ;;
   ab)
+    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_pack.json \
+      --cases w1:train_seq128,w2:train_chunk50,w3:train_b4,w4:train,w5:train_small_b2 \
+      --levers pack 2>&1 | tee "$log"
     python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_norms_apart.json \
-      --cases w4:fwd --levers tiled_norms_apart 2>&1 | tee "$log"
+      --cases w4:fwd --levers tiled_norms_apart 2>&1 | tee -a "$log"
     python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_resident2.json \
       --cases w3:fwd_b4,w4:fwd,w5:fwd_small_b2,w2:fwd_chunk50 --levers resident_inputs 2>&1 \
-      | tee -a "$log"
-    python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_tile16b.json \
-      --cases w4:train --levers dkv_half_tile16,attention_prefetch 2>&1 | tee -a "$log" ;;
+      | tee -a "$log" ;;
   attention-plans)
     # Whisper first (W4, the slowest cells, never reached before), then the short shapes
     python bench/attention_plans.py --budget-s 230 --record --shapes whisper --whisper-cap 12 \

@@ -78,6 +78,9 @@ LEVERS = {
     # off: dkv half streams 32-entry query tiles instead of 16 (q and dO prefetched; W4 train
     # 12.54 against 11.28 ms on the H200, lever_ab_h200_tile16.json)
     "dkv_half_tile16": ("meganeura.codegen.wgsl.attention.dkv_half", "set_short_tiles"),
+    # off: every kernel its own dispatch instead of independent neighbours packed into one
+    # (meganeura.schedule.pack: W1 train 919 -> 739 dispatches, W3 train 588 -> 355)
+    "pack": ("meganeura.schedule.pack", "set_enabled"),
 }
 # the command-line flags of bench/dispatch_counts.py and bench/llm_profile.py: argparse dest ->
 # (lever, the flag's value that turns it on); split_members is off by default (measured slower)
@@ -96,6 +99,7 @@ FLAGS = {
     "attention_sums": ("attention_sums", "on"),
     "attention_rereads": ("attention_rereads", "bounded"),
     "delta_in_dq": ("delta_in_dq", "on"),
+    "pack": ("pack", "on"),
 }
 QUICK_CASES = "w3:train_b4,w5:fwd_small_b2"  # the CPU-sized cases of the same names
 

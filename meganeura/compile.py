@@ -30,6 +30,7 @@ from .passes import cse, dce, fold_permutes
 from .passes.fold_batch_norm import fold_batch_norm
 from .passes.precision import narrow_storage
 from .passes.split_bindings import split_bindings
+from .schedule.pack import pack_program
 from .schedule.planner import plan_memory
 from .schedule.program import (
     BufferSpec,
@@ -240,7 +241,8 @@ def compile(
         ``graph`` (only when given), ``autodiff`` (backward + optimizer, 0 for inference),
         ``passes`` (fold_batch_norm, fold_permutes, dce, cse, split_bindings), ``codegen``
         (schedule + lowering to WGSL), ``plan_memory``,
-        ``assemble`` (buffer table and dispatches); ``meta`` also holds the options.
+        ``assemble`` (buffer table and dispatches), ``pack`` (independent neighbouring
+        dispatches run as one: ``schedule.pack``); ``meta`` also holds the options.
 
         ``meta["precision"]`` is the precision compiled (``"strict"`` or ``"fast"``) and
         ``meta["precision_requested"]`` the one asked for. ``meta["matmuls"]`` lists each
@@ -301,6 +303,10 @@ def compile(
     t = time.perf_counter()
     program = _assemble(graph, sched, plan, limits, narrowed, unsplit)
     times["assemble"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    program = pack_program(program, limits)
+    times["pack"] = time.perf_counter() - t
     meta = dict(program.meta)
     meta["precision"] = precision
     meta["precision_requested"] = options.precision
