@@ -180,7 +180,8 @@ _IDS = re.compile(r"^%([0-9+]+) ")
 
 def matmul_products(prof, program) -> list[dict]:
     """GPU time per matmul product of one profiled step, longest first: the dispatches whose
-    name's node ids (``"%823+829 matmul"``) include a matmul of ``program.meta["matmuls"]``,
+    name's node ids (``"%823+829 matmul"``; every member's in a packed dispatch,
+    ``"%823 matmul & %830 sum"``) include a matmul of ``program.meta["matmuls"]``,
     grouped by (M, K, N, layout, batch) and plan (a horizontal group: its products joined by
     ``" | "``); a split product's ``sum_splits`` dispatches are a row of their own.
 
@@ -188,21 +189,22 @@ def matmul_products(prof, program) -> list[dict]:
         [{"product", "plan", "count" (dispatches per step), "mean_us", "us" (per step),
         "share" (of the step's summed GPU time), "TFLOP_per_s"}].
     """
+    from meganeura.schedule.pack import SEPARATOR
+
     meta = {e["node"]: e for e in program.meta.get("matmuls", ())}
     total = sum(t.duration_ns for t in prof.timings) or 1.0
     groups: dict[tuple[str, str], list] = {}
     for t in prof.timings:
-        m = _IDS.match(t.name)
-        if m is None:
-            continue
-        found = [meta[int(i)] for i in m.group(1).split("+") if int(i) in meta]
+        ids = [i for part in t.name.split(SEPARATOR) for m in [_IDS.match(part)] if m
+               for i in m.group(1).split("+")]  # fmt: skip
+        found = [meta[int(i)] for i in ids if int(i) in meta]
         if not found:
             continue
         product = " | ".join(
             f"{e['m']}x{e['k']}x{e['n']} {e['layout']} b{e['batch']}" for e in found
         )
         plan = " | ".join(f"{e['plan']} ({e['source']})" for e in found)
-        if "sum_splits" in t.name:
+        if all("sum_splits" in part for part in t.name.split(SEPARATOR)):
             plan = "sum_splits"
         groups.setdefault((product, plan), []).append(t)
     rows = []

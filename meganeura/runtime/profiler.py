@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import wgpu
 
+from ..schedule.pack import SEPARATOR
+
 if TYPE_CHECKING:
     from ..schedule.program import Dispatch
     from .device import Device
@@ -146,14 +148,12 @@ class Profile:
 
         Args:
             by: ``"dispatch"`` groups by the full dispatch name (``"%6 matmul"``: count is the
-                number of repeats); ``"op"`` drops the ``%id`` prefix, so every matmul of the
-                step shares one row.
+                number of repeats); ``"op"`` drops the ``%id`` prefixes (``op_name``), so every
+                matmul of the step shares one row.
         """
         groups: dict[str, list[DispatchTiming]] = {}
         for t in self.timings:
-            key = t.name
-            if by == "op" and key.startswith("%"):
-                key = key.partition(" ")[2] or key
+            key = op_name(t.name) if by == "op" else t.name
             groups.setdefault(key, []).append(t)
         total = sum(t.duration_ns for t in self.timings) or 1.0
         rows = [
@@ -251,6 +251,13 @@ class Profile:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.trace()))
         return path
+
+
+def op_name(name: str) -> str:
+    """A dispatch name without its node ids: ``"%6+7 matmul"`` -> ``"matmul"``, a packed
+    dispatch's ``"%6 matmul & %9 sum"`` -> ``"matmul & sum"`` (``schedule.pack``)."""
+    parts = [p.partition(" ")[2] or p if p.startswith("%") else p for p in name.split(SEPARATOR)]
+    return SEPARATOR.join(parts)
 
 
 def _si(x: float) -> str:
