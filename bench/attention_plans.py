@@ -75,7 +75,14 @@ from bench.attention_plans_summary import (  # noqa: E402
     record,
     summarize,
 )
-from bench.common import RESULTS, add_args, machine, resolve_args, versions  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS,
+    add_args,
+    kernels_apart,
+    machine,
+    resolve_args,
+    versions,
+)
 
 # name, B, Hq, Hkv, Lq, Lk, D, causal: bench/attention.py's workload shapes, Whisper's long
 # kernels last (a cut budget loses its plans, not the short shapes')
@@ -393,6 +400,12 @@ def sweep_shape(sw: Sweep, shape, deadline: float, cap: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark, every kernel in its own dispatch (``common.kernels_apart``)."""
+    with kernels_apart():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap, "", repeats=10, warmup=3)
     ap.add_argument("--budget-s", type=float, default=None,

@@ -29,6 +29,7 @@ from bench.attention import CASES, build, inputs  # noqa: E402
 from bench.common import (  # noqa: E402
     add_args,
     dispatch_op,
+    kernels_apart,
     profile_ms,
     rel_err,
     resolve_args,
@@ -77,6 +78,12 @@ def variants() -> list[tuple[str, dict, bool | None]]:
 
 
 def main() -> None:
+    """Run the benchmark, every kernel in its own dispatch (``common.kernels_apart``)."""
+    with kernels_apart():
+        _main()
+
+
+def _main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap, "attention_sweep", repeats=20, warmup=5)
     args = ap.parse_args()

@@ -22,6 +22,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -181,6 +182,21 @@ def time_torch(fn: Callable[[], object], dev: str, warmup: int = 3, repeats: int
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return stats(times)
+
+
+@contextmanager
+def kernels_apart():
+    """Every kernel its own dispatch while inside (``meganeura.schedule.pack`` off, restored
+    after): the per-kernel benchmarks time each kernel by its dispatch's name, which a packed
+    dispatch would share with its neighbours."""
+    from meganeura.schedule import pack
+
+    was = pack.ENABLED
+    pack.set_enabled(False)
+    try:
+        yield
+    finally:
+        pack.set_enabled(was)
 
 
 def dispatch_op(name: str) -> str:

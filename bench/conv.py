@@ -32,6 +32,7 @@ from bench.common import (  # noqa: E402
     Recorder,
     add_args,
     dispatch_op,
+    kernels_apart,
     profile_ms,
     rel_err,
     resolve_args,
@@ -117,6 +118,12 @@ def build(n, c, oc, k, s, h):
 
 
 def main() -> None:
+    """Run the benchmark, every kernel in its own dispatch (``common.kernels_apart``)."""
+    with kernels_apart():
+        _main()
+
+
+def _main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap, "conv")
     ap.add_argument("--batch", type=int, default=None, help="default 4 (1 when --quick)")

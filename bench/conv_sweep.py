@@ -61,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (  # noqa: E402
     dispatch_op,
+    kernels_apart,
     machine,
     profile_ms,
     rel_err,
@@ -217,6 +218,12 @@ def _max_diff(a, b) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark, every kernel in its own dispatch (``common.kernels_apart``)."""
+    with kernels_apart():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two tiny shapes (lavapipe, < 60 s)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/...)")

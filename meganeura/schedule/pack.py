@@ -16,7 +16,10 @@ computes is unchanged, so the results are the same bits.
   * bind no buffer range that another member writes, and no buffer both read-only and
     writable (``program.binding_conflict``: wgpu tracks use per buffer, not per range);
   * fit the adapter's storage bindings per stage and workgroup storage together
-    (``Limits``), at most ``MAX_MEMBERS`` kernels.
+    (``Limits``), at most ``MAX_MEMBERS`` kernels;
+  * run no ``accumulate`` into a gradient accumulator: those stay their own dispatches, so that
+    the overlapped data-parallel step (``runtime.segments.plan_segments``) can move each one up
+    to just after its gradient.
 Order is never changed, so every kernel still reads exactly the bytes it read before.
 
 The packed WGSL keeps each member's module: its declarations renamed with a ``_p<k>`` suffix
@@ -81,6 +84,7 @@ _DECL = re.compile(
     r"(?:@\w+(?:\([^)]*\))?\s+)*(?:var(?:<[^>]*>)?|const|override|fn|struct|alias)\s+(\w+)"
 )
 _WORKGROUP = re.compile(r"var<workgroup>\s+(\w+)\s*:\s*(.+?)\s*;", re.S)
+_HELD = re.compile(r"(?:^|[ +])accumulate\b")  # ops whose dispatches are never packed
 _UNINDENTED = re.compile(r"^[^\s]", re.M)
 _SCALAR_BYTES = {"f32": 4, "u32": 4, "i32": 4, "f16": 2, "bool": 4}
 
@@ -337,7 +341,7 @@ def pack_program(program: Program, limits: Limits) -> Program:
     parsed: dict[str, Module | None] = {}  # by source: the layers of a model repeat kernels
 
     def module(d: Dispatch) -> Module | None:
-        if 0 in d.grid:
+        if 0 in d.grid or _HELD.search(d.name):
             return None
         if d.wgsl not in parsed:
             parsed[d.wgsl] = parse(d.wgsl)

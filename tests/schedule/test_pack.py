@@ -106,6 +106,17 @@ def test_dependent_neighbours_and_the_switch():
     assert program.meta["compile_seconds"]["pack"] >= 0.0
 
 
+def test_accumulates_stay_apart():
+    """The accumulate program of gradient accumulation / data parallelism: each accumulate
+    keeps its own dispatch (``runtime.segments`` moves them up one by one), the rest packs."""
+    graph, _ = _llama_step()
+    program = compile(graph, CompileOptions(loss="loss", accumulate_grads=True), H200_LIMITS)
+    names = [d.name for d in program.dispatches]
+    accumulates = [n for n in names if "accumulate" in n]
+    assert len(accumulates) > 10 and all(SEP not in n for n in accumulates)
+    assert any(SEP in n for n in names)
+
+
 @pytest.mark.parametrize("bindings", [8, 10])
 def test_limits_bound_a_pack(bindings):
     limits = dataclasses.replace(H200_LIMITS, max_storage_buffers_per_shader_stage=bindings)
