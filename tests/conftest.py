@@ -89,6 +89,20 @@ def _no_tuning_cache(monkeypatch):
     set_cache_dir(None)
 
 
+@pytest.fixture
+def kernels_unpacked():
+    """Every kernel its own dispatch during the test: packing independent neighbours into one
+    (``schedule.pack``) off, then on again. For tests that read dispatch names, counts and each
+    kernel's WGSL as a pass or lowering wrote them (tests/codegen and tests/passes use it for
+    every test); packing itself is tested in tests/schedule/test_pack.py and, on as shipped, by
+    the model and training tests."""
+    from meganeura.schedule import pack
+
+    pack.set_enabled(False)
+    yield
+    pack.set_enabled(True)
+
+
 @pytest.fixture(scope="session")
 def gpu_device():
     """The default meganeura runtime Device; skips when no WebGPU adapter is available."""

@@ -21,6 +21,8 @@ from meganeura.optim import HYPER_INPUT, SGD, Adam, AdamW, Optimizer
 from .test_optimizers import GRAPH, INIT, XS, YS
 
 STEPS = 3
+# these tests count each update group's kernel among the step's dispatches
+pytestmark = pytest.mark.usefixtures("kernels_unpacked")
 
 
 def _updates(program):

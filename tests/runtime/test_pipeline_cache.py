@@ -75,7 +75,15 @@ def test_compile_records_every_stage():
     net = build_mlp(8, (784, 16, 10))
     options = CompileOptions(loss="loss", optimizer=AdamW(lr=1e-3))
     times = compile(net.graph, options, graph_seconds=0.25).meta["compile_seconds"]
-    assert list(times) == ["graph", "autodiff", "passes", "codegen", "plan_memory", "assemble"]
+    assert list(times) == [
+        "graph",
+        "autodiff",
+        "passes",
+        "codegen",
+        "plan_memory",
+        "assemble",
+        "pack",
+    ]
     assert times["graph"] == 0.25
     assert all(v >= 0 for v in times.values())
     inference = compile(build_mlp(8, (784, 16, 10), labels=False).graph)
