@@ -1,6 +1,7 @@
 """The pipeline in one place: graph -> (differentiate -> apply_optimizer) -> simplify ->
 (narrow_storage, fast mode) -> split_bindings (tensors over one storage binding, in row
-blocks) -> schedule -> plan_memory -> lower to WGSL -> Program.
+blocks) -> schedule -> plan_memory -> lower to WGSL -> Program -> pack (independent
+neighbouring dispatches as one, ``schedule.pack``).
 
 Every stage is a pure function; ``compile`` only strings them together, times each stage and
 assembles the Program's buffer table. Nothing here touches a GPU: adapter limits come in as
