@@ -286,3 +286,50 @@ def test_towers_gradients_match_float64_autograd(gpu_device, per_dim):
         np.testing.assert_allclose(
             got[f"{k}.grad"], want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=k
         )
+
+
+@pytest.mark.gpu
+def test_fast_precision_training_step_bit_identical(gpu_device):
+    """Fast mode (f16 storage, ``enable f16;`` in the members): an SGD step of the two towers,
+    packed and not, gives the same loss and parameters bit for bit, and the loss matches the
+    float32 program's to f16 rounding."""
+    import meganeura as mn
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    limits = device_limits(gpu_device)
+    if not limits.shader_f16:
+        pytest.skip("the adapter has no shader-f16")
+    rng = np.random.default_rng(7)
+    params = {}
+    for t in range(2):
+        for layer, (n_in, n_out) in enumerate(((40, 56), (56, 8))):
+            w = rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)
+            params[f"w{t}{layer}"] = w.astype(np.float32)
+            params[f"b{t}{layer}"] = (rng.standard_normal(n_out) * 0.1).astype(np.float32)
+    feeds = {f"x{t}": rng.standard_normal((24, 40)).astype(np.float32) for t in range(2)}
+    feeds["y"] = rng.integers(0, 8, 24).astype(np.int32)
+    sgd = mn.optim.SGD(lr=0.1)
+    feeds[mn.optim.HYPER_INPUT] = sgd.hyper(0, sgd.lr)
+    got = {}
+    for precision in ("fast", "strict"):
+        options = CompileOptions(loss="loss", optimizer=sgd, precision=precision)
+        on, off = compile_both(pack.set_enabled, _towers(), options, limits)
+        packed = [d for d in on.dispatches if SEP in d.name]
+        assert packed
+        if precision == "fast":
+            assert any(d.wgsl.startswith("enable f16;") for d in packed)
+        runs = []
+        for program in (on, off):
+            with Session(program, gpu_device) as s:
+                s.load_state_dict(params)
+                loss = s.run(feeds, ["loss"])["loss"]
+                runs.append({"loss": loss, **s.state_dict()})
+        for name, value in runs[0].items():
+            np.testing.assert_array_equal(value, runs[1][name], err_msg=f"{precision} {name}")
+        got[precision] = runs[0]
+    np.testing.assert_allclose(got["fast"]["loss"], got["strict"]["loss"], rtol=2e-2)
+    for name in params:
+        np.testing.assert_allclose(
+            got["fast"][name], got["strict"][name], rtol=0, atol=2e-2, err_msg=name
+        )
