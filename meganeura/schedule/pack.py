@@ -25,8 +25,10 @@ Order is never changed, so every kernel still reads exactly the bytes it read be
 The packed WGSL keeps each member's module: its declarations renamed with a ``_p<k>`` suffix
 (bindings renumbered after the previous members'), its entry point turned into a function
 ``main_p<k>`` taking its builtins as arguments, and a new ``main`` that picks the member from
-the linear workgroup id. ``workgroup_id`` and ``num_workgroups`` are uniform builtins (WGSL
-spec, "Uniformity analysis"), so each member's barriers stay in uniform control flow.
+the linear workgroup id (its ``num_workgroups`` the member's grid, z kept opaque to the
+shader compiler as the builder's kernels need: ``codegen.wgsl.core.literals``).
+``workgroup_id`` and ``num_workgroups`` are uniform builtins (WGSL spec, "Uniformity
+analysis"), so each member's barriers stay in uniform control flow.
 Workgroup variables of the same name and element type are declared once at the largest
 length: only one member runs in any workgroup.
 
@@ -299,7 +301,11 @@ def packed_wgsl(
             if builtin == "workgroup_id":
                 values.append(_wid(f"f{k}", d.grid))
             elif builtin == "num_workgroups":
-                values.append(f"vec3<u32>({d.grid[0]}u, {d.grid[1]}u, {d.grid[2]}u)")
+                # z ORed with the real z >> 31 (0 at run time): kernels derive their opaque
+                # zero from nwg.z (codegen.wgsl.core.literals.F32_OPAQUE_INIT), which a literal
+                # would let the shader compiler fold (inf * 0 -> 0)
+                gx, gy, gz = d.grid
+                values.append(f"vec3<u32>({gx}u, {gy}u, {gz}u | (pk_nwg.z >> 31u))")
             else:
                 builtins[builtin] = ty
                 values.append(f"pk_{builtin}")

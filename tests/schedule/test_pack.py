@@ -210,6 +210,28 @@ def _record_packs(monkeypatch) -> list[int]:
 
 
 @pytest.mark.gpu
+def test_nonfinite_constants_stay_opaque(gpu_device):
+    """``x * 0.0`` and ``x / 0.0`` in two packed members: the kernels' zero constant stays
+    opaque to the shader compiler (``codegen.wgsl.core.literals``), so inf * 0 is NaN and
+    1 / 0 is inf as in torch and NumPy, not folded to 0 (Mesa's inexact rules)."""
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    b = GraphBuilder()
+    x = [b.input(f"x{i}", (64,)) for i in range(2)]
+    b.output("y0", x[0] * 0.0)
+    b.output("y1", x[1] / 0.0)
+    program = compile(b.build(), CompileOptions(), device_limits(gpu_device))
+    assert [d.name.count(SEP) for d in program.dispatches] == [1]
+    v = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1.5] * 10 + [2.0] * 4, np.float32)
+    with Session(program, gpu_device) as s:
+        got = s.run({"x0": v, "x1": v}, ["y0", "y1"])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.testing.assert_array_equal(got["y0"], v * np.float32(0.0))
+        np.testing.assert_array_equal(got["y1"], v / np.float32(0.0))
+
+
+@pytest.mark.gpu
 def test_tiny_llama_training_steps_bit_identical(gpu_device, monkeypatch):
     """Two Trainer steps (forward, backward, SGD): losses, gradients and the parameters
     after them, packing on and off."""
