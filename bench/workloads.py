@@ -11,7 +11,7 @@ here, for the CI smoke test) and merges their rows into
 Usage:
   python bench/workloads.py [--workloads w1,w3] [--cases fwd,train] [--precision strict]
       [--modes eager,compile] [--repeats 10] [--warmup 3] [--no-warm] [--profile]
-      [--machine h200] [--fresh] [--dry-run] [--jobs 3]
+      [--machine h200] [--fresh] [--dry-run] [--jobs 3 [--gpu-overlap]]
   python bench/workloads.py --plot [--machine h200]     # docs/workloads_speedup_<machine>.png
   python bench/workloads.py --quick --in-process --modes eager   # lavapipe smoke run
 """
@@ -75,6 +75,13 @@ def parse(argv=None):
         default=1,
         help="children alive at once: their CPU-only start (imports, weights, CPU models)"
         " overlaps another's measurement; GPU phases take turns under a lock (default 1)",
+    )
+    ap.add_argument(
+        "--gpu-overlap",
+        action="store_true",
+        help="with --jobs: no GPU lock, only quiet measured sections (each still stops every"
+        " other child), so the children's device set-up, profiles, gates and exit overlap too;"
+        " untimed on the H200: compare cells with and without it before a matrix run",
     )
     ap.add_argument(
         "--skip-done",
@@ -174,6 +181,8 @@ def measured_stamp(args) -> dict:
     stamp = {"commit": commit, "date": datetime.datetime.now(datetime.UTC).date().isoformat()}
     if not args.in_process and args.jobs > 1:
         stamp["jobs"] = args.jobs  # overlapped children, measured sections quiet (gpu_lock)
+        if getattr(args, "gpu_overlap", False):
+            stamp["gpu_overlap"] = True  # and no GPU lock outside the measured sections
     return stamp
 
 

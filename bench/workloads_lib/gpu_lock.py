@@ -15,6 +15,13 @@ while another finishes. Two rules keep every figure as a lone child would measur
   sections (2026-12-03) measured host-bound PyTorch modes up to 1.8x slower than alone
   (W2 forward under torch.compile 7.85 ms against 4.40), while CUDA graphs did not move.
 
+With ``workloads.py --gpu-overlap`` the parent names no lock file, so :func:`gpu_phase` is a
+no-op and only the quiet sections keep children apart: the others' device set-up, profiles,
+gates and exit then overlap too. A child stopped by a quiet section may still have GPU work in
+flight (PyTorch queues kernels asynchronously); it drains during the measured child's clock
+warm-up (``--warm-seconds``, 2 s), before the timed calls, but can fall into the first call's
+compile time. Untimed on the H200 so far.
+
 A child starting during a quiet section waits before its imports (:func:`started`). The
 others' start then overlaps only the unmeasured parts: the gates, the profile, process start
 and exit. The parent continues every child whenever one exits (a child that dies inside

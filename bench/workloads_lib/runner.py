@@ -237,7 +237,8 @@ def _side(wl, case, precision, side, args, lock: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="mn-bench-") as cache:
         env = _env(cache, side)
         if lock is not None:
-            env[gpu_lock.ENV] = lock
+            if not getattr(args, "gpu_overlap", False):
+                env[gpu_lock.ENV] = lock  # GPU phases take turns, not only measured sections
             env[gpu_lock.PIDS_ENV] = lock + ".pids"
         doc = child(cell, args, env)
         if args.warm and not args.in_process and side not in ("eager", "eager_bf16"):
@@ -266,9 +267,10 @@ def run_configs(items, args, log, deadline: float | None = None):
     ``args.jobs`` > 1 (not in-process) keeps up to that many children alive, started in
     ``items`` order, whose CPU-only start overlaps another child's unmeasured work
     (``gpu_lock``: GPU phases take turns under one lock, and each measured section stops
-    every other child). ``lock_wait_s`` in each document is the time a child waited for the
-    GPU, outside every figure. A child's ``--timeout`` then covers its wait too: it is
-    multiplied by ``jobs``.
+    every other child; with ``args.gpu_overlap`` there is no lock, so the GPU work outside
+    measured sections (device set-up, profiles, gates, exit) overlaps too). ``lock_wait_s``
+    in each document is the time a child waited for the GPU, outside every figure. A child's
+    ``--timeout`` then covers its wait too: it is multiplied by ``jobs``.
     """
     jobs = 1 if args.in_process else max(1, getattr(args, "jobs", 1))
     if jobs == 1:

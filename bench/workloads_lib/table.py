@@ -173,6 +173,8 @@ def markdown(path: Path) -> str:
                 f", --jobs {at['jobs']} without quiet sections: host-bound eager and"
                 " torch.compile figures perturbed by the others' start"
             )
+        if at.get("gpu_overlap"):
+            return f", --jobs {at['jobs']} --gpu-overlap"
         return f", --jobs {at['jobs']}"
 
     stamps: dict = {}

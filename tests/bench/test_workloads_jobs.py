@@ -164,3 +164,25 @@ def test_a_child_starts_only_once_listed(tmp_path, monkeypatch):
     gpu_lock.started()
     assert time.perf_counter() - t0 >= 0.25
     assert os.getpid() in gpu_lock.read_pids(str(pids))
+
+
+def test_gpu_overlap_names_no_lock_but_keeps_quiet_sections(monkeypatch):
+    """``--gpu-overlap``: the child's environment has the pid file (quiet sections) and no
+    GPU lock; without it, both."""
+    envs = []
+
+    def fake_child(cell, args, env, compile_only=False):
+        envs.append(env)
+        return {}
+
+    monkeypatch.setattr(runner, "child", fake_child)
+    wl, case = _Wl("w1"), _Case("fwd")
+    for overlap in (False, True):
+        args = argparse.Namespace(
+            jobs=2, in_process=False, timeout=10, warm=False, gpu_overlap=overlap
+        )
+        runner._side(wl, case, "strict", "eager", args, "/tmp/x/gpu.lock")
+    locked, overlapped = envs
+    assert locked[gpu_lock.ENV] == "/tmp/x/gpu.lock"
+    assert locked[gpu_lock.PIDS_ENV] == overlapped[gpu_lock.PIDS_ENV] == "/tmp/x/gpu.lock.pids"
+    assert gpu_lock.ENV not in overlapped
