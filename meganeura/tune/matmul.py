@@ -56,7 +56,7 @@ MAX_REL_ERR = 1e-4  # max |candidate - default| / max |default| (split-K reorder
 PLAN_SECONDS = 0.2
 # Steps per timed submission: the GPU kept under load, as in a real step (module docstring).
 REPLAYS = 16
-# Seconds of back-to-back work before the first timing on a GPU adapter (``warm_up``).
+# Seconds of back-to-back work before the first timing on a GPU adapter (``Heater.run``).
 WARM_SECONDS = 3.0
 
 
@@ -99,20 +99,6 @@ class Heater:
 
     def close(self) -> None:
         self.session.close()
-
-
-def warm_up(device, seconds: float, n: int = 2048) -> int:
-    """``Heater(device, n).run(seconds)``: the steps run (0 when ``seconds`` <= 0)."""
-    if seconds <= 0:
-        return 0
-    heater = Heater(device, n)
-    try:
-        return heater.run(seconds)
-    finally:
-        heater.close()
-
-
-_HEATER: list[Heater | None] = [None]  # the running tune's heater (``_time_plan`` kicks it)
 
 
 @dataclass
@@ -339,17 +325,17 @@ def tune_matmuls(
     try:
         if heater is not None:
             heater.run(warm_seconds)
-        _HEATER[0] = heater
         for i, shape in enumerate(keys):
             deadline = None if budget_s is None else t0 + budget_s * (i + 1) / len(keys)
-            result = _tune_one(shape, device, limits, repeats, warmup, plans, deadline, progress)
+            result = _tune_one(
+                shape, device, limits, repeats, warmup, plans, deadline, progress, heater
+            )
             results.append(result)
             if store is not None:
                 path = _store(store, shape, result, timing, directory)
             if shape_done is not None:
                 shape_done(i, len(keys), result, time.perf_counter() - t0)
     finally:
-        _HEATER[0] = None
         if heater is not None:
             heater.close()
     return TuneReport(device.name, timing, results, path, time.perf_counter() - t0)
@@ -391,7 +377,9 @@ def _join(item) -> str:
         raise ValueError(f"a matmul shape is (M, K, N, layout[, batch]), got {item!r}") from None
 
 
-def _tune_one(shape, device, limits, repeats, warmup, plans, deadline, progress) -> ShapeResult:
+def _tune_one(
+    shape, device, limits, repeats, warmup, plans, deadline, progress, heater=None
+) -> ShapeResult:
     m, k, n, layout, batch = shape
     default = default_plan(shape, limits)
     result = ShapeResult(shape, default)
@@ -407,7 +395,7 @@ def _tune_one(shape, device, limits, repeats, warmup, plans, deadline, progress)
             result.rejected[name] = "time budget spent"
             continue
         try:
-            y, us = _time_plan(name, shape, graph, a, b, device, limits, repeats, warmup)
+            y, us = _time_plan(name, shape, graph, a, b, device, limits, repeats, warmup, heater)
         except Exception as e:  # noqa: BLE001 - a plan this shape or adapter cannot run
             result.rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             if name == default:
@@ -430,7 +418,7 @@ def _tune_one(shape, device, limits, repeats, warmup, plans, deadline, progress)
     if result.recorded:
         # the fastest of many noisy medians is biased low: time the two again, in turn, and
         # record only a gain both rounds show
-        args = (shape, graph, a, b, device, limits, repeats, warmup)
+        args = (shape, graph, a, b, device, limits, repeats, warmup, heater)
         again = _time_plan(default, *args)[1] / _time_plan(best, *args)[1]
         if again < MIN_GAIN:
             result.recorded = False
@@ -449,7 +437,7 @@ def _rel_err(y: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(y - ref))) / max(scale, 1e-30) if ref.size else 0.0
 
 
-def _time_plan(name, shape, graph, a, b, device, limits, repeats, warmup):
+def _time_plan(name, shape, graph, a, b, device, limits, repeats, warmup, heater=None):
     """(result, microseconds) of the one-matmul graph compiled with plan ``name`` forced."""
     from ..compile import compile
     from ..runtime import Session
@@ -465,8 +453,8 @@ def _time_plan(name, shape, graph, a, b, device, limits, repeats, warmup):
     with Session(program, device) as sess:
         sess.load_state_dict({"a": a, "b": b})
         y = sess.run({}, fetch=("y",))["y"]
-        if _HEATER[0] is not None:
-            _HEATER[0].kick()  # the timed steps follow queued work, not an idle GPU
+        if heater is not None:
+            heater.kick()  # the timed steps follow queued work, not an idle GPU
         if "timestamp-query" in device.features:
             prof = sess.profile({}, repeats=repeats, warmup=warmup, replays=REPLAYS)
             per = [0.0] * prof.repeats

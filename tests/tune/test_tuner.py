@@ -178,8 +178,12 @@ def test_a_training_step_with_device_plans_matches_the_defaults(gpu_device, tmp_
 
 @pytest.mark.gpu
 def test_heater_runs_its_time_and_is_kicked_before_each_plan(gpu_device, monkeypatch):
-    assert tm.warm_up(gpu_device, 0.0) == 0
-    steps = tm.warm_up(gpu_device, 0.05, n=32)
+    heater = tm.Heater(gpu_device, n=32)
+    try:
+        assert heater.run(0.0) == 0
+        steps = heater.run(0.05)
+    finally:
+        heater.close()
     assert steps >= 8 and steps % 8 == 0
     events = []
 
@@ -210,4 +214,3 @@ def test_heater_runs_its_time_and_is_kicked_before_each_plan(gpu_device, monkeyp
     timed = len(report.results[0].times)
     assert events[:2] == ["new", ("run", 0.25)] and events[-1] == "close"
     assert events.count("kick") >= timed  # every timed plan (and any re-timing) after a kick
-    assert tm._HEATER[0] is None
