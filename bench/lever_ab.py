@@ -81,6 +81,9 @@ LEVERS = {
     # off: every kernel its own dispatch instead of independent neighbours packed into one
     # (meganeura.schedule.pack: W1 train 919 -> 739 dispatches, W3 train 588 -> 355)
     "pack": ("meganeura.schedule.pack", "set_enabled"),
+    # off: a long forward that saves no log-sum-exp runs the plain lane kernel instead of its
+    # keys split over workgroups plus a merge (W4 fwd: 283 -> 225 us a layer in isolation)
+    "attention_long_split": ("meganeura.codegen.wgsl.attention.plan", "set_long_split"),
 }
 # the command-line flags of bench/dispatch_counts.py and bench/llm_profile.py: argparse dest ->
 # (lever, the flag's value that turns it on); split_members is off by default (measured slower)

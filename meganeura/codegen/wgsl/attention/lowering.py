@@ -24,6 +24,7 @@ from .dkv_half import lower_dkv_half
 from .lane import lower_flash
 from .plan import (
     choose_block_plan,
+    choose_long_split,
     choose_plan,
     choose_split,
     extents,
@@ -35,8 +36,11 @@ from .plan import (
 def lower_attention(
     graph: Graph, node_id: int, limits: Limits, mode: str, deferred=None
 ) -> list[KernelSource]:
-    """The forward of a short query block over several tiles of keys (``plan.choose_split``):
-    the split-key lane kernel and its merge (``decode``). Otherwise the register-tiled kernel
+    """The forward of a short query block over several tiles of keys (``plan.choose_split``),
+    or of a long one on a lane plan with too few threads to fill the GPU
+    (``plan.choose_long_split``; a forward that also writes its log-sum-exp is lowered by
+    ``lower_forward_lse`` instead, unsplit): the split-key lane kernel and its merge
+    (``decode``). Otherwise the register-tiled kernel
     (``block``) when a block plan fits the adapter, else the lane kernel (``lane``);
     ``plan.BLOCK_OVERRIDE`` forces either. ``deferred``: split-K products the lane forward
     reads as the sums of their partials (``attention.summed`` plans them for it alone)."""
@@ -44,6 +48,9 @@ def lower_attention(
         return lower_flash(graph, node_id, limits, mode)
     dims = dims_of(graph, graph[node_id], mode)
     split = choose_split(dims, limits) if mode == "fwd" else None
+    if split is None and mode == "fwd" and not deferred:
+        if choose_block_plan(mode, dims, limits) is None:
+            split = choose_long_split(dims, limits)
     if split is not None:
         return lower_split(graph, node_id, limits, split)
     plan = choose_block_plan(mode, dims, limits)

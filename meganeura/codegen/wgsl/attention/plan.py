@@ -308,6 +308,61 @@ def choose_split(dims: Dims, limits: Limits) -> Split | None:
     return Split(plan, -(-lk // length), length)
 
 
+# ---- split keys for long query blocks: the same two kernels -----------------------------------
+# The lane forward's best plans at Whisper (B1 x 6 heads x 1500 x 64: 2 lanes a row, more were
+# slower) run 18,000 threads, about 4 warps an H200 SM: too few to hide latency. Cutting the keys
+# into chunks multiplies the threads, each keeping its reads and registers, for one merge (~11 us).
+# Measured on the H200 (bench/attention_split.py, attention_split_h200.json, us, partial + merge):
+# 32x2x16: 283 unsplit, 280 / 248 / 272 / 261 in 2 / 3 / 4 / 6 chunks; 32x1x8: 296 unsplit, 225
+# in 3. Only forwards that save no log-sum-exp split (a training forward stays ``fwd+lse``).
+LONG_SPLIT_THREADS = 54_000  # split while the plain kernel runs fewer threads than this
+LONG_SPLIT_MIN_KEYS = 1024  # keys from which a long query block may split
+# True forces the split wherever it can run, False forbids it; None: GPU adapters, by the rule
+LONG_SPLIT_OVERRIDE: bool | None = None
+
+
+def set_long_split(on: bool) -> None:
+    """Let long forwards split their keys by the rule (on, the default) or never (off), for
+    programs compiled from now on (bench/lever_ab.py's ``attention_long_split``)."""
+    global LONG_SPLIT_OVERRIDE
+    LONG_SPLIT_OVERRIDE = None if on else False
+
+
+def choose_long_split(dims: Dims, limits: Limits) -> Split | None:
+    """The key split of a forward with a long query block (more than ``SPLIT_MAX_LQ`` query
+    rows a head) that saves no log-sum-exp, or None for the plain lane kernel: on a GPU
+    adapter, with at least ``LONG_SPLIT_MIN_KEYS`` keys, when the plain kernel runs fewer than
+    ``LONG_SPLIT_THREADS`` threads; chunks (whole tiles, at most ``SPLIT_MAX_CHUNKS``) bring the
+    threads up to about that many. ``tuned.TUNED_SPLIT`` (H200-measured plan and chunks per
+    size) comes first; ``LONG_SPLIT_OVERRIDE`` forces (tests: on any adapter) or forbids it."""
+    if LONG_SPLIT_OVERRIDE is False or dims.lq <= SPLIT_MAX_LQ:
+        return None
+    from .tuned import TUNED_SPLIT
+
+    n_rows, lk = extents("fwd", dims)
+    measured = TUNED_SPLIT.get(dims) if USE_TUNED[0] and not limits.cpu else None
+    if measured is not None and LANE_OVERRIDE.get("fwd") is None:
+        try:
+            plan = check_plan("fwd", dims, Plan(*measured[0]), limits)
+            tiles = -(-lk // plan.tile)
+            chunks = min(tiles, measured[1])
+        except ValueError:
+            measured = None
+    if measured is None:
+        if LONG_SPLIT_OVERRIDE is None and (limits.cpu or lk < LONG_SPLIT_MIN_KEYS):
+            return None
+        plan = choose_plan("fwd", dims, limits)
+        threads = dims.b * dims.hkv * -(-n_rows // plan.rows) * plan.size
+        if LONG_SPLIT_OVERRIDE is None and threads >= LONG_SPLIT_THREADS:
+            return None
+        tiles = -(-lk // plan.tile)
+        chunks = min(tiles, SPLIT_MAX_CHUNKS, max(2, -(-LONG_SPLIT_THREADS // threads)))
+    if chunks < 2:
+        return None
+    length = -(-tiles // chunks) * plan.tile
+    return Split(plan, -(-lk // length), length)
+
+
 # ---- register-tiled ("block") kernels: block.py ------------------------------------------
 # (rows, tile, row_threads, lanes) in order of preference. Each thread owns 4 rows
 # (rows = 4 * row_threads) and tile / lanes stream entries of the score tile, and 4 rows by

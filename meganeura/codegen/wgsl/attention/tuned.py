@@ -26,6 +26,7 @@ from .plan import Dims
 SMOLLM2 = Dims(b=1, hkv=3, group=3, lq=128, lk=128, d=64, dv=64)  # W1, causal
 SMOLVLA_SELF = Dims(b=1, hkv=5, group=3, lq=50, lk=50, d=64, dv=64)  # W2 even layers, causal
 SMOLVLA_CROSS = Dims(b=1, hkv=5, group=3, lq=50, lk=16, d=64, dv=64)  # W2 odd layers
+WHISPER = Dims(b=1, hkv=6, group=1, lq=1500, lk=1500, d=64, dv=64)  # W4
 
 TUNED: dict[tuple[str, Dims], tuple[int, int, int]] = {
     ("fwd", SMOLLM2): (8, 16, 32),  # fwd+lse 23.2 -> 17.4 us
@@ -42,4 +43,12 @@ TUNED: dict[tuple[str, Dims], tuple[int, int, int]] = {
     ("dkv", SMOLVLA_CROSS): (2, 32, 32),  # 39.0 -> 37.4
     ("dk", SMOLVLA_CROSS): (2, 32, 32),  # 28.0 -> 25.6
     ("dv", SMOLVLA_CROSS): (8, 16, 32),  # 23.9 -> 22.1
+}
+
+# Forwards that split their keys over workgroups (``plan.choose_long_split``): Dims -> (lane
+# plan, chunks), measured on the H200 (bench/attention_split.py, 2026-12-03, seventh session,
+# bench/results/attention_split_h200.json; partial + merge kernel, us): W4's forward 283 us
+# unsplit (32x2x16) -> 225 (32x1x8 in 3 chunks; 32x2x16 in 3: 248, in 4: 272).
+TUNED_SPLIT: dict[Dims, tuple[tuple[int, int, int], int]] = {
+    WHISPER: ((32, 1, 8), 3),
 }

@@ -1,0 +1,147 @@
+"""Split-key forward attention for long query blocks (``plan.choose_long_split``): the rule on
+the H200's limits (its measured table and the thread-count rule), where it never applies
+(CPU adapters, decode-sized blocks, short key streams, a forward that writes its
+log-sum-exp), and the split kernels against float64 torch SDPA over several row tiles and
+chunks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from meganeura.codegen.kernel import H200_LIMITS
+from meganeura.codegen.wgsl.attention import plan as attention_plan
+from meganeura.codegen.wgsl.attention.lowering import lower_attention
+from meganeura.codegen.wgsl.attention.plan import Dims, Plan, Split, choose_long_split
+from meganeura.codegen.wgsl.attention.tuned import WHISPER
+from meganeura.compile import CompileOptions, compile
+from meganeura.graph.builder import GraphBuilder
+from meganeura.ops.attention import scaled_dot_product_attention
+
+from ..opinfo.attention import _sdpa_ref
+from .harness import run
+
+CPU = replace(H200_LIMITS, cpu=True)
+
+
+@pytest.fixture
+def long_split():
+    """Set ``LONG_SPLIT_OVERRIDE`` (True: split wherever two chunks exist); restored after."""
+    saved = attention_plan.LONG_SPLIT_OVERRIDE
+
+    def force(value):
+        attention_plan.LONG_SPLIT_OVERRIDE = value
+
+    yield force
+    attention_plan.LONG_SPLIT_OVERRIDE = saved
+
+
+# ---- the rule (no GPU) ------------------------------------------------------------------------
+def test_whisper_takes_its_measured_plan_and_chunks():
+    assert choose_long_split(WHISPER, H200_LIMITS) == Split(Plan(32, 1, 8), 3, 504)
+
+
+def test_the_rule_without_the_table_fills_the_threads(monkeypatch):
+    monkeypatch.setattr(attention_plan, "USE_TUNED", [False])
+    s = choose_long_split(WHISPER, H200_LIMITS)
+    plan = attention_plan.choose_plan("fwd", WHISPER, H200_LIMITS)
+    threads = 6 * -(-1500 // plan.rows) * plan.size
+    assert threads < attention_plan.LONG_SPLIT_THREADS
+    assert s.plan == plan and s.chunks == -(-attention_plan.LONG_SPLIT_THREADS // threads)
+    assert s.length % plan.tile == 0 and (s.chunks - 1) * s.length < 1500 <= s.chunks * s.length
+
+
+@pytest.mark.parametrize(
+    "dims, limits",
+    [
+        (WHISPER, CPU),  # a CPU adapter: the merge is pure cost
+        (Dims(1, 3, 3, 1, 4096, 64, 64), H200_LIMITS),  # decode-sized: choose_split's domain
+        (Dims(1, 6, 1, 1500, 512, 64, 64), H200_LIMITS),  # too few keys to split
+        (Dims(8, 6, 1, 1500, 1500, 64, 64), H200_LIMITS),  # batch 8 fills the GPU already
+    ],
+    ids=["cpu", "decode", "short_keys", "batch_8"],
+)
+def test_no_long_split_where_it_cannot_help(dims, limits, monkeypatch):
+    monkeypatch.setattr(attention_plan, "USE_TUNED", [dims is WHISPER])
+    assert choose_long_split(dims, limits) is None
+
+
+def test_override_forbids_and_forces(long_split):
+    long_split(False)
+    assert choose_long_split(WHISPER, H200_LIMITS) is None
+    long_split(True)
+    assert choose_long_split(Dims(1, 2, 1, 40, 70, 16, 16), CPU) is not None
+
+
+def _graph(hq, hkv, lq, lk, d, dv, **kw):
+    b = GraphBuilder()
+    q, k = b.input("q", (1, hq, lq, d)), b.input("k", (1, hkv, lk, d))
+    v = b.input("v", (1, hkv, lk, dv))
+    out = scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv, **kw)
+    b.output("out", out)
+    return b, out
+
+
+def test_whisper_forward_splits_and_a_training_forward_does_not():
+    b, out = _graph(6, 6, 1500, 1500, 64, 64)
+    graph = b.build()
+    parts, merge = lower_attention(graph, out.id, H200_LIMITS, "fwd")
+    assert parts.name.endswith("fwd split 3x504") and merge.name.endswith("merge 3")
+    assert parts.grid[0] == 6 * -(-1500 // 32) * 3  # (head, row tile, chunk)
+    # with a gradient the forward also writes its log-sum-exp, unsplit, for the backward
+    from meganeura.autodiff import differentiate
+    from meganeura.nn import functional as F
+
+    b, out = _graph(6, 6, 1500, 1500, 64, 64)
+    loss = F.sum(out * out)
+    graph, grads = differentiate(b.build_unverified(), loss.id, ["q"])
+    gb = GraphBuilder(graph)
+    gb.output("dq", gb.tensor(grads[graph.find("q").id]))
+    program = compile(gb.build_unverified(), CompileOptions(), H200_LIMITS)
+    names = [d.name for d in program.dispatches]
+    assert any(n.endswith("fwd+lse") for n in names)
+    assert not any(" split " in n or " merge " in n for n in names)
+
+
+# ---- values (GPU) -----------------------------------------------------------------------------
+CASES = {
+    # name: (Hq, Hkv, Lq, Lk, D, Dv, is_causal, float mask)
+    "gqa_not_causal": (4, 2, 70, 90, 16, 8, False, False),
+    "causal": (2, 2, 100, 100, 32, 32, True, False),
+    "float_mask": (3, 1, 45, 130, 8, 16, False, True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_long_split_forward_matches_torch(case, long_split, gpu_device):
+    hq, hkv, lq, lk, d, dv, causal, masked = CASES[case]
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, hq, lq, d)).astype(np.float32)
+    k = rng.standard_normal((1, hkv, lk, d)).astype(np.float32)
+    v = rng.standard_normal((1, hkv, lk, dv)).astype(np.float32)
+    mask = None
+    if masked:
+        mask = rng.standard_normal((1, hq, lq, lk)).astype(np.float32)
+        mask[rng.random(mask.shape) < 0.3] = -np.inf
+    b = GraphBuilder()
+    ins = [b.input(n, x.shape) for n, x in (("q", q), ("k", k), ("v", v))]
+    m = None if mask is None else b.input("mask", mask.shape)
+    out = scaled_dot_product_attention(*ins, m, is_causal=causal, enable_gqa=hq != hkv)
+    b.output("out", out)
+    graph = b.build()
+    long_split(True)
+    parts = lower_attention(graph, out.id, CPU, "fwd")
+    assert len(parts) == 2 and " split " in parts[0].name  # several chunks and row tiles
+    feeds = {"q": q, "k": k, "v": v, **({} if mask is None else {"mask": mask})}
+    got = run(graph, feeds).values[out.id]
+    t = [torch.tensor(x, dtype=torch.float64) for x in (q, k, v)]
+    tm = None if mask is None else torch.tensor(mask, dtype=torch.float64)
+    want = _sdpa_ref(*t, tm, is_causal=causal, enable_gqa=hq != hkv).numpy()
+    assert np.abs(got - want).max() <= 2e-6 * max(np.abs(want).max(), 1.0)
+    long_split(False)
+    plain = run(graph, feeds).values[out.id]
+    assert np.abs(got - plain).max() <= 2e-6 * max(np.abs(want).max(), 1.0)
