@@ -42,14 +42,14 @@ def _plans(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(x) for x in p.split("x")) for p in text.split(",") if p]  # type: ignore[misc]
 
 
-def _main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap, "attention_split", repeats=20, warmup=5)
     ap.add_argument("--shapes", default="whisper", help="bench/attention.py CASES names")
     ap.add_argument("--chunks", default="1,2,3,4,6,8", help="key chunks (1: no split)")
     ap.add_argument("--plans", default="32x2x16,64x2x16,16x2x16,32x1x8",
                     help="lane plans rows x lanes x tile")  # fmt: skip
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     resolve_args(args)
     from meganeura.codegen.wgsl.attention import plan as attention_plan
     from meganeura.training import compile_for
@@ -130,7 +130,8 @@ def _main() -> None:
                     f"{row['tflops']:8.2f} {row['speedup']:8.2f} {err:8.1e}",
                 )
     rec.finish()
+    return {r["case"]: r for r in rec.rows}
 
 
 if __name__ == "__main__":
-    _main()
+    main()
