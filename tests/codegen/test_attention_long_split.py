@@ -85,25 +85,38 @@ def _graph(hq, hkv, lq, lk, d, dv, **kw):
     return b, out
 
 
-def test_whisper_forward_splits_and_a_training_forward_does_not():
+def _backward(hq, hkv, lq, lk, d, dv, **kw):
+    """(graph, forward node): the forward of ``_graph`` with loss sum(out * go) and the
+    gradients of q, k and v as outputs dq, dk, dv."""
+    from meganeura.autodiff import differentiate
+    from meganeura.nn import functional as F
+
+    b, out = _graph(hq, hkv, lq, lk, d, dv, **kw)
+    go = b.input("go", (1, hq, lq, dv))
+    b.output("o", out)
+    loss = F.sum(out * go)
+    graph, grads = differentiate(b.build_unverified(), loss.id, ["q", "k", "v"])
+    gb = GraphBuilder(graph)
+    for n in "qkv":
+        gb.output("d" + n, gb.tensor(grads[graph.find(n).id]))
+    return gb.build_unverified(), out.id
+
+
+def test_whisper_forward_splits_with_and_without_its_log_sum_exp():
     b, out = _graph(6, 6, 1500, 1500, 64, 64)
     graph = b.build()
     parts, merge = lower_attention(graph, out.id, H200_LIMITS, "fwd")
     assert parts.name.endswith("fwd split 3x504") and merge.name.endswith("merge 3")
     assert parts.grid[0] == 6 * -(-1500 // 32) * 3  # (head, row tile, chunk)
-    # with a gradient the forward also writes its log-sum-exp, unsplit, for the backward
-    from meganeura.autodiff import differentiate
-    from meganeura.nn import functional as F
-
-    b, out = _graph(6, 6, 1500, 1500, 64, 64)
-    loss = F.sum(out * out)
-    graph, grads = differentiate(b.build_unverified(), loss.id, ["q"])
-    gb = GraphBuilder(graph)
-    gb.output("dq", gb.tensor(grads[graph.find("q").id]))
-    program = compile(gb.build_unverified(), CompileOptions(), H200_LIMITS)
-    names = [d.name for d in program.dispatches]
-    assert any(n.endswith("fwd+lse") for n in names)
-    assert not any(" split " in n or " merge " in n for n in names)
+    # training: the forward also writes its log-sum-exp for the backward; the merge stores it
+    graph, _ = _backward(6, 6, 1500, 1500, 64, 64)
+    names = [d.name for d in compile(graph, CompileOptions(), H200_LIMITS).dispatches]
+    sdpa = [n.split(" ", 1)[1] for n in names if "attention" in n]
+    assert sdpa[:2] == [
+        "scaled_dot_product_attention fwd+lse split 3x504",
+        "scaled_dot_product_attention merge 3",
+    ]
+    assert not any(n.endswith(" fwd+lse") or "_lse" in n for n in sdpa)  # no lse pass of its own
 
 
 # ---- values (GPU) -----------------------------------------------------------------------------
@@ -145,3 +158,36 @@ def test_long_split_forward_matches_torch(case, long_split, gpu_device):
     long_split(False)
     plain = run(graph, feeds).values[out.id]
     assert np.abs(got - plain).max() <= 2e-6 * max(np.abs(want).max(), 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gradients_through_a_split_forward_match_float64_autograd(causal, long_split, gpu_device):
+    """The backward recomputes probabilities from the lse the merge wrote: its gradients,
+    and the forward's output, against torch autograd in float64."""
+    hq, hkv, lq, lk, d = 4, 2, 50, 70, 16
+    from meganeura.runtime import Session
+    from meganeura.training import device_limits
+
+    graph, _ = _backward(hq, hkv, lq, lk, d, d, is_causal=causal)
+    long_split(True)
+    program = compile(graph, CompileOptions(), device_limits(gpu_device))
+    names = [x.name for x in program.dispatches]
+    assert any("fwd+lse split" in n for n in names), names
+    rng = np.random.default_rng(11)
+    feeds = {
+        "q": rng.standard_normal((1, hq, lq, d)),
+        "k": rng.standard_normal((1, hkv, lk, d)),
+        "v": rng.standard_normal((1, hkv, lk, d)),
+        "go": rng.standard_normal((1, hq, lq, d)),
+    }
+    feeds = {n: x.astype(np.float32) for n, x in feeds.items()}
+    with Session(program, gpu_device) as sess:
+        got = sess.run(feeds, ["o", "dq", "dk", "dv"])
+    t = {n: torch.tensor(feeds[n], dtype=torch.float64, requires_grad=True) for n in "qkv"}
+    o = _sdpa_ref(t["q"], t["k"], t["v"], None, is_causal=causal, enable_gqa=True)
+    (o * torch.tensor(feeds["go"], dtype=torch.float64)).sum().backward()
+    want = {"o": o.detach().numpy(), **{"d" + n: t[n].grad.numpy() for n in "qkv"}}
+    for n in want:
+        scale = max(np.abs(want[n]).max(), 1.0)
+        assert np.abs(got[n] - want[n]).max() <= 1e-5 * scale, n

@@ -28,16 +28,23 @@ from .lane import lower_flash
 from .plan import Split
 
 
-def lower_split(graph: Graph, node_id: int, limits: Limits, split: Split) -> list[KernelSource]:
-    """The partial kernel and the merge kernel of forward attention node ``node_id``."""
+def lower_split(
+    graph: Graph, node_id: int, limits: Limits, split: Split, lse_node: int | None = None
+) -> list[KernelSource]:
+    """The partial kernel and the merge kernel of forward attention node ``node_id``; with
+    ``lse_node`` the merge also writes that ``..._lse`` node's rows."""
     return lower_flash(graph, node_id, limits, "fwd", split=split) + [
-        lower_merge(graph, node_id, limits, split)
+        lower_merge(graph, node_id, limits, split, lse_node)
     ]
 
 
-def lower_merge(graph: Graph, node_id: int, limits: Limits, split: Split) -> KernelSource:
+def lower_merge(
+    graph: Graph, node_id: int, limits: Limits, split: Split, lse_node: int | None = None
+) -> KernelSource:
     """The second kernel: every chunk's partial state of each output row, combined in chunk
-    order (see the module docstring)."""
+    order (see the module docstring). With ``lse_node`` the thread of each row's first
+    element also stores the row's log-sum-exp ``M + log(L)`` (0 for a row with no unmasked
+    key, as the unsplit ``fwd+lse`` kernel stores it)."""
     node = graph[node_id]
     dims = dims_of(graph, node, "fwd")
     dv, nc = dims.dv, split.chunks
@@ -45,6 +52,7 @@ def lower_merge(graph: Graph, node_id: int, limits: Limits, split: Split) -> Ker
     kb = KernelBuilder(graph, node, limits)
     part = kb.scratch(PARTIALS, rows * nc * (dv + 2), node.type.dtype, "part")
     out = kb.write(node_id, "out")
+    lse = None if lse_node is None else kb.write(lse_node, "lse")
     n = node.type.numel
     stride = dv + 2
 
@@ -77,8 +85,14 @@ def lower_merge(graph: Graph, node_id: int, limits: Limits, split: Split) -> Ker
         f"    let l = {l_sum};",
         f"    let o = {o_sum};",
         "    " + kb.store(out, "i", "o * select(0.0, 1.0 / l, l > 0.0)"),
-        "  }",
     ]
+    if lse is not None:
+        lines += [
+            "    if (col == 0u) {",
+            "      " + kb.store(lse, "row", "select(0.0, mx + log(l), l > 0.0)"),
+            "    }",
+        ]
+    lines.append("  }")
     groups = -(-n // WG)
-    nbytes = 4 * rows * nc * (dv + 2) + node.type.nbytes
+    nbytes = 4 * rows * nc * (dv + 2) + node.type.nbytes + (0 if lse is None else 4 * rows)
     return kb.finish(f"merge {nc}", "\n".join(lines), WG, groups, flops=4 * n * nc, nbytes=nbytes)

@@ -39,7 +39,7 @@ def lower_attention(
     """The forward of a short query block over several tiles of keys (``plan.choose_split``),
     or of a long one on a lane plan with too few threads to fill the GPU
     (``plan.choose_long_split``; a forward that also writes its log-sum-exp is lowered by
-    ``lower_forward_lse`` instead, unsplit): the split-key lane kernel and its merge
+    ``lower_forward_lse``, which splits by the same rule): the split-key lane kernel and its merge
     (``decode``). Otherwise the register-tiled kernel
     (``block``) when a block plan fits the adapter, else the lane kernel (``lane``);
     ``plan.BLOCK_OVERRIDE`` forces either. ``deferred``: split-K products the lane forward
@@ -126,11 +126,20 @@ def lower_forward_lse(
 ) -> list[KernelSource]:
     """One dispatch writing the forward's output (node ``forward_node``) and the log-sum-exp
     of its rows (node ``lse_node``), at the forward's position. Named
-    ``%<forward>+<lse> scaled_dot_product_attention fwd+lse``."""
-    kernels = lower_flash(graph, forward_node, limits, "fwd", lse_node=lse_node)
-    head = f"%{forward_node} {SDPA} fwd"
-    name = f"%{forward_node}+{lse_node} {SDPA} fwd+lse"
-    return [replace(ks, name=name + ks.name.removeprefix(head)) for ks in kernels]
+    ``%<forward>+<lse> scaled_dot_product_attention fwd+lse``. A long forward that
+    ``plan.choose_long_split`` splits is two: ``fwd+lse split CxL`` (the chunks' partial
+    states) and ``merge C`` (the output and the lse)."""
+    split = choose_long_split(dims_of(graph, graph[forward_node], "fwd"), limits)
+    if split is None:
+        kernels = lower_flash(graph, forward_node, limits, "fwd", lse_node=lse_node)
+    else:  # the partial kernel, and the merge writing the output and the lse
+        kernels = lower_split(graph, forward_node, limits, split, lse_node)
+    head = f"%{forward_node} {SDPA} "
+    name = f"%{forward_node}+{lse_node} {SDPA} "
+    return [
+        replace(ks, name=name + ks.name.removeprefix(head).replace("fwd", "fwd+lse", 1))
+        for ks in kernels
+    ]
 
 
 def lower_delta(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:

@@ -314,7 +314,7 @@ def choose_split(dims: Dims, limits: Limits) -> Split | None:
 # into chunks multiplies the threads, each keeping its reads and registers, for one merge (~11 us).
 # Measured on the H200 (bench/attention_split.py, attention_split_h200.json, us, partial + merge):
 # 32x2x16: 283 unsplit, 280 / 248 / 272 / 261 in 2 / 3 / 4 / 6 chunks; 32x1x8: 296 unsplit, 225
-# in 3. Only forwards that save no log-sum-exp split (a training forward stays ``fwd+lse``).
+# in 3. A training forward splits too: its merge writes the rows' log-sum-exp (``fwd+lse``).
 LONG_SPLIT_THREADS = 54_000  # split while the plain kernel runs fewer threads than this
 LONG_SPLIT_MIN_KEYS = 1024  # keys from which a long query block may split
 # True forces the split wherever it can run, False forbids it; None: GPU adapters, by the rule
@@ -330,7 +330,8 @@ def set_long_split(on: bool) -> None:
 
 def choose_long_split(dims: Dims, limits: Limits) -> Split | None:
     """The key split of a forward with a long query block (more than ``SPLIT_MAX_LQ`` query
-    rows a head) that saves no log-sum-exp, or None for the plain lane kernel: on a GPU
+    rows a head; with or without its log-sum-exp, which the merge then writes), or None for
+    the plain lane kernel: on a GPU
     adapter, with at least ``LONG_SPLIT_MIN_KEYS`` keys, when the plain kernel runs fewer than
     ``LONG_SPLIT_THREADS`` threads; chunks (whole tiles, at most ``SPLIT_MAX_CHUNKS``) bring the
     threads up to about that many. ``tuned.TUNED_SPLIT`` (H200-measured plan and chunks per
