@@ -175,8 +175,8 @@ def test_runtime_key_count_bit_identical(gpu_device, causal):
 def test_where_it_applies():
     """Whisper's encoder self-attention (1500 keys, 16-entry tiles: 8 vec4 registers a
     thread) prefetches on the H200's limits when it runs unsplit (its key split, the default
-    there, does not prefetch: the split was measured without); SmolLM2's 128-token forward (32-entry tiles: 16
-    registers) and a one-tile stream do not; the switch turns it off."""
+    there, does not prefetch: the split was measured without); SmolLM2's 128-token forward
+    (32-entry tiles: 16 registers) and a one-tile stream do not; the switch turns it off."""
 
     def fwd(lq, lk, d):
         b = GraphBuilder()
