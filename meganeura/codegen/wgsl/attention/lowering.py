@@ -39,9 +39,9 @@ def lower_attention(
     """The forward of a short query block over several tiles of keys (``plan.choose_split``),
     or of a long one on a lane plan with too few threads to fill the GPU
     (``plan.choose_long_split``; a forward that also writes its log-sum-exp is lowered by
-    ``lower_forward_lse``, which splits by the same rule): the split-key lane kernel and its merge
-    (``decode``). Otherwise the register-tiled kernel
-    (``block``) when a block plan fits the adapter, else the lane kernel (``lane``);
+    ``lower_forward_lse``, which splits by the same rule): the split-key lane kernel and its
+    merge (``decode``). Otherwise the register-tiled kernel (``block``) when a block plan
+    fits the adapter, else the lane kernel (``lane``);
     ``plan.BLOCK_OVERRIDE`` forces either. ``deferred``: split-K products the lane forward
     reads as the sums of their partials (``attention.summed`` plans them for it alone)."""
     if mode == "lse":  # the lane kernel only (the block kernel has no lse-only mode)

@@ -331,11 +331,12 @@ def set_long_split(on: bool) -> None:
 def choose_long_split(dims: Dims, limits: Limits) -> Split | None:
     """The key split of a forward with a long query block (more than ``SPLIT_MAX_LQ`` query
     rows a head; with or without its log-sum-exp, which the merge then writes), or None for
-    the plain lane kernel: on a GPU
-    adapter, with at least ``LONG_SPLIT_MIN_KEYS`` keys, when the plain kernel runs fewer than
-    ``LONG_SPLIT_THREADS`` threads; chunks (whole tiles, at most ``SPLIT_MAX_CHUNKS``) bring the
-    threads up to about that many. ``tuned.TUNED_SPLIT`` (H200-measured plan and chunks per
-    size) comes first; ``LONG_SPLIT_OVERRIDE`` forces (tests: on any adapter) or forbids it."""
+    the plain lane kernel. ``tuned.TUNED_SPLIT`` (plan and chunks measured on the H200 per
+    size) comes first on a GPU adapter; else the rule: on a GPU adapter, with at least
+    ``LONG_SPLIT_MIN_KEYS`` keys, when the plain kernel runs fewer than ``LONG_SPLIT_THREADS``
+    threads, chunks of whole tiles (at most ``SPLIT_MAX_CHUNKS``) bring the threads up to about
+    that many. ``LONG_SPLIT_OVERRIDE`` True forces the rule's split on any adapter (tests),
+    False forbids any."""
     if LONG_SPLIT_OVERRIDE is False or dims.lq <= SPLIT_MAX_LQ:
         return None
     from .tuned import TUNED_SPLIT
