@@ -9,7 +9,8 @@ thread's work and reads as they are and multiplies the threads by the chunk coun
 merge kernel (~rows x chunks x (Dv + 2) floats read).
 
 Each variant forces a lane plan (``plan.LANE_OVERRIDE``) and a chunk count (1: no split;
-``SPLIT_OVERRIDE`` with ``SPLIT_MAX_CHUNKS``), compiles the forward of ``bench/attention.py``,
+``SPLIT_OVERRIDE`` with ``SPLIT_MAX_CHUNKS``; the long split's own choice,
+``plan.choose_long_split``, is off), compiles the forward of ``bench/attention.py``,
 checks its output against torch and reports the GPU time of the partial kernel, the merge and
 their sum (``Session.profile``, median of ``--repeats``).
 
@@ -80,12 +81,14 @@ def main(argv: list[str] | None = None) -> dict:
               f"{'TFLOP/s':>8} {'vs torch':>8} {'err':>8}")  # fmt: skip
         for plan in plans:
             for nc in chunks:
+                # the forced split (SPLIT_OVERRIDE) in exactly nc chunks, or none at all: the
+                # long split's own rule and table (choose_long_split) stay out of the variants
                 attention_plan.LANE_OVERRIDE["fwd"] = plan
-                attention_plan.SPLIT_OVERRIDE = nc > 1 or None
+                attention_plan.SPLIT_OVERRIDE = nc > 1
+                long_split = attention_plan.LONG_SPLIT_OVERRIDE
+                attention_plan.LONG_SPLIT_OVERRIDE = False
                 saved = attention_plan.SPLIT_MAX_CHUNKS, attention_plan.SPLIT_TARGET_GROUPS
                 attention_plan.SPLIT_MAX_CHUNKS, attention_plan.SPLIT_TARGET_GROUPS = nc, 1 << 30
-                if nc == 1:
-                    attention_plan.SPLIT_OVERRIDE = False
                 try:
                     graph = build(b, hq, hkv, lq, lk, d, causal, False)
                     program, sess = compile_for(graph, device=device)
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
                 finally:
                     attention_plan.LANE_OVERRIDE.pop("fwd", None)
                     attention_plan.SPLIT_OVERRIDE = None
+                    attention_plan.LONG_SPLIT_OVERRIDE = long_split
                     attention_plan.SPLIT_MAX_CHUNKS, attention_plan.SPLIT_TARGET_GROUPS = saved
                 try:
                     sess.load_state_dict({n: arrays[n] for n in ("q", "k", "v")})

@@ -48,12 +48,11 @@ def lower_attention(
         return lower_flash(graph, node_id, limits, mode)
     dims = dims_of(graph, graph[node_id], mode)
     split = choose_split(dims, limits) if mode == "fwd" else None
-    if split is None and mode == "fwd" and not deferred:
-        if choose_block_plan(mode, dims, limits) is None:
-            split = choose_long_split(dims, limits)
+    plan = None if split is not None else choose_block_plan(mode, dims, limits)
+    if split is None and plan is None and mode == "fwd" and not deferred:
+        split = choose_long_split(dims, limits)
     if split is not None:
         return lower_split(graph, node_id, limits, split)
-    plan = choose_block_plan(mode, dims, limits)
     if plan is None:
         return lower_flash(graph, node_id, limits, mode, deferred=deferred)
     return lower_block(graph, node_id, limits, mode, dims, plan)

@@ -303,7 +303,17 @@ def choose_split(dims: Dims, limits: Limits) -> Split | None:
         dims.lq > SPLIT_MAX_LQ or groups >= SPLIT_BELOW_GROUPS or lk < SPLIT_MIN_KEYS
     ):
         return None
-    chunks = min(tiles, SPLIT_MAX_CHUNKS, max(2, -(-SPLIT_TARGET_GROUPS // groups)))
+    return _chunked(plan, lk, max(2, -(-SPLIT_TARGET_GROUPS // groups)))
+
+
+def _chunked(plan: Plan, lk: int, chunks: int) -> Split | None:
+    """``lk`` keys in about ``chunks`` chunks of whole tiles (at most ``SPLIT_MAX_CHUNKS``,
+    at most one a tile; fewer where the rounded length covers the keys sooner), or None below
+    two chunks."""
+    tiles = -(-lk // plan.tile)
+    chunks = min(tiles, SPLIT_MAX_CHUNKS, chunks)
+    if chunks < 2:
+        return None
     length = -(-tiles // chunks) * plan.tile
     return Split(plan, -(-lk // length), length)
 
@@ -345,24 +355,16 @@ def choose_long_split(dims: Dims, limits: Limits) -> Split | None:
     measured = TUNED_SPLIT.get(dims) if USE_TUNED[0] and not limits.cpu else None
     if measured is not None and LANE_OVERRIDE.get("fwd") is None:
         try:
-            plan = check_plan("fwd", dims, Plan(*measured[0]), limits)
-            tiles = -(-lk // plan.tile)
-            chunks = min(tiles, measured[1])
-        except ValueError:
-            measured = None
-    if measured is None:
-        if LONG_SPLIT_OVERRIDE is None and (limits.cpu or lk < LONG_SPLIT_MIN_KEYS):
-            return None
-        plan = choose_plan("fwd", dims, limits)
-        threads = dims.b * dims.hkv * -(-n_rows // plan.rows) * plan.size
-        if LONG_SPLIT_OVERRIDE is None and threads >= LONG_SPLIT_THREADS:
-            return None
-        tiles = -(-lk // plan.tile)
-        chunks = min(tiles, SPLIT_MAX_CHUNKS, max(2, -(-LONG_SPLIT_THREADS // threads)))
-    if chunks < 2:
+            return _chunked(check_plan("fwd", dims, Plan(*measured[0]), limits), lk, measured[1])
+        except ValueError:  # an adapter that cannot run the measured plan: the rule
+            pass
+    if LONG_SPLIT_OVERRIDE is None and (limits.cpu or lk < LONG_SPLIT_MIN_KEYS):
         return None
-    length = -(-tiles // chunks) * plan.tile
-    return Split(plan, -(-lk // length), length)
+    plan = choose_plan("fwd", dims, limits)
+    threads = dims.b * dims.hkv * -(-n_rows // plan.rows) * plan.size
+    if LONG_SPLIT_OVERRIDE is None and threads >= LONG_SPLIT_THREADS:
+        return None
+    return _chunked(plan, lk, max(2, -(-LONG_SPLIT_THREADS // threads)))
 
 
 # ---- register-tiled ("block") kernels: block.py ------------------------------------------
