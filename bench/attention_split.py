@@ -1,21 +1,25 @@
-"""Benchmark: the forward attention kernel with its keys split over workgroups (the
-flash-decoding split of ``codegen/wgsl/attention/decode.py``) at long query blocks, against
-the plain lane kernel and torch's SDPA (f32) in the same process.
+"""Benchmark: the lane attention kernels with their keys split over workgroups at long query
+blocks (``plan.choose_long_split``): the forward (the flash-decoding split of
+``codegen/wgsl/attention/decode.py``) and the query gradient (``dq_split``), against their
+plain lane kernel and torch (f32) in the same process.
 
 Why: at Whisper's 6 heads x 1500 x 64 the lane forward's best plans (2 lanes a row) run 9000
 rows x 2 threads, ~4 warps an H200 SM, and 291 us a layer (11.9 TFLOP/s); more lanes a row
 were slower (more distinct workgroup-memory addresses per read). A key split keeps each
 thread's work and reads as they are and multiplies the threads by the chunk count, for one
-merge kernel (~rows x chunks x (Dv + 2) floats read).
+merge kernel (~rows x chunks x (Dv + 2) floats read; dq: a sum of rows x chunks x D). dq's
+plain kernel (32 x 2 x 16 at Whisper) has the same thread count.
 
-Each variant forces a lane plan (``plan.LANE_OVERRIDE``) and a chunk count (1: no split;
-``SPLIT_OVERRIDE`` with ``SPLIT_MAX_CHUNKS``; the long split's own choice,
-``plan.choose_long_split``, is off), compiles the forward of ``bench/attention.py``,
-checks its output against torch and reports the GPU time of the partial kernel, the merge and
-their sum (``Session.profile``, median of ``--repeats``).
+Each variant forces a lane plan (``plan.LANE_OVERRIDE``), a chunk count (1: no split;
+``plan.LONG_SPLIT_CHUNKS``, ahead of the long split's own table and rule) and whether the
+chunks prefetch their next key tile (``tile_loads.set_split_prefetch``), compiles the forward
+of ``bench/attention.py`` (``--modes fwd``) or its training graph (``dq``: only the dq
+kernels are timed), checks the output (dq) against torch and reports the GPU time of the
+partial kernel, the merge or sum and their total (``Session.profile``, median of
+``--repeats``). torch's column is its SDPA forward (fwd) or forward plus backward (dq).
 
-Usage: python bench/attention_split.py [--quick] [--shapes whisper] [--chunks 1,2,3,4,6,8]
-    [--plans 32x2x16,64x2x16,16x2x16]
+Usage: python bench/attention_split.py [--quick] [--shapes whisper] [--modes fwd,dq]
+    [--chunks 1,2,3,4,6,8] [--plans 32x2x16,64x2x16,16x2x16] [--prefetch 0,1]
 """
 
 from __future__ import annotations
@@ -43,22 +47,58 @@ def _plans(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(x) for x in p.split("x")) for p in text.split(",") if p]  # type: ignore[misc]
 
 
+def _variant(mode: str, plan, chunks: int, fetching: bool):
+    """Switch the compiler to ``mode``'s lane ``plan`` in ``chunks`` key chunks (1: unsplit;
+    ``plan.LONG_SPLIT_CHUNKS``, ahead of the long split's own table and rule) with the chunks
+    prefetching or not; returns the function that puts every switch back."""
+    from meganeura.codegen.wgsl.attention import plan as attention_plan
+    from meganeura.codegen.wgsl.attention import tile_loads
+
+    saved = (attention_plan.LANE_OVERRIDE.get(mode), attention_plan.LONG_SPLIT_CHUNKS.get(mode))
+    prefetching = tile_loads.SPLIT_PREFETCH[0]
+    attention_plan.LANE_OVERRIDE[mode] = plan
+    attention_plan.LONG_SPLIT_CHUNKS[mode] = chunks
+    tile_loads.set_split_prefetch(fetching)
+
+    def restore() -> None:
+        for table, value in zip((attention_plan.LANE_OVERRIDE, attention_plan.LONG_SPLIT_CHUNKS),
+                                saved, strict=True):  # fmt: skip
+            if value is None:
+                table.pop(mode, None)
+            else:
+                table[mode] = value
+        tile_loads.set_split_prefetch(prefetching)
+
+    return restore
+
+
+def _is_mode(mode: str):
+    """Predicate on dispatch names: the kernels of ``mode`` (the forward's partial kernel or
+    plain kernel and its merge; dq's, with or without its delta, and their sum)."""
+    if mode == "dq":
+        return lambda n: "backward_query" in n
+    return lambda n: "backward" not in n and "scaled_dot_product_attention" in n
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap, "attention_split", repeats=20, warmup=5)
     ap.add_argument("--shapes", default="whisper", help="bench/attention.py CASES names")
+    ap.add_argument("--modes", default="fwd", help="fwd (the forward), dq (the query gradient "
+                    "of a training step, which computes its delta)")  # fmt: skip
     ap.add_argument("--chunks", default="1,2,3,4,6,8", help="key chunks (1: no split)")
     ap.add_argument("--plans", default="32x2x16,64x2x16,16x2x16,32x1x8",
                     help="lane plans rows x lanes x tile")  # fmt: skip
+    ap.add_argument("--prefetch", default="0", help="split chunks prefetching: 0, 1 or 0,1")
     args = ap.parse_args(argv)
     resolve_args(args)
-    from meganeura.codegen.wgsl.attention import plan as attention_plan
     from meganeura.training import compile_for
 
     device, torch, dev, rec = start(args)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     chunks = [int(c) for c in args.chunks.split(",")]
     plans = _plans(args.plans)
+    fetches = [bool(int(x)) for x in args.prefetch.split(",")]
     for name, b, hq, hkv, lq, lk, d, causal in CASES:
         if name not in args.shapes.split(","):
             continue
@@ -67,74 +107,90 @@ def main(argv: list[str] | None = None) -> dict:
         arrays = inputs(b, hq, hkv, lq, lk, d)
         tt = {n: torch.from_numpy(a).to(dev) for n, a in arrays.items()}
         gqa = hq != hkv
-
-        def t_fwd(tt=tt, causal=causal, gqa=gqa):
-            return sdpa(tt["q"], tt["k"], tt["v"], is_causal=causal, enable_gqa=gqa)
-
-        with torch.no_grad():
-            ref = to_numpy(t_fwd())
-            torch_ms = time_torch(t_fwd, dev, args.warmup, args.repeats)["median"]
-        work = flops(b, hq, lq, lk, d, causal)
         shape = f"B{b} Hq{hq} Hkv{hkv} Lq{lq} Lk{lk} D{d}{' causal' if causal else ''}"
-        print(f"\n{name}: {shape}; torch sdpa f32 {torch_ms * 1e3:.1f} us")
-        print(f"{'plan':<10} {'chunks':>6} {'partial':>8} {'merge':>8} {'sum us':>8} "
-              f"{'TFLOP/s':>8} {'vs torch':>8} {'err':>8}")  # fmt: skip
-        for plan in plans:
-            for nc in chunks:
-                # the forced split (SPLIT_OVERRIDE) in exactly nc chunks, or none at all: the
-                # long split's own rule and table (choose_long_split) stay out of the variants
-                attention_plan.LANE_OVERRIDE["fwd"] = plan
-                attention_plan.SPLIT_OVERRIDE = nc > 1
-                long_split = attention_plan.LONG_SPLIT_OVERRIDE
-                attention_plan.LONG_SPLIT_OVERRIDE = False
-                saved = attention_plan.SPLIT_MAX_CHUNKS, attention_plan.SPLIT_TARGET_GROUPS
-                attention_plan.SPLIT_MAX_CHUNKS, attention_plan.SPLIT_TARGET_GROUPS = nc, 1 << 30
-                try:
-                    graph = build(b, hq, hkv, lq, lk, d, causal, False)
-                    program, sess = compile_for(graph, device=device)
-                except ValueError as exc:  # a plan the adapter cannot run
-                    print(f"{'x'.join(map(str, plan)):<10} {nc:>6} skipped: {exc}")
-                    continue
-                finally:
-                    attention_plan.LANE_OVERRIDE.pop("fwd", None)
-                    attention_plan.SPLIT_OVERRIDE = None
-                    attention_plan.LONG_SPLIT_OVERRIDE = long_split
-                    attention_plan.SPLIT_MAX_CHUNKS, attention_plan.SPLIT_TARGET_GROUPS = saved
-                try:
-                    sess.load_state_dict({n: arrays[n] for n in ("q", "k", "v")})
-                    err = rel_err(sess.run({}, fetch=("o",))["o"], ref)
-                    preds = {
-                        "merge": lambda n: "merge" in n,
-                        "partial": lambda n: "merge" not in n,
-                    }
-                    prof = profile_ms(sess, {}, args.warmup, args.repeats, preds)
-                finally:
-                    sess.close()
-                kernels = [x.name for x in program.dispatches]
-                ms = prof["all"]["median"]
-                label = "x".join(map(str, plan))
-                row = result(
-                    f"sdpa_fwd_{name}_{label}_c{nc}",
-                    "ms",
-                    ms,
-                    torch_ms,
-                    shape=shape,
-                    plan=list(plan),
-                    chunks=nc,
-                    partial_ms=prof["partial"]["median"],
-                    merge_ms=prof["merge"]["median"],
-                    tflops=work / ms / 1e9,
-                    rel_err=err,
-                    kernels=kernels,
-                )
-                rec.add(
-                    row,
-                    f"{label:<10} {nc:>6} {prof['partial']['median'] * 1e3:8.1f} "
-                    f"{prof['merge']['median'] * 1e3:8.1f} {ms * 1e3:8.1f} "
-                    f"{row['tflops']:8.2f} {row['speedup']:8.2f} {err:8.1e}",
-                )
+        for mode in args.modes.split(","):
+            if mode == "fwd":
+
+                def t_side(tt=tt, causal=causal, gqa=gqa):
+                    return sdpa(tt["q"], tt["k"], tt["v"], is_causal=causal, enable_gqa=gqa)
+
+                with torch.no_grad():
+                    ref = to_numpy(t_side())
+                work, fetch = flops(b, hq, lq, lk, d, causal), "o"
+            else:  # dq of sum(o * go): torch's forward and backward, ours' dq kernels alone
+                q = tt["q"].clone().requires_grad_(True)
+
+                def t_side(q=q, tt=tt, causal=causal, gqa=gqa):
+                    o = sdpa(q, tt["k"], tt["v"], is_causal=causal, enable_gqa=gqa)
+                    return torch.autograd.grad(o, q, tt["go"])[0]
+
+                ref = to_numpy(t_side())
+                work, fetch = 1.5 * flops(b, hq, lq, lk, d, causal), "dq"  # dq: 3 of 2 d-dots
+            torch_ms = time_torch(t_side, dev, args.warmup, args.repeats)["median"]
+            what = "sdpa" if mode == "fwd" else "forward + backward"
+            print(f"\n{name} {mode}: {shape}; torch {what} f32 {torch_ms * 1e3:.1f} us")
+            print(f"{'plan':<10} {'chunks':>6} {'pref':>4} {'partial':>8} {'merge':>8} "
+                  f"{'sum us':>8} {'TFLOP/s':>8} {'vs torch':>8} {'err':>8}")  # fmt: skip
+            for plan in plans:
+                for nc in chunks:
+                    for fetching in fetches if nc > 1 else fetches[:1]:
+                        restore = _variant(mode, plan, nc, fetching)
+                        try:
+                            graph = build(b, hq, hkv, lq, lk, d, causal, mode == "dq")
+                            program, sess = compile_for(graph, device=device)
+                        except ValueError as exc:  # a plan the adapter cannot run
+                            print(f"{'x'.join(map(str, plan)):<10} {nc:>6} skipped: {exc}")
+                            continue
+                        finally:
+                            restore()
+                        variant = (name, plan, nc, fetching, shape, work, torch_ms)
+                        rec.add(*_measure(args, sess, program, arrays, mode, fetch, ref, variant))
     rec.finish()
     return {r["case"]: r for r in rec.rows}
+
+
+def _measure(args, sess, program, arrays, mode, fetch, ref, variant) -> tuple[dict, str]:
+    """(result row, printed line) of one compiled variant: its output against torch's, the GPU
+    time of its partial (or plain) kernel and of its merge or sum."""
+    name, plan, nc, fetching, shape, work, torch_ms = variant
+    mine = _is_mode(mode)
+    try:
+        names = ("q", "k", "v", "go") if mode == "dq" else ("q", "k", "v")
+        sess.load_state_dict({n: arrays[n] for n in names})
+        feeds: dict = {}
+        err = rel_err(sess.run(feeds, fetch=(fetch,))[fetch], ref)
+        preds = {
+            "mode": mine,
+            "merge": lambda n: mine(n) and (" merge " in n or " sum " in n),
+        }
+        prof = profile_ms(sess, feeds, args.warmup, args.repeats, preds)
+    finally:
+        sess.close()
+    kernels = [x.name for x in program.dispatches if mine(x.name)]
+    ms, merge = prof["mode"]["median"], prof["merge"]["median"]
+    label = "x".join(map(str, plan))
+    tag = "sdpa_fwd" if mode == "fwd" else "sdpa_dq"
+    row = result(
+        f"{tag}_{name}_{label}_c{nc}{'_prefetch' if fetching else ''}",
+        "ms",
+        ms,
+        torch_ms,
+        shape=shape,
+        mode=mode,
+        plan=list(plan),
+        chunks=nc,
+        prefetch=fetching,
+        partial_ms=ms - merge,
+        merge_ms=merge,
+        tflops=work / ms / 1e9,
+        rel_err=err,
+        kernels=kernels,
+    )
+    line = (
+        f"{label:<10} {nc:>6} {int(fetching):>4} {(ms - merge) * 1e3:8.1f} {merge * 1e3:8.1f} "
+        f"{ms * 1e3:8.1f} {row['tflops']:8.2f} {row['speedup']:8.2f} {err:8.1e}"
+    )
+    return row, line
 
 
 if __name__ == "__main__":

@@ -81,9 +81,15 @@ LEVERS = {
     # off: every kernel its own dispatch instead of independent neighbours packed into one
     # (meganeura.schedule.pack: W1 train 919 -> 739 dispatches, W3 train 588 -> 355)
     "pack": ("meganeura.schedule.pack", "set_enabled"),
-    # off: a long forward that saves no log-sum-exp runs the plain lane kernel instead of its
-    # keys split over workgroups plus a merge (W4 fwd: 283 -> 225 us a layer in isolation)
+    # off: a long forward (and, since the eighth session, its query gradient) runs the plain
+    # lane kernel instead of its keys split over workgroups plus a merge (W4 fwd: 283 -> 225
+    # us a layer in isolation)
     "attention_long_split": ("meganeura.codegen.wgsl.attention.plan", "set_long_split"),
+    # off: a long query gradient runs the plain lane kernel (forwards split as shipped)
+    "attention_dq_split": ("meganeura.codegen.wgsl.attention.plan", "set_dq_split"),
+    # off: the chunks of split attention kernels (fwd, dq) prefetch their next key tile within
+    # their chunk, as the unsplit kernels do (untimed before the eighth H200 session)
+    "attention_split_plain": ("meganeura.codegen.wgsl.attention.tile_loads", "set_split_plain"),
 }
 # the command-line flags of bench/dispatch_counts.py and bench/llm_profile.py: argparse dest ->
 # (lever, the flag's value that turns it on); split_members is off by default (measured slower)

@@ -1,7 +1,8 @@
 """Smoke test of ``bench/attention_split.py --quick`` on the test adapter: the chunk count it
-asks for is what the compiled forward runs (a partial kernel with that many chunks and a merge,
-or the plain kernel for one chunk, even where the long split would apply by itself), and every
-variant matches torch. No timing is asserted."""
+asks for is what the compiled forward and dq run (a partial kernel with that many chunks and a
+merge or sum, or the plain kernel for one chunk, even where the long split would apply by
+itself), prefetching chunks when asked, and every variant matches torch. No timing is
+asserted."""
 
 from __future__ import annotations
 
@@ -10,17 +11,32 @@ from bench.attention_split import main
 
 def test_attention_split_quick(gpu_device, monkeypatch):
     from meganeura.codegen.wgsl.attention import plan as attention_plan
+    from meganeura.codegen.wgsl.attention import tile_loads
 
     # as on a GPU, where the long split applies by itself: one chunk must still mean unsplit
     monkeypatch.setattr(attention_plan, "LONG_SPLIT_OVERRIDE", True)
-    rows = main(["--quick", "--chunks", "1,3", "--plans", "16x2x16", "--repeats", "1",
-                 "--warmup", "1", "--out-name", "attention_split_smoke"])  # fmt: skip
-    plain, split = rows["sdpa_fwd_whisper_16x2x16_c1"], rows["sdpa_fwd_whisper_16x2x16_c3"]
-    assert [k.split(" ", 1)[1] for k in plain["kernels"]] == ["scaled_dot_product_attention fwd"]
-    assert [k.split(" ", 1)[1] for k in split["kernels"]] == [
-        "scaled_dot_product_attention fwd split 3x32",
-        "scaled_dot_product_attention merge 3",
-    ]
-    assert plain["merge_ms"] == 0 and split["merge_ms"] > 0
-    assert max(plain["rel_err"], split["rel_err"]) <= 1e-5
-    assert attention_plan.LONG_SPLIT_OVERRIDE is True  # restored after each variant
+    rows = main(["--quick", "--modes", "fwd,dq", "--chunks", "1,3", "--plans", "16x2x16",
+                 "--prefetch", "0,1", "--repeats", "1", "--warmup", "1",
+                 "--out-name", "attention_split_smoke"])  # fmt: skip
+    sdpa, dq = "scaled_dot_product_attention", "scaled_dot_product_attention_backward_query"
+    want = {
+        "sdpa_fwd_whisper_16x2x16_c1": [f"{sdpa} fwd"],
+        "sdpa_fwd_whisper_16x2x16_c3": [f"{sdpa} fwd split 3x32", f"{sdpa} merge 3"],
+        "sdpa_fwd_whisper_16x2x16_c3_prefetch": [f"{sdpa} fwd split 3x32", f"{sdpa} merge 3"],
+        "sdpa_dq_whisper_16x2x16_c1": [f"{dq} dq+delta"],
+        "sdpa_dq_whisper_16x2x16_c3": [f"{dq} dq+delta split 3x32", f"{dq} dq+delta sum 3"],
+        "sdpa_dq_whisper_16x2x16_c3_prefetch": [
+            f"{dq} dq+delta split 3x32",
+            f"{dq} dq+delta sum 3",
+        ],
+    }
+    assert sorted(rows) == sorted(want)
+    for case, kernels in want.items():
+        row = rows[case]
+        assert [k.split(" ", 1)[1] for k in row["kernels"]] == kernels, case
+        assert (row["merge_ms"] > 0) == (row["chunks"] > 1), case
+        assert row["rel_err"] <= 1e-5, case
+    # every switch put back after each variant
+    assert attention_plan.LONG_SPLIT_OVERRIDE is True
+    assert attention_plan.LONG_SPLIT_CHUNKS == {} and attention_plan.LANE_OVERRIDE == {}
+    assert tile_loads.SPLIT_PREFETCH == [False]

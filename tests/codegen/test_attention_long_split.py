@@ -1,8 +1,8 @@
-"""Split-key forward attention for long query blocks (``plan.choose_long_split``): the rule on
-the H200's limits (its measured table and the thread-count rule), where it never applies
-(CPU adapters, decode-sized blocks, short key streams, a forward that writes its
-log-sum-exp), and the split kernels against float64 torch SDPA over several row tiles and
-chunks."""
+"""Split-key attention for long query blocks (``plan.choose_long_split``), the forward and the
+query gradient: the rule on the H200's limits (its measured table and the thread-count rule),
+where it never applies (CPU adapters, decode-sized blocks, short key streams, batches that
+fill the GPU), and the split kernels against float64 torch SDPA and autograd over several
+row tiles and chunks."""
 
 from __future__ import annotations
 
@@ -69,6 +69,23 @@ def test_no_long_split_where_it_cannot_help(dims, limits, monkeypatch):
     assert choose_long_split(dims, limits) is None
 
 
+def test_whisper_query_gradient_splits_by_the_rule():
+    plan = attention_plan.choose_plan("dq", WHISPER, H200_LIMITS)
+    threads = 6 * -(-1500 // plan.rows) * plan.size
+    s = choose_long_split(WHISPER, H200_LIMITS, "dq")
+    assert s.plan == plan and s.chunks == -(-attention_plan.LONG_SPLIT_THREADS // threads) > 1
+    with pytest.raises(ValueError, match="mode 'dkv' is not one of"):
+        choose_long_split(WHISPER, H200_LIMITS, "dkv")
+
+
+def test_forced_chunks_come_first(long_split, monkeypatch):
+    long_split(False)
+    monkeypatch.setitem(attention_plan.LONG_SPLIT_CHUNKS, "dq", 4)
+    assert choose_long_split(WHISPER, CPU, "dq").chunks == 4
+    monkeypatch.setitem(attention_plan.LONG_SPLIT_CHUNKS, "fwd", 1)  # one chunk: unsplit
+    assert choose_long_split(WHISPER, H200_LIMITS) is None
+
+
 def test_override_forbids_and_forces(long_split):
     long_split(False)
     assert choose_long_split(WHISPER, H200_LIMITS) is None
@@ -117,6 +134,9 @@ def test_whisper_forward_splits_with_and_without_its_log_sum_exp():
         "scaled_dot_product_attention merge 3",
     ]
     assert not any(n.endswith(" fwd+lse") or "_lse" in n for n in sdpa)  # no lse pass of its own
+    # its query gradient splits its keys too, computing the delta pairs in the partial kernel
+    dq = "scaled_dot_product_attention_backward_query dq+delta"
+    assert sdpa[2:4] == [f"{dq} split 3x512", f"{dq} sum 3"]
 
 
 # ---- values (GPU) -----------------------------------------------------------------------------
@@ -161,19 +181,30 @@ def test_long_split_forward_matches_torch(case, long_split, gpu_device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("delta", [True, False], ids=["dq_delta", "dq_alone"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gradients_through_a_split_forward_match_float64_autograd(causal, long_split, gpu_device):
-    """The backward recomputes probabilities from the lse the merge wrote: its gradients,
-    and the forward's output, against torch autograd in float64."""
+def test_gradients_through_split_kernels_match_float64_autograd(
+    causal, delta, long_split, gpu_device, monkeypatch
+):
+    """The backward recomputes probabilities from the lse the merge wrote, and its query
+    gradient splits its keys too (4 chunks of 16 keys; causal: the first row tiles' later
+    chunks are empty and write zeros): its gradients, and the forward's output, against
+    torch autograd in float64, with the dq kernel computing its delta or reading it."""
     hq, hkv, lq, lk, d = 4, 2, 50, 70, 16
+    from meganeura.codegen.wgsl.attention import dq_delta
     from meganeura.runtime import Session
     from meganeura.training import device_limits
 
+    monkeypatch.setattr(dq_delta, "ENABLED", [delta])
+    monkeypatch.setitem(attention_plan.LANE_OVERRIDE, "dq", (8, 2, 16))
     graph, _ = _backward(hq, hkv, lq, lk, d, d, is_causal=causal)
     long_split(True)
     program = compile(graph, CompileOptions(), device_limits(gpu_device))
-    names = [x.name for x in program.dispatches]
+    names = [x.name.split(" ", 1)[1] for x in program.dispatches]
     assert any("fwd+lse split" in n for n in names), names
+    dq = "dq+delta" if delta else "dq"
+    assert f"scaled_dot_product_attention_backward_query {dq} split 5x16" in names, names
+    assert f"scaled_dot_product_attention_backward_query {dq} sum 5" in names, names
     rng = np.random.default_rng(11)
     feeds = {
         "q": rng.standard_normal((1, hq, lq, d)),

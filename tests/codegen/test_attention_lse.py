@@ -62,12 +62,14 @@ def test_forward_writes_lse_at_its_position_on_h200_limits():
     (one pass over the keys fewer), placed before everything that reads the forward's
     output; the dq kernel computes delta (``dq_delta``); dk and dv stay two kernels there
     (the lane dkv spills: plan.fuses_key_value). The forward splits its keys there
-    (``plan.choose_long_split``): its merge, right after it, writes the output and the lse."""
+    (``plan.choose_long_split``): its merge, right after it, writes the output and the lse;
+    so does dq."""
     graph = _whisper_sized(1500)
     program = compile(graph, CompileOptions(), H200)
     names = [d.name for d in program.dispatches]
     att = [n.split()[2] for n in names if "attention" in n]
-    assert att == ["fwd+lse", "merge", "dq+delta", "dk", "dv"]  # delta in dq's (dq_delta)
+    # delta in dq's (dq_delta); dq splits its keys too: its partial kernel, then their sum
+    assert att == ["fwd+lse", "merge", "dq+delta", "dq+delta", "dk", "dv"]
     assert names[0].split()[1:3] == [SDPA, "fwd+lse"]  # the forward's position: first
 
 

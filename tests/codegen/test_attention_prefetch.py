@@ -205,17 +205,23 @@ def _training(qs, ks, causal):
     return compile(b.build(), options, H200_LIMITS)
 
 
-WHISPER_FWD = {"fwd+lse split 3x504": "", "merge 3": ""}
+# Whisper's forward and dq split their keys (plan.choose_long_split); the chunks do not prefetch
+WHISPER_FWD = {
+    "fwd+lse split 3x504": "",
+    "merge 3": "",
+    "dq+delta split 3x512": "",
+    "dq+delta sum 3": "",
+}
 # (workload, plan.FUSE_KEY_VALUE, plan.DKV_HALF) -> {attention dispatch: prefetched segments}
 # on the H200's limits, 8 vec4 registers a thread each (none for SmolLM2's dv)
 H200_SEGMENTS = {
-    # Whisper's encoder (1 x 6 x 1500 x 64): 32 rows x 2 lanes, 16-entry tiles (4 + 4 + 1
-    # registers: the stats are copied between the barriers); dkv half's 16-entry tiles: q and
-    # dO; the forward splits its keys (plan.choose_long_split), and its chunks do not prefetch
-    ("whisper", None, None): {**WHISPER_FWD, "dq+delta": "k+v", "dkv half": "q+g"},
-    ("whisper", None, False): {**WHISPER_FWD, "dq+delta": "k+v", "dk": "q+g", "dv": "q+g"},
+    # Whisper's encoder (1 x 6 x 1500 x 64): dk and dv 32 rows x 2 lanes, 16-entry tiles (4 +
+    # 4 + 1 registers: the stats are copied between the barriers); dkv half's 16-entry tiles:
+    # q and dO
+    ("whisper", None, None): {**WHISPER_FWD, "dkv half": "q+g"},
+    ("whisper", None, False): {**WHISPER_FWD, "dk": "q+g", "dv": "q+g"},
     # the lane dkv keeps k, v, dk and dv in one thread: no prefetch registers on top
-    ("whisper", True, False): {**WHISPER_FWD, "dq+delta": "k+v", "dkv": ""},
+    ("whisper", True, False): {**WHISPER_FWD, "dkv": ""},
     # SmolLM2 (9 / 3 heads x 128, causal): the tuned plans; dk 2 x 32 with 32-entry tiles (q:
     # 8 registers), dv 4 x 16 with 64-entry tiles (q: 16, none); the lane dkv none
     ("smollm2", None, None): {"fwd+lse": "k+v", "dq+delta": "k+v", "dkv": ""},
@@ -274,3 +280,22 @@ def test_dkv_half_16_entry_tiles_same_bits(gpu_device, monkeypatch):
             got.append(s.run(feeds, ["k.grad", "v.grad"]))
     for name in ("k.grad", "v.grad"):
         np.testing.assert_array_equal(got[0][name], got[1][name], err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["gqa_causal", "causal_cross"])
+def test_split_chunks_prefetch_bit_identical(gpu_device, case, monkeypatch):
+    """With ``tile_loads.set_split_prefetch`` the chunks of the split forward and dq prefetch
+    their next key tile within their chunk (k and v); outputs and gradients are the bits of
+    the chunks that do not."""
+    monkeypatch.setattr(attention_plan, "LONG_SPLIT_OVERRIDE", True)
+    monkeypatch.setitem(attention_plan.LANE_OVERRIDE, "fwd", (8, 2, 8))
+    monkeypatch.setitem(attention_plan.LANE_OVERRIDE, "dq", (8, 2, 8))
+
+    def check(plain, fetching):
+        for program, want in ((plain, ""), (fetching, "k+v")):
+            split = {k: v for k, v in _segments(program).items() if " split " in k}
+            assert len(split) == 2 and set(split.values()) == {want}, split
+
+    run_both(gpu_device, tile_loads.set_split_plain, CASES[case], "strict", check, out=True)
+    assert tile_loads.SPLIT_PREFETCH == [False]

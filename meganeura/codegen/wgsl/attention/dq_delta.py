@@ -19,7 +19,7 @@ from ....ops.attention import BWD_Q, DELTA
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from .common import dims_of, load4
-from .plan import choose_block_plan
+from .plan import choose_block_plan, choose_long_split
 
 ENABLED = [True]  # bench A/B switch (``set_enabled``); never changed by the compiler
 # the fused dq kernel's storage bindings besides the mask / key count: q k v dO lse out | dq pairs
@@ -79,10 +79,17 @@ def lower_dq_delta(
     graph: Graph, delta_node: int, dq_node: int, limits: Limits
 ) -> list[KernelSource]:
     """One dispatch writing dq (node ``dq_node``) and the ``(lse, delta)`` pairs of node
-    ``delta_node``, at dq's position. Named ``%<delta>+<dq> ..._backward_query dq+delta``."""
-    from .lane import lower_flash  # lane imports this module
+    ``delta_node``, at dq's position. Named ``%<delta>+<dq> ..._backward_query dq+delta``.
+    A long query block that ``plan.choose_long_split`` splits is two: ``dq+delta split CxL``
+    (the chunks' parts of dq, the pairs) and ``dq+delta sum C`` (``dq_split``)."""
+    from .dq_split import lower_dq_split  # both import lane, which imports this module
+    from .lane import lower_flash
 
-    kernels = lower_flash(graph, dq_node, limits, "dq", delta_node=delta_node)
+    split = choose_long_split(dims_of(graph, graph[dq_node], "dq"), limits, "dq")
+    if split is None:
+        kernels = lower_flash(graph, dq_node, limits, "dq", delta_node=delta_node)
+    else:
+        kernels = lower_dq_split(graph, dq_node, limits, split, delta_node)
     head = f"%{dq_node} {BWD_Q} dq"
     name = f"%{delta_node}+{dq_node} {BWD_Q} dq+delta"
     return [replace(ks, name=name + ks.name.removeprefix(head)) for ks in kernels]

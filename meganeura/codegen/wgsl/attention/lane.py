@@ -53,13 +53,15 @@ def lower_flash(
     writes that ``..._lse`` node's per-row log-sum-exp (``plan_attention_lse``); ``lse`` mode
     computes it alone (one pass over the keys, no output row). With ``delta_node`` (``dq``)
     the kernel computes and writes that ``..._delta`` node's pairs itself (``dq_delta``).
-    With ``split`` (``fwd`` only, ``plan.choose_split``) the keys are cut into ``split.chunks``
-    chunks of ``split.length``, one workgroup per (row tile, chunk), each writing its rows'
-    unnormalized state (max m, sum l, output row) to the scratch ``PARTIALS`` for
-    ``decode.lower_merge``. With ``prologue`` (``fwd``) the queries are read unrotated and
-    rotated in registers, and either the workgroup first writes its kv head's new keys and
-    values into the caches it streams (``rope_attention``) or each key tile is rotated as it
-    is copied to workgroup memory (``rope_prefill``). ``deferred``: split-K products read as
+    With ``split`` (``fwd`` and ``dq``; ``plan.choose_split``, ``plan.choose_long_split``) the
+    keys are cut into ``split.chunks`` chunks of ``split.length``, one workgroup per (row
+    tile, chunk), each writing to the scratch ``PARTIALS`` its rows' unnormalized state (max
+    m, sum l, output row) for ``decode.lower_merge``, or (``dq``) its rows' unscaled part of
+    dq for ``dq_split.lower_dq_sum`` (chunk 0 stores the delta pairs). With ``prologue``
+    (``fwd``) the queries are read unrotated and rotated in registers, and either the
+    workgroup first writes its kv head's new keys and values into the caches it streams
+    (``rope_attention``) or each key tile is rotated as it is copied to workgroup memory
+    (``rope_prefill``). ``deferred``: split-K products read as
     the sums of their partials (``attention.summed``)."""
     node = graph[node_id]
     ins = node.inputs
@@ -71,8 +73,8 @@ def lower_flash(
     tiles = -(-n_rows // plan.rows)
     if node.type.numel == 0:
         return []
-    if split is not None and mode != "fwd":
-        raise ValueError(f"split keys are for the forward only, not {mode!r}")
+    if split is not None and mode not in ("fwd", "dq"):
+        raise ValueError(f"split keys are for the forward and dq only, not {mode!r}")
     chunks = 1 if split is None else split.chunks
 
     kb = KernelBuilder(graph, node, limits, deferred)
@@ -90,8 +92,8 @@ def lower_flash(
     total, layout = shared_layout(mode, dims, plan)
     if split is None:
         outs = {"out": kb.write(node_id, "out")}
-    else:
-        count = b * hq * lq * chunks * (dv + 2)
+    else:  # per (row, chunk): fwd (m, l, output row), dq its unscaled row of dq
+        count = b * hq * lq * chunks * (dv + 2 if mode == "fwd" else d)
         outs = {"out": kb.scratch(PARTIALS, count, node.type.dtype, "part")}
     k = _Kernel(mode, dims, plan, layout, src, mask, strides,
                 f32_literal(node.attr("scale")), bool(node.attr("is_causal")), kvlen,
@@ -198,7 +200,12 @@ def _finish(k: _Kernel, kb: KernelBuilder, outs: dict[str, str]) -> list[str]:
     d, dv = k.dims.d, k.dims.dv
     out = outs["out"]
     lines = ["  if (live && t == 0u) {" if k.plan.lanes > 1 else "  if (live) {"]
-    if k.split is not None:  # unnormalized partial state: m, l, then the output row
+    if k.split is not None and k.mode == "dq":  # this chunk's part of dq, unscaled
+        lines.append(f"    let pb = (qrow * {u(k.split.chunks)} + chunk) * {u(d)};")
+        lines += _store(kb, out, "pb", d, k.dims.d4)
+        if "delta" in outs:  # every chunk computed it; the first stores it
+            lines += ["    if (chunk == 0u) {", *delta_stores(kb, outs["delta"]), "    }"]
+    elif k.split is not None:  # unnormalized partial state: m, l, then the output row
         n = dv + 2
         lines += [
             f"    let pb = (qrow * {u(k.split.chunks)} + chunk) * {u(n)};",

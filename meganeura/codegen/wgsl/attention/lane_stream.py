@@ -45,7 +45,7 @@ from .plan import (
     accumulators,
     extents,
 )
-from .tile_loads import load_tile, prefetch
+from .tile_loads import SPLIT_PREFETCH, load_tile, prefetch
 from .tile_loads import set_prefetch as set_prefetch  # the lever's switch, re-exported
 
 
@@ -63,7 +63,7 @@ class _Kernel:
     scale: str
     causal: bool
     kvlen: Src | None = None
-    split: Split | None = None  # fwd only: this workgroup's key chunk, partials to scratch
+    split: Split | None = None  # fwd, dq: this workgroup's key chunk, partials to scratch
     kb: KernelBuilder | None = None  # with split: stores of empty chunks' states to ``out``
     out: str = ""
     # fwd: ``rope_attention.RopePrologue`` (rotation, cache writes), ``rope_prefill.RopeLoads``
@@ -126,35 +126,53 @@ def _stream_loops(k: _Kernel) -> list[str]:
         loads += load_tile(k, "v", k.src["v"], row, dv, stores)
     loads += stores or []
     body = ["    workgroupBarrier();", *loads, "    workgroupBarrier();", *_entries(k)]
-    # a prologue's key copy, a split or a single tile: no prefetch; both segments or none
+    # a prologue's key copy, a split (unless SPLIT_PREFETCH) or a single tile: no prefetch;
+    # both segments or none
     segs = [("k", d)] + ([("v", dv)] if k.mode in ("fwd", "dq") else [])
+    start, end = ("0u", "s_end") if k.split is None else ("s_begin", "s_stop")
     fetch = None
-    if not (short or hasattr(k.prologue, "key_tile") or k.split is not None or lk <= BS):
-        fetch = prefetch(k, segs, k.src, row, "0u", "s_end", partial=False)
+    split_off = k.split is not None and not SPLIT_PREFETCH[0]
+    if not (short or hasattr(k.prologue, "key_tile") or split_off or lk <= BS):
+        fetch = prefetch(k, segs, k.src, row, start, end, partial=False)
     lines = key_end(k.kvlen, k.causal, R, k.n_rows, lq, lk)
     if k.split is not None:  # this workgroup's chunk of keys only
         c = u(k.split.length)
         lines += [f"  let s_begin = chunk * {c};", f"  let s_stop = min(s_end, s_begin + {c});"]
-        # a chunk past the last key (decoding: most of the cache) stores only an empty state
-        # (m lowest, l = 0; the merge ignores its output row) and leaves; s_stop is uniform
+        # a chunk past the last key (decoding: most of the cache; a causal dq tile's later
+        # chunks) stores only an empty state and leaves; s_stop is uniform
         lines += [
             "  if (s_begin >= s_stop) {",
             "    if (live && t == 0u) {" if k.plan.lanes > 1 else "    if (live) {",
-            f"      let pb = (qrow * {u(k.split.chunks)} + chunk) * {u(k.dims.dv + 2)};",
-            f"      {k.kb.store(k.out, 'pb', LOWEST)}",
-            f"      {k.kb.store(k.out, 'pb + 1u', '0.0')}",
+            *_empty_chunk(k),
             "    }",
             "    return;",
             "  }",
         ]
-        loop = f"  for (var s0 = s_begin; s0 < s_stop; s0 = s0 + {u(BS)}) {{"
-    else:
-        loop = f"  for (var s0 = 0u; s0 < s_end; s0 = s0 + {u(BS)}) {{"
-        if fetch is not None:
-            decls, first, copies, following = fetch
-            body = ["    workgroupBarrier();", *copies, "    workgroupBarrier();", *following]
-            return lines + decls + first + [loop, *body, *_entries(k), "  }"]
+    loop = f"  for (var s0 = {start}; s0 < {end}; s0 = s0 + {u(BS)}) {{"
+    if fetch is not None:
+        decls, first, copies, following = fetch
+        body = ["    workgroupBarrier();", *copies, "    workgroupBarrier();", *following]
+        return lines + decls + first + [loop, *body, *_entries(k), "  }"]
     return lines + [loop, *body, "  }"]
+
+
+def _empty_chunk(k: _Kernel) -> list[str]:
+    """Stores of a split chunk with no key to stream: the forward's state m = lowest, l = 0
+    (the merge ignores its output row), or a zero part of dq. Chunk 0, which stores a dq's
+    delta pairs, is never empty there: a gradient has no runtime key count, so every row
+    tile streams key 0."""
+    store = k.kb.store
+    if k.mode == "fwd":
+        return [
+            f"      let pb = (qrow * {u(k.split.chunks)} + chunk) * {u(k.dims.dv + 2)};",
+            f"      {store(k.out, 'pb', LOWEST)}",
+            f"      {store(k.out, 'pb + 1u', '0.0')}",
+        ]
+    d = k.dims.d
+    return [
+        f"      let pb = (qrow * {u(k.split.chunks)} + chunk) * {u(d)};",
+        f"      for (var c = 0u; c < {u(d)}; c = c + 1u) {{ {store(k.out, 'pb + c', '0.0')} }}",
+    ]
 
 
 def key_row_loops(k: _Kernel, entries: list[str], prefetching: bool = True) -> list[str]:

@@ -21,8 +21,10 @@ from .block import lower_block
 from .common import dims_of, load4
 from .decode import lower_split
 from .dkv_half import lower_dkv_half
+from .dq_split import lower_dq_split
 from .lane import lower_flash
 from .plan import (
+    LONG_SPLIT_MODES,
     choose_block_plan,
     choose_long_split,
     choose_plan,
@@ -40,17 +42,22 @@ def lower_attention(
     or of a long one on a lane plan with too few threads to fill the GPU
     (``plan.choose_long_split``; a forward that also writes its log-sum-exp is lowered by
     ``lower_forward_lse``, which splits by the same rule): the split-key lane kernel and its
-    merge (``decode``). Otherwise the register-tiled kernel (``block``) when a block plan
-    fits the adapter, else the lane kernel (``lane``);
-    ``plan.BLOCK_OVERRIDE`` forces either. ``deferred``: split-K products the lane forward
-    reads as the sums of their partials (``attention.summed`` plans them for it alone)."""
+    merge (``decode``). A long query block's query gradient splits by that rule too: the
+    split-key kernel and the sum of its parts (``dq_split``; a dq that computes its delta is
+    lowered by ``dq_delta.lower_dq_delta``, which splits alike). Otherwise the
+    register-tiled kernel (``block``) when a block plan fits the adapter, else the lane
+    kernel (``lane``); ``plan.BLOCK_OVERRIDE`` forces either. ``deferred``: split-K
+    products the lane forward reads as the sums of their partials (``attention.summed``
+    plans them for it alone)."""
     if mode == "lse":  # the lane kernel only (the block kernel has no lse-only mode)
         return lower_flash(graph, node_id, limits, mode)
     dims = dims_of(graph, graph[node_id], mode)
     split = choose_split(dims, limits) if mode == "fwd" else None
     plan = None if split is not None else choose_block_plan(mode, dims, limits)
-    if split is None and plan is None and mode == "fwd" and not deferred:
-        split = choose_long_split(dims, limits)
+    if split is None and plan is None and mode in LONG_SPLIT_MODES and not deferred:
+        split = choose_long_split(dims, limits, mode)
+    if split is not None and mode == "dq":
+        return lower_dq_split(graph, node_id, limits, split)
     if split is not None:
         return lower_split(graph, node_id, limits, split)
     if plan is None:

@@ -325,42 +325,72 @@ def _chunked(plan: Plan, lk: int, chunks: int) -> Split | None:
 # Measured on the H200 (bench/attention_split.py, attention_split_h200.json, us, partial + merge):
 # 32x2x16: 283 unsplit, 280 / 248 / 272 / 261 in 2 / 3 / 4 / 6 chunks; 32x1x8: 296 unsplit, 225
 # in 3. A training forward splits too: its merge writes the rows' log-sum-exp (``fwd+lse``).
+# The query gradient (``dq``, rows are queries too, 18,000 threads at Whisper on its 32x2x16
+# plan) splits the same way: each chunk sums its keys' part of dq, a second kernel adds the
+# chunks' parts in chunk order (``dq_split``).
+LONG_SPLIT_MODES = ("fwd", "dq")  # the lane modes whose keys a long query block may split
 LONG_SPLIT_THREADS = 54_000  # split while the plain kernel runs fewer threads than this
 LONG_SPLIT_MIN_KEYS = 1024  # keys from which a long query block may split
 # True forces the split wherever it can run, False forbids it; None: GPU adapters, by the rule
 LONG_SPLIT_OVERRIDE: bool | None = None
+# mode -> chunk count forcing that many chunks (1: unsplit) on the mode's plan (``choose_plan``)
+# for every long query block, ahead of the override, the table and the rule. For benchmarks
+# (bench/attention_split.py); empty by default.
+LONG_SPLIT_CHUNKS: dict[str, int] = {}
 
 
 def set_long_split(on: bool) -> None:
-    """Let long forwards split their keys by the rule (on, the default) or never (off), for
-    programs compiled from now on (bench/lever_ab.py's ``attention_long_split``)."""
+    """Let long forwards and query gradients split their keys by the rule (on, the default)
+    or never (off), for programs compiled from now on (bench/lever_ab.py's
+    ``attention_long_split``)."""
     global LONG_SPLIT_OVERRIDE
     LONG_SPLIT_OVERRIDE = None if on else False
 
 
-def choose_long_split(dims: Dims, limits: Limits) -> Split | None:
-    """The key split of a forward with a long query block (more than ``SPLIT_MAX_LQ`` query
-    rows a head; with or without its log-sum-exp, which the merge then writes), or None for
-    the plain lane kernel. ``tuned.TUNED_SPLIT`` (plan and chunks measured on the H200 per
-    size) comes first on a GPU adapter; else the rule: on a GPU adapter, with at least
-    ``LONG_SPLIT_MIN_KEYS`` keys, when the plain kernel runs fewer than ``LONG_SPLIT_THREADS``
-    threads, chunks of whole tiles (at most ``SPLIT_MAX_CHUNKS``) bring the threads up to about
-    that many. ``LONG_SPLIT_OVERRIDE`` True forces the rule's split on any adapter (tests),
-    False forbids any."""
-    if LONG_SPLIT_OVERRIDE is False or dims.lq <= SPLIT_MAX_LQ:
+def set_dq_split(on: bool) -> None:
+    """Let long query gradients split their keys as ``choose_long_split`` says (on, the
+    default) or never (off: ``LONG_SPLIT_CHUNKS["dq"] = 1``), forwards unchanged, for programs
+    compiled from now on (bench/lever_ab.py's ``attention_dq_split``)."""
+    if on:
+        LONG_SPLIT_CHUNKS.pop("dq", None)
+    else:
+        LONG_SPLIT_CHUNKS["dq"] = 1
+
+
+def choose_long_split(dims: Dims, limits: Limits, mode: str = "fwd") -> Split | None:
+    """The key split of a ``mode`` kernel (``LONG_SPLIT_MODES``: a forward, with or without
+    its log-sum-exp, which the merge then writes; or a query gradient) with a long query block
+    (more than ``SPLIT_MAX_LQ`` query rows a head), or None for the plain lane kernel.
+    ``LONG_SPLIT_CHUNKS`` (benchmarks) comes first; then ``tuned.TUNED_SPLIT`` (plan and
+    chunks measured on the H200 per mode and size) on a GPU adapter; else the rule: on a GPU
+    adapter, with at least ``LONG_SPLIT_MIN_KEYS`` keys, when the plain kernel runs fewer than
+    ``LONG_SPLIT_THREADS`` threads, chunks of whole tiles (at most ``SPLIT_MAX_CHUNKS``) bring
+    the threads up to about that many. ``LONG_SPLIT_OVERRIDE`` True forces the rule's split on
+    any adapter (tests), False forbids any.
+
+    Raises:
+        ValueError: for a mode outside ``LONG_SPLIT_MODES``.
+    """
+    if mode not in LONG_SPLIT_MODES:
+        raise ValueError(f"long split: mode {mode!r} is not one of {LONG_SPLIT_MODES}")
+    if dims.lq <= SPLIT_MAX_LQ:
+        return None
+    n_rows, lk = extents(mode, dims)
+    if mode in LONG_SPLIT_CHUNKS:
+        return _chunked(choose_plan(mode, dims, limits), lk, LONG_SPLIT_CHUNKS[mode])
+    if LONG_SPLIT_OVERRIDE is False:
         return None
     from .tuned import TUNED_SPLIT
 
-    n_rows, lk = extents("fwd", dims)
-    measured = TUNED_SPLIT.get(dims) if USE_TUNED[0] and not limits.cpu else None
-    if measured is not None and LANE_OVERRIDE.get("fwd") is None:
+    measured = TUNED_SPLIT.get((mode, dims)) if USE_TUNED[0] and not limits.cpu else None
+    if measured is not None and LANE_OVERRIDE.get(mode) is None:
         try:
-            return _chunked(check_plan("fwd", dims, Plan(*measured[0]), limits), lk, measured[1])
+            return _chunked(check_plan(mode, dims, Plan(*measured[0]), limits), lk, measured[1])
         except ValueError:  # an adapter that cannot run the measured plan: the rule
             pass
     if LONG_SPLIT_OVERRIDE is None and (limits.cpu or lk < LONG_SPLIT_MIN_KEYS):
         return None
-    plan = choose_plan("fwd", dims, limits)
+    plan = choose_plan(mode, dims, limits)
     threads = dims.b * dims.hkv * -(-n_rows // plan.rows) * plan.size
     if LONG_SPLIT_OVERRIDE is None and threads >= LONG_SPLIT_THREADS:
         return None

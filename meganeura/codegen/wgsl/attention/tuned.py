@@ -45,10 +45,10 @@ TUNED: dict[tuple[str, Dims], tuple[int, int, int]] = {
     ("dv", SMOLVLA_CROSS): (8, 16, 32),  # 23.9 -> 22.1
 }
 
-# Forwards that split their keys over workgroups (``plan.choose_long_split``): Dims -> (lane
-# plan, chunks), measured on the H200 (bench/attention_split.py, 2026-12-03, seventh session,
-# bench/results/attention_split_h200.json; partial + merge kernel, us): W4's forward 283 us
-# unsplit (32x2x16) -> 225 (32x1x8 in 3 chunks; 32x2x16 in 3: 248, in 4: 272).
-TUNED_SPLIT: dict[Dims, tuple[tuple[int, int, int], int]] = {
-    WHISPER: ((32, 1, 8), 3),
+# Lane kernels that split their keys over workgroups (``plan.choose_long_split``): (mode,
+# Dims) -> (lane plan, chunks), measured on the H200 (bench/attention_split.py, 2026-12-03,
+# seventh session, bench/results/attention_split_h200.json; partial + merge kernel, us): W4's
+# forward 283 us unsplit (32x2x16) -> 225 (32x1x8 in 3 chunks; 32x2x16 in 3: 248, in 4: 272).
+TUNED_SPLIT: dict[tuple[str, Dims], tuple[tuple[int, int, int], int]] = {
+    ("fwd", WHISPER): ((32, 1, 8), 3),
 }
