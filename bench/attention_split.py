@@ -1,7 +1,8 @@
-"""Benchmark: the lane attention kernels with their keys split over workgroups at long query
-blocks (``plan.choose_long_split``): the forward (the flash-decoding split of
-``codegen/wgsl/attention/decode.py``) and the query gradient (``dq_split``), against their
-plain lane kernel and torch (f32) in the same process.
+"""Benchmark: the attention kernels with their streams split over workgroups at long sequences:
+the forward (the flash-decoding split of ``codegen/wgsl/attention/decode.py``) and the query
+gradient (``dq_split``) split their keys (``plan.choose_long_split``), dk and dv on the half
+kernel their queries (``dkv_half.choose_query_split``); against the unsplit kernel and torch
+(f32) in the same process.
 
 Why: at Whisper's 6 heads x 1500 x 64 the lane forward's best plans (2 lanes a row) run 9000
 rows x 2 threads, ~4 warps an H200 SM, and 291 us a layer (11.9 TFLOP/s); more lanes a row
@@ -11,14 +12,16 @@ merge kernel (~rows x chunks x (Dv + 2) floats read; dq: a sum of rows x chunks 
 plain kernel (32 x 2 x 16 at Whisper) has the same thread count.
 
 Each variant forces a lane plan (``plan.LANE_OVERRIDE``), a chunk count (1: no split;
-``plan.LONG_SPLIT_CHUNKS``, ahead of the long split's own table and rule) and whether the
-chunks prefetch their next key tile (``tile_loads.set_split_prefetch``), compiles the forward
-of ``bench/attention.py`` (``--modes fwd``) or its training graph (``dq``: only the dq
-kernels are timed), checks the output (dq) against torch and reports the GPU time of the
+``plan.LONG_SPLIT_CHUNKS``, ahead of the long split's own table and rule; dkv:
+``dkv_half.QUERY_SPLIT_CHUNKS`` on the half kernel's own plan) and whether the chunks
+prefetch their next key tile (``tile_loads.set_split_prefetch``; dkv half's chunks prefetch
+as its whole kernel does), compiles the forward of ``bench/attention.py`` (``--modes fwd``)
+or its training graph (``dq``, ``dkv``: only that mode's kernels are timed), checks the
+output (o, dq or dk) against torch and reports the GPU time of the
 partial kernel, the merge or sum and their total (``Session.profile``, median of
-``--repeats``). torch's column is its SDPA forward (fwd) or forward plus backward (dq).
+``--repeats``). torch's column is its SDPA forward (fwd) or forward plus backward (dq, dkv).
 
-Usage: python bench/attention_split.py [--quick] [--shapes whisper] [--modes fwd,dq]
+Usage: python bench/attention_split.py [--quick] [--shapes whisper] [--modes fwd,dq,dkv]
     [--chunks 1,2,3,4,6,8] [--plans 32x2x16,64x2x16,16x2x16] [--prefetch 0,1]
 """
 
@@ -51,9 +54,17 @@ def _variant(mode: str, plan, chunks: int, fetching: bool):
     """Switch the compiler to ``mode``'s lane ``plan`` in ``chunks`` key chunks (1: unsplit;
     ``plan.LONG_SPLIT_CHUNKS``, ahead of the long split's own table and rule) with the chunks
     prefetching or not; returns the function that puts every switch back."""
+    from meganeura.codegen.wgsl.attention import dkv_half, tile_loads
     from meganeura.codegen.wgsl.attention import plan as attention_plan
-    from meganeura.codegen.wgsl.attention import tile_loads
 
+    if mode == "dkv":  # the half kernel's own plan; its query chunks
+        saved_half = attention_plan.DKV_HALF, dkv_half.QUERY_SPLIT_CHUNKS[0]
+        attention_plan.DKV_HALF, dkv_half.QUERY_SPLIT_CHUNKS[0] = True, chunks
+
+        def restore_half() -> None:
+            attention_plan.DKV_HALF, dkv_half.QUERY_SPLIT_CHUNKS[0] = saved_half
+
+        return restore_half
     saved = (attention_plan.LANE_OVERRIDE.get(mode), attention_plan.LONG_SPLIT_CHUNKS.get(mode))
     prefetching = tile_loads.SPLIT_PREFETCH[0]
     attention_plan.LANE_OVERRIDE[mode] = plan
@@ -77,6 +88,8 @@ def _is_mode(mode: str):
     plain kernel and its merge; dq's, with or without its delta, and their sum)."""
     if mode == "dq":
         return lambda n: "backward_query" in n
+    if mode == "dkv":
+        return lambda n: "backward_key_value" in n
     return lambda n: "backward" not in n and "scaled_dot_product_attention" in n
 
 
@@ -85,7 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
     add_args(ap, "attention_split", repeats=20, warmup=5)
     ap.add_argument("--shapes", default="whisper", help="bench/attention.py CASES names")
     ap.add_argument("--modes", default="fwd", help="fwd (the forward), dq (the query gradient "
-                    "of a training step, which computes its delta)")  # fmt: skip
+                    "of a training step, which computes its delta), dkv (dk and dv on the "
+                    "half kernel, its query rows split; --plans and --prefetch do not "
+                    "apply)")  # fmt: skip
     ap.add_argument("--chunks", default="1,2,3,4,6,8", help="key chunks (1: no split)")
     ap.add_argument("--plans", default="32x2x16,64x2x16,16x2x16,32x1x8",
                     help="lane plans rows x lanes x tile")  # fmt: skip
@@ -117,26 +132,30 @@ def main(argv: list[str] | None = None) -> dict:
                 with torch.no_grad():
                     ref = to_numpy(t_side())
                 work, fetch = flops(b, hq, lq, lk, d, causal), "o"
-            else:  # dq of sum(o * go): torch's forward and backward, ours' dq kernels alone
-                q = tt["q"].clone().requires_grad_(True)
+            else:  # dq or dk of sum(o * go): torch's forward and backward, ours' kernels
+                which = "q" if mode == "dq" else "k"
+                x = tt[which].clone().requires_grad_(True)
 
-                def t_side(q=q, tt=tt, causal=causal, gqa=gqa):
-                    o = sdpa(q, tt["k"], tt["v"], is_causal=causal, enable_gqa=gqa)
-                    return torch.autograd.grad(o, q, tt["go"])[0]
+                def t_side(x=x, which=which, tt=tt, causal=causal, gqa=gqa):
+                    qkv = {**tt, which: x}
+                    o = sdpa(qkv["q"], qkv["k"], qkv["v"], is_causal=causal, enable_gqa=gqa)
+                    return torch.autograd.grad(o, x, tt["go"])[0]
 
                 ref = to_numpy(t_side())
-                work, fetch = 1.5 * flops(b, hq, lq, lk, d, causal), "dq"  # dq: 3 of 2 d-dots
+                # per (query, key) pair: dq 3 d-dots, dk + dv 4 (of the forward's 2)
+                work = (1.5 if mode == "dq" else 2.0) * flops(b, hq, lq, lk, d, causal)
+                fetch = "d" + which
             torch_ms = time_torch(t_side, dev, args.warmup, args.repeats)["median"]
-            what = "sdpa" if mode == "fwd" else "forward + backward"
+            what = "sdpa" if mode == "fwd" else "forward + backward"  # its column's scope
             print(f"\n{name} {mode}: {shape}; torch {what} f32 {torch_ms * 1e3:.1f} us")
             print(f"{'plan':<10} {'chunks':>6} {'pref':>4} {'partial':>8} {'merge':>8} "
                   f"{'sum us':>8} {'TFLOP/s':>8} {'vs torch':>8} {'err':>8}")  # fmt: skip
-            for plan in plans:
+            for plan in plans if mode != "dkv" else [(32, 2, 16)]:  # dkv half's own plan
                 for nc in chunks:
-                    for fetching in fetches if nc > 1 else fetches[:1]:
+                    for fetching in fetches if nc > 1 and mode != "dkv" else fetches[:1]:
                         restore = _variant(mode, plan, nc, fetching)
                         try:
-                            graph = build(b, hq, hkv, lq, lk, d, causal, mode == "dq")
+                            graph = build(b, hq, hkv, lq, lk, d, causal, mode != "fwd")
                             program, sess = compile_for(graph, device=device)
                         except ValueError as exc:  # a plan the adapter cannot run
                             print(f"{'x'.join(map(str, plan)):<10} {nc:>6} skipped: {exc}")
@@ -155,7 +174,7 @@ def _measure(args, sess, program, arrays, mode, fetch, ref, variant) -> tuple[di
     name, plan, nc, fetching, shape, work, torch_ms = variant
     mine = _is_mode(mode)
     try:
-        names = ("q", "k", "v", "go") if mode == "dq" else ("q", "k", "v")
+        names = ("q", "k", "v") if mode == "fwd" else ("q", "k", "v", "go")
         sess.load_state_dict({n: arrays[n] for n in names})
         feeds: dict = {}
         err = rel_err(sess.run(feeds, fetch=(fetch,))[fetch], ref)
@@ -169,7 +188,7 @@ def _measure(args, sess, program, arrays, mode, fetch, ref, variant) -> tuple[di
     kernels = [x.name for x in program.dispatches if mine(x.name)]
     ms, merge = prof["mode"]["median"], prof["merge"]["median"]
     label = "x".join(map(str, plan))
-    tag = "sdpa_fwd" if mode == "fwd" else "sdpa_dq"
+    tag = f"sdpa_{mode}"
     row = result(
         f"{tag}_{name}_{label}_c{nc}{'_prefetch' if fetching else ''}",
         "ms",

@@ -87,6 +87,9 @@ LEVERS = {
     "attention_long_split": ("meganeura.codegen.wgsl.attention.plan", "set_long_split"),
     # off: a long query gradient runs the plain lane kernel (forwards split as shipped)
     "attention_dq_split": ("meganeura.codegen.wgsl.attention.plan", "set_dq_split"),
+    # off: dkv half streams each query head's rows in one workgroup per key tile instead of
+    # in chunks over workgroups plus a sum
+    "attention_dkv_split": ("meganeura.codegen.wgsl.attention.dkv_half", "set_query_split"),
     # off: the chunks of split attention kernels (fwd, dq) prefetch their next key tile within
     # their chunk, as the unsplit kernels do (untimed before the eighth H200 session)
     "attention_split_plain": ("meganeura.codegen.wgsl.attention.tile_loads", "set_split_plain"),

@@ -86,6 +86,21 @@ def test_forced_chunks_come_first(long_split, monkeypatch):
     assert choose_long_split(WHISPER, H200_LIMITS) is None
 
 
+def test_whisper_key_value_gradients_split_their_queries(long_split, monkeypatch):
+    """dkv half (64 threads a 32-key tile: 18,048 at Whisper) splits each query head's rows by
+    the long forward's rule; not on a CPU adapter, at short streams, with the switch off."""
+    from meganeura.codegen.wgsl.attention import dkv_half
+
+    with_sg = replace(H200_LIMITS, subgroups=True)
+    assert dkv_half.choose_query_split(WHISPER, with_sg) == Split(Plan(32, 2, 16), 3, 512)
+    assert dkv_half.choose_query_split(WHISPER, replace(with_sg, cpu=True)) is None
+    assert dkv_half.choose_query_split(replace(WHISPER, lq=512), with_sg) is None
+    monkeypatch.setattr(dkv_half, "QUERY_SPLIT", [False])
+    assert dkv_half.choose_query_split(WHISPER, with_sg) is None
+    monkeypatch.setattr(dkv_half, "QUERY_SPLIT_CHUNKS", [4])  # forced (benchmarks) first
+    assert dkv_half.choose_query_split(WHISPER, with_sg).chunks == 4
+
+
 def test_override_forbids_and_forces(long_split):
     long_split(False)
     assert choose_long_split(WHISPER, H200_LIMITS) is None

@@ -179,7 +179,14 @@ def dkv_half():
      ((2, 6, 37, 8), (2, 2, 41, 8), (2, 2, 41, 16), False, {"enable_gqa": True})],
     ids=["causal_mask", "gqa_cross"],
 )  # fmt: skip
-def test_dkv_half_gradients_match_torch(qs, ks, vs, masked, kw, gpu_device, dkv_half):
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_dkv_half_gradients_match_torch(
+    qs, ks, vs, masked, kw, split, gpu_device, dkv_half, monkeypatch
+):
+    """dk and dv of the half kernel against float64 torch; ``split``: each query head's rows
+    in 3 chunks of 16 over workgroups, then their sum (``dkv_half.choose_query_split``; the
+    causal case's second key tile finds its first chunk empty)."""
+    monkeypatch.setattr(attention_plan, "LONG_SPLIT_OVERRIDE", True if split else False)
     if not device_limits(gpu_device).subgroups:
         pytest.skip("the dkv half kernel needs subgroups")
     gen = np.random.default_rng(5)
@@ -199,7 +206,8 @@ def test_dkv_half_gradients_match_torch(qs, ks, vs, masked, kw, gpu_device, dkv_
             future = np.arange(ks[2])[None, :] > np.arange(qs[2])[:, None]
             mask = np.where(future, -np.inf, mask)
     program = compile(graph, CompileOptions(), device_limits(gpu_device))
-    assert any(d.name.endswith("dkv half") for d in program.dispatches)
+    kinds = [d.name.split(" ", 2)[2] for d in program.dispatches if "key_value" in d.name]
+    assert kinds == (["dkv half split 3x16", "dkv half sum 3"] if split else ["dkv half"])
     with Session(program, gpu_device) as sess:
         sess.load_state_dict(params)
         res = sess.run(feeds, ("out", "dq", "dk", "dv"))
@@ -218,8 +226,9 @@ def test_dkv_half_plan_rule(dkv_half):
     assert not half_fits(Dims(1, 6, 1, 1500, 1500, 60, 60), with_sg)
     graph = _whisper_sized(1500)
     names = [d.name for d in compile(graph, CompileOptions(), with_sg).dispatches]
-    assert [n.split()[2] for n in names if "attention" in n][-2:] == ["dq+delta", "dkv"]
-    assert any(n.endswith("dkv half") for n in names)
+    att = [n.split(" ", 2)[2] for n in names if "attention" in n]
+    # each query head's 1500 rows split over 3 workgroups a key tile (choose_query_split)
+    assert att[-2:] == ["dkv half split 3x512", "dkv half sum 3"]
     # auto (None): only where the lane dkv would spill, not at SmolLM2's short streams
     attention_plan.DKV_HALF = None
     assert uses_dkv_half(whisper, with_sg)

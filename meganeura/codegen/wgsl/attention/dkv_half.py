@@ -29,14 +29,19 @@ from __future__ import annotations
 from ....graph.ir import Graph
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder
-from ..core.layout import broadcast_strides
+from ..core.layout import WG, broadcast_strides
 from ..core.literals import NEG_INF_BITS, f32_literal, u
-from .common import dims_of, load4, read_extras, stride_sum
+from . import plan as attention_plan
+from .common import PARTIALS, dims_of, load4, read_extras, stride_sum
 from .lane import _store
 from .lane_stream import _Kernel, key_row_loops
-from .plan import Dims, Plan
+from .plan import Dims, Plan, Split, _chunked
 
 ROWS = 32  # key rows per workgroup, two threads each
+# Long query streams split over workgroups (``choose_query_split``): the switch (a bench A/B
+# lever, never changed by the compiler) and a forced chunk count (benchmarks; 1: unsplit).
+QUERY_SPLIT = [True]
+QUERY_SPLIT_CHUNKS: list[int | None] = [None]
 # Query entries per workgroup-memory tile (``set_short_tiles``: a bench A/B knob). 16 lets q
 # and dO both fit the prefetch budget (4 + 4 vec4s a thread) at twice the barriers of 32; on
 # the H200, W4's training step took 11.28 ms with 16 against 12.54 with 32 (same process,
@@ -70,11 +75,43 @@ def half_fits(dims: Dims, limits: Limits) -> bool:
     )
 
 
+def set_query_split(on: bool) -> None:
+    """Let long query streams split over workgroups (on, the default: ``choose_query_split``)
+    or never (off), for programs compiled from now on (bench/lever_ab.py's
+    ``attention_dkv_split``)."""
+    QUERY_SPLIT[:] = [bool(on)]
+
+
+def choose_query_split(dims: Dims, limits: Limits) -> Split | None:
+    """The query split of a dkv half kernel, or None for one workgroup per key tile:
+    ``QUERY_SPLIT_CHUNKS`` (benchmarks) first; else, with ``QUERY_SPLIT`` on, on a GPU adapter
+    (``plan.LONG_SPLIT_OVERRIDE`` True: any adapter; False: never), with at least
+    ``plan.LONG_SPLIT_MIN_KEYS`` query rows a head, when the kernel runs fewer than
+    ``plan.LONG_SPLIT_THREADS`` threads, chunks of whole tiles bringing the threads up to
+    about that many (the long forward's rule, ``plan.choose_long_split``)."""
+    plan = Plan(ROWS, 2, TILE)
+    if QUERY_SPLIT_CHUNKS[0] is not None:
+        return _chunked(plan, dims.lq, QUERY_SPLIT_CHUNKS[0])
+    override = attention_plan.LONG_SPLIT_OVERRIDE
+    if not QUERY_SPLIT[0] or override is False:
+        return None
+    if override is None and (limits.cpu or dims.lq < attention_plan.LONG_SPLIT_MIN_KEYS):
+        return None
+    threads = dims.b * dims.hkv * -(-dims.lk // ROWS) * 2 * ROWS
+    target = attention_plan.LONG_SPLIT_THREADS
+    if override is None and threads >= target:
+        return None
+    return _chunked(plan, dims.lq, max(2, -(-target // threads)))
+
+
 def lower_dkv_half(
-    graph: Graph, key_node: int, value_node: int, limits: Limits
+    graph: Graph, key_node: int, value_node: int, limits: Limits, split: Split | None = None
 ) -> list[KernelSource]:
     """One dispatch writing dk (``key_node``) and dv (``value_node``), see the module
-    docstring.
+    docstring; with ``split`` (``choose_query_split``) two: each query head's rows cut into
+    ``split.chunks`` chunks of ``split.length``, one workgroup per (key tile, chunk) writing
+    its rows' parts of dk (unscaled) and dv to the scratch ``PARTIALS``, then
+    ``lower_dkv_sum``.
 
     Raises:
         ValueError: where ``half_fits`` does not hold.
@@ -97,12 +134,17 @@ def lower_dkv_half(
     scale = f32_literal(node.attr("scale"))
     # _Kernel for lane's tile loads: 64 threads (plan.size), TILE entries, query stream
     k = _Kernel("dkv", dims, Plan(ROWS, 2, TILE), layout, src, mask, strides, scale, causal)
-    out = kb.write(key_node, "out")
-    dv_out = kb.write(value_node, "dv")
+    chunks = 1 if split is None else split.chunks
+    if split is None:
+        out, dv_out = kb.write(key_node, "out"), kb.write(value_node, "dv")
+    else:  # per (key row, chunk): its part of dk, then of dv
+        out = kb.scratch(PARTIALS, b * hkv * lk * chunks * (d + dv), node.type.dtype, "part")
 
-    lines = [
-        f"  let tile = wg % {u(tiles)};",
-        f"  let bh = wg / {u(tiles)};",
+    lines = [] if split is None else [f"  let chunk = wg % {u(chunks)};"]
+    wgt = "wg" if split is None else f"(wg / {u(chunks)})"
+    lines += [
+        f"  let tile = {wgt} % {u(tiles)};",
+        f"  let bh = {wgt} / {u(tiles)};",
         f"  let b = bh / {u(hkv)};",
         f"  let hk = bh % {u(hkv)};",
         "  let h = lid & 1u;",
@@ -119,19 +161,71 @@ def lower_dkv_half(
     lines += [f"  var vacc{c} = vec4<f32>(0.0);" for c in range(dv4h)]
 
     loop = [f"    for (var e0 = 0u; e0 < {u(TILE)}; e0 = e0 + {u(UNROLL)}) {{"]
-    lines += key_row_loops(k, [*loop, *_entries(k, d4h, dv4h), "    }"])
-    lines += [
-        "  if (live) {",
-        f"    let kob = {kb.row_offset(out, 'krow', d)} + h * {u(d // 2)};",
-        *_store(kb, out, "kob", d // 2, d4h, f" * {scale}", offset=True),
-        f"    let vob = {kb.row_offset(dv_out, 'krow', dv)} + h * {u(dv // 2)};",
-        *_store(kb, dv_out, "vob", dv // 2, dv4h, acc="vacc", offset=True),
-        "  }",
-    ]
+    span = None
+    if split is not None:  # a causal chunk before the tile's first key streams nothing: zeros
+        c = u(split.length)
+        lines += [f"  let s_begin = chunk * {c};", f"  let s_stop = min({u(lq)}, s_begin + {c});"]
+        span = ("s_begin", "s_stop")
+    lines += key_row_loops(k, [*loop, *_entries(k, d4h, dv4h), "    }"], span=span)
+    lines.append("  if (live) {")
+    if split is None:
+        lines += [
+            f"    let kob = {kb.row_offset(out, 'krow', d)} + h * {u(d // 2)};",
+            *_store(kb, out, "kob", d // 2, d4h, f" * {scale}", offset=True),
+            f"    let vob = {kb.row_offset(dv_out, 'krow', dv)} + h * {u(dv // 2)};",
+            *_store(kb, dv_out, "vob", dv // 2, dv4h, acc="vacc", offset=True),
+        ]
+    else:
+        lines += [
+            f"    let pb = (krow * {u(chunks)} + chunk) * {u(d + dv)};",
+            *_store(kb, out, f"pb + h * {u(d // 2)}", d // 2, d4h),
+            *_store(kb, out, f"pb + {u(d)} + h * {u(dv // 2)}", dv // 2, dv4h, acc="vacc"),
+        ]
+    lines.append("  }")
     helpers = f"var<workgroup> sh: array<vec4<f32>, {total}>;\n"
     flops = 2 * b * hq * lq * lk * (2 * d + 2 * dv) // (2 if causal else 1)
-    groups = b * hkv * tiles
-    return [kb.finish("dkv half", "\n".join(lines), 2 * ROWS, groups, helpers, flops=flops)]
+    groups = b * hkv * tiles * chunks
+    suffix = "dkv half" if split is None else f"dkv half split {chunks}x{split.length}"
+    kernel = kb.finish(suffix, "\n".join(lines), 2 * ROWS, groups, helpers, flops=flops)
+    if split is None:
+        return [kernel]
+    return [kernel, lower_dkv_sum(graph, key_node, value_node, limits, split)]
+
+
+def lower_dkv_sum(
+    graph: Graph, key_node: int, value_node: int, limits: Limits, split: Split
+) -> KernelSource:
+    """The second kernel of a split dkv half: per element, ``dk = scale * sum_c dk_c`` and
+    ``dv = sum_c dv_c`` over the chunks in chunk order (a fixed order: results do not depend
+    on scheduling), one thread per element of a key row's (dk, dv) pair."""
+    node = graph[key_node]
+    dims = dims_of(graph, node, "dkv")
+    d, dv, nc = dims.d, dims.dv, split.chunks
+    rows = node.type.numel // d
+    n, width = rows * (d + dv), d + dv
+    kb = KernelBuilder(graph, node, limits)
+    part = kb.scratch(PARTIALS, rows * nc * width, node.type.dtype, "part")
+    out, dv_out = kb.write(key_node, "out"), kb.write(value_node, "dv")
+    total = " + ".join(kb.load(part, f"base + {u(c * width)}") for c in range(nc))
+    scale = f32_literal(node.attr("scale"))
+    kob, vob = kb.row_offset(out, "row", d), kb.row_offset(dv_out, "row", dv)
+    lines = [
+        f"  let i = wg * {WG}u + lid;",
+        f"  if (i < {u(n)}) {{",
+        f"    let row = i / {u(width)};",
+        f"    let col = i % {u(width)};",
+        f"    let base = row * {u(nc * width)} + col;",
+        f"    let total = {total};",
+        f"    if (col < {u(d)}) {{",
+        "      " + kb.store(out, f"{kob} + col", f"total * {scale}", True),
+        "    } else {",
+        "      " + kb.store(dv_out, f"{vob} + col - {u(d)}", "total", True),
+        "    }",
+        "  }",
+    ]
+    nbytes = 4 * rows * nc * width + node.type.nbytes + graph[value_node].type.nbytes
+    body = "\n".join(lines)
+    return kb.finish(f"dkv half sum {nc}", body, WG, -(-n // WG), flops=n * nc, nbytes=nbytes)
 
 
 def _entries(k: _Kernel, d4h: int, dv4h: int) -> list[str]:

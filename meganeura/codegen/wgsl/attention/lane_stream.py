@@ -175,20 +175,28 @@ def _empty_chunk(k: _Kernel) -> list[str]:
     ]
 
 
-def key_row_loops(k: _Kernel, entries: list[str], prefetching: bool = True) -> list[str]:
+def key_row_loops(
+    k: _Kernel, entries: list[str], prefetching: bool = True, span: tuple[str, str] | None = None
+) -> list[str]:
     """The key-row modes' stream (``dk``, ``dv``, ``dkv``; ``dkv_half``): each query head of
     the kv head's group in turn (``hg``), its query tiles from the workgroup's first key on
     when causal (keys j see queries i >= j only), the q, dO and stats segments of each tile,
     then ``entries``. Within each head's query loop the tiles' segments are prefetched
     (``tile_loads.prefetch``: the longest prefix of q, dO, stats that fits the budget) when
-    that loop has at least two tiles and ``prefetching`` is True."""
+    that loop has at least two tiles and ``prefetching`` is True. ``span``: (first, stop),
+    uniform u32 expressions of the query rows of each head this workgroup streams (a split
+    chunk, ``dkv_half``); all of them without."""
     d, dv, lq, G = k.dims.d, k.dims.dv, k.dims.lq, k.dims.group
     BS = k.plan.tile
     row = f"(bh * {u(G)} + hg) * {u(lq)} + sr"
     start = f"tile * {u(k.plan.rows)}" if k.causal else "0u"
+    stop = u(lq)
+    if span is not None:
+        start = span[0] if start == "0u" else f"max({start}, {span[0]})"
+        stop = span[1]
     segs = [("q", d), ("g", dv), ("st", 2)]
     srcs = {"q": k.src["q"], "g": k.src["dout"], "st": k.src["st"]}
-    fetch = prefetch(k, segs, srcs, row, start, u(lq)) if prefetching and lq > BS else None
+    fetch = prefetch(k, segs, srcs, row, start, stop) if prefetching and lq > BS else None
     if fetch is None:
         decls, first, following = [], [], []
         copies = [line for seg, n in segs for line in load_tile(k, seg, srcs[seg], row, n)]
@@ -201,7 +209,7 @@ def key_row_loops(k: _Kernel, entries: list[str], prefetching: bool = True) -> l
         f"  for (var hg = 0u; hg < {u(G)}; hg = hg + 1u) {{",
         f"  let mcol = {stride_sum([('b', sb), (head, sh), ('rowc', sj)])};",
         *first,
-        f"  for (var s0 = {start}; s0 < {u(lq)}; s0 = s0 + {u(BS)}) {{",
+        f"  for (var s0 = {start}; s0 < {stop}; s0 = s0 + {u(BS)}) {{",
         "    workgroupBarrier();",
         *copies,
         "    workgroupBarrier();",

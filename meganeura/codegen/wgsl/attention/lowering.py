@@ -20,7 +20,7 @@ from . import plan as attention_plan
 from .block import lower_block
 from .common import dims_of, load4
 from .decode import lower_split
-from .dkv_half import lower_dkv_half
+from .dkv_half import choose_query_split, lower_dkv_half
 from .dq_split import lower_dq_split
 from .lane import lower_flash
 from .plan import (
@@ -101,12 +101,15 @@ def lower_key_value(
     """One dispatch writing dk (node ``key_node``, a ``..._backward_key``) and dv (node
     ``value_node``, the ``..._backward_value`` of the same attention): the block kernel
     when a ``dkv`` block plan fits, else the half-head-dim kernel (``dkv_half``) where
-    ``plan.uses_dkv_half`` says so, else the lane kernel. Named
+    ``plan.uses_dkv_half`` says so (a long query stream split over workgroups where
+    ``dkv_half.choose_query_split`` says so: ``dkv half split CxL`` and ``dkv half sum C``),
+    else the lane kernel. Named
     ``%<key>+<value> scaled_dot_product_attention_backward_key_value ...``."""
     dims = dims_of(graph, graph[key_node], "dkv")
     plan = choose_block_plan("dkv", dims, limits)
     if plan is None and uses_dkv_half(dims, limits):
-        kernels = lower_dkv_half(graph, key_node, value_node, limits)
+        split = choose_query_split(dims, limits)
+        kernels = lower_dkv_half(graph, key_node, value_node, limits, split)
     elif plan is None:
         kernels = lower_flash(graph, key_node, limits, "dkv", value_node)
     else:
