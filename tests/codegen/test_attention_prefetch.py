@@ -217,8 +217,8 @@ WHISPER_FWD = {
 H200_SEGMENTS = {
     # Whisper's encoder (1 x 6 x 1500 x 64): dk and dv 32 rows x 2 lanes, 16-entry tiles (4 +
     # 4 + 1 registers: the stats are copied between the barriers); dkv half's 16-entry tiles:
-    # q and dO
-    ("whisper", None, None): {**WHISPER_FWD, "dkv half": "q+g"},
+    # q and dO, also in the chunks of its query split (dkv_half.choose_query_split)
+    ("whisper", None, None): {**WHISPER_FWD, "dkv half split 3x512": "q+g", "dkv half sum 3": ""},
     ("whisper", None, False): {**WHISPER_FWD, "dk": "q+g", "dv": "q+g"},
     # the lane dkv keeps k, v, dk and dv in one thread: no prefetch registers on top
     ("whisper", True, False): {**WHISPER_FWD, "dkv": ""},
@@ -255,6 +255,7 @@ def test_dkv_half_16_entry_tiles_same_bits(gpu_device, monkeypatch):
     from meganeura.training import device_limits
 
     monkeypatch.setattr(attention_plan, "DKV_HALF", True)
+    monkeypatch.setattr(dkv_half, "QUERY_SPLIT", [False])  # one kernel at Whisper's shape
     whisper = ((1, 6, 1500, 64), (1, 6, 1500, 64), False)
     assert dkv_half.TILE == 16
     assert _segments(_training(*whisper))["dkv half"] == "q+g"
