@@ -27,7 +27,7 @@
 #                   fallback for GPUs without a cache (no hand rewrite needed)
 #   splits          bench/attention_split.py on dq (plans x chunks x chunk prefetch), dkv half
 #                   (chunks) and the forward's chunk prefetch, then levers attention_dq_split,
-#                   attention_dkv_split and attention_split_plain on W4 train (~6 min)
+#                   attention_dkv_split and attention_split_prefetch on W4 train (~6 min)
 #   strict          the ten headline cells, strict f32, with warm-cache compile times
 #   fast            the ten headline cells, fast mode, with warm-cache compile times
 #   matrix          the rest of the matrix, resumable (strict first)
@@ -90,7 +90,7 @@ case "$step" in
     python bench/attention_split.py --modes fwd --plans 32x1x8,32x2x16 --chunks 1,3 \
       --prefetch 0,1 --out-name attention_split_h200_prefetch 2>&1 | tee -a "$log"
     python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_splits.json \
-      --cases w4:train --levers attention_dq_split,attention_dkv_split,attention_split_plain \
+      --cases w4:train --levers attention_dq_split,attention_dkv_split,attention_split_prefetch \
       2>&1 | tee -a "$log" ;;
   strict)
     "${wl[@]}" --precision strict --cases "$headline" 2>&1 | tee "$log" ;;

@@ -90,9 +90,12 @@ LEVERS = {
     # off: dkv half streams each query head's rows in one workgroup per key tile instead of
     # in chunks over workgroups plus a sum
     "attention_dkv_split": ("meganeura.codegen.wgsl.attention.dkv_half", "set_query_split"),
-    # off: the chunks of split attention kernels (fwd, dq) prefetch their next key tile within
-    # their chunk, as the unsplit kernels do (untimed before the eighth H200 session)
-    "attention_split_plain": ("meganeura.codegen.wgsl.attention.tile_loads", "set_split_plain"),
+    # off: the chunks of split attention kernels (fwd, dq) never prefetch their next key tile
+    # (W4 train, the rule's dq plan: 9.67 ms with, 10.99 without; lever_ab_h200_splits.json)
+    "attention_split_prefetch": (
+        "meganeura.codegen.wgsl.attention.tile_loads",
+        "set_split_prefetch",
+    ),
 }
 # the command-line flags of bench/dispatch_counts.py and bench/llm_profile.py: argparse dest ->
 # (lever, the flag's value that turns it on); split_members is off by default (measured slower)

@@ -44,5 +44,5 @@ def test_attention_split_quick(gpu_device, monkeypatch):
     # every switch put back after each variant
     assert attention_plan.LONG_SPLIT_OVERRIDE is True
     assert attention_plan.LONG_SPLIT_CHUNKS == {} and attention_plan.LANE_OVERRIDE == {}
-    assert tile_loads.SPLIT_PREFETCH == [False]
+    assert tile_loads.SPLIT_PREFETCH == [True]
     assert dkv_half.QUERY_SPLIT_CHUNKS == [None] and attention_plan.DKV_HALF is None

@@ -69,7 +69,10 @@ def test_no_long_split_where_it_cannot_help(dims, limits, monkeypatch):
     assert choose_long_split(dims, limits) is None
 
 
-def test_whisper_query_gradient_splits_by_the_rule():
+def test_whisper_query_gradient_splits_by_its_measured_plan_or_the_rule(monkeypatch):
+    want = Split(Plan(32, 1, 8), 3, 504, prefetch=False)  # tuned.TUNED_SPLIT
+    assert choose_long_split(WHISPER, H200_LIMITS, "dq") == want
+    monkeypatch.setattr(attention_plan, "USE_TUNED", [False])
     plan = attention_plan.choose_plan("dq", WHISPER, H200_LIMITS)
     threads = 6 * -(-1500 // plan.rows) * plan.size
     s = choose_long_split(WHISPER, H200_LIMITS, "dq")
@@ -151,7 +154,7 @@ def test_whisper_forward_splits_with_and_without_its_log_sum_exp():
     assert not any(n.endswith(" fwd+lse") or "_lse" in n for n in sdpa)  # no lse pass of its own
     # its query gradient splits its keys too, computing the delta pairs in the partial kernel
     dq = "scaled_dot_product_attention_backward_query dq+delta"
-    assert sdpa[2:4] == [f"{dq} split 3x512", f"{dq} sum 3"]
+    assert sdpa[2:4] == [f"{dq} split 3x504", f"{dq} sum 3"]
 
 
 # ---- values (GPU) -----------------------------------------------------------------------------

@@ -174,8 +174,8 @@ def test_runtime_key_count_bit_identical(gpu_device, causal):
 
 def test_where_it_applies():
     """Whisper's encoder self-attention (1500 keys, 16-entry tiles: 8 vec4 registers a
-    thread) prefetches on the H200's limits when it runs unsplit (its key split, the default
-    there, does not prefetch: the split was measured without); SmolLM2's 128-token forward
+    thread) prefetches on the H200's limits, unsplit and in the chunks of its key split (the
+    default there); SmolLM2's 128-token forward
     (32-entry tiles: 16 registers) and a one-tile stream do not; the switch turns it off."""
 
     def fwd(lq, lk, d):
@@ -184,7 +184,8 @@ def test_where_it_applies():
         b.output("o", F.scaled_dot_product_attention(q, k, v))
         return compile(b.build(), CompileOptions(), H200_LIMITS)
 
-    assert not _prefetching(fwd(1500, 1500, 64))  # split over its keys: chunks never prefetch
+    split = _prefetching(fwd(1500, 1500, 64))
+    assert [n.split(" ", 1)[1] for n in split] == ["scaled_dot_product_attention fwd split 3x504"]
     attention_plan.set_long_split(False)
     try:
         assert _prefetching(fwd(1500, 1500, 64))
@@ -205,11 +206,12 @@ def _training(qs, ks, causal):
     return compile(b.build(), options, H200_LIMITS)
 
 
-# Whisper's forward and dq split their keys (plan.choose_long_split); the chunks do not prefetch
+# Whisper's forward and dq split their keys (plan.choose_long_split, tuned.TUNED_SPLIT): the
+# forward's chunks prefetch, dq's do not (measured so)
 WHISPER_FWD = {
-    "fwd+lse split 3x504": "",
+    "fwd+lse split 3x504": "k+v",
     "merge 3": "",
-    "dq+delta split 3x512": "",
+    "dq+delta split 3x504": "",
     "dq+delta sum 3": "",
 }
 # (workload, plan.FUSE_KEY_VALUE, plan.DKV_HALF) -> {attention dispatch: prefetched segments}
@@ -286,17 +288,17 @@ def test_dkv_half_16_entry_tiles_same_bits(gpu_device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["gqa_causal", "causal_cross"])
 def test_split_chunks_prefetch_bit_identical(gpu_device, case, monkeypatch):
-    """With ``tile_loads.set_split_prefetch`` the chunks of the split forward and dq prefetch
-    their next key tile within their chunk (k and v); outputs and gradients are the bits of
-    the chunks that do not."""
+    """With ``tile_loads.set_split_prefetch`` (on, the default) the chunks of the split
+    forward and dq prefetch their next key tile within their chunk (k and v); outputs and
+    gradients are the bits of the chunks that do not."""
     monkeypatch.setattr(attention_plan, "LONG_SPLIT_OVERRIDE", True)
     monkeypatch.setitem(attention_plan.LANE_OVERRIDE, "fwd", (8, 2, 8))
     monkeypatch.setitem(attention_plan.LANE_OVERRIDE, "dq", (8, 2, 8))
 
-    def check(plain, fetching):
+    def check(fetching, plain):
         for program, want in ((plain, ""), (fetching, "k+v")):
             split = {k: v for k, v in _segments(program).items() if " split " in k}
             assert len(split) == 2 and set(split.values()) == {want}, split
 
-    run_both(gpu_device, tile_loads.set_split_plain, CASES[case], "strict", check, out=True)
-    assert tile_loads.SPLIT_PREFETCH == [False]
+    run_both(gpu_device, tile_loads.set_split_prefetch, CASES[case], "strict", check, out=True)
+    assert tile_loads.SPLIT_PREFETCH == [True]

@@ -126,12 +126,12 @@ def _stream_loops(k: _Kernel) -> list[str]:
         loads += load_tile(k, "v", k.src["v"], row, dv, stores)
     loads += stores or []
     body = ["    workgroupBarrier();", *loads, "    workgroupBarrier();", *_entries(k)]
-    # a prologue's key copy, a split (unless SPLIT_PREFETCH) or a single tile: no prefetch;
-    # both segments or none
+    # a prologue's key copy, a split measured faster without (or SPLIT_PREFETCH off) or a
+    # single tile: no prefetch; both segments or none
     segs = [("k", d)] + ([("v", dv)] if k.mode in ("fwd", "dq") else [])
     start, end = ("0u", "s_end") if k.split is None else ("s_begin", "s_stop")
     fetch = None
-    split_off = k.split is not None and not SPLIT_PREFETCH[0]
+    split_off = k.split is not None and not (SPLIT_PREFETCH[0] and k.split.prefetch)
     if not (short or hasattr(k.prologue, "key_tile") or split_off or lk <= BS):
         fetch = prefetch(k, segs, k.src, row, start, end, partial=False)
     lines = key_end(k.kvlen, k.causal, R, k.n_rows, lq, lk)

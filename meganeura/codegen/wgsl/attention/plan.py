@@ -19,7 +19,7 @@ automatic rule. A measured plan the adapter cannot run (``check_plan``) is passe
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...kernel import Limits
 from ..core.layout import next_pow2
@@ -277,11 +277,13 @@ SPLIT_MIN_KEYS = 8192
 @dataclass(frozen=True)
 class Split:
     """The keys of a forward cut into ``chunks`` chunks of ``length`` (a multiple of the
-    plan's tile), one workgroup per (row tile, chunk), with the lane kernel's ``plan``."""
+    plan's tile), one workgroup per (row tile, chunk), with the lane kernel's ``plan``;
+    ``prefetch``: the chunks' key loops may prefetch (``tile_loads.SPLIT_PREFETCH`` too)."""
 
     plan: Plan
     chunks: int
     length: int
+    prefetch: bool = True
 
 
 def choose_split(dims: Dims, limits: Limits) -> Split | None:
@@ -361,12 +363,13 @@ def choose_long_split(dims: Dims, limits: Limits, mode: str = "fwd") -> Split | 
     """The key split of a ``mode`` kernel (``LONG_SPLIT_MODES``: a forward, with or without
     its log-sum-exp, which the merge then writes; or a query gradient) with a long query block
     (more than ``SPLIT_MAX_LQ`` query rows a head), or None for the plain lane kernel.
-    ``LONG_SPLIT_CHUNKS`` (benchmarks) comes first; then ``tuned.TUNED_SPLIT`` (plan and
-    chunks measured on the H200 per mode and size) on a GPU adapter; else the rule: on a GPU
-    adapter, with at least ``LONG_SPLIT_MIN_KEYS`` keys, when the plain kernel runs fewer than
-    ``LONG_SPLIT_THREADS`` threads, chunks of whole tiles (at most ``SPLIT_MAX_CHUNKS``) bring
-    the threads up to about that many. ``LONG_SPLIT_OVERRIDE`` True forces the rule's split on
-    any adapter (tests), False forbids any.
+    ``LONG_SPLIT_CHUNKS`` (benchmarks) comes first; then ``tuned.TUNED_SPLIT`` (plan, chunks
+    and whether the chunks prefetch, measured on the H200 per mode and size) on a GPU
+    adapter; else the rule: on a GPU adapter, with at least ``LONG_SPLIT_MIN_KEYS`` keys,
+    when the plain kernel runs fewer than ``LONG_SPLIT_THREADS`` threads, chunks of whole
+    tiles (at most ``SPLIT_MAX_CHUNKS``) bring the threads up to about that many.
+    ``LONG_SPLIT_OVERRIDE`` True forces the rule's split on any adapter (tests), False
+    forbids any.
 
     Raises:
         ValueError: for a mode outside ``LONG_SPLIT_MODES``.
@@ -384,10 +387,14 @@ def choose_long_split(dims: Dims, limits: Limits, mode: str = "fwd") -> Split | 
 
     measured = TUNED_SPLIT.get((mode, dims)) if USE_TUNED[0] and not limits.cpu else None
     if measured is not None and LANE_OVERRIDE.get(mode) is None:
+        (rows, lanes, tile), chunks, fetching = measured
         try:
-            return _chunked(check_plan(mode, dims, Plan(*measured[0]), limits), lk, measured[1])
+            plan = check_plan(mode, dims, Plan(rows, lanes, tile), limits)
         except ValueError:  # an adapter that cannot run the measured plan: the rule
             pass
+        else:
+            split = _chunked(plan, lk, chunks)
+            return None if split is None else replace(split, prefetch=fetching)
     if LONG_SPLIT_OVERRIDE is None and (limits.cpu or lk < LONG_SPLIT_MIN_KEYS):
         return None
     plan = choose_plan(mode, dims, limits)

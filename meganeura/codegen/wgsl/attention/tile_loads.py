@@ -10,8 +10,9 @@ prefetch (``prefetch``'s rule, at most ``PREFETCH_MAX_VEC4`` vec4 registers a th
 thread's share of a segment's vec4s rounded up, a stats entry counting one):
 
 - query-row loops (``fwd``, ``stats``, ``lse``, ``dq``; ``lane_stream._stream_loops``): their
-  key (and value) tiles, all or nothing; not a prologue's key copy, a split kernel's chunk
-  (unless ``SPLIT_PREFETCH``), a short query block or a single key tile;
+  key (and value) tiles, all or nothing, in a split kernel's chunks too (``SPLIT_PREFETCH``
+  and ``Split.prefetch``); not a prologue's key copy, a short query block or a single key
+  tile;
 - key-row loops (``dk``, ``dv``, ``dkv half``; ``lane_stream.key_row_loops``): within each
   query head's stream of at least two query tiles, the longest prefix of (q, dO, stats) that
   fits; the segments past it are copied as before, between the barriers. Not the lane
@@ -43,11 +44,12 @@ if TYPE_CHECKING:
 # by the compiler. The budget: vec4 registers a thread may hold for the next tile.
 PREFETCH = [True]
 PREFETCH_MAX_VEC4 = 8
-# The chunks of a split query-row kernel (``plan.Split``: fwd, dq) prefetch too when on; off
-# is the state the split forward was measured in (bench/attention_split.py, seventh H200
-# session). A bench A/B switch (``set_split_prefetch``; lever attention_split_plain, whose
-# "off" is prefetching chunks).
-SPLIT_PREFETCH = [False]
+# The chunks of a split query-row kernel (``plan.Split``: fwd, dq) prefetch too, unless their
+# split says not (``Split.prefetch``, from ``tuned.TUNED_SPLIT``). Measured on the H200
+# (bench/attention_split.py, eighth session): the rule's dq plan at Whisper (32x2x16, 3 chunks)
+# 872 us without, 468 with; 32x1x8: dq 355 without, 367 with; the forward 224 without, 216
+# with. A bench A/B switch (``set_split_prefetch``; lever attention_split_prefetch).
+SPLIT_PREFETCH = [True]
 
 
 def set_prefetch(on: bool) -> None:
@@ -58,14 +60,9 @@ def set_prefetch(on: bool) -> None:
 
 def set_split_prefetch(on: bool) -> None:
     """Let the chunks of split query-row kernels prefetch their next key tile within their
-    chunk (on) or not (off, the default), for programs compiled from now on."""
+    chunk where their split allows (on, the default) or never (off), for programs compiled
+    from now on."""
     SPLIT_PREFETCH[:] = [bool(on)]
-
-
-def set_split_plain(on: bool) -> None:
-    """``set_split_prefetch(not on)``: the lever's form (bench/lever_ab.py compiles its "off"
-    side with the lever off, so the shipped state must be "on")."""
-    set_split_prefetch(not on)
 
 
 def load_tile(

@@ -46,9 +46,14 @@ TUNED: dict[tuple[str, Dims], tuple[int, int, int]] = {
 }
 
 # Lane kernels that split their keys over workgroups (``plan.choose_long_split``): (mode,
-# Dims) -> (lane plan, chunks), measured on the H200 (bench/attention_split.py, 2026-12-03,
-# seventh session, bench/results/attention_split_h200.json; partial + merge kernel, us): W4's
-# forward 283 us unsplit (32x2x16) -> 225 (32x1x8 in 3 chunks; 32x2x16 in 3: 248, in 4: 272).
-TUNED_SPLIT: dict[tuple[str, Dims], tuple[tuple[int, int, int], int]] = {
-    ("fwd", WHISPER): ((32, 1, 8), 3),
+# Dims) -> (lane plan, chunks, whether the chunks prefetch their next key tile), measured on
+# the H200 (bench/attention_split.py; partial kernel + merge or sum, us). The forward
+# (attention_split_h200.json, seventh session; attention_split_h200_prefetch.json, eighth):
+# 283 unsplit (32x2x16) -> 225 (32x1x8 in 3 chunks), 216 with prefetching chunks; 32x2x16 in
+# 3: 248, in 4: 272. dq with its delta (attention_split_h200_dq.json, eighth session): 526
+# unsplit (32x2x16, prefetching) -> 355 (32x1x8 in 3 chunks; 367 prefetching); 32x2x16 in 3:
+# 468 prefetching, 872 not.
+TUNED_SPLIT: dict[tuple[str, Dims], tuple[tuple[int, int, int], int, bool]] = {
+    ("fwd", WHISPER): ((32, 1, 8), 3, True),
+    ("dq", WHISPER): ((32, 1, 8), 3, False),
 }
