@@ -1,6 +1,6 @@
 """Benchmark: the attention kernels with their streams split over workgroups at long sequences:
 the forward (the flash-decoding split of ``codegen/wgsl/attention/decode.py``) and the query
-gradient (``dq_split``) split their keys (``plan.choose_long_split``), dk and dv on the half
+gradient (``dq_split``) split their keys (``splits.choose_long_split``), dk and dv on the half
 kernel their queries (``dkv_half.choose_query_split``); against the unsplit kernel and torch
 (f32) in the same process.
 
@@ -12,7 +12,7 @@ merge kernel (~rows x chunks x (Dv + 2) floats read; dq: a sum of rows x chunks 
 plain kernel (32 x 2 x 16 at Whisper) has the same thread count.
 
 Each variant forces a lane plan (``plan.LANE_OVERRIDE``), a chunk count (1: no split;
-``plan.LONG_SPLIT_CHUNKS``, ahead of the long split's own table and rule; dkv:
+``splits.LONG_SPLIT_CHUNKS``, ahead of the long split's own table and rule; dkv:
 ``dkv_half.QUERY_SPLIT_CHUNKS`` on the half kernel's own plan) and whether the chunks
 prefetch their next key tile (``tile_loads.set_split_prefetch``; dkv half's chunks prefetch
 as its whole kernel does), compiles the forward of ``bench/attention.py`` (``--modes fwd``)
@@ -52,10 +52,11 @@ def _plans(text: str) -> list[tuple[int, int, int]]:
 
 def _variant(mode: str, plan, chunks: int, fetching: bool):
     """Switch the compiler to ``mode``'s lane ``plan`` in ``chunks`` key chunks (1: unsplit;
-    ``plan.LONG_SPLIT_CHUNKS``, ahead of the long split's own table and rule) with the chunks
+    ``splits.LONG_SPLIT_CHUNKS``, ahead of the long split's own table and rule) with the chunks
     prefetching or not; returns the function that puts every switch back."""
     from meganeura.codegen.wgsl.attention import dkv_half, tile_loads
     from meganeura.codegen.wgsl.attention import plan as attention_plan
+    from meganeura.codegen.wgsl.attention import splits as attention_splits
 
     if mode == "dkv":  # the half kernel's own plan; its query chunks
         saved_half = attention_plan.DKV_HALF, dkv_half.QUERY_SPLIT_CHUNKS[0]
@@ -65,14 +66,14 @@ def _variant(mode: str, plan, chunks: int, fetching: bool):
             attention_plan.DKV_HALF, dkv_half.QUERY_SPLIT_CHUNKS[0] = saved_half
 
         return restore_half
-    saved = (attention_plan.LANE_OVERRIDE.get(mode), attention_plan.LONG_SPLIT_CHUNKS.get(mode))
+    saved = (attention_plan.LANE_OVERRIDE.get(mode), attention_splits.LONG_SPLIT_CHUNKS.get(mode))
     prefetching = tile_loads.SPLIT_PREFETCH[0]
     attention_plan.LANE_OVERRIDE[mode] = plan
-    attention_plan.LONG_SPLIT_CHUNKS[mode] = chunks
+    attention_splits.LONG_SPLIT_CHUNKS[mode] = chunks
     tile_loads.set_split_prefetch(fetching)
 
     def restore() -> None:
-        for table, value in zip((attention_plan.LANE_OVERRIDE, attention_plan.LONG_SPLIT_CHUNKS),
+        for table, value in zip((attention_plan.LANE_OVERRIDE, attention_splits.LONG_SPLIT_CHUNKS),
                                 saved, strict=True):  # fmt: skip
             if value is None:
                 table.pop(mode, None)

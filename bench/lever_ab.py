@@ -84,9 +84,9 @@ LEVERS = {
     # off: a long forward (and, since the eighth session, its query gradient) runs the plain
     # lane kernel instead of its keys split over workgroups plus a merge (W4 fwd: 283 -> 225
     # us a layer in isolation)
-    "attention_long_split": ("meganeura.codegen.wgsl.attention.plan", "set_long_split"),
+    "attention_long_split": ("meganeura.codegen.wgsl.attention.splits", "set_long_split"),
     # off: a long query gradient runs the plain lane kernel (forwards split as shipped)
-    "attention_dq_split": ("meganeura.codegen.wgsl.attention.plan", "set_dq_split"),
+    "attention_dq_split": ("meganeura.codegen.wgsl.attention.splits", "set_dq_split"),
     # off: dkv half streams each query head's rows in one workgroup per key tile instead of
     # in chunks over workgroups plus a sum
     "attention_dkv_split": ("meganeura.codegen.wgsl.attention.dkv_half", "set_query_split"),

@@ -363,9 +363,9 @@ def main() -> None:
     args = ap.parse_args()
     torch, dev = torch_setup()
     if args.no_split_attention:
-        from meganeura.codegen.wgsl.attention import plan
+        from meganeura.codegen.wgsl.attention import splits
 
-        plan.SPLIT_OVERRIDE = False
+        splits.SPLIT_OVERRIDE = False
 
     def sync():
         if dev == "cuda":

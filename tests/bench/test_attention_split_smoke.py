@@ -12,10 +12,11 @@ from bench.attention_split import main
 def test_attention_split_quick(gpu_device, monkeypatch):
     from meganeura.codegen.wgsl.attention import dkv_half, tile_loads
     from meganeura.codegen.wgsl.attention import plan as attention_plan
+    from meganeura.codegen.wgsl.attention import splits as attention_splits
     from meganeura.training import device_limits
 
     # as on a GPU, where the long split applies by itself: one chunk must still mean unsplit
-    monkeypatch.setattr(attention_plan, "LONG_SPLIT_OVERRIDE", True)
+    monkeypatch.setattr(attention_splits, "LONG_SPLIT_OVERRIDE", True)
     rows = main(["--quick", "--modes", "fwd,dq,dkv", "--chunks", "1,3", "--plans", "16x2x16",
                  "--prefetch", "0,1", "--repeats", "1", "--warmup", "1",
                  "--out-name", "attention_split_smoke"])  # fmt: skip
@@ -42,7 +43,7 @@ def test_attention_split_quick(gpu_device, monkeypatch):
         assert (row["merge_ms"] > 0) == (row["chunks"] > 1), case
         assert row["rel_err"] <= 1e-5, case
     # every switch put back after each variant
-    assert attention_plan.LONG_SPLIT_OVERRIDE is True
-    assert attention_plan.LONG_SPLIT_CHUNKS == {} and attention_plan.LANE_OVERRIDE == {}
+    assert attention_splits.LONG_SPLIT_OVERRIDE is True
+    assert attention_splits.LONG_SPLIT_CHUNKS == {} and attention_plan.LANE_OVERRIDE == {}
     assert tile_loads.SPLIT_PREFETCH == [True]
     assert dkv_half.QUERY_SPLIT_CHUNKS == [None] and attention_plan.DKV_HALF is None

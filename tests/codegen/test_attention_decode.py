@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from meganeura.codegen.wgsl.attention import plan as attention_plan
+from meganeura.codegen.wgsl.attention import splits as attention_splits
 from meganeura.codegen.wgsl.attention.lowering import lower_attention
-from meganeura.codegen.wgsl.attention.plan import Dims, Split, choose_plan, choose_split
+from meganeura.codegen.wgsl.attention.plan import Dims, choose_plan
+from meganeura.codegen.wgsl.attention.splits import Split, choose_split
 from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder
 from meganeura.ops.attention import scaled_dot_product_attention
@@ -27,20 +28,20 @@ SMOLLM2_DECODE = Dims(1, 3, 3, 1, 512, 64, 64)
 def split():
     """Set ``SPLIT_OVERRIDE`` (True: split wherever two chunks exist, False: never); restored
     after the test."""
-    saved = attention_plan.SPLIT_OVERRIDE
+    saved = attention_splits.SPLIT_OVERRIDE
 
     def force(value):
-        attention_plan.SPLIT_OVERRIDE = value
+        attention_splits.SPLIT_OVERRIDE = value
 
     yield force
-    attention_plan.SPLIT_OVERRIDE = saved
+    attention_splits.SPLIT_OVERRIDE = saved
 
 
 # ---- the rule (no GPU) ------------------------------------------------------------------------
 def test_smollm2_decode_splits_its_512_slots_only_past_the_key_threshold(monkeypatch):
     # At 512 slots the merge costs more than the split gains on the H200 (plan.py's note).
     assert choose_split(SMOLLM2_DECODE, H200) is None
-    monkeypatch.setattr(attention_plan, "SPLIT_MIN_KEYS", 512)
+    monkeypatch.setattr(attention_splits, "SPLIT_MIN_KEYS", 512)
     s = choose_split(SMOLLM2_DECODE, H200)
     plan = choose_plan("fwd", SMOLLM2_DECODE, H200)
     assert s == Split(plan, 16, 32) and plan.tile == 32  # 48 workgroups instead of 3
@@ -61,7 +62,7 @@ def test_no_split_where_it_cannot_help(dims):
 
 def test_chunks_are_capped_and_cover_every_key():
     s = choose_split(Dims(1, 1, 1, 1, 100_000, 64, 64), H200)
-    assert s.chunks <= attention_plan.SPLIT_MAX_CHUNKS
+    assert s.chunks <= attention_splits.SPLIT_MAX_CHUNKS
     assert s.length % s.plan.tile == 0
     assert (s.chunks - 1) * s.length < 100_000 <= s.chunks * s.length
 
@@ -86,7 +87,7 @@ def _graph(qs, ks, vs, mask=None, kv_length=None, **kw):
 
 
 def test_kernels_of_a_split_forward(monkeypatch):
-    monkeypatch.setattr(attention_plan, "SPLIT_MIN_KEYS", 512)
+    monkeypatch.setattr(attention_splits, "SPLIT_MIN_KEYS", 512)
     graph, nid = _graph((1, 9, 1, 64), (1, 3, 512, 64), (1, 3, 512, 64), None, 0, is_causal=True)
     parts, merge = lower_attention(graph, nid, H200, "fwd")
     assert parts.name.endswith("fwd split 16x32") and parts.grid == (48, 1, 1)

@@ -220,7 +220,7 @@ def test_attention_backward_dispatches_on_h200_limits():
     assert len(_attention_kernels(separate)) == 6
     whisper = compile(_whisper_sized(1500), CompileOptions(), H200)
     names = [d.name.split()[2] for d in whisper.dispatches if "attention" in d.name]
-    # ... and the forward splits its keys (plan.choose_long_split): a merge writes out and lse;
+    # ... and the forward splits its keys (splits.choose_long_split): a merge writes out and lse;
     # so does dq: its partial kernel (with the delta pairs), then the sum of its parts
     assert names == ["fwd+lse", "merge", "dq+delta", "dq+delta", "dk", "dv"]
 

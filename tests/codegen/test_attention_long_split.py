@@ -1,4 +1,4 @@
-"""Split-key attention for long query blocks (``plan.choose_long_split``), the forward and the
+"""Split-key attention for long query blocks (``splits.choose_long_split``), the forward and the
 query gradient: the rule on the H200's limits (its measured table and the thread-count rule),
 where it never applies (CPU adapters, decode-sized blocks, short key streams, batches that
 fill the GPU), and the split kernels against float64 torch SDPA and autograd over several
@@ -14,8 +14,10 @@ import torch
 
 from meganeura.codegen.kernel import H200_LIMITS
 from meganeura.codegen.wgsl.attention import plan as attention_plan
+from meganeura.codegen.wgsl.attention import splits as attention_splits
 from meganeura.codegen.wgsl.attention.lowering import lower_attention
-from meganeura.codegen.wgsl.attention.plan import Dims, Plan, Split, choose_long_split
+from meganeura.codegen.wgsl.attention.plan import Dims, Plan
+from meganeura.codegen.wgsl.attention.splits import Split, choose_long_split
 from meganeura.codegen.wgsl.attention.tuned import WHISPER
 from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
@@ -30,13 +32,13 @@ CPU = replace(H200_LIMITS, cpu=True)
 @pytest.fixture
 def long_split():
     """Set ``LONG_SPLIT_OVERRIDE`` (True: split wherever two chunks exist); restored after."""
-    saved = attention_plan.LONG_SPLIT_OVERRIDE
+    saved = attention_splits.LONG_SPLIT_OVERRIDE
 
     def force(value):
-        attention_plan.LONG_SPLIT_OVERRIDE = value
+        attention_splits.LONG_SPLIT_OVERRIDE = value
 
     yield force
-    attention_plan.LONG_SPLIT_OVERRIDE = saved
+    attention_splits.LONG_SPLIT_OVERRIDE = saved
 
 
 # ---- the rule (no GPU) ------------------------------------------------------------------------
@@ -49,8 +51,8 @@ def test_the_rule_without_the_table_fills_the_threads(monkeypatch):
     s = choose_long_split(WHISPER, H200_LIMITS)
     plan = attention_plan.choose_plan("fwd", WHISPER, H200_LIMITS)
     threads = 6 * -(-1500 // plan.rows) * plan.size
-    assert threads < attention_plan.LONG_SPLIT_THREADS
-    assert s.plan == plan and s.chunks == -(-attention_plan.LONG_SPLIT_THREADS // threads)
+    assert threads < attention_splits.LONG_SPLIT_THREADS
+    assert s.plan == plan and s.chunks == -(-attention_splits.LONG_SPLIT_THREADS // threads)
     assert s.length % plan.tile == 0 and (s.chunks - 1) * s.length < 1500 <= s.chunks * s.length
 
 
@@ -76,16 +78,16 @@ def test_whisper_query_gradient_splits_by_its_measured_plan_or_the_rule(monkeypa
     plan = attention_plan.choose_plan("dq", WHISPER, H200_LIMITS)
     threads = 6 * -(-1500 // plan.rows) * plan.size
     s = choose_long_split(WHISPER, H200_LIMITS, "dq")
-    assert s.plan == plan and s.chunks == -(-attention_plan.LONG_SPLIT_THREADS // threads) > 1
+    assert s.plan == plan and s.chunks == -(-attention_splits.LONG_SPLIT_THREADS // threads) > 1
     with pytest.raises(ValueError, match="mode 'dkv' is not one of"):
         choose_long_split(WHISPER, H200_LIMITS, "dkv")
 
 
 def test_forced_chunks_come_first(long_split, monkeypatch):
     long_split(False)
-    monkeypatch.setitem(attention_plan.LONG_SPLIT_CHUNKS, "dq", 4)
+    monkeypatch.setitem(attention_splits.LONG_SPLIT_CHUNKS, "dq", 4)
     assert choose_long_split(WHISPER, CPU, "dq").chunks == 4
-    monkeypatch.setitem(attention_plan.LONG_SPLIT_CHUNKS, "fwd", 1)  # one chunk: unsplit
+    monkeypatch.setitem(attention_splits.LONG_SPLIT_CHUNKS, "fwd", 1)  # one chunk: unsplit
     assert choose_long_split(WHISPER, H200_LIMITS) is None
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from meganeura.codegen.wgsl.attention import plan as attention_plan
+from meganeura.codegen.wgsl.attention import splits as attention_splits
 from meganeura.codegen.wgsl.attention.dkv_half import half_fits
 from meganeura.codegen.wgsl.attention.plan import Dims, fuses_key_value, uses_dkv_half
 from meganeura.compile import CompileOptions, compile
@@ -62,7 +63,7 @@ def test_forward_writes_lse_at_its_position_on_h200_limits():
     (one pass over the keys fewer), placed before everything that reads the forward's
     output; the dq kernel computes delta (``dq_delta``); dk and dv stay two kernels there
     (the lane dkv spills: plan.fuses_key_value). The forward splits its keys there
-    (``plan.choose_long_split``): its merge, right after it, writes the output and the lse;
+    (``splits.choose_long_split``): its merge, right after it, writes the output and the lse;
     so does dq."""
     graph = _whisper_sized(1500)
     program = compile(graph, CompileOptions(), H200)
@@ -186,7 +187,7 @@ def test_dkv_half_gradients_match_torch(
     """dk and dv of the half kernel against float64 torch; ``split``: each query head's rows
     in 3 chunks of 16 over workgroups, then their sum (``dkv_half.choose_query_split``; the
     causal case's second key tile finds its first chunk empty)."""
-    monkeypatch.setattr(attention_plan, "LONG_SPLIT_OVERRIDE", True if split else False)
+    monkeypatch.setattr(attention_splits, "LONG_SPLIT_OVERRIDE", True if split else False)
     if not device_limits(gpu_device).subgroups:
         pytest.skip("the dkv half kernel needs subgroups")
     gen = np.random.default_rng(5)

@@ -18,6 +18,7 @@ import meganeura.nn.functional as F
 from meganeura.codegen.kernel import H200_LIMITS
 from meganeura.codegen.wgsl.attention import lane_stream, tile_loads
 from meganeura.codegen.wgsl.attention import plan as attention_plan
+from meganeura.codegen.wgsl.attention import splits as attention_splits
 from meganeura.compile import CompileOptions, compile
 from meganeura.dtypes import DType
 from meganeura.graph.builder import GraphBuilder
@@ -186,11 +187,11 @@ def test_where_it_applies():
 
     split = _prefetching(fwd(1500, 1500, 64))
     assert [n.split(" ", 1)[1] for n in split] == ["scaled_dot_product_attention fwd split 3x504"]
-    attention_plan.set_long_split(False)
+    attention_splits.set_long_split(False)
     try:
         assert _prefetching(fwd(1500, 1500, 64))
     finally:
-        attention_plan.set_long_split(True)
+        attention_splits.set_long_split(True)
     assert not _prefetching(fwd(128, 128, 64))
     assert not _prefetching(fwd(64, 16, 64))
     lane_stream.set_prefetch(False)
@@ -206,7 +207,7 @@ def _training(qs, ks, causal):
     return compile(b.build(), options, H200_LIMITS)
 
 
-# Whisper's forward and dq split their keys (plan.choose_long_split, tuned.TUNED_SPLIT): the
+# Whisper's forward and dq split their keys (splits.choose_long_split, tuned.TUNED_SPLIT): the
 # forward's chunks prefetch, dq's do not (measured so)
 WHISPER_FWD = {
     "fwd+lse split 3x504": "k+v",
@@ -291,7 +292,7 @@ def test_split_chunks_prefetch_bit_identical(gpu_device, case, monkeypatch):
     """With ``tile_loads.set_split_prefetch`` (on, the default) the chunks of the split
     forward and dq prefetch their next key tile within their chunk (k and v); outputs and
     gradients are the bits of the chunks that do not."""
-    monkeypatch.setattr(attention_plan, "LONG_SPLIT_OVERRIDE", True)
+    monkeypatch.setattr(attention_splits, "LONG_SPLIT_OVERRIDE", True)
     monkeypatch.setitem(attention_plan.LANE_OVERRIDE, "fwd", (8, 2, 8))
     monkeypatch.setitem(attention_plan.LANE_OVERRIDE, "dq", (8, 2, 8))
 

@@ -243,9 +243,9 @@ def test_register_tiled_kernels_read_and_write_views(case, gpu_device, monkeypat
 def test_split_key_forward_writes_the_permuted_output(gpu_device, monkeypatch):
     """The flash-decoding forward (keys split over workgroups, then a merge kernel) of a short
     query block writes the output permute's buffer from its merge kernel."""
-    from meganeura.codegen.wgsl.attention import plan as attention_plan
+    from meganeura.codegen.wgsl.attention import splits as attention_splits
 
-    monkeypatch.setattr(attention_plan, "SPLIT_OVERRIDE", True)
+    monkeypatch.setattr(attention_splits, "SPLIT_OVERRIDE", True)
     b = GraphBuilder()
     q, k, v = b.input("q", (1, 2, 4, 8)), b.input("k", (1, 40, 2, 8)), b.input("v", (1, 40, 2, 8))
     qh, kh, vh = (F.permute(t, (0, 2, 1, 3)) for t in (q, k, v))

@@ -1,7 +1,7 @@
 """Split-key forward attention for short query blocks (flash-decoding: Dao, Haziza, Massa and
 Sizov 2023): two dispatches.
 
-1. The lane kernel (``lane.lower_flash`` with a ``plan.Split``): one workgroup per (batch, kv
+1. The lane kernel (``lane.lower_flash`` with a ``splits.Split``): one workgroup per (batch, kv
    head, row tile, key chunk), every query row of the kv head's group in the tile; it keeps
    the online-softmax state of each row over its chunk's keys (the runtime ``kv_length``, the
    mask and the lower-right causal rule apply as in the plain kernel, so chunks past the last
@@ -25,7 +25,7 @@ from ..core.builder import KernelBuilder
 from ..core.layout import WG
 from .common import LOWEST, PARTIALS, dims_of
 from .lane import lower_flash
-from .plan import Split
+from .splits import Split
 
 
 def lower_split(
@@ -66,7 +66,7 @@ def lower_merge(
         f"    let col = i % {dv}u;",
         f"    let base = row * {nc * stride}u;",
     ]
-    # unrolled over the chunks (at most plan.SPLIT_MAX_CHUNKS): every load in flight at once
+    # unrolled over the chunks (at most splits.SPLIT_MAX_CHUNKS): every load in flight at once
     lines += [f"    let m{c} = {at(f'base + {c * stride}u')};" for c in range(nc)]
     mx = LOWEST
     for c in range(nc):

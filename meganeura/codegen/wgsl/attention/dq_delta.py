@@ -19,7 +19,8 @@ from ....ops.attention import BWD_Q, DELTA
 from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder, Src
 from .common import dims_of, load4
-from .plan import choose_block_plan, choose_long_split
+from .plan import choose_block_plan
+from .splits import choose_long_split
 
 ENABLED = [True]  # bench A/B switch (``set_enabled``); never changed by the compiler
 # the fused dq kernel's storage bindings besides the mask / key count: q k v dO lse out | dq pairs
@@ -80,7 +81,7 @@ def lower_dq_delta(
 ) -> list[KernelSource]:
     """One dispatch writing dq (node ``dq_node``) and the ``(lse, delta)`` pairs of node
     ``delta_node``, at dq's position. Named ``%<delta>+<dq> ..._backward_query dq+delta``.
-    A long query block that ``plan.choose_long_split`` splits is two: ``dq+delta split CxL``
+    A long query block that ``splits.choose_long_split`` splits is two: ``dq+delta split CxL``
     (the chunks' parts of dq, the pairs) and ``dq+delta sum C`` (``dq_split``)."""
     from .dq_split import lower_dq_split  # both import lane, which imports this module
     from .lane import lower_flash

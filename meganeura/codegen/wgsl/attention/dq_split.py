@@ -1,7 +1,7 @@
 """The query gradient with its keys split over workgroups, for long query blocks that give the
-plain lane kernel too few threads (``plan.choose_long_split``, mode ``dq``): two dispatches.
+plain lane kernel too few threads (``splits.choose_long_split``, mode ``dq``): two dispatches.
 
-1. The lane kernel in ``dq`` mode with a ``plan.Split`` (``lane.lower_flash``): one workgroup
+1. The lane kernel in ``dq`` mode with a ``splits.Split`` (``lane.lower_flash``): one workgroup
    per (batch, kv head, row tile, key chunk); each row sums its chunk's keys' part of
    ``dq_i = sum_j ds_ij k_j`` (FlashAttention-2's backward, Dao 2023, Algorithm 2 line 11,
    restricted to the chunk) and writes it, unscaled, to the scratch ``PARTIALS`` at
@@ -22,7 +22,7 @@ from ..core.layout import WG
 from ..core.literals import f32_literal, u
 from .common import PARTIALS, dims_of
 from .lane import lower_flash
-from .plan import Split
+from .splits import Split
 
 
 def lower_dq_split(

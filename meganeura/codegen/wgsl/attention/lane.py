@@ -32,7 +32,8 @@ from ..core.literals import f32_literal, u
 from .common import LOWEST, OPERANDS, PARTIALS, XYZW, dims_of, load4, read_extras, stride_sum
 from .dq_delta import delta_registers, delta_sources, delta_stores
 from .lane_stream import _Kernel, _merge, _stream_loops
-from .plan import SOFTMAX_MODES, Split, choose_plan, extents, shared_layout
+from .plan import SOFTMAX_MODES, choose_plan, extents, shared_layout
+from .splits import Split
 
 
 def lower_flash(
@@ -53,7 +54,7 @@ def lower_flash(
     writes that ``..._lse`` node's per-row log-sum-exp (``plan_attention_lse``); ``lse`` mode
     computes it alone (one pass over the keys, no output row). With ``delta_node`` (``dq``)
     the kernel computes and writes that ``..._delta`` node's pairs itself (``dq_delta``).
-    With ``split`` (``fwd`` and ``dq``; ``plan.choose_split``, ``plan.choose_long_split``) the
+    With ``split`` (``fwd`` and ``dq``; ``splits.choose_split``, ``splits.choose_long_split``) the
     keys are cut into ``split.chunks`` chunks of ``split.length``, one workgroup per (row
     tile, chunk), each writing to the scratch ``PARTIALS`` its rows' unnormalized state (max
     m, sum l, output row) for ``decode.lower_merge``, or (``dq``) its rows' unscaled part of

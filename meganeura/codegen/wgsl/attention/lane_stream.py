@@ -35,16 +35,8 @@ from dataclasses import dataclass
 from ..core.builder import KernelBuilder, Src
 from ..core.literals import NEG_INF_BITS, u
 from .common import LOWEST, key_end, stride_sum
-from .plan import (
-    QUERY_ROW_MODES,
-    SOFTMAX_MODES,
-    SPLIT_MAX_LQ,
-    Dims,
-    Plan,
-    Split,
-    accumulators,
-    extents,
-)
+from .plan import QUERY_ROW_MODES, SOFTMAX_MODES, Dims, Plan, accumulators, extents
+from .splits import SPLIT_MAX_LQ, Split
 from .tile_loads import SPLIT_PREFETCH, load_tile, prefetch
 from .tile_loads import set_prefetch as set_prefetch  # the lever's switch, re-exported
 

@@ -23,24 +23,16 @@ from .decode import lower_split
 from .dkv_half import choose_query_split, lower_dkv_half
 from .dq_split import lower_dq_split
 from .lane import lower_flash
-from .plan import (
-    LONG_SPLIT_MODES,
-    choose_block_plan,
-    choose_long_split,
-    choose_plan,
-    choose_split,
-    extents,
-    fuses_key_value,
-    uses_dkv_half,
-)
+from .plan import choose_block_plan, choose_plan, extents, fuses_key_value, uses_dkv_half
+from .splits import LONG_SPLIT_MODES, choose_long_split, choose_split
 
 
 def lower_attention(
     graph: Graph, node_id: int, limits: Limits, mode: str, deferred=None
 ) -> list[KernelSource]:
-    """The forward of a short query block over several tiles of keys (``plan.choose_split``),
+    """The forward of a short query block over several tiles of keys (``splits.choose_split``),
     or of a long one on a lane plan with too few threads to fill the GPU
-    (``plan.choose_long_split``; a forward that also writes its log-sum-exp is lowered by
+    (``splits.choose_long_split``; a forward that also writes its log-sum-exp is lowered by
     ``lower_forward_lse``, which splits by the same rule): the split-key lane kernel and its
     merge (``decode``). A long query block's query gradient splits by that rule too: the
     split-key kernel and the sum of its parts (``dq_split``; a dq that computes its delta is
@@ -136,7 +128,7 @@ def lower_forward_lse(
     """One dispatch writing the forward's output (node ``forward_node``) and the log-sum-exp
     of its rows (node ``lse_node``), at the forward's position. Named
     ``%<forward>+<lse> scaled_dot_product_attention fwd+lse``. A long forward that
-    ``plan.choose_long_split`` splits is two: ``fwd+lse split CxL`` (the chunks' partial
+    ``splits.choose_long_split`` splits is two: ``fwd+lse split CxL`` (the chunks' partial
     states) and ``merge C`` (the output and the lse)."""
     split = choose_long_split(dims_of(graph, graph[forward_node], "fwd"), limits)
     if split is None:

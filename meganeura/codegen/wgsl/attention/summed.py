@@ -42,7 +42,8 @@ from ....passes.fuse import FusionGroup
 from ....passes.permute_views import ROPE, read_view
 from ...kernel import Limits
 from .common import dims_of
-from .plan import choose_block_plan, choose_plan, choose_split, extents
+from .plan import choose_block_plan, choose_plan, extents
+from .splits import choose_split
 
 ENABLED = [True]  # bench A/B switch (``set_enabled``); never changed by the compiler
 

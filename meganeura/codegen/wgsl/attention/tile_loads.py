@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 # by the compiler. The budget: vec4 registers a thread may hold for the next tile.
 PREFETCH = [True]
 PREFETCH_MAX_VEC4 = 8
-# The chunks of a split query-row kernel (``plan.Split``: fwd, dq) prefetch too, unless their
+# The chunks of a split query-row kernel (``splits.Split``: fwd, dq) prefetch too, unless their
 # split says not (``Split.prefetch``, from ``tuned.TUNED_SPLIT``). Measured on the H200
 # (bench/attention_split.py, eighth session): the rule's dq plan at Whisper (32x2x16, 3 chunks)
 # 872 us without, 468 with; 32x1x8: dq 355 without, 367 with; the forward 224 without, 216

@@ -45,7 +45,7 @@ TUNED: dict[tuple[str, Dims], tuple[int, int, int]] = {
     ("dv", SMOLVLA_CROSS): (8, 16, 32),  # 23.9 -> 22.1
 }
 
-# Lane kernels that split their keys over workgroups (``plan.choose_long_split``): (mode,
+# Lane kernels that split their keys over workgroups (``splits.choose_long_split``): (mode,
 # Dims) -> (lane plan, chunks, whether the chunks prefetch their next key tile), measured on
 # the H200 (bench/attention_split.py; partial kernel + merge or sum, us). The forward
 # (attention_split_h200.json, seventh session; attention_split_h200_prefetch.json, eighth):
