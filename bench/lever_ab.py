@@ -90,6 +90,9 @@ LEVERS = {
     # off: dkv half streams each query head's rows in one workgroup per key tile instead of
     # in chunks over workgroups plus a sum
     "attention_dkv_split": ("meganeura.codegen.wgsl.attention.dkv_half", "set_query_split"),
+    # off: the norms' weight-gradient channel sums over long strided rows keep 32 channels a
+    # workgroup instead of fewer channels and more threads each (rows.narrowed)
+    "narrow_strided_rows": ("meganeura.codegen.wgsl.rowwise.rows", "set_narrow_strided"),
     # off: the chunks of split attention kernels (fwd, dq) never prefetch their next key tile
     # (W4 train, the rule's dq plan: 9.67 ms with, 10.99 without; lever_ab_h200_splits.json)
     "attention_split_prefetch": (

@@ -39,6 +39,7 @@ from ..optim import is_nonfinite
 from ..rowwise.rows import (
     RowPlan,
     for_each,
+    narrowed,
     plan_rows,
     shared_decl,
     strided_loop,
@@ -332,7 +333,7 @@ def _channel_sums(
     node = graph[node_id]
     x_id, lay, chan = _weight_layouts(graph, node_id)
     g_id = node.inputs[1]
-    cplan = _plan(chan)
+    cplan = narrowed(_plan(chan), chan.count, chan.length)  # few long channels: more threads
     kb = KernelBuilder(graph, node, limits)
     x = kb.read(x_id, "x")
     g = kb.read(g_id, "g")

@@ -7,7 +7,9 @@ element slice ``y = lid / ox`` (elements y, y + ry, ...), then the ``ry`` partia
 row are combined pairwise in workgroup memory. Three shapes cover the cases:
   * contiguous rows of >= 64 elements: one workgroup per row (``ox = 1``), coalesced along it;
   * strided rows (reduced dim not innermost): 32 neighbouring rows per workgroup, so each load
-    instruction reads 32 neighbouring addresses;
+    instruction reads 32 neighbouring addresses (``narrowed``: long strided rows too few to
+    fill ``STRIDED_TARGET_GROUPS`` workgroups that way take fewer, down to 8, and more threads
+    each, for kernels that do not split rows into chunks);
   * short rows (< 64 elements): one thread per row, no workgroup memory.
 Threads whose row lies past the end still run every barrier (barriers must stay in uniform
 control flow); they read a clamped, valid row and never store.
@@ -26,6 +28,22 @@ SHORT_ROW = 64  # below this a row is summed serially by one thread
 UNROLL = 4  # loads in flight per thread in reduction loops
 BLOCK = 16  # elements per partial sum when a thread sums many
 STRIDED_LANES = 32
+# Long strided rows, few of them (a layer norm's weight gradient: 384 channels x 1500 rows took
+# 27 us a channel sum on the H200 in 12 workgroups of 32 channels x 8 threads): ``narrowed``
+# gives fewer rows per workgroup, down to STRIDED_MIN_LANES (8 rows: 32-byte runs, a full
+# memory sector), and more threads per row, until STRIDED_TARGET_GROUPS workgroups.
+# NARROW_STRIDED: the bench A/B switch (``set_narrow_strided``; lever narrow_strided_rows),
+# never changed by the compiler.
+STRIDED_MIN_LANES = 8
+STRIDED_LONG_ROW = 512  # elements a strided row has before it narrows
+STRIDED_TARGET_GROUPS = 64
+NARROW_STRIDED = [True]
+
+
+def set_narrow_strided(on: bool) -> None:
+    """Let ``narrowed`` give long strided rows fewer rows per workgroup (on, the default) or
+    leave plans as they are (off), for programs compiled from now on."""
+    NARROW_STRIDED[:] = [bool(on)]
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,19 @@ def plan_rows(n_rows: int, row_len: int, contiguous: bool) -> RowPlan:
         return RowPlan(1, min(WG, next_pow2(row_len)))
     ox = min(STRIDED_LANES, next_pow2(n_rows))
     return RowPlan(ox, WG // ox)
+
+
+def narrowed(plan: RowPlan, n_rows: int, row_len: int) -> RowPlan:
+    """``plan`` (strided rows, from ``plan_rows``) with fewer rows per workgroup, down to
+    ``STRIDED_MIN_LANES``, while fewer than ``STRIDED_TARGET_GROUPS`` workgroups cover the
+    ``n_rows`` rows, for rows of at least ``STRIDED_LONG_ROW`` elements; else ``plan``. For
+    kernels that sum each row in one workgroup (no split into chunks): the norms' channel
+    sums."""
+    ox = plan.ox
+    if NARROW_STRIDED[0] and plan.ry > 1 and row_len >= STRIDED_LONG_ROW:
+        while ox > STRIDED_MIN_LANES and -(-n_rows // ox) < STRIDED_TARGET_GROUPS:
+            ox //= 2
+    return RowPlan(ox, WG // ox) if ox != plan.ox else plan
 
 
 def thread_coords(plan: RowPlan, row_group: str, n_rows: int) -> str:
