@@ -13,7 +13,8 @@ plain kernel (32 x 2 x 16 at Whisper) has the same thread count.
 
 Each variant forces a lane plan (``plan.LANE_OVERRIDE``), a chunk count (1: no split;
 ``splits.LONG_SPLIT_CHUNKS``, ahead of the long split's own table and rule; dkv:
-``dkv_half.QUERY_SPLIT_CHUNKS`` on the half kernel's own plan) and whether the chunks
+``dkv_half.QUERY_SPLIT_CHUNKS`` on the half kernel's own plan; 0: the lane kernels, fused or
+apart as the shape gets them without the half kernel) and whether the chunks
 prefetch their next key tile (``tile_loads.set_split_prefetch``; dkv half's chunks prefetch
 as its whole kernel does), compiles the forward of ``bench/attention.py`` (``--modes fwd``)
 or its training graph (``dq``, ``dkv``: only that mode's kernels are timed), checks the
@@ -58,9 +59,10 @@ def _variant(mode: str, plan, chunks: int, fetching: bool):
     from meganeura.codegen.wgsl.attention import plan as attention_plan
     from meganeura.codegen.wgsl.attention import splits as attention_splits
 
-    if mode == "dkv":  # the half kernel's own plan; its query chunks
+    if mode == "dkv":  # the half kernel's own plan, its query chunks; 0: the lane kernels
         saved_half = attention_plan.DKV_HALF, dkv_half.QUERY_SPLIT_CHUNKS[0]
-        attention_plan.DKV_HALF, dkv_half.QUERY_SPLIT_CHUNKS[0] = True, chunks
+        attention_plan.DKV_HALF = chunks > 0
+        dkv_half.QUERY_SPLIT_CHUNKS[0] = max(chunks, 1)
 
         def restore_half() -> None:
             attention_plan.DKV_HALF, dkv_half.QUERY_SPLIT_CHUNKS[0] = saved_half
@@ -89,8 +91,8 @@ def _is_mode(mode: str):
     plain kernel and its merge; dq's, with or without its delta, and their sum)."""
     if mode == "dq":
         return lambda n: "backward_query" in n
-    if mode == "dkv":
-        return lambda n: "backward_key_value" in n
+    if mode == "dkv":  # dk and dv, fused or apart
+        return lambda n: "backward_key" in n or "backward_value" in n
     return lambda n: "backward" not in n and "scaled_dot_product_attention" in n
 
 
@@ -102,7 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "of a training step, which computes its delta), dkv (dk and dv on the "
                     "half kernel, its query rows split; --plans and --prefetch do not "
                     "apply)")  # fmt: skip
-    ap.add_argument("--chunks", default="1,2,3,4,6,8", help="key chunks (1: no split)")
+    ap.add_argument("--chunks", default="1,2,3,4,6,8",
+                    help="key chunks (1: no split); dkv: query chunks of the half kernel, 0 "
+                    "the lane dk/dv kernels the shape gets without it")  # fmt: skip
     ap.add_argument("--plans", default="32x2x16,64x2x16,16x2x16,32x1x8",
                     help="lane plans rows x lanes x tile")  # fmt: skip
     ap.add_argument("--prefetch", default="0", help="split chunks prefetching: 0, 1 or 0,1")
@@ -153,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{'sum us':>8} {'TFLOP/s':>8} {'vs torch':>8} {'err':>8}")  # fmt: skip
             for plan in plans if mode != "dkv" else [(32, 2, 16)]:  # dkv half's own plan
                 for nc in chunks:
+                    if nc == 0 and mode != "dkv":  # the unsplit kernel is chunk count 1
+                        continue
                     for fetching in fetches if nc > 1 and mode != "dkv" else fetches[:1]:
                         restore = _variant(mode, plan, nc, fetching)
                         try:
@@ -188,7 +194,7 @@ def _measure(args, sess, program, arrays, mode, fetch, ref, variant) -> tuple[di
         sess.close()
     kernels = [x.name for x in program.dispatches if mine(x.name)]
     ms, merge = prof["mode"]["median"], prof["merge"]["median"]
-    label = "x".join(map(str, plan))
+    label = "lane" if mode == "dkv" and nc == 0 else "x".join(map(str, plan))
     tag = f"sdpa_{mode}"
     row = result(
         f"{tag}_{name}_{label}_c{nc}{'_prefetch' if fetching else ''}",

@@ -28,6 +28,7 @@
 #   splits          bench/attention_split.py on dq (plans x chunks x chunk prefetch), dkv half
 #                   (chunks) and the forward's chunk prefetch, then levers attention_dq_split,
 #                   attention_dkv_split and attention_split_prefetch on W4 train (~6 min)
+#   splits-short    the dq and dkv half splits at W1's and W2's short sequences (~3 min)
 #   strict          the ten headline cells, strict f32, with warm-cache compile times
 #   fast            the ten headline cells, fast mode, with warm-cache compile times
 #   matrix          the rest of the matrix, resumable (strict first)
@@ -92,6 +93,14 @@ case "$step" in
     python bench/lever_ab.py --machine h200 --out bench/results/lever_ab_h200_splits.json \
       --cases w4:train --levers attention_dq_split,attention_dkv_split,attention_split_prefetch \
       2>&1 | tee -a "$log" ;;
+  splits-short)
+    # the same splits at the short sequences of W1 and W2 (their attention backward is 20% of
+    # W2's step), against the lane kernels they run today (~3 min)
+    python bench/attention_split.py --modes dkv --shapes smollm2,smolvla_self,smolvla_cross \
+      --chunks 0,1,2,4,8 --out-name attention_split_h200_dkv_short 2>&1 | tee "$log"
+    python bench/attention_split.py --modes dq --shapes smollm2,smolvla_self \
+      --plans 4x16x16,8x4x16,16x2x16,32x1x8 --chunks 1,2,4 --prefetch 0,1 \
+      --out-name attention_split_h200_dq_short 2>&1 | tee -a "$log" ;;
   strict)
     "${wl[@]}" --precision strict --cases "$headline" 2>&1 | tee "$log" ;;
   fast)

@@ -17,7 +17,7 @@ def test_attention_split_quick(gpu_device, monkeypatch):
 
     # as on a GPU, where the long split applies by itself: one chunk must still mean unsplit
     monkeypatch.setattr(attention_splits, "LONG_SPLIT_OVERRIDE", True)
-    rows = main(["--quick", "--modes", "fwd,dq,dkv", "--chunks", "1,3", "--plans", "16x2x16",
+    rows = main(["--quick", "--modes", "fwd,dq,dkv", "--chunks", "0,1,3", "--plans", "16x2x16",
                  "--prefetch", "0,1", "--repeats", "1", "--warmup", "1",
                  "--out-name", "attention_split_smoke"])  # fmt: skip
     sdpa, dq = "scaled_dot_product_attention", "scaled_dot_product_attention_backward_query"
@@ -33,6 +33,8 @@ def test_attention_split_quick(gpu_device, monkeypatch):
         ],
     }
     kv = "scaled_dot_product_attention_backward_key_value"
+    # 0 chunks: the lane kernels (one lane dkv at 96 query rows: its registers' rule)
+    want["sdpa_dkv_whisper_lane_c0"] = [f"{kv} dkv"]
     if device_limits(gpu_device).subgroups:  # the half kernel needs subgroups
         want["sdpa_dkv_whisper_32x2x16_c1"] = [f"{kv} dkv half"]
         want["sdpa_dkv_whisper_32x2x16_c3"] = [f"{kv} dkv half split 3x32", f"{kv} dkv half sum 3"]
