@@ -39,8 +39,9 @@ SPLIT_MIN_KEYS = 8192
 
 @dataclass(frozen=True)
 class Split:
-    """The keys of a forward cut into ``chunks`` chunks of ``length`` (a multiple of the
-    plan's tile), one workgroup per (row tile, chunk), with the lane kernel's ``plan``;
+    """A stream cut into ``chunks`` chunks of ``length`` entries (a multiple of the plan's
+    tile), one workgroup per (row tile, chunk), with the kernel's ``plan``: the keys of a
+    forward or dq lane kernel, or the query rows of each head for dkv half;
     ``prefetch``: the chunks' key loops may prefetch (``tile_loads.SPLIT_PREFETCH`` too)."""
 
     plan: Plan
