@@ -31,12 +31,11 @@ from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder
 from ..core.layout import WG, broadcast_strides
 from ..core.literals import NEG_INF_BITS, f32_literal, u
-from . import splits as attention_splits
 from .common import PARTIALS, dims_of, load4, read_extras, stride_sum
 from .lane import _store
 from .lane_stream import _Kernel, key_row_loops
 from .plan import Dims, Plan
-from .splits import Split, _chunked
+from .splits import Split, _chunked, split_by_rule
 
 ROWS = 32  # key rows per workgroup, two threads each
 # Long query streams split over workgroups (``choose_query_split``): the switch (a bench A/B
@@ -85,24 +84,15 @@ def set_query_split(on: bool) -> None:
 
 def choose_query_split(dims: Dims, limits: Limits) -> Split | None:
     """The query split of a dkv half kernel, or None for one workgroup per key tile:
-    ``QUERY_SPLIT_CHUNKS`` (benchmarks) first; else, with ``QUERY_SPLIT`` on, on a GPU adapter
-    (``splits.LONG_SPLIT_OVERRIDE`` True: any adapter; False: never), with at least
-    ``splits.LONG_SPLIT_MIN_KEYS`` query rows a head, when the kernel runs fewer than
-    ``splits.LONG_SPLIT_THREADS`` threads, chunks of whole tiles bringing the threads up to
-    about that many (the long forward's rule, ``splits.choose_long_split``)."""
+    ``QUERY_SPLIT_CHUNKS`` (benchmarks) first; else, with ``QUERY_SPLIT`` on, the long
+    forward's thread rule over each head's query rows (``splits.split_by_rule``)."""
     plan = Plan(ROWS, 2, TILE)
     if QUERY_SPLIT_CHUNKS[0] is not None:
         return _chunked(plan, dims.lq, QUERY_SPLIT_CHUNKS[0])
-    override = attention_splits.LONG_SPLIT_OVERRIDE
-    if not QUERY_SPLIT[0] or override is False:
-        return None
-    if override is None and (limits.cpu or dims.lq < attention_splits.LONG_SPLIT_MIN_KEYS):
+    if not QUERY_SPLIT[0]:
         return None
     threads = dims.b * dims.hkv * -(-dims.lk // ROWS) * 2 * ROWS
-    target = attention_splits.LONG_SPLIT_THREADS
-    if override is None and threads >= target:
-        return None
-    return _chunked(plan, dims.lq, max(2, -(-target // threads)))
+    return split_by_rule(plan, dims.lq, threads, limits)
 
 
 def lower_dkv_half(

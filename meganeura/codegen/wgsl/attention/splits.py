@@ -159,10 +159,21 @@ def choose_long_split(dims: Dims, limits: Limits, mode: str = "fwd") -> Split | 
         else:
             split = _chunked(plan, lk, chunks)
             return None if split is None else replace(split, prefetch=fetching)
-    if LONG_SPLIT_OVERRIDE is None and (limits.cpu or lk < LONG_SPLIT_MIN_KEYS):
-        return None
     plan = choose_plan(mode, dims, limits)
     threads = dims.b * dims.hkv * -(-n_rows // plan.rows) * plan.size
-    if LONG_SPLIT_OVERRIDE is None and threads >= LONG_SPLIT_THREADS:
+    return split_by_rule(plan, lk, threads, limits)
+
+
+def split_by_rule(plan: Plan, stream: int, threads: int, limits: Limits) -> Split | None:
+    """The long split's thread rule, for a kernel on ``plan`` streaming ``stream`` entries
+    with ``threads`` threads unsplit (``choose_long_split``; ``dkv_half.choose_query_split``):
+    chunks of whole tiles bringing the threads up to about ``LONG_SPLIT_THREADS``, on a GPU
+    adapter with at least ``LONG_SPLIT_MIN_KEYS`` entries while the kernel runs fewer
+    threads than that; ``LONG_SPLIT_OVERRIDE`` True splits anyway, False never."""
+    if LONG_SPLIT_OVERRIDE is False:
         return None
-    return _chunked(plan, lk, max(2, -(-LONG_SPLIT_THREADS // threads)))
+    if LONG_SPLIT_OVERRIDE is None and (
+        limits.cpu or stream < LONG_SPLIT_MIN_KEYS or threads >= LONG_SPLIT_THREADS
+    ):
+        return None
+    return _chunked(plan, stream, max(2, -(-LONG_SPLIT_THREADS // threads)))
