@@ -1,7 +1,7 @@
 """One small training run per architecture family, through the real GPU path (lavapipe on CI):
-the conv net module (BatchNorm, max pooling) on the MNIST subset, and the two-layer causal
-decoder module (RMSNorm, RoPE, grouped-query attention, SwiGLU) checked step by step against a
-torch float32 run of the same model. Both train with ``mn.Trainer``; the conv net then
+the conv net module (BatchNorm, max pooling) for an epoch of the MNIST subset, and the two-layer
+causal decoder module (RMSNorm, RoPE, grouped-query attention, SwiGLU), each checked step by step
+against a torch float32 run of the same model. Both train with ``mn.Trainer``; the conv net then
 classifies in eval mode with ``model(x)``, the decoder predicts the sequence it memorized."""
 
 from __future__ import annotations
@@ -20,11 +20,30 @@ from meganeura.optim import AdamW
 pytestmark = pytest.mark.gpu
 
 
-def test_convnet_mnist_reaches_92_percent_in_two_epochs(gpu_device):
-    # PyTorch, same architecture, recipe, initialization and batches, test accuracy after
-    # epochs 1..5 for seeds 0-3: 90.5-92.2%, 92.4-94.2%, 94.2-95.1%, 95.4-96.1%, 94.8-96.1%
-    # (seed 0, this test's: 90.5, 94.2, 95.1, 95.4, 96.1). Two epochs show that the conv,
-    # BatchNorm and pooling gradients train the net as PyTorch's do, at 2/5 of the cost.
+class TorchConvNet(torch.nn.Module):
+    """``ConvNet`` in plain PyTorch (same layers, same state-dict names), float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 16, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(16)
+        self.conv2 = torch.nn.Conv2d(16, 32, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(32)
+        self.fc = torch.nn.Linear(32 * 7 * 7, 10)
+
+    def forward(self, x):
+        pool = torch.nn.functional.max_pool2d
+        x = pool(torch.relu(self.bn1(self.conv1(x))), 2)
+        x = pool(torch.relu(self.bn2(self.conv2(x))), 2)
+        return self.fc(x.flatten(1))
+
+
+def test_convnet_mnist_trains_as_torch_does(gpu_device):
+    # One epoch of the MNIST subset (62 full batches of 64) from one initial state, on the same
+    # batches, here and in a float32 torch twin (AdamW with torch's defaults but weight decay
+    # 1e-2, as ours). On lavapipe every loss agreed to 1e-6 relative and both nets classified
+    # 90.5% of the test images (torch after one epoch, seeds 0-3: 90.5-92.2%); the bounds leave
+    # room for other reduction orders.
     data = load_mnist(seed=0)
     x_train, mean, std = standardize(data.x_train)
     x_test, _, _ = standardize(data.x_test, mean, std)
@@ -32,22 +51,38 @@ def test_convnet_mnist_reaches_92_percent_in_two_epochs(gpu_device):
     x_test = x_test.reshape(-1, 1, 28, 28)
     mn.manual_seed(0)
     model = ConvNet()
+    ref = TorchConvNet()
+    ref.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in model.state_dict().items()})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=1e-2)
     tr = mn.Trainer(
         model, AdamW(lr=1e-3), lambda m, x, y: F.cross_entropy(m(x), y), device=gpu_device
     )
     rng = np.random.default_rng(1)
-    losses = []
-    for _ in range(2):
-        for idx in iterate_batches(len(x_train), 64, rng):
-            losses.append(tr.step(x_train[idx], data.y_train[idx]))
+    losses, ref_losses = [], []
+    for idx in iterate_batches(len(x_train), 64, rng):
+        losses.append(tr.step(x_train[idx], data.y_train[idx]))
+        ref_opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(
+            ref(torch.from_numpy(x_train[idx])), torch.from_numpy(data.y_train[idx]).long()
+        )
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-2)
     state = model.state_dict()
-    assert not np.allclose(state["bn1.running_var"], 1.0)  # running stats were updated
-    assert int(state["bn1.num_batches_tracked"]) == len(losses)
+    assert int(state["bn1.num_batches_tracked"]) == len(losses) == 62
+    np.testing.assert_allclose(  # running statistics, updated as torch's
+        state["bn1.running_var"], ref.bn1.running_var.numpy(), rtol=0.05, atol=1e-3
+    )
     model.eval()  # running statistics, read from the trainer's copy on the GPU
     pred = np.concatenate([model(x_test[i : i + 500]) for i in range(0, 1000, 500)]).argmax(1)
     acc = float((pred == data.y_test).mean())
+    ref.eval()
+    with torch.no_grad():
+        ref_acc = float((ref(torch.from_numpy(x_test)).argmax(1).numpy() == data.y_test).mean())
     assert np.mean(losses[:10]) > 1.0 > np.mean(losses[-10:])
-    assert acc >= 0.92, acc
+    assert acc >= 0.88, (acc, ref_acc)
+    assert abs(acc - ref_acc) <= 0.01, (acc, ref_acc)
 
 
 class TorchDecoder(torch.nn.Module):
