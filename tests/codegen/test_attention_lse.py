@@ -12,9 +12,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from meganeura.codegen.wgsl.attention import dkv_half as dkv_half_module
 from meganeura.codegen.wgsl.attention import plan as attention_plan
 from meganeura.codegen.wgsl.attention import splits as attention_splits
-from meganeura.codegen.wgsl.attention.dkv_half import half_fits
+from meganeura.codegen.wgsl.attention.dkv_half import choose_query_split, half_fits
 from meganeura.codegen.wgsl.attention.plan import Dims, fuses_key_value, uses_dkv_half
 from meganeura.compile import CompileOptions, compile
 from meganeura.graph.builder import GraphBuilder
@@ -217,7 +218,7 @@ def test_dkv_half_gradients_match_torch(
         assert _rel(res[n], want[w]) < 2e-6, n
 
 
-def test_dkv_half_plan_rule(dkv_half):
+def test_dkv_half_plan_rule(dkv_half, monkeypatch):
     """With DKV_HALF, Whisper's pair fuses onto the half kernel where subgroups exist; without
     subgroups (or head dims not divisible by 8) the lane rule stands (dk and dv apart)."""
     whisper = Dims(1, 6, 1, 1500, 1500, 64, 64)
@@ -230,10 +231,21 @@ def test_dkv_half_plan_rule(dkv_half):
     att = [n.split(" ", 2)[2] for n in names if "attention" in n]
     # each query head's 1500 rows split over 3 workgroups a key tile (choose_query_split)
     assert att[-2:] == ["dkv half split 3x512", "dkv half sum 3"]
-    # auto (None): only where the lane dkv would spill, not at SmolLM2's short streams
+    # auto (None): where the lane dkv would spill, and at SmolLM2's short streams only through
+    # the measured query split (tuned.TUNED_QUERY_SPLIT): not with the tables or the split off,
+    # nor on a CPU adapter, nor at SmolVLA's self attention (no entry)
     attention_plan.DKV_HALF = None
     assert uses_dkv_half(whisper, with_sg)
-    assert not uses_dkv_half(Dims(1, 3, 3, 128, 128, 64, 64), with_sg)
+    smollm2 = Dims(1, 3, 3, 128, 128, 64, 64)
+    assert uses_dkv_half(smollm2, with_sg)
+    assert choose_query_split(smollm2, with_sg).chunks == 8
+    assert not uses_dkv_half(Dims(1, 5, 3, 50, 50, 64, 64), with_sg)
+    assert not uses_dkv_half(smollm2, replace(with_sg, cpu=True))
+    monkeypatch.setattr(attention_plan, "USE_TUNED", [False])
+    assert not uses_dkv_half(smollm2, with_sg)
+    monkeypatch.setattr(attention_plan, "USE_TUNED", [True])
+    monkeypatch.setattr(dkv_half_module, "QUERY_SPLIT", [False])
+    assert not uses_dkv_half(smollm2, with_sg)
 
 
 @pytest.mark.gpu

@@ -225,9 +225,16 @@ H200_SEGMENTS = {
     ("whisper", None, False): {**WHISPER_FWD, "dk": "q+g", "dv": "q+g"},
     # the lane dkv keeps k, v, dk and dv in one thread: no prefetch registers on top
     ("whisper", True, False): {**WHISPER_FWD, "dkv": ""},
-    # SmolLM2 (9 / 3 heads x 128, causal): the tuned plans; dk 2 x 32 with 32-entry tiles (q:
-    # 8 registers), dv 4 x 16 with 64-entry tiles (q: 16, none); the lane dkv none
-    ("smollm2", None, None): {"fwd+lse": "k+v", "dq+delta": "k+v", "dkv": ""},
+    # SmolLM2 (9 / 3 heads x 128, causal): the tuned plans; dkv half's measured query split
+    # (tuned.TUNED_QUERY_SPLIT: 8 chunks of 16 rows); dk 2 x 32 with 32-entry tiles (q: 8
+    # registers), dv 4 x 16 with 64-entry tiles (q: 16, none); the lane dkv none
+    ("smollm2", None, None): {
+        "fwd+lse": "k+v",
+        "dq+delta": "k+v",
+        "dkv half split 8x16": "q+g",
+        "dkv half sum 8": "",
+    },
+    ("smollm2", None, False): {"fwd+lse": "k+v", "dq+delta": "k+v", "dkv": ""},
     ("smollm2", False, None): {"fwd+lse": "k+v", "dq+delta": "k+v", "dk": "q", "dv": ""},
 }
 

@@ -20,8 +20,9 @@ prefetches the next tile's q and dO into registers: 4 + 4 vec4s a thread at 16 e
 unrolled step. Masks,
 causality (a key sees queries from its own index on) and GQA (the stream runs over each head
 of the kv head's group) as in ``lane``. Needs subgroups (``Limits.subgroups``, subgroup size
-at least 2) and head dims that are multiples of 8. Not the default until timed:
-``plan.DKV_HALF`` selects it (``plan.uses_dkv_half``).
+at least 2) and head dims that are multiples of 8. ``plan.uses_dkv_half`` selects it where
+the lane kernel would not fuse dk and dv, or where its query split was measured faster
+(``tuned.TUNED_QUERY_SPLIT``); ``plan.DKV_HALF`` forces it on or off.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from ...kernel import KernelSource, Limits
 from ..core.builder import KernelBuilder
 from ..core.layout import WG, broadcast_strides
 from ..core.literals import NEG_INF_BITS, f32_literal, u
+from . import plan as lane_plans  # its switches read at each call (tests patch them)
+from . import splits
 from .common import PARTIALS, dims_of, load4, read_extras, stride_sum
 from .lane import _store
 from .lane_stream import _Kernel, key_row_loops
@@ -82,15 +85,31 @@ def set_query_split(on: bool) -> None:
     QUERY_SPLIT[:] = [bool(on)]
 
 
+def measured_query_split(dims: Dims, limits: Limits) -> int | None:
+    """The chunk count ``tuned.TUNED_QUERY_SPLIT`` measured for these sizes, where it applies:
+    a GPU adapter, the query split and the tuned tables on (``QUERY_SPLIT``,
+    ``plan.USE_TUNED``), ``splits.LONG_SPLIT_OVERRIDE`` not False; else None. Sizes with such
+    an entry run dkv half even where the lane kernel would fuse dk and dv
+    (``plan.uses_dkv_half``)."""
+    from .tuned import TUNED_QUERY_SPLIT
+
+    on = QUERY_SPLIT[0] and lane_plans.USE_TUNED[0] and splits.LONG_SPLIT_OVERRIDE is not False
+    return TUNED_QUERY_SPLIT.get(dims) if on and not limits.cpu else None
+
+
 def choose_query_split(dims: Dims, limits: Limits) -> Split | None:
     """The query split of a dkv half kernel, or None for one workgroup per key tile:
-    ``QUERY_SPLIT_CHUNKS`` (benchmarks) first; else, with ``QUERY_SPLIT`` on, the long
-    forward's thread rule over each head's query rows (``splits.split_by_rule``)."""
+    ``QUERY_SPLIT_CHUNKS`` (benchmarks) first; else, with ``QUERY_SPLIT`` on, the chunks
+    measured for these sizes (``measured_query_split``), else the long forward's thread rule
+    over each head's query rows (``splits.split_by_rule``)."""
     plan = Plan(ROWS, 2, TILE)
     if QUERY_SPLIT_CHUNKS[0] is not None:
         return _chunked(plan, dims.lq, QUERY_SPLIT_CHUNKS[0])
     if not QUERY_SPLIT[0]:
         return None
+    measured = measured_query_split(dims, limits)
+    if measured is not None:
+        return _chunked(plan, dims.lq, measured)
     threads = dims.b * dims.hkv * -(-dims.lk // ROWS) * 2 * ROWS
     return split_by_rule(plan, dims.lq, threads, limits)
 

@@ -428,12 +428,17 @@ def _lane_fuses(dims: Dims) -> bool:
 
 def uses_dkv_half(dims: Dims, limits: Limits) -> bool:
     """Whether a fused dk + dv pair without a block plan runs the ``dkv_half`` kernel
-    (``DKV_HALF``)."""
+    (``DKV_HALF``): where the lane kernel would not fuse them, or where a query split was
+    measured faster than the lane kernel (``dkv_half.measured_query_split``)."""
     if DKV_HALF is False:
         return False
-    from .dkv_half import half_fits  # dkv_half imports this module
+    from .dkv_half import half_fits, measured_query_split  # dkv_half imports this module
 
-    return half_fits(dims, limits) and (DKV_HALF is True or not _lane_fuses(dims))
+    if not half_fits(dims, limits):
+        return False
+    return (
+        DKV_HALF is True or not _lane_fuses(dims) or measured_query_split(dims, limits) is not None
+    )
 
 
 def fuses_key_value(dims: Dims, limits: Limits) -> bool:

@@ -57,3 +57,14 @@ TUNED_SPLIT: dict[tuple[str, Dims], tuple[tuple[int, int, int], int, bool]] = {
     ("fwd", WHISPER): ((32, 1, 8), 3, True),
     ("dq", WHISPER): ((32, 1, 8), 3, False),
 }
+
+# dkv half's query split (``dkv_half.choose_query_split``) where its split kernel beat the lane
+# dkv kernel the rule runs there: Dims -> chunks of each query head's rows. On the H200
+# (bench/attention_split.py, attention_split_h200_dkv_short.json, ninth session; partial + sum,
+# us): SmolLM2 54.5 lane -> 35.1 in 8 chunks (44.2 in 4, 110.6 unsplit); SmolVLA's cross
+# attention 38.7 -> 31.6 in 4 (the same in 8). SmolVLA's self attention stays on the lane
+# kernel (34.7 against 34.6 in 4 or 8).
+TUNED_QUERY_SPLIT: dict[Dims, int] = {
+    SMOLLM2: 8,
+    SMOLVLA_CROSS: 4,
+}
