@@ -89,6 +89,12 @@ def parse(argv=None):
         help="skip cells the result file already has for every requested mode (resume)",
     )
     ap.add_argument(
+        "--done-commits",
+        default=None,
+        help="with --skip-done: comma-separated commits whose rows count as done (default: "
+        "--commit's only); for resuming the matrix across sessions whose code changed",
+    )
+    ap.add_argument(
         "--stop-after",
         type=float,
         default=None,
@@ -192,7 +198,8 @@ def run(args) -> Path:
     items = plan(args)
     if args.skip_done:
         want = {(wl.id, c.name, p): m for wl, c, p, m in items if c is not None}
-        done = done_cells(result_path(args), want, args.commit)
+        commits = args.done_commits.split(",") if args.done_commits else [args.commit]
+        done = done_cells(result_path(args), want, commits)
         items = [it for it in items if it[1] is None or (it[0].id, it[1].name, it[2]) not in done]
         print(f"--skip-done: {len(done)} cells already measured", flush=True)
     est = estimate_seconds(items, args)

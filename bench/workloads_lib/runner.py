@@ -67,10 +67,11 @@ def priority(item) -> tuple:
     return (1, p != "strict", not headline, case.name.startswith("train_adam"), wl.id)
 
 
-def done_cells(path: Path, modes_by_cell: dict, commit: str | None = None) -> set:
+def done_cells(path: Path, modes_by_cell: dict, commits: list[str | None] | None = None) -> set:
     """(workload, case, precision) whose rows in the result file at ``path`` cover every
-    requested mode without an error (``--skip-done``); with ``commit``, only rows measured
-    at that commit count (a file holding an older run's rows is resumed, not skipped)."""
+    requested mode without an error (``--skip-done``); with ``commits`` (None in it: any),
+    only rows measured at one of them count (a file holding an older run's rows is resumed,
+    not skipped)."""
     if not path.exists():
         return set()
     import json
@@ -79,7 +80,11 @@ def done_cells(path: Path, modes_by_cell: dict, commit: str | None = None) -> se
     for r in json.loads(path.read_text()).get("results", []):
         if r.get("metric") in ("n/a", "s") or r.get("gate") == "ERROR" or "torch_error" in r:
             continue
-        if commit is not None and (r.get("measured") or {}).get("commit") != commit:
+        if (
+            commits
+            and None not in commits
+            and (r.get("measured") or {}).get("commit") not in commits
+        ):
             continue
         seen.setdefault((r["workload"], r["cell"], r["precision"]), set()).add(r["mode"])
     return {k for k, modes in seen.items() if set(modes_by_cell.get(k, ())) <= modes}

@@ -157,5 +157,7 @@ def test_result_file_merges_runs_and_resume_skips_measured_cells(results, tmp_pa
     # --skip-done --commit: rows of another commit do not count as measured
     doc["results"] = [dict(r, measured={"commit": "aaa", "date": "x"}) for r in doc["results"]]
     path.write_text(json.dumps(doc))
-    assert key in done_cells(path, {key: ["eager"]}, "aaa")
-    assert key not in done_cells(path, {key: ["eager"]}, "bbb")
+    assert key in done_cells(path, {key: ["eager"]}, ["aaa"])
+    assert key not in done_cells(path, {key: ["eager"]}, ["bbb"])
+    # --done-commits: rows of any commit listed count
+    assert key in done_cells(path, {key: ["eager"]}, ["bbb", "aaa"])
