@@ -56,6 +56,13 @@ def parse(argv=None):
         help="calls before the warm-up runs, for this long (default 2; quick 0): GPU clocks",
     )
     ap.add_argument("--quick", action="store_true", help="CPU-sized models (smoke test)")
+    ap.add_argument(
+        "--loss-scale",
+        type=float,
+        default=1.0,
+        help="a static loss scale (power of two) for our fast-mode gradient and training cells "
+        "(CompileOptions.loss_scale; recorded in the rows); default 1: none",
+    )
     ap.add_argument("--in-process", action="store_true", help="no child processes (smoke test)")
     ap.add_argument("--no-warm", dest="warm", action="store_false", help="skip warm compile runs")
     ap.add_argument("--profile", action="store_true", help="per-kernel profile of slow cells")

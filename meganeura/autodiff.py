@@ -63,9 +63,13 @@ def _resolve(graph: Graph, ref: int | str, what: str) -> int:
 
 
 def differentiate(
-    graph: Graph, loss: int | str, wrt: Sequence[int | str], unreachable: str = "zero"
+    graph: Graph,
+    loss: int | str,
+    wrt: Sequence[int | str],
+    unreachable: str = "zero",
+    seed: float = 1.0,
 ) -> tuple[Graph, dict[int, int]]:
-    """Append the gradients of ``loss`` with respect to ``wrt`` to ``graph``.
+    """Append the gradients of ``seed * loss`` with respect to ``wrt`` to ``graph``.
 
     Args:
         graph: the forward graph.
@@ -74,6 +78,8 @@ def differentiate(
         unreachable: what a ``wrt`` value that does not influence the loss gets: ``"zero"``
             an explicit zero gradient (a broadcast constant), ``"omit"`` no entry (as
             PyTorch leaves its ``.grad`` None, so optimizers skip it).
+        seed: the gradient the backward pass starts from, d(loss) (1: the plain gradients;
+            a loss scale ``S`` gives ``S`` times them, as ``loss.backward(S * ones)``).
 
     Returns:
         (new graph, {wrt node id: gradient node id}).
@@ -108,7 +114,7 @@ def differentiate(
                 feeds[i] = True
 
     b = GraphBuilder(graph)
-    contributions: dict[int, list[Tensor]] = {loss_id: [b.constant(1.0, lt.dtype)]}
+    contributions: dict[int, list[Tensor]] = {loss_id: [b.constant(float(seed), lt.dtype)]}
 
     def total(node_id: int) -> Tensor | None:
         parts = contributions.get(node_id)

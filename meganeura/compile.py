@@ -11,6 +11,7 @@ a ``Limits`` value (``Session`` users get them from ``meganeura.runtime.get_devi
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -101,6 +102,17 @@ class CompileOptions:
             convolution's output, which the kernel of the following elementwise ops (ReLU,
             residual add) computes (``passes.fold_batch_norm``); False keeps the BatchNorm
             kernels.
+        loss_scale: a static loss scale ``S`` (a power of two): the backward pass starts from
+            ``S`` instead of 1, so every gradient it stores is ``S`` times larger, which keeps
+            the f16 activation gradients of the fast mode above f16's smallest subnormal
+            (6e-8) where they would flush to zero (Micikevicius et al., "Mixed Precision
+            Training", ICLR 2018, section 3.2; torch.amp.GradScaler with a fixed scale). The
+            parameter gradients are unscaled before anything sees them: the optimizer's
+            coefficient carries ``1 / S`` (clipping and ``grad_norm`` see the true norm), the
+            ``<name>.grad`` outputs are multiplied by ``1 / S``. A gradient that overflows
+            (f16 beyond 65504) trips the non-finite guard. 1.0: no scaling; strict-f32
+            results are the same bits for any scale that neither overflows nor underflows
+            f32.
     """
 
     loss: str | None = None
@@ -116,6 +128,7 @@ class CompileOptions:
     nonfinite_guard: str | None = None
     max_storage_binding_bytes: int | None = None
     fold_batch_norm: bool = True
+    loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.precision not in ("strict", "fast"):
@@ -134,6 +147,17 @@ class CompileOptions:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 4 or m % 4):
             raise ValueError(
                 f"max_storage_binding_bytes must be None or a positive multiple of 4, got {m!r}"
+            )
+        scale = self.loss_scale
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float))
+            or not 0 < scale < float("inf")
+            or math.frexp(scale)[0] != 0.5
+        ):
+            raise ValueError(
+                f"loss_scale must be a positive power of two (2**k: scaling and unscaling are "
+                f"then exact), got {scale!r}"
             )
         if self.nonfinite_guard is not None and self.nonfinite_guard not in GUARD_MODES:
             raise ValueError(
@@ -185,7 +209,9 @@ def _training_graph(
         if missing:
             raise ValueError(f"trainable names not parameters of the graph: {sorted(missing)}")
     # Parameters that do not reach the loss get no update (PyTorch: .grad stays None).
-    g, grads = differentiate(graph, options.loss, [p.id for p in params], unreachable="omit")
+    g, grads = differentiate(
+        graph, options.loss, [p.id for p in params], unreachable="omit", seed=options.loss_scale
+    )
     backward_end, raw = len(g.nodes), set(grads.values())
     if options.accumulate_grads:
         g = add_to_accumulators(g, grads, options.loss)
@@ -195,7 +221,10 @@ def _training_graph(
         b = GraphBuilder(g)
         for p, gid in grads.items():
             t = b.tensor(gid)
-            if g[resolve_view(g, gid)].op == "constant":  # d(loss)/d(scalar) = 1: give it storage
+            constant = g[resolve_view(g, gid)].op == "constant"  # d(loss)/d(scalar) = seed
+            if options.loss_scale != 1.0:
+                t = t * (1.0 / options.loss_scale)
+            if constant:  # give it storage
                 t = b.add("broadcast_to", [t], {"shape": t.shape})
             b.output(grad_output(g[p].name), t)
         g = b.build_unverified()
@@ -208,6 +237,7 @@ def _training_graph(
             loss=options.loss,
             guard=options.nonfinite_guard,
             max_bindings=(limits or Limits()).max_storage_buffers_per_shader_stage,
+            loss_scale=options.loss_scale,
         )
     master = raw | set(range(backward_end, len(g.nodes)))
     if options.nonfinite_guard is not None and (
@@ -359,7 +389,7 @@ def storage_plan(
     if precision != "fast":
         return graph, frozenset()
     parameters = options.optimizer is None and not options.shared_parameters
-    return narrow_storage(graph, master, parameters=parameters)
+    return narrow_storage(graph, master, parameters=parameters, loss_scale=options.loss_scale)
 
 
 def _assemble(

@@ -90,7 +90,7 @@ def _optimizer(spec):
 
 
 # ------------------------------------------------------------------------------ ours
-def _ours_side(wl, case, model, batch, precision, quick):
+def _ours_side(wl, case, model, batch, precision, quick, loss_scale=1.0):
     """{"first", "run", "sync", "result", "sessions", "stages", "profile"} of our side."""
     import meganeura as mn
 
@@ -121,7 +121,9 @@ def _ours_side(wl, case, model, batch, precision, quick):
     if case.kind == "fwdbwd":
 
         def first():
-            runner, feeds, grads, secs = compile_grads(model, wl.ours_loss, batch, precision)
+            runner, feeds, grads, secs = compile_grads(
+                model, wl.ours_loss, batch, precision, loss_scale
+            )
             st.update(runner=runner, feeds=feeds, secs=secs, grads=grads)
             runner.run(feeds, ("loss",))
 
@@ -138,7 +140,13 @@ def _ours_side(wl, case, model, batch, precision, quick):
         }
     if case.kind in ("train", "train_steps"):
         n = case.params.get("steps", 1) if case.kind == "train_steps" else 1
-        tr = mn.Trainer(model, _optimizer(case.optimizer), wl.ours_loss, precision=precision)
+        tr = mn.Trainer(
+            model,
+            _optimizer(case.optimizer),
+            wl.ours_loss,
+            precision=precision,
+            loss_scale=loss_scale,
+        )
 
         def run():
             for _ in range(n - 1):
@@ -172,7 +180,7 @@ def _ours_side(wl, case, model, batch, precision, quick):
     return wl.custom_ours(case, model, batch, precision, quick)
 
 
-def _ours_gates(wl, case, model, state, batch, precision, side, dev, ref_model):
+def _ours_gates(wl, case, model, state, batch, precision, side, dev, ref_model, loss_scale=1.0):
     """Gate figures of our side against PyTorch eager strict f32 on ``dev``; ``ref_model`` is
     PyTorch's model with ``state``, built on the CPU before the GPU phase."""
     import meganeura as mn
@@ -203,7 +211,13 @@ def _ours_gates(wl, case, model, state, batch, precision, side, dev, ref_model):
 
         ref = reference(wl, case, ref_model, tb)
         model.load_state_dict(state)
-        with mn.Trainer(model, _optimizer(case.optimizer), wl.ours_loss, precision=precision) as tr:
+        with mn.Trainer(
+            model,
+            _optimizer(case.optimizer),
+            wl.ours_loss,
+            precision=precision,
+            loss_scale=loss_scale,
+        ) as tr:
             loss, grads = tr.step(*batch, return_grads=True)
             tr.check_nonfinite()
             after = model.state_dict()
@@ -246,9 +260,12 @@ def run_ours(wl, case, precision, args) -> dict:
     doc["build_wall_s"] = time.perf_counter() - t
     batch = wl.batch(case, args.quick)
     ref_model = wl.torch_model(case, args.quick, state)  # the gates' reference, on the CPU
+    scale = getattr(args, "loss_scale", 1.0) if precision == "fast" else 1.0
+    if scale != 1.0:
+        doc["loss_scale"] = scale
     doc["lock_wait_s"] = gpu_phase()
     with quiet():  # the measured section: no other child of the parent runs
-        side = _ours_side(wl, case, model, batch, precision, args.quick)
+        side = _ours_side(wl, case, model, batch, precision, args.quick, scale)
         t = time.perf_counter()
         side["first"]()
         if "sync" in side:
@@ -279,7 +296,9 @@ def run_ours(wl, case, precision, args) -> dict:
         side["trainer"].close()
     t = time.perf_counter()
     try:  # a gate that cannot be computed keeps the timings: gate "ERROR", no speedup
-        parts, th = _ours_gates(wl, case, model, state, batch, precision, side, dev, ref_model)
+        parts, th = _ours_gates(
+            wl, case, model, state, batch, precision, side, dev, ref_model, scale
+        )
         doc["gate"] = gates.verdict(parts)
         doc["gate_figures"] = parts
         doc["thresholds"] = th

@@ -53,9 +53,10 @@ def compile_call(model, fn, args: tuple, precision: str, outputs_prefix: str = "
     return runner, feeds, traced.output_spec, secs
 
 
-def compile_grads(model, loss_fn, args: tuple, precision: str):
+def compile_grads(model, loss_fn, args: tuple, precision: str, loss_scale: float = 1.0):
     """Forward + backward alone: a program whose outputs are ``loss`` and ``<name>.grad`` for
-    every trained parameter, no optimizer update (``CompileOptions(output_grads=True)``).
+    every trained parameter, no optimizer update (``CompileOptions(output_grads=True)``;
+    ``loss_scale``: ``CompileOptions.loss_scale``, the outputs unscaled).
 
     Returns:
         (ProgramRunner, feeds, {gradient output: parameter name}, seconds).
@@ -78,6 +79,7 @@ def compile_grads(model, loss_fn, args: tuple, precision: str):
         trainable=trainable,
         precision=precision,
         shared_parameters=True,
+        loss_scale=loss_scale,
     )
     runner = ProgramRunner(traced, options)
     _, _, arrays = flatten_arguments(fn, args, {})

@@ -83,6 +83,8 @@ def rows_for(wl, case, precision, docs: dict, quick: bool = False) -> list[dict]
                 "torch": {k: doc.get(k) for k in _WALL},
             }
             row["ours_precision"] = ours.get("precision_compiled")
+            if "loss_scale" in ours:  # --loss-scale: the fast mode's static loss scale
+                row["loss_scale"] = ours["loss_scale"]
             prof = ours.get("profile") or {}
             if "top" in prof and metric in ("ms", "ms_per_token"):
                 row["ours_profile"] = {

@@ -167,6 +167,7 @@ def child(cell: str, args, env: dict, compile_only: bool = False) -> dict:
     cmd += ["--quick"] * args.quick + ["--profile"] * bool(args.profile and cell.endswith(":ours"))
     cmd += ["--compile-only"] * compile_only
     cmd += ["--allow-cpu-compile"] * bool(args.allow_cpu_compile)
+    cmd += ["--loss-scale", repr(args.loss_scale)] * (args.loss_scale != 1.0)
     t = time.perf_counter()
     registry = _REGISTRY.get(env.get(gpu_lock.PIDS_ENV))
     try:
@@ -209,6 +210,7 @@ def _child_args(cell, args, compile_only):
         profile=bool(args.profile and cell.endswith(":ours")),
         compile_only=compile_only,
         allow_cpu_compile=args.allow_cpu_compile,
+        loss_scale=args.loss_scale,
     )
 
 

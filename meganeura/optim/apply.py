@@ -19,6 +19,7 @@ def apply_optimizer(
     loss: str | None = None,
     guard: str | None = None,
     max_bindings: int = 8,
+    loss_scale: float = 1.0,
 ) -> Graph:
     """Return ``graph`` plus the optimizer's update of every parameter in ``grads``.
 
@@ -35,6 +36,9 @@ def apply_optimizer(
             pass), else ``found_inf`` over every gradient element; None: no guard.
         max_bindings: the adapter's storage bindings per kernel: one ``found_inf`` reads
             at most ``max_bindings - 2`` gradients (its scratch and a spare take two).
+        loss_scale: the factor the gradients in ``grads`` carry (``CompileOptions.loss_scale``,
+            a power of two): the norm is divided by it before clipping and the coefficient
+            the update ops multiply the gradient by carries ``1 / loss_scale``.
 
     Adds the input ``optim.hyper`` (f32[optimizer.hyper_size]), fed each step by the host,
     and with a guard its input, state and output (``optim.guard``).
@@ -51,10 +55,14 @@ def apply_optimizer(
         if max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
         norm = F.sqrt(total)
+        if loss_scale != 1.0:
+            norm = norm * (1.0 / loss_scale)
         b.output("grad_norm", norm)
         clip = F.minimum(float(max_grad_norm) / (norm + 1e-6), 1.0)
+        if loss_scale != 1.0:
+            clip = clip * (1.0 / loss_scale)
     else:
-        clip = b.constant(1.0)
+        clip = b.constant(1.0 / loss_scale)
     if guard is not None:
         checked = [] if loss is None else [b.tensor(graph.output_dict[loss])]
         if total is not None:  # clipping's sum of squares is non-finite iff a gradient is

@@ -6,7 +6,7 @@ as they were. The kernels read an f16 value widened to f32 and narrow on store
 (``codegen.wgsl.core.builder.KernelBuilder``), so every operation and every accumulation still
 runs in f32 and only the bytes moved through memory are halved (the "f16 storage, f32
 accumulation" scheme of mixed-precision training, Micikevicius et al., "Mixed Precision
-Training", ICLR 2018, without loss scaling).
+Training", ICLR 2018; with a static loss scale when ``CompileOptions.loss_scale`` asks).
 
 Because operands of one op may now differ in dtype, the rewritten graph is a storage plan,
 not a graph the type rules would accept: it must not be passed to the builder, the
@@ -74,7 +74,11 @@ NARROW_LEAVES = frozenset({"parameter"})
 
 
 def half_candidates(
-    graph: Graph, keep: Collection[int] = (), parameters: bool = False, ranges: bool = True
+    graph: Graph,
+    keep: Collection[int] = (),
+    parameters: bool = False,
+    ranges: bool = True,
+    loss_scale: float = 1.0,
 ) -> frozenset[int]:
     """The storage owners (non-view values) that ``narrow_storage`` stores as f16.
 
@@ -84,11 +88,13 @@ def half_candidates(
         parameters: allow parameters too (forward-only programs).
         ranges: keep values that may leave f16's range in f32 (``passes.ranges``); False
             only to measure what the range rule costs.
+        loss_scale: the backward's seed, which the range rule does not count
+            (``ranges.degrees``).
 
     Returns:
         Ids of f32 values, none of them a view, leaf other than a parameter, or output.
     """
-    deg = degrees(graph) if ranges else {}
+    deg = degrees(graph, loss_scale) if ranges else {}
     wide = {resolve_view(graph, v) for v in keep}
     wide |= {resolve_view(graph, v) for _, v in graph.outputs}
     for node in graph.nodes:
@@ -112,7 +118,11 @@ def half_candidates(
 
 
 def narrow_storage(
-    graph: Graph, keep: Collection[int] = (), parameters: bool = False, ranges: bool = True
+    graph: Graph,
+    keep: Collection[int] = (),
+    parameters: bool = False,
+    ranges: bool = True,
+    loss_scale: float = 1.0,
 ) -> tuple[Graph, frozenset[int]]:
     """Store the floating values chosen by the rules above as f16.
 
@@ -121,12 +131,13 @@ def narrow_storage(
         keep: node ids that must stay f32 (views resolve to their storage owner).
         parameters: store parameters as f16 too; only for programs without an optimizer.
         ranges: apply the range rule (``half_candidates``).
+        loss_scale: the backward's seed (``CompileOptions.loss_scale``; ``ranges.degrees``).
 
     Returns:
         (the storage plan: the same nodes with f16 types where chosen, the ids of the values
         now stored as f16, views included). The plan keeps node ids, inputs and outputs.
     """
-    half = set(half_candidates(graph, keep, parameters, ranges))
+    half = set(half_candidates(graph, keep, parameters, ranges, loss_scale))
     nodes = []
     for node in graph.nodes:
         is_view = node.op in VIEW_OPS

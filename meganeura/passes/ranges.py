@@ -32,7 +32,8 @@ counted the way a polynomial's degree is:
 A value of degree ``d`` may be as large as an activation to the power ``d``; f16 holds
 ``|d| <= 1`` (an activation, or its reciprocal: 1/65504 and 1/6.1e-5 are both in range), so
 ``narrow_storage`` keeps values with ``|d| > 1`` in f32. The degree of a gradient follows from
-the same rules applied to the backward graph (the loss's seed is the constant 1).
+the same rules applied to the backward graph (the loss's seed is the constant 1, or the loss
+scale, taken as degree 0: ``degrees(loss_scale=...)``).
 
 For ``exp``, a sign analysis knows which values are <= 0: ``-relu``, ``-abs``, ``-x*x``,
 ``x * -x``, ``log_softmax``, ``clamp(max<=0)``, products and sums by the rule of signs, and
@@ -197,11 +198,15 @@ def _degree(graph: Graph, node: Node, deg: dict[int, float], sign: dict[int, Sig
     return top
 
 
-def degrees(graph: Graph) -> dict[int, float]:
+def degrees(graph: Graph, loss_scale: float = 1.0) -> dict[int, float]:
     """The magnitude degree of every value of ``graph`` (module docstring: the rules).
 
     Args:
         graph: a verified graph.
+        loss_scale: the backward's seed (``CompileOptions.loss_scale``): constants of this
+            value have degree 0, so the gradients it scales stay f16 candidates (the scale
+            exists to move them into f16's range; an overflow trips the non-finite guard). A
+            forward value multiplied by the same constant is taken as unscaled too.
 
     Returns:
         ``{node id: degree}``; ``math.inf`` for unbounded values, 0 for non-floating ones.
@@ -211,6 +216,9 @@ def degrees(graph: Graph) -> dict[int, float]:
     sign: dict[int, Sign] = {}
     for node in graph.nodes:
         sign[node.id] = _sign(graph, node, sign)
+        if loss_scale != 1.0 and node.op == "constant" and node.attr("value") == loss_scale:
+            deg[node.id] = 0.0
+            continue
         d = _degree(graph, node, deg, sign)
         deg[node.id] = INF if math.isnan(d) else d
     return deg

@@ -77,6 +77,7 @@ class GraphTrainer:
             activations and their gradients, f32 master weights and optimizer state).
         on_nonfinite: ``"raise"`` or ``"skip"``, as ``Trainer``'s (``training.guard``).
         check_finite: check floating feeds for inf and NaN on the host before each step.
+        loss_scale: a static loss scale, a power of two (``CompileOptions.loss_scale``).
 
     Raises:
         ValueError: when no output is named ``loss`` (the message lists the outputs), or an
@@ -95,6 +96,7 @@ class GraphTrainer:
         precision: str = "strict",
         on_nonfinite: str = "raise",
         check_finite: bool = False,
+        loss_scale: float = 1.0,
     ) -> None:
         if loss not in graph.output_dict:
             raise missing_loss(graph, loss)
@@ -110,6 +112,7 @@ class GraphTrainer:
             fuse=fuse,
             precision=precision,
             nonfinite_guard=on_nonfinite,
+            loss_scale=loss_scale,
         )
         self.program: Program
         self.graph, self.options = graph, options

@@ -94,6 +94,8 @@ class Trainer:
             dim 0 into ``k`` parts (``np.array_split`` sizes) and updates with the mean of
             their gradients; the returned loss is the mean of their losses.
         precision: ``"strict"`` or ``"fast"`` (``CompileOptions.precision``).
+        loss_scale: a static loss scale, a power of two (``CompileOptions.loss_scale``): for
+            the fast mode, where small activation gradients would flush to zero in f16.
         fuse: ``CompileOptions.fuse``.
         device: a runtime Device (default: the default device).
         on_nonfinite: what a step whose loss or gradients hold inf or NaN does; its update is
@@ -146,6 +148,7 @@ class Trainer:
         on_nonfinite: str = "raise",
         check_finite: bool = False,
         max_storage_binding_bytes: int | None = None,
+        loss_scale: float = 1.0,
     ) -> None:
         if not isinstance(model, Module):
             raise TypeError(f"Trainer trains an nn.Module or a Graph, got {type(model).__name__}")
@@ -175,6 +178,7 @@ class Trainer:
             accumulation_steps=accumulation_steps,
             nonfinite_guard=on_nonfinite,
             max_storage_binding_bytes=max_storage_binding_bytes,
+            loss_scale=loss_scale,
         )
         self._fn = bind_model(loss_fn, model)
         self.step_count = 0

@@ -1,0 +1,169 @@
+"""``CompileOptions.loss_scale``: a static loss scale for the fast mode's f16 activation
+gradients (Micikevicius et al. 2018, section 3.2; torch.amp.GradScaler with a fixed scale).
+
+A two-layer MLP whose loss is ``1e-7 * mse``: its activation gradients (~1e-10) lie below
+f16's smallest subnormal (6e-8), so unscaled fast-mode gradients flush to zero, while a scale
+of 2**24 brings them back to float64 torch's. In strict f32 any exact scale gives the same
+bits (outputs, a clipped AdamW step, its ``grad_norm``). A scale that overflows f16 trips the
+non-finite guard and leaves the parameters as they were. Both trainers take the scale.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import meganeura as mn
+import meganeura.nn.functional as F
+from meganeura import nn
+from meganeura.compile import CompileOptions, grad_output
+from meganeura.optim import SGD, AdamW
+from meganeura.optim.apply import HYPER_INPUT
+from meganeura.optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT
+from meganeura.training import compile_for
+
+TINY = 1e-7  # the loss factor that puts the activation gradients below f16's range
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def _case(seed: int = 0):
+    mn.manual_seed(seed)
+    model = _MLP()
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    y = rng.standard_normal((16, 8)).astype(np.float32)
+    graph = nn.trace(model, x, y, fn=lambda x, y: {"loss": F.mse_loss(model(x), y) * TINY})
+    params = {k: np.array(v) for k, v in model.state_dict().items()}
+    return graph, params, {"x": x, "y": y}
+
+
+def _torch_grads(params, feeds) -> dict[str, np.ndarray]:
+    p = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
+    x, y = (torch.tensor(feeds[k], dtype=torch.float64) for k in ("x", "y"))
+    h = torch.relu(x @ p["fc1.weight"].T + p["fc1.bias"])
+    loss = torch.nn.functional.mse_loss(h @ p["fc2.weight"].T + p["fc2.bias"], y) * TINY
+    loss.backward()
+    return {k: v.grad.numpy() for k, v in p.items()}
+
+
+def _grads(graph, params, feeds, device, **options) -> dict[str, np.ndarray]:
+    opts = CompileOptions(loss="loss", output_grads=True, shared_parameters=True, **options)
+    program, session = compile_for(graph, opts, device)
+    with session:
+        session.load_state_dict(params, strict=False)
+        out = session.run(feeds, [grad_output(k) for k in params])
+    return {k: out[grad_output(k)] for k in params}
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
+    n = np.linalg.norm(a) * np.linalg.norm(b)
+    return float(a @ b / n) if n else 0.0
+
+
+@pytest.mark.gpu
+def test_fast_mode_gradients_underflow_without_a_scale_and_not_with_one(gpu_device):
+    if "shader-f16" not in gpu_device.features:
+        pytest.skip("the adapter lacks shader-f16: fast mode compiles strict here")
+    graph, params, feeds = _case()
+    want = _torch_grads(params, feeds)
+    assert all(np.abs(g).max() > 1e-9 for g in want.values())
+    plain = _grads(graph, params, feeds, gpu_device, precision="fast")
+    scaled = _grads(graph, params, feeds, gpu_device, precision="fast", loss_scale=2.0**24)
+    strict = _grads(graph, params, feeds, gpu_device, loss_scale=2.0**24)
+    for k, g in want.items():
+        # unscaled: fc1's gradients come from an f16 activation gradient that is all zeros
+        assert _cos(scaled[k], g) >= 0.999, (k, _cos(scaled[k], g))
+        np.testing.assert_allclose(strict[k], g, rtol=1e-4, atol=1e-6 * np.abs(g).max())
+    assert not np.any(plain["fc1.weight"]) and not np.any(plain["fc1.bias"])
+
+
+@pytest.mark.gpu
+def test_strict_results_do_not_depend_on_an_exact_scale(gpu_device):
+    graph, params, feeds = _case(1)
+    one = _grads(graph, params, feeds, gpu_device)
+    many = _grads(graph, params, feeds, gpu_device, loss_scale=2.0**12)
+    for k in params:
+        np.testing.assert_array_equal(many[k], one[k])
+    # one clipped AdamW step: the same parameters and grad_norm, bit for bit
+    after, norms = [], []
+    for scale in (1.0, 2.0**12):
+        opt = AdamW(lr=1e-2)
+        options = CompileOptions(
+            loss="loss", optimizer=opt, max_grad_norm=1e-8, loss_scale=scale, nonfinite_guard="skip"
+        )
+        program, session = compile_for(graph, options, gpu_device)
+        with session:
+            session.load_state_dict(params, strict=False)
+            hyper = opt.hyper(1, opt.lr)
+            run_feeds = {**feeds, HYPER_INPUT: hyper, GUARD_RESET_INPUT: np.float32(1)}
+            out = session.run(run_feeds, ["grad_norm", GUARD_OUTPUT])
+            assert out[GUARD_OUTPUT] == 0
+            norms.append(float(out["grad_norm"]))
+            after.append({k: session.read(k) for k in params})
+    assert norms[0] == norms[1] > 0
+    for k in params:
+        np.testing.assert_array_equal(after[1][k], after[0][k])
+        assert not np.array_equal(after[0][k], params[k])
+
+
+@pytest.mark.gpu
+def test_an_overflowing_scale_trips_the_guard_and_keeps_the_parameters(gpu_device):
+    if "shader-f16" not in gpu_device.features:
+        pytest.skip("the adapter lacks shader-f16: fast mode compiles strict here")
+    graph, params, feeds = _case(2)
+    opt = AdamW(lr=1e-2)
+    options = CompileOptions(
+        loss="loss", optimizer=opt, precision="fast", loss_scale=2.0**60, nonfinite_guard="skip"
+    )
+    program, session = compile_for(graph, options, gpu_device)
+    with session:
+        session.load_state_dict(params, strict=False)
+        run_feeds = {**feeds, HYPER_INPUT: opt.hyper(1, opt.lr), GUARD_RESET_INPUT: np.float32(1)}
+        assert session.run(run_feeds, [GUARD_OUTPUT])[GUARD_OUTPUT] == 1
+        for k in params:
+            np.testing.assert_array_equal(session.read(k), params[k])
+
+
+@pytest.mark.parametrize("scale", [3.0, 0.0, -2.0, float("inf"), float("nan"), True, "2"])
+def test_loss_scale_must_be_a_power_of_two(scale):
+    with pytest.raises(ValueError, match="loss_scale must be a positive power of two"):
+        CompileOptions(loss="loss", loss_scale=scale)
+    CompileOptions(loss="loss", loss_scale=2.0**-3)  # below one, a power of two is fine
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [1.0, 2.0**24], ids=["unscaled", "scaled"])
+def test_trainer_takes_the_scale(gpu_device, scale):
+    if "shader-f16" not in gpu_device.features:
+        pytest.skip("the adapter lacks shader-f16: fast mode compiles strict here")
+    _, params, feeds = _case(3)
+    want = _torch_grads(params, feeds)
+    mn.manual_seed(3)
+    model = _MLP()
+    lr = 1e6  # the gradients are ~1e-9: a step of ~1e-3 stays visible in f32 weights
+
+    def loss_fn(m, x, y):
+        return F.mse_loss(m(x), y) * TINY
+
+    tr = mn.Trainer(
+        model, SGD(lr=lr), loss_fn, precision="fast", loss_scale=scale, device=gpu_device
+    )
+    tr.step(feeds["x"], feeds["y"])
+    after = {k: np.array(v) for k, v in model.state_dict().items()}
+    got = {k: (params[k].astype(np.float64) - after[k]) / lr for k in params}
+    if scale == 1.0:
+        assert not np.any(got["fc1.weight"])  # its f16 activation gradient flushed to zero
+    else:
+        for k, g in want.items():
+            assert _cos(got[k], g) >= 0.999, (k, _cos(got[k], g))
