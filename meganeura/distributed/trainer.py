@@ -136,6 +136,10 @@ class DistributedTrainer(Trainer):
     ) -> None:
         if reduce not in ("auto", "mpi", "shm"):
             raise ValueError(f"reduce must be 'auto', 'mpi' or 'shm', got {reduce!r}")
+        if kwargs.get("loss_scale", 1.0) != 1.0:
+            # the update program's surrogate loss would scale the reduced (already scaled)
+            # gradients a second time
+            raise ValueError("DistributedTrainer does not take a loss_scale yet (only 1.0)")
         ctx = _context() if comm is None or device is None else None
         super().__init__(model, optimizer, loss_fn, device=device or ctx.device, **kwargs)
         self.comm = comm or ctx.comm

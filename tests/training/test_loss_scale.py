@@ -167,3 +167,11 @@ def test_trainer_takes_the_scale(gpu_device, scale):
     else:
         for k, g in want.items():
             assert _cos(got[k], g) >= 0.999, (k, _cos(got[k], g))
+
+
+def test_distributed_trainer_refuses_a_scale():
+    # its update program's surrogate loss would scale the reduced gradients a second time
+    from meganeura.distributed.trainer import DistributedTrainer
+
+    with pytest.raises(ValueError, match="does not take a loss_scale"):
+        DistributedTrainer(_MLP(), SGD(lr=1.0), lambda m, x, y: F.mse_loss(m(x), y), loss_scale=2.0)
