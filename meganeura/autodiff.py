@@ -68,6 +68,7 @@ def differentiate(
     wrt: Sequence[int | str],
     unreachable: str = "zero",
     seed: float = 1.0,
+    seed_node: int | None = None,
 ) -> tuple[Graph, dict[int, int]]:
     """Append the gradients of ``seed * loss`` with respect to ``wrt`` to ``graph``.
 
@@ -80,6 +81,8 @@ def differentiate(
             PyTorch leaves its ``.grad`` None, so optimizers skip it).
         seed: the gradient the backward pass starts from, d(loss) (1: the plain gradients;
             a loss scale ``S`` gives ``S`` times them, as ``loss.backward(S * ones)``).
+        seed_node: a node of ``graph`` (f32[]) to start from instead of the constant ``seed``
+            (a dynamic loss scale, ``optim.scaler``).
 
     Returns:
         (new graph, {wrt node id: gradient node id}).
@@ -114,7 +117,15 @@ def differentiate(
                 feeds[i] = True
 
     b = GraphBuilder(graph)
-    contributions: dict[int, list[Tensor]] = {loss_id: [b.constant(float(seed), lt.dtype)]}
+    if seed_node is None:
+        start = b.constant(float(seed), lt.dtype)
+    else:
+        start = b.tensor(_resolve(graph, seed_node, "seed_node"))
+        if start.shape != () or start.dtype is not lt.dtype:
+            raise ValueError(
+                f"seed_node %{seed_node} must be a {lt.dtype}[] scalar, got {start.type}"
+            )
+    contributions: dict[int, list[Tensor]] = {loss_id: [start]}
 
     def total(node_id: int) -> Tensor | None:
         parts = contributions.get(node_id)

@@ -11,7 +11,6 @@ a ``Limits`` value (``Session`` users get them from ``meganeura.runtime.get_devi
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from .graph.verify import verify
 from .optim import Optimizer, apply_optimizer
 from .optim.accumulate import add_to_accumulators, mean_with_accumulators
 from .optim.guard import GUARD_MODES, defer_update_stats
+from .optim.scaler import GradScaler, current_scale, is_power_of_two
 from .passes import cse, dce, fold_permutes
 from .passes.fold_batch_norm import fold_batch_norm
 from .passes.precision import narrow_storage
@@ -112,7 +112,9 @@ class CompileOptions:
             ``<name>.grad`` outputs are multiplied by ``1 / S``. A gradient that overflows
             (f16 beyond 65504) trips the non-finite guard. 1.0: no scaling; strict-f32
             results are the same bits for any scale that neither overflows nor underflows
-            f32.
+            f32. A ``GradScaler`` instead: a dynamic scale, backed off after an overflow and
+            grown after ``growth_interval`` clean steps on the GPU (``optim.scaler``); it
+            needs an optimizer, ``nonfinite_guard`` and no gradient accumulation.
     """
 
     loss: str | None = None
@@ -128,7 +130,7 @@ class CompileOptions:
     nonfinite_guard: str | None = None
     max_storage_binding_bytes: int | None = None
     fold_batch_norm: bool = True
-    loss_scale: float = 1.0
+    loss_scale: float | GradScaler = 1.0
 
     def __post_init__(self) -> None:
         if self.precision not in ("strict", "fast"):
@@ -149,15 +151,21 @@ class CompileOptions:
                 f"max_storage_binding_bytes must be None or a positive multiple of 4, got {m!r}"
             )
         scale = self.loss_scale
-        if (
-            isinstance(scale, bool)
-            or not isinstance(scale, (int, float))
-            or not 0 < scale < float("inf")
-            or math.frexp(scale)[0] != 0.5
-        ):
+        if isinstance(scale, GradScaler):
+            if self.optimizer is None or self.accumulate_grads or k > 1:
+                raise ValueError(
+                    "a dynamic loss_scale (GradScaler) needs an optimizer and no gradient "
+                    "accumulation (a static power of two works with both)"
+                )
+            if self.nonfinite_guard is None:
+                raise ValueError(
+                    "a dynamic loss_scale (GradScaler) needs nonfinite_guard ('raise' or "
+                    "'skip'): it skips the steps whose scaled gradients overflow"
+                )
+        elif not is_power_of_two(scale):
             raise ValueError(
                 f"loss_scale must be a positive power of two (2**k: scaling and unscaling are "
-                f"then exact), got {scale!r}"
+                f"then exact) or a GradScaler, got {scale!r}"
             )
         if self.nonfinite_guard is not None and self.nonfinite_guard not in GUARD_MODES:
             raise ValueError(
@@ -209,8 +217,20 @@ def _training_graph(
         if missing:
             raise ValueError(f"trainable names not parameters of the graph: {sorted(missing)}")
     # Parameters that do not reach the loss get no update (PyTorch: .grad stays None).
+    scaler = options.loss_scale if isinstance(options.loss_scale, GradScaler) else None
+    static = 1.0 if scaler is not None else options.loss_scale
+    scale_node = None
+    if scaler is not None:
+        b = GraphBuilder(graph)
+        scale_node = current_scale(b, scaler).id
+        graph = b.build_unverified()
     g, grads = differentiate(
-        graph, options.loss, [p.id for p in params], unreachable="omit", seed=options.loss_scale
+        graph,
+        options.loss,
+        [p.id for p in params],
+        unreachable="omit",
+        seed=static,
+        seed_node=scale_node,
     )
     backward_end, raw = len(g.nodes), set(grads.values())
     if options.accumulate_grads:
@@ -222,8 +242,10 @@ def _training_graph(
         for p, gid in grads.items():
             t = b.tensor(gid)
             constant = g[resolve_view(g, gid)].op == "constant"  # d(loss)/d(scalar) = seed
-            if options.loss_scale != 1.0:
-                t = t * (1.0 / options.loss_scale)
+            if scale_node is not None:
+                t = t * (1.0 / b.tensor(scale_node))
+            elif static != 1.0:
+                t = t * (1.0 / static)
             if constant:  # give it storage
                 t = b.add("broadcast_to", [t], {"shape": t.shape})
             b.output(grad_output(g[p].name), t)
@@ -237,9 +259,13 @@ def _training_graph(
             loss=options.loss,
             guard=options.nonfinite_guard,
             max_bindings=(limits or Limits()).max_storage_buffers_per_shader_stage,
-            loss_scale=options.loss_scale,
+            loss_scale=static,
+            scaler=scaler,
+            scale_node=scale_node,
         )
     master = raw | set(range(backward_end, len(g.nodes)))
+    if scale_node is not None:  # the scale itself: 2**16 is beyond f16's 65504
+        master.add(scale_node)
     if options.nonfinite_guard is not None and (
         options.optimizer is not None or options.accumulate_grads
     ):
@@ -389,7 +415,9 @@ def storage_plan(
     if precision != "fast":
         return graph, frozenset()
     parameters = options.optimizer is None and not options.shared_parameters
-    return narrow_storage(graph, master, parameters=parameters, loss_scale=options.loss_scale)
+    scale = options.loss_scale
+    seed = scale.init_scale if isinstance(scale, GradScaler) else scale
+    return narrow_storage(graph, master, parameters=parameters, loss_scale=seed)
 
 
 def _assemble(

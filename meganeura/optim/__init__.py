@@ -3,5 +3,15 @@
 from . import schedules
 from .apply import HYPER_INPUT, apply_optimizer
 from .optimizers import SGD, Adam, AdamW, Optimizer
+from .scaler import GradScaler
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "apply_optimizer", "HYPER_INPUT", "schedules"]
+__all__ = [
+    "SGD",
+    "Adam",
+    "AdamW",
+    "GradScaler",
+    "Optimizer",
+    "apply_optimizer",
+    "HYPER_INPUT",
+    "schedules",
+]

@@ -38,7 +38,13 @@ GUARD_MODES = ("raise", "skip")
 PENDING_SUFFIX = "pending"
 
 
-def append_guard(b: GraphBuilder, clip: Tensor, checked: list[Tensor], mode: str) -> Tensor:
+def append_guard(
+    b: GraphBuilder,
+    clip: Tensor,
+    checked: list[Tensor],
+    mode: str,
+    uncounted: list[Tensor] | None = None,
+) -> Tensor:
     """Append the guard to ``b``; returns the clip coefficient the update ops must use.
 
     Args:
@@ -46,6 +52,8 @@ def append_guard(b: GraphBuilder, clip: Tensor, checked: list[Tensor], mode: str
         clip: the f32[] clip coefficient (the constant 1.0 without clipping).
         checked: f32[] scalars to check: the loss, the gradients' sum of squares.
         mode: ``"raise"`` (sticky) or ``"skip"``.
+        uncounted: more scalars whose non-finite value skips the step without counting it
+            (a dynamic loss scale's gradients, ``optim.scaler``: an overflow is expected).
 
     Raises:
         ValueError: an unknown mode.
@@ -60,6 +68,9 @@ def append_guard(b: GraphBuilder, clip: Tensor, checked: list[Tensor], mode: str
     guarded = b.add("guard_clip", [clip, skipped, reset, *checked], {"sticky": mode == "raise"})
     b.add("guard_count", [skipped, guarded, reset])
     b.output(GUARD_OUTPUT, skipped)
+    if uncounted:
+        uncounted = [c if c.dtype is DType.f32 else c.to(DType.f32) for c in uncounted]
+        guarded = b.add("guard_clip", [guarded, skipped, reset, *uncounted], {"sticky": False})
     return guarded
 
 

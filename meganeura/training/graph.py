@@ -77,7 +77,8 @@ class GraphTrainer:
             activations and their gradients, f32 master weights and optimizer state).
         on_nonfinite: ``"raise"`` or ``"skip"``, as ``Trainer``'s (``training.guard``).
         check_finite: check floating feeds for inf and NaN on the host before each step.
-        loss_scale: a static loss scale, a power of two (``CompileOptions.loss_scale``).
+        loss_scale: a static loss scale (a power of two) or a dynamic one,
+            ``optim.GradScaler(...)`` (``CompileOptions.loss_scale``).
 
     Raises:
         ValueError: when no output is named ``loss`` (the message lists the outputs), or an

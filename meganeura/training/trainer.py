@@ -60,6 +60,7 @@ from ..nn.parameter import Buffer, Parameter
 from ..optim import HYPER_INPUT, Optimizer
 from ..optim.accumulate import ACCUM_FIRST_INPUT, LOSS_ACCUMULATOR, grad_accumulator
 from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE, PENDING_SUFFIX
+from ..optim.scaler import SCALER_STATES
 from .batches import bind_model, check_loss, fn_name, split_batch
 from .checkpoints import OPTIMIZER_PREFIX, check_trainer_checkpoint
 from .graph import GraphTrainer
@@ -94,8 +95,11 @@ class Trainer:
             dim 0 into ``k`` parts (``np.array_split`` sizes) and updates with the mean of
             their gradients; the returned loss is the mean of their losses.
         precision: ``"strict"`` or ``"fast"`` (``CompileOptions.precision``).
-        loss_scale: a static loss scale, a power of two (``CompileOptions.loss_scale``): for
-            the fast mode, where small activation gradients would flush to zero in f16.
+        loss_scale: a static loss scale, a power of two, or a dynamic one,
+            ``optim.GradScaler(...)`` (``CompileOptions.loss_scale``): for the fast mode, where
+            small activation gradients would flush to zero in f16. A dynamic scale lives on
+            the GPU, shared by the trainer's programs; checkpoints do not hold it yet (a
+            resumed run starts again from ``init_scale``).
         fuse: ``CompileOptions.fuse``.
         device: a runtime Device (default: the default device).
         on_nonfinite: what a step whose loss or gradients hold inf or NaN does; its update is
@@ -189,6 +193,7 @@ class Trainer:
         self._pending_stats: dict[Buffer, Buffer] = {}
         self._loss_accumulator = Buffer(np.zeros((), np.float32))
         self._guard_state = Buffer(np.zeros((), np.float32))  # GPU count of skipped steps
+        self._scaler_state: dict[str, Buffer] = {}  # a dynamic loss scale (optim.scaler)
         self._cache: ProgramCache = ProgramCache()
         self.hits = self.misses = 0
         self._closed = False
@@ -439,6 +444,10 @@ class Trainer:
             return self._loss_accumulator
         if name == GUARD_STATE:
             return self._guard_state
+        if name in SCALER_STATES:  # one dynamic loss scale for every program of the trainer
+            if name not in self._scaler_state:
+                self._scaler_state[name] = Buffer(np.zeros((), np.float32))
+            return self._scaler_state[name]
         owner, _, suffix = name.rpartition(".")
         p = objects.get(owner)
         if suffix == PENDING_SUFFIX and isinstance(p, Buffer):  # a running statistic's copy
@@ -491,6 +500,7 @@ class Trainer:
         self._moments, self._accumulators, self._loss_accumulator = {}, {}, None
         self._pending_stats = {}
         self._guard_state = None
+        self._scaler_state = {}
         self._guard.forget()  # its records hold the closed programs' feeds and Sessions
 
     def _live(self) -> None:

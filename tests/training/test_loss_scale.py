@@ -6,6 +6,11 @@ f16's smallest subnormal (6e-8), so unscaled fast-mode gradients flush to zero, 
 of 2**24 brings them back to float64 torch's. In strict f32 any exact scale gives the same
 bits (outputs, a clipped AdamW step, its ``grad_norm``). A scale that overflows f16 trips the
 non-finite guard and leaves the parameters as they were. Both trainers take the scale.
+
+Dynamic (``GradScaler``, ``optim.scaler``): the scale backs off after an overflow and grows
+after ``growth_interval`` clean steps as torch.amp.GradScaler's does, on the GPU; a strict run
+through an overflow gives the unscaled run's parameters bit for bit; a Trainer's programs
+share one scale.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import meganeura as mn
 import meganeura.nn.functional as F
 from meganeura import nn
 from meganeura.compile import CompileOptions, grad_output
-from meganeura.optim import SGD, AdamW
+from meganeura.optim import SGD, AdamW, GradScaler
 from meganeura.optim.apply import HYPER_INPUT
 from meganeura.optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT
 from meganeura.training import compile_for
@@ -175,3 +180,149 @@ def test_distributed_trainer_refuses_a_scale():
 
     with pytest.raises(ValueError, match="does not take a loss_scale"):
         DistributedTrainer(_MLP(), SGD(lr=1.0), lambda m, x, y: F.mse_loss(m(x), y), loss_scale=2.0)
+
+
+# ---- dynamic: GradScaler's policy on the GPU (optim.scaler) --------------------------------
+
+
+def _run(graph, params, feeds, device, loss_scale, steps):
+    """(parameters after each step, the ``loss_scale`` output of each step, guard counts)."""
+    opt = SGD(lr=0.1)
+    options = CompileOptions(
+        loss="loss",
+        optimizer=opt,
+        max_grad_norm=1e9,  # no clipping, but the sum of squares: S**2 overflows it first
+        loss_scale=loss_scale,
+        nonfinite_guard="raise",
+    )
+    after, scales, skipped = [], [], []
+    program, session = compile_for(graph, options, device)
+    with session:
+        session.load_state_dict(params, strict=False)
+        fetch = [GUARD_OUTPUT] + (["loss_scale"] if isinstance(loss_scale, GradScaler) else [])
+        for step in range(steps):
+            hyper = opt.hyper(step, opt.lr)
+            run = {**feeds, HYPER_INPUT: hyper, GUARD_RESET_INPUT: np.float32(1)}
+            out = session.run(run, fetch)
+            skipped.append(float(out[GUARD_OUTPUT]))
+            scales.append(float(out.get("loss_scale", 1.0)))
+            after.append({k: session.read(k) for k in params})
+    return after, scales, skipped
+
+
+@pytest.mark.gpu
+def test_dynamic_scale_backs_off_grows_and_keeps_strict_bits(gpu_device):
+    mn.manual_seed(4)
+    model = _MLP()
+    rng = np.random.default_rng(4)
+    feeds = {
+        "x": rng.standard_normal((16, 32)).astype(np.float32),
+        "y": rng.standard_normal((16, 8)).astype(np.float32),
+    }
+    graph = nn.trace(model, *feeds.values(), fn=lambda x, y: {"loss": F.mse_loss(model(x), y)})
+    params = {k: np.array(v) for k, v in model.state_dict().items()}
+    # 2**100: the gradients' sum of squares (2**200 times theirs) overflows f32 at step 0
+    scaler = GradScaler(init_scale=2.0**100, backoff_factor=2.0**-64, growth_interval=2)
+    got, scales, skipped = _run(graph, params, feeds, gpu_device, scaler, 5)
+    want, _, _ = _run(graph, params, feeds, gpu_device, 1.0, 4)
+    # GradScaler.update: backoff after the skipped step, growth after every 2 clean ones
+    assert [np.log2(s) for s in scales] == [36, 36, 37, 37, 38]
+    assert skipped == [0] * 5  # an overflow is the scaler's business, not the guard's count
+    for k in params:
+        np.testing.assert_array_equal(got[0][k], params[k])  # the skipped step wrote nothing
+        for i in range(4):  # then the unscaled run's steps, bit for bit
+            np.testing.assert_array_equal(got[i + 1][k], want[i][k])
+
+
+@pytest.mark.gpu
+def test_trainer_takes_a_dynamic_scale_in_fast_mode(gpu_device):
+    if "shader-f16" not in gpu_device.features:
+        pytest.skip("the adapter lacks shader-f16: fast mode compiles strict here")
+    _, params, feeds = _case(5)
+    want = _torch_grads(params, feeds)
+    mn.manual_seed(5)
+    model = _MLP()
+    lr = 1e6
+
+    def loss_fn(m, x, y):
+        return F.mse_loss(m(x), y) * TINY
+
+    scaler = GradScaler(init_scale=2.0**24)
+    tr = mn.Trainer(
+        model, SGD(lr=lr), loss_fn, precision="fast", loss_scale=scaler, device=gpu_device
+    )
+    tr.step(feeds["x"], feeds["y"])
+    after = {k: np.array(v) for k, v in model.state_dict().items()}
+    for k, g in want.items():
+        got = (params[k].astype(np.float64) - after[k]) / lr
+        assert _cos(got, g) >= 0.999, (k, _cos(got, g))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"init_scale": 3.0},
+        {"init_scale": 0.0},
+        {"growth_factor": 1.0},
+        {"growth_factor": 0.5},
+        {"backoff_factor": 2.0},
+        {"backoff_factor": 0.3},
+        {"growth_interval": 0},
+        {"growth_interval": 2.5},
+    ],
+    ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()),
+)
+def test_grad_scaler_rejects_what_would_not_scale_exactly(kwargs):
+    with pytest.raises(ValueError, match="GradScaler"):
+        GradScaler(**kwargs)
+
+
+def test_a_dynamic_scale_needs_an_update_step_and_the_guard():
+    with pytest.raises(ValueError, match="needs an optimizer"):
+        CompileOptions(loss="loss", output_grads=True, loss_scale=GradScaler())
+    with pytest.raises(ValueError, match="needs an optimizer"):
+        CompileOptions(
+            loss="loss", optimizer=SGD(lr=1.0), accumulation_steps=2, loss_scale=GradScaler()
+        )
+    with pytest.raises(ValueError, match="needs nonfinite_guard"):
+        CompileOptions(loss="loss", optimizer=SGD(lr=1.0), loss_scale=GradScaler())
+
+
+@pytest.mark.gpu
+def test_the_trainers_programs_share_one_dynamic_scale(gpu_device):
+    # step 0 (the plain program) overflows at 2**100 and backs off to 2**36; step 1 runs the
+    # return_grads program, which must start from 2**36 (its own scale would be 2**100 again
+    # and skip that step too); on_nonfinite="raise" raises for neither
+    mn.manual_seed(6)
+    model = _MLP()
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    y = rng.standard_normal((16, 8)).astype(np.float32)
+    before = {k: np.array(v) for k, v in model.state_dict().items()}
+    scaler = GradScaler(init_scale=2.0**100, backoff_factor=2.0**-64)
+    with mn.Trainer(
+        model,
+        SGD(lr=0.1),
+        lambda m, x, y: F.mse_loss(m(x), y),
+        max_grad_norm=1e9,
+        loss_scale=scaler,
+        device=gpu_device,
+    ) as tr:
+        tr.step(x, y)
+        skipped = {k: np.array(v) for k, v in model.state_dict().items()}
+        _, grads = tr.step(x, y, return_grads=True)
+        tr.check_nonfinite()
+    after = {k: np.array(v) for k, v in model.state_dict().items()}
+    want = _torch_grads_unscaled(before, x, y)
+    for k in before:
+        np.testing.assert_array_equal(skipped[k], before[k])
+        np.testing.assert_allclose(grads[k], want[k], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(after[k], before[k] - 0.1 * want[k], rtol=1e-5, atol=1e-6)
+
+
+def _torch_grads_unscaled(params, x, y) -> dict[str, np.ndarray]:
+    p = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
+    h = torch.relu(torch.tensor(x, dtype=torch.float64) @ p["fc1.weight"].T + p["fc1.bias"])
+    out = h @ p["fc2.weight"].T + p["fc2.bias"]
+    torch.nn.functional.mse_loss(out, torch.tensor(y, dtype=torch.float64)).backward()
+    return {k: v.grad.numpy() for k, v in p.items()}

@@ -1,0 +1,124 @@
+"""Dynamic loss scaling on the GPU, with ``torch.amp.GradScaler``'s policy.
+
+``CompileOptions(loss_scale=GradScaler(...))`` compiles a training step whose backward starts
+from the current scale ``S`` instead of 1 (so the fast mode's f16 activation gradients stay in
+f16's range, Micikevicius et al., "Mixed Precision Training", ICLR 2018, section 3.2) and
+whose update multiplies the gradients by ``1 / S``. After the update the step adjusts ``S``
+as ``GradScaler.update`` does (PyTorch 2.x, ``torch/amp/grad_scaler.py``,
+``_amp_update_scale_``):
+
+  * a step whose gradients (or loss) hold inf or NaN is skipped (parameters and optimizer
+    state keep their bits), ``S *= backoff_factor`` and the count of clean steps restarts;
+  * otherwise the count goes up by one, and when it reaches ``growth_interval``,
+    ``S *= growth_factor`` and it restarts.
+
+Everything stays on the GPU: no host round trip per step. The program gains the states
+``_scaler.scale`` (``S`` once the first step has run), ``_scaler.ready`` (0 before it: the
+scale is then ``init_scale``; states start at zero) and ``_scaler.growth`` (clean steps since
+the last change), and the output ``loss_scale``, the scale after this step's update. The
+non-finite guard (``optim.guard``) counts only a non-finite loss: an overflow of the scaled
+gradients is a skip the scaler expects, as GradScaler's ``found_inf`` is.
+
+Every factor is a power of two, so scaling and unscaling are exact: in strict f32 a step whose
+scaled gradients stay finite gives the bits of an unscaled step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..graph.builder import GraphBuilder, Tensor
+from ..graph.ir import Graph
+from ..ops import functional as F
+
+SCALE_STATE = "_scaler.scale"
+READY_STATE = "_scaler.ready"
+GROWTH_STATE = "_scaler.growth"
+SCALE_OUTPUT = "loss_scale"
+SCALER_STATES = (SCALE_STATE, READY_STATE, GROWTH_STATE)
+
+
+def is_power_of_two(x) -> bool:
+    """Whether ``x`` is a finite positive float (or int, not bool) equal to ``2**k``."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return 0 < x < math.inf and math.frexp(x)[0] == 0.5
+
+
+@dataclass(frozen=True)
+class GradScaler:
+    """The dynamic loss scale's policy, named and defaulted as ``torch.amp.GradScaler``'s.
+
+    Args:
+        init_scale: the scale of the first step.
+        growth_factor: what the scale is multiplied by after ``growth_interval`` clean steps
+            in a row.
+        backoff_factor: what it is multiplied by after a step with inf or NaN gradients.
+        growth_interval: clean steps between two growths.
+
+    Raises:
+        ValueError: a factor or scale that is not a power of two (``growth_factor`` > 1,
+            ``backoff_factor`` < 1; powers of two keep scaling exact), or a
+            ``growth_interval`` that is not an integer >= 1.
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("init_scale", self.init_scale, True),
+            ("growth_factor", self.growth_factor, self.growth_factor > 1),
+            ("backoff_factor", self.backoff_factor, self.backoff_factor < 1),
+        )
+        for name, value, ok in checks:
+            if not is_power_of_two(value) or not ok:
+                bound = {"growth_factor": " above 1", "backoff_factor": " below 1"}.get(name, "")
+                raise ValueError(f"GradScaler {name} must be a power of two{bound}, got {value!r}")
+        n = self.growth_interval
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"GradScaler growth_interval must be an integer >= 1, got {n!r}")
+
+
+def current_scale(b: GraphBuilder, scaler: GradScaler) -> Tensor:
+    """The scale of this step (f32[]): ``init_scale`` before the first update, else the
+    state. Declares the scaler's states in ``b``."""
+    scale = b.state(SCALE_STATE, ())
+    ready = b.state(READY_STATE, ())
+    b.state(GROWTH_STATE, ())
+    return F.where(F.greater(ready, 0.5), scale, float(scaler.init_scale))
+
+
+def append_scale_update(
+    b: GraphBuilder, graph: Graph, scaler: GradScaler, scale: Tensor, coefficient: Tensor
+) -> None:
+    """Append the scale's update after the optimizer's (module docstring).
+
+    Args:
+        b: the training graph's builder, after the update ops.
+        graph: the graph ``b`` extends, holding the scaler's states (``current_scale``).
+        scaler: the policy.
+        scale: this step's scale (``current_scale``).
+        coefficient: the coefficient the update ops were given: non-finite when the step was
+            skipped.
+    """
+    state = {
+        n: b.tensor(graph.find(n, "state").id) for n in (SCALE_STATE, READY_STATE, GROWTH_STATE)
+    }
+    skipped = F.minimum(b.add("found_inf", [coefficient]), 1.0)  # 1 or 0
+    clean = (state[GROWTH_STATE] + 1.0) * (1.0 - skipped)
+    grow = F.where(F.greater_equal(clean, float(scaler.growth_interval)), 1.0, 0.0)
+    factor = F.where(
+        F.greater(skipped, 0.5),
+        float(scaler.backoff_factor),
+        F.where(F.greater(grow, 0.5), float(scaler.growth_factor), 1.0),
+    )
+    new = scale * factor
+    one = b.constant(1.0)
+    b.add("accumulate", [state[SCALE_STATE], new, one])  # accumulate with first = 1 assigns
+    b.add("accumulate", [state[GROWTH_STATE], clean * (1.0 - grow), one])
+    b.add("accumulate", [state[READY_STATE], one, one])
+    b.output(SCALE_OUTPUT, new)
