@@ -77,6 +77,12 @@ class _Program:
     grads: dict[str, str]  # gradient output -> parameter name (return_grads programs)
 
 
+# what the eval-mode program drops from the training options
+_EVALUATE = dict(
+    loss=None, optimizer=None, max_grad_norm=None, accumulation_steps=1, loss_scale=1.0
+)
+
+
 class Trainer:
     """Trains ``model`` with ``optimizer`` on ``loss_fn(model, *batch)``.
 
@@ -95,11 +101,9 @@ class Trainer:
             dim 0 into ``k`` parts (``np.array_split`` sizes) and updates with the mean of
             their gradients; the returned loss is the mean of their losses.
         precision: ``"strict"`` or ``"fast"`` (``CompileOptions.precision``).
-        loss_scale: a static loss scale, a power of two, or a dynamic one,
-            ``optim.GradScaler(...)`` (``CompileOptions.loss_scale``): for the fast mode, where
-            small activation gradients would flush to zero in f16. A dynamic scale lives on
-            the GPU, shared by the trainer's programs; checkpoints do not hold it yet (a
-            resumed run starts again from ``init_scale``).
+        loss_scale: a power of two or ``optim.GradScaler(...)`` (``CompileOptions.loss_scale``;
+            the fast mode's small gradients). A dynamic scale is shared by the trainer's
+            programs; checkpoints do not hold it yet (a resume starts from ``init_scale``).
         fuse: ``CompileOptions.fuse``.
         device: a runtime Device (default: the default device).
         on_nonfinite: what a step whose loss or gradients hold inf or NaN does; its update is
@@ -408,9 +412,7 @@ class Trainer:
             n for n, o in objects.items() if isinstance(o, Parameter) and o.requires_grad
         )
         if kind == "evaluate":
-            options = replace(
-                self._options, loss=None, optimizer=None, max_grad_norm=None, accumulation_steps=1
-            )
+            options = replace(self._options, **_EVALUATE)
         elif not trainable:
             raise ValueError(
                 f"every parameter {fn_name(self.loss_fn)} reads has requires_grad=False: nothing "

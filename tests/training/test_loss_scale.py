@@ -312,7 +312,11 @@ def test_the_trainers_programs_share_one_dynamic_scale(gpu_device):
         skipped = {k: np.array(v) for k, v in model.state_dict().items()}
         _, grads = tr.step(x, y, return_grads=True)
         tr.check_nonfinite()
+        evaluated = tr.evaluate(x, y)  # the eval program compiles without the scale
     after = {k: np.array(v) for k, v in model.state_dict().items()}
+    h = np.maximum(x @ after["fc1.weight"].T + after["fc1.bias"], 0)
+    mse = float(np.mean((h @ after["fc2.weight"].T + after["fc2.bias"] - y) ** 2))
+    assert evaluated == pytest.approx(mse, rel=1e-5)
     want = _torch_grads_unscaled(before, x, y)
     for k in before:
         np.testing.assert_array_equal(skipped[k], before[k])
