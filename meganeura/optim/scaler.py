@@ -14,10 +14,14 @@ as ``GradScaler.update`` does (PyTorch 2.x, ``torch/amp/grad_scaler.py``,
 
 Everything stays on the GPU: no host round trip per step. The program gains the states
 ``_scaler.scale`` (``S`` once the first step has run), ``_scaler.ready`` (0 before it: the
-scale is then ``init_scale``; states start at zero) and ``_scaler.growth`` (clean steps since
-the last change), and the output ``loss_scale``, the scale after this step's update. The
-non-finite guard (``optim.guard``) counts only a non-finite loss: an overflow of the scaled
-gradients is a skip the scaler expects, as GradScaler's ``found_inf`` is.
+scale is then ``init_scale``; states start at zero), ``_scaler.growth`` (clean steps since
+the last change) and ``_scaler.skipped`` (steps the scaler skipped since the host last read,
+restarting with the guard's ``guard.reset``), and the outputs ``loss_scale``, the scale after
+this step's update, and ``loss_scale.skipped``, that count. The non-finite guard
+(``optim.guard``) counts only a non-finite loss: an overflow of the scaled gradients is a
+skip the scaler expects, as GradScaler's ``found_inf`` is; the trainers read the scaler's
+count with the guard's and take those steps off ``step_count`` without a warning, as a
+skipped ``optimizer.step`` leaves PyTorch's step count (Adam's bias correction, schedules).
 
 Every factor is a power of two, so scaling and unscaling are exact: in strict f32 a step whose
 scaled gradients stay finite gives the bits of an unscaled step.
@@ -31,12 +35,15 @@ from dataclasses import dataclass
 from ..graph.builder import GraphBuilder, Tensor
 from ..graph.ir import Graph
 from ..ops import functional as F
+from .guard import GUARD_RESET_INPUT
 
 SCALE_STATE = "_scaler.scale"
 READY_STATE = "_scaler.ready"
 GROWTH_STATE = "_scaler.growth"
+SKIPPED_STATE = "_scaler.skipped"
 SCALE_OUTPUT = "loss_scale"
-SCALER_STATES = (SCALE_STATE, READY_STATE, GROWTH_STATE)
+SKIPPED_OUTPUT = "loss_scale.skipped"
+SCALER_STATES = (SCALE_STATE, READY_STATE, GROWTH_STATE, SKIPPED_STATE)
 
 
 def is_power_of_two(x) -> bool:
@@ -89,6 +96,7 @@ def current_scale(b: GraphBuilder, scaler: GradScaler) -> Tensor:
     scale = b.state(SCALE_STATE, ())
     ready = b.state(READY_STATE, ())
     b.state(GROWTH_STATE, ())
+    b.state(SKIPPED_STATE, ())
     return F.where(F.greater(ready, 0.5), scale, float(scaler.init_scale))
 
 
@@ -105,9 +113,8 @@ def append_scale_update(
         coefficient: the coefficient the update ops were given: non-finite when the step was
             skipped.
     """
-    state = {
-        n: b.tensor(graph.find(n, "state").id) for n in (SCALE_STATE, READY_STATE, GROWTH_STATE)
-    }
+    state = {n: b.tensor(graph.find(n, "state").id) for n in SCALER_STATES}
+    reset = next(n for n in b.nodes if n.op == "input" and n.name == GUARD_RESET_INPUT)
     skipped = F.minimum(b.add("found_inf", [coefficient]), 1.0)  # 1 or 0
     clean = (state[GROWTH_STATE] + 1.0) * (1.0 - skipped)
     grow = F.where(F.greater_equal(clean, float(scaler.growth_interval)), 1.0, 0.0)
@@ -121,4 +128,11 @@ def append_scale_update(
     b.add("accumulate", [state[SCALE_STATE], new, one])  # accumulate with first = 1 assigns
     b.add("accumulate", [state[GROWTH_STATE], clean * (1.0 - grow), one])
     b.add("accumulate", [state[READY_STATE], one, one])
+    # steps skipped for the gradients alone since the host last read (``guard.reset``); the
+    # guard counts those whose loss was non-finite (its counted coefficient: guard_count's)
+    counted = next(n for n in b.nodes if n.op == "guard_count").inputs[1]
+    mine = skipped * (1.0 - F.minimum(b.add("found_inf", [b.tensor(counted)]), 1.0))
+    count = F.where(F.greater(b.tensor(reset.id), 0.5), 0.0, state[SKIPPED_STATE]) + mine
+    b.add("accumulate", [state[SKIPPED_STATE], count, one])
     b.output(SCALE_OUTPUT, new)
+    b.output(SKIPPED_OUTPUT, state[SKIPPED_STATE])

@@ -25,7 +25,7 @@ from ..optim import HYPER_INPUT, Optimizer
 from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE
 from ..schedule.program import Program
 from .batches import check_optimizer
-from .guard import StepGuard, StepRun, check_finite_feeds, check_mode
+from .guard import StepGuard, StepRun, check_finite_feeds, check_mode, guard_outputs
 
 
 def device_limits(device) -> Limits:
@@ -148,7 +148,7 @@ class GraphTrainer:
             NonFiniteError: ``on_nonfinite="raise"`` and an unread step was skipped.
         """
         if self._guard.pending:
-            self._settle({GUARD_OUTPUT: self.session.read(GUARD_OUTPUT)})
+            self._settle({n: self.session.read(n) for n in guard_outputs(self.program.outputs)})
 
     def _settle(self, out, loss=None) -> None:
         def rewind(step: int, rng) -> None:
@@ -181,13 +181,14 @@ class GraphTrainer:
         full[HYPER_INPUT] = self.optimizer.hyper(self.step_count, self.lr())
         full[GUARD_RESET_INPUT] = self._guard.reset_feed()
         fetch = (self.loss,) if fetch is None else tuple(fetch)
-        out = self.session.run(full, fetch + ((GUARD_OUTPUT,) if fetch else ()))
+        counts = guard_outputs(self.program.outputs) if fetch else ()
+        out = self.session.run(full, fetch + counts)
         run = StepRun(self.program, full, self.session, self.graph, self.options)
         self._guard.ran(self.step_count, None, (run,))
         self.step_count += 1
         if GUARD_OUTPUT in out:
             loss = float(out[self.loss]) if self.loss in out else None
-            self._settle({GUARD_OUTPUT: out.pop(GUARD_OUTPUT)}, loss)
+            self._settle({n: out.pop(n) for n in counts}, loss)
         return out
 
     def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:

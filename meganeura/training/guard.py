@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..optim.guard import GUARD_MODES, GUARD_OUTPUT, GUARD_RESET_INPUT
+from ..optim.scaler import SKIPPED_OUTPUT
 
 # Steps whose (program, feeds) an unread record keeps; older unread records keep their
 # step number only, so a long return_loss=False loop does not hold every batch alive.
@@ -233,10 +234,18 @@ class StepGuard:
         """
         records, self._pending = self._pending, []
         n = int(np.asarray(out[GUARD_OUTPUT]).reshape(()))
-        if n == 0 or not records:
+        # steps a dynamic loss scale skipped for overflowing gradients (optim.scaler): taken
+        # off the counters like skipped ones, without a warning or an error
+        raw = out.get(SKIPPED_OUTPUT)
+        silent = 0 if raw is None else int(np.asarray(raw).reshape(()))
+        if n + silent == 0 or not records:
             return 0
+        if n == 0 or self.mode == "skip":
+            total = min(n + silent, len(records))
+            self._take_back(records, total)
+            if n == 0:  # the RNG stays advanced, as a forward PyTorch ran advanced it
+                return total
         n = min(n, len(records))
-        self._take_back(records, n)
         if self.mode == "skip":
             self.skipped_steps += n
             if n == len(records) and restore_rng is not None and records[0].rng is not None:
@@ -249,7 +258,8 @@ class StepGuard:
                 NonFiniteWarning,
                 stacklevel=4,  # the user's step() call
             )
-            return n
+            return total
+        self._take_back(records, n)
         skipped = records[len(records) - n :]  # sticky: the tail from the first bad step
         first = skipped[0]
         cause = None
@@ -320,6 +330,12 @@ class StepGuard:
             for k in now
         }
         write({k: now[k] - back[k] for k in now})
+
+
+def guard_outputs(outputs) -> tuple[str, ...]:
+    """The counts a guarded step reads with its loss: the guard's, and a dynamic loss
+    scale's (``optim.scaler``) where the program has one."""
+    return (GUARD_OUTPUT,) + ((SKIPPED_OUTPUT,) if SKIPPED_OUTPUT in outputs else ())
 
 
 def _footprint(runs) -> int:

@@ -60,11 +60,11 @@ from ..nn.parameter import Buffer, Parameter
 from ..optim import HYPER_INPUT, Optimizer
 from ..optim.accumulate import ACCUM_FIRST_INPUT, LOSS_ACCUMULATOR, grad_accumulator
 from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE, PENDING_SUFFIX
-from ..optim.scaler import SCALER_STATES
+from ..optim.scaler import SCALER_STATES, SKIPPED_OUTPUT, SKIPPED_STATE
 from .batches import bind_model, check_loss, fn_name, split_batch
 from .checkpoints import OPTIMIZER_PREFIX, check_trainer_checkpoint
 from .graph import GraphTrainer
-from .guard import StepGuard, StepRun, check_finite_feeds, check_mode
+from .guard import StepGuard, StepRun, check_finite_feeds, check_mode, guard_outputs
 
 LOSS = "loss"
 
@@ -78,9 +78,7 @@ class _Program:
 
 
 # what the eval-mode program drops from the training options
-_EVALUATE = dict(
-    loss=None, optimizer=None, max_grad_norm=None, accumulation_steps=1, loss_scale=1.0
-)
+_EVAL = dict(loss=None, optimizer=None, max_grad_norm=None, accumulation_steps=1, loss_scale=1.0)
 
 
 class Trainer:
@@ -224,7 +222,9 @@ class Trainer:
             NonFiniteError: ``on_nonfinite="raise"`` and an unread step was skipped.
         """
         if self._guard.pending:
-            self._settle({GUARD_OUTPUT: self._guard_state.data})
+            scaled = self._scaler_state.get(SKIPPED_STATE)
+            counts = {GUARD_OUTPUT: self._guard_state.data, SKIPPED_OUTPUT: scaled and scaled.data}
+            self._settle(counts)
 
     def _settle(self, out: Mapping, loss=None, grads=None) -> None:
         def rewind(step: int, rng) -> None:
@@ -304,8 +304,8 @@ class Trainer:
             prog, feeds = runs[-1]
             fetch = ((LOSS,) if return_loss else ()) + tuple(prog.grads)
             guarded = GUARD_OUTPUT in prog.entry.runner.program.outputs
-            if fetch and guarded:  # the flag comes in the same read
-                fetch += (GUARD_OUTPUT,)
+            if fetch and guarded:  # the counts come in the same read
+                fetch += guard_outputs(prog.entry.runner.program.outputs)
             out = self._run(prog, feeds, fetch)
         except BaseException:
             mn_random.set_rng_state(rng_state)
@@ -412,7 +412,7 @@ class Trainer:
             n for n, o in objects.items() if isinstance(o, Parameter) and o.requires_grad
         )
         if kind == "evaluate":
-            options = replace(self._options, **_EVALUATE)
+            options = replace(self._options, **_EVAL)
         elif not trainable:
             raise ValueError(
                 f"every parameter {fn_name(self.loss_fn)} reads has requires_grad=False: nothing "

@@ -330,3 +330,36 @@ def _torch_grads_unscaled(params, x, y) -> dict[str, np.ndarray]:
     out = h @ p["fc2.weight"].T + p["fc2.bias"]
     torch.nn.functional.mse_loss(out, torch.tensor(y, dtype=torch.float64)).backward()
     return {k: v.grad.numpy() for k, v in p.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("on_nonfinite", ["raise", "skip"])
+def test_a_step_the_scaler_skips_does_not_count_for_adam(gpu_device, on_nonfinite):
+    # as a skipped optimizer.step leaves PyTorch's step count: Adam's bias correction of the
+    # first applied step is that of step 1, so the run equals the unscaled one bit for bit
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    y = rng.standard_normal((16, 8)).astype(np.float32)
+    runs = []
+    for scale in (GradScaler(init_scale=2.0**100, backoff_factor=2.0**-64), 1.0):
+        mn.manual_seed(7)
+        model = _MLP()
+        with mn.Trainer(
+            model,
+            AdamW(lr=1e-2),
+            lambda m, x, y: F.mse_loss(m(x), y),
+            max_grad_norm=1e9,
+            loss_scale=scale,
+            on_nonfinite=on_nonfinite,
+            device=gpu_device,
+        ) as tr:
+            counts = []
+            for _ in range(3 if scale == 1.0 else 4):
+                tr.step(x, y)
+                counts.append(tr.step_count)
+            assert tr.skipped_steps == 0  # the scaler's skips are not the guard's
+        runs.append(({k: np.array(v) for k, v in model.state_dict().items()}, counts))
+    (scaled, scaled_counts), (plain, plain_counts) = runs
+    assert scaled_counts == [0, 1, 2, 3] and plain_counts == [1, 2, 3]
+    for k in plain:
+        np.testing.assert_array_equal(scaled[k], plain[k])
