@@ -162,10 +162,12 @@ class CompileOptions:
                     "a dynamic loss_scale (GradScaler) needs nonfinite_guard ('raise' or "
                     "'skip'): it skips the steps whose scaled gradients overflow"
                 )
-        elif not is_power_of_two(scale):
+        elif is_power_of_two(scale):
+            object.__setattr__(self, "loss_scale", float(scale))  # NumPy scalars too
+        else:
             raise ValueError(
-                f"loss_scale must be a positive power of two (2**k: scaling and unscaling are "
-                f"then exact) or a GradScaler, got {scale!r}"
+                f"loss_scale must be a power of two from 2**-126 to 2**127 (scaling and "
+                f"unscaling are then exact) or a GradScaler, got {scale!r}"
             )
         if self.nonfinite_guard is not None and self.nonfinite_guard not in GUARD_MODES:
             raise ValueError(
@@ -219,18 +221,21 @@ def _training_graph(
     # Parameters that do not reach the loss get no update (PyTorch: .grad stays None).
     scaler = options.loss_scale if isinstance(options.loss_scale, GradScaler) else None
     static = 1.0 if scaler is not None else options.loss_scale
-    scale_node = None
-    if scaler is not None:
+    scale_node = seed_node = None
+    if scaler is not None or static != 1.0:
+        # the backward's seed, marked so that the range rule lets the gradients it scales
+        # stay f16 (passes.ranges): a node of its own, not the shared constant
         b = GraphBuilder(graph)
-        scale_node = current_scale(b, scaler).id
+        scale = current_scale(b, scaler) if scaler is not None else b.constant(float(static))
+        seed_node = b.add("broadcast_to", [scale], {"shape": (), "seed": True}).id
+        scale_node = scale.id if scaler is not None else None
         graph = b.build_unverified()
     g, grads = differentiate(
         graph,
         options.loss,
         [p.id for p in params],
         unreachable="omit",
-        seed=static,
-        seed_node=scale_node,
+        seed_node=seed_node,
     )
     backward_end, raw = len(g.nodes), set(grads.values())
     if options.accumulate_grads:
@@ -264,8 +269,8 @@ def _training_graph(
             scale_node=scale_node,
         )
     master = raw | set(range(backward_end, len(g.nodes)))
-    if scale_node is not None:  # the scale itself: 2**16 is beyond f16's 65504
-        master.add(scale_node)
+    if seed_node is not None:  # the scale itself: 2**16 is beyond f16's 65504
+        master.add(seed_node)
     if options.nonfinite_guard is not None and (
         options.optimizer is not None or options.accumulate_grads
     ):
@@ -415,9 +420,7 @@ def storage_plan(
     if precision != "fast":
         return graph, frozenset()
     parameters = options.optimizer is None and not options.shared_parameters
-    scale = options.loss_scale
-    seed = scale.init_scale if isinstance(scale, GradScaler) else scale
-    return narrow_storage(graph, master, parameters=parameters, loss_scale=seed)
+    return narrow_storage(graph, master, parameters=parameters)
 
 
 def _assemble(

@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..graph.builder import GraphBuilder, Tensor
 from ..graph.ir import Graph
 from ..ops import functional as F
@@ -46,11 +48,19 @@ SKIPPED_OUTPUT = "loss_scale.skipped"
 SCALER_STATES = (SCALE_STATE, READY_STATE, GROWTH_STATE, SKIPPED_STATE)
 
 
+# f32's normal range: a scale or factor outside it is 0 or inf on the GPU
+LOWEST, HIGHEST = 2.0**-126, 2.0**127
+# the clean-step count is an f32 state: exact up to 2**24
+MAX_GROWTH_INTERVAL = 2**24
+
+
 def is_power_of_two(x) -> bool:
-    """Whether ``x`` is a finite positive float (or int, not bool) equal to ``2**k``."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    """Whether ``x`` (a Python or NumPy float or int, not a bool) equals ``2**k`` with
+    ``2**-126 <= 2**k <= 2**127`` (a normal f32)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
         return False
-    return 0 < x < math.inf and math.frexp(x)[0] == 0.5
+    x = float(x)
+    return LOWEST <= x <= HIGHEST and math.frexp(x)[0] == 0.5
 
 
 @dataclass(frozen=True)
@@ -65,9 +75,10 @@ class GradScaler:
         growth_interval: clean steps between two growths.
 
     Raises:
-        ValueError: a factor or scale that is not a power of two (``growth_factor`` > 1,
-            ``backoff_factor`` < 1; powers of two keep scaling exact), or a
-            ``growth_interval`` that is not an integer >= 1.
+        ValueError: a factor or scale that is not a power of two between 2**-126 and 2**127
+            (``growth_factor`` > 1, ``backoff_factor`` < 1; powers of two keep scaling
+            exact, f32 holds them), or a ``growth_interval`` that is not an integer from 1
+            to 2**24 (the count is kept in f32).
     """
 
     init_scale: float = 2.0**16
@@ -84,10 +95,21 @@ class GradScaler:
         for name, value, ok in checks:
             if not is_power_of_two(value) or not ok:
                 bound = {"growth_factor": " above 1", "backoff_factor": " below 1"}.get(name, "")
-                raise ValueError(f"GradScaler {name} must be a power of two{bound}, got {value!r}")
+                raise ValueError(
+                    f"GradScaler {name} must be a power of two{bound}, from 2**-126 to "
+                    f"2**127, got {value!r}"
+                )
+            object.__setattr__(self, name, float(value))
         n = self.growth_interval
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"GradScaler growth_interval must be an integer >= 1, got {n!r}")
+        if (
+            isinstance(n, (bool, np.bool_))
+            or not isinstance(n, (int, np.integer))
+            or not 1 <= n <= MAX_GROWTH_INTERVAL
+        ):
+            raise ValueError(
+                f"GradScaler growth_interval must be an integer from 1 to 2**24, got {n!r}"
+            )
+        object.__setattr__(self, "growth_interval", int(n))
 
 
 def current_scale(b: GraphBuilder, scaler: GradScaler) -> Tensor:
@@ -118,10 +140,12 @@ def append_scale_update(
     skipped = F.minimum(b.add("found_inf", [coefficient]), 1.0)  # 1 or 0
     clean = (state[GROWTH_STATE] + 1.0) * (1.0 - skipped)
     grow = F.where(F.greater_equal(clean, float(scaler.growth_interval)), 1.0, 0.0)
+    # as GradScaler: a growth that would overflow f32 is not applied (the count restarts)
+    finite = 1.0 - F.minimum(b.add("found_inf", [scale * float(scaler.growth_factor)]), 1.0)
     factor = F.where(
         F.greater(skipped, 0.5),
         float(scaler.backoff_factor),
-        F.where(F.greater(grow, 0.5), float(scaler.growth_factor), 1.0),
+        F.where(F.greater(grow * finite, 0.5), float(scaler.growth_factor), 1.0),
     )
     new = scale * factor
     one = b.constant(1.0)

@@ -74,11 +74,7 @@ NARROW_LEAVES = frozenset({"parameter"})
 
 
 def half_candidates(
-    graph: Graph,
-    keep: Collection[int] = (),
-    parameters: bool = False,
-    ranges: bool = True,
-    loss_scale: float = 1.0,
+    graph: Graph, keep: Collection[int] = (), parameters: bool = False, ranges: bool = True
 ) -> frozenset[int]:
     """The storage owners (non-view values) that ``narrow_storage`` stores as f16.
 
@@ -88,13 +84,11 @@ def half_candidates(
         parameters: allow parameters too (forward-only programs).
         ranges: keep values that may leave f16's range in f32 (``passes.ranges``); False
             only to measure what the range rule costs.
-        loss_scale: the backward's seed, which the range rule does not count
-            (``ranges.degrees``).
 
     Returns:
         Ids of f32 values, none of them a view, leaf other than a parameter, or output.
     """
-    deg = degrees(graph, loss_scale) if ranges else {}
+    deg = degrees(graph) if ranges else {}
     wide = {resolve_view(graph, v) for v in keep}
     wide |= {resolve_view(graph, v) for _, v in graph.outputs}
     for node in graph.nodes:
@@ -118,11 +112,7 @@ def half_candidates(
 
 
 def narrow_storage(
-    graph: Graph,
-    keep: Collection[int] = (),
-    parameters: bool = False,
-    ranges: bool = True,
-    loss_scale: float = 1.0,
+    graph: Graph, keep: Collection[int] = (), parameters: bool = False, ranges: bool = True
 ) -> tuple[Graph, frozenset[int]]:
     """Store the floating values chosen by the rules above as f16.
 
@@ -131,13 +121,12 @@ def narrow_storage(
         keep: node ids that must stay f32 (views resolve to their storage owner).
         parameters: store parameters as f16 too; only for programs without an optimizer.
         ranges: apply the range rule (``half_candidates``).
-        loss_scale: the backward's seed (``CompileOptions.loss_scale``; ``ranges.degrees``).
 
     Returns:
         (the storage plan: the same nodes with f16 types where chosen, the ids of the values
         now stored as f16, views included). The plan keeps node ids, inputs and outputs.
     """
-    half = set(half_candidates(graph, keep, parameters, ranges, loss_scale))
+    half = set(half_candidates(graph, keep, parameters, ranges))
     nodes = []
     for node in graph.nodes:
         is_view = node.op in VIEW_OPS

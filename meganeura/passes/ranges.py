@@ -32,8 +32,9 @@ counted the way a polynomial's degree is:
 A value of degree ``d`` may be as large as an activation to the power ``d``; f16 holds
 ``|d| <= 1`` (an activation, or its reciprocal: 1/65504 and 1/6.1e-5 are both in range), so
 ``narrow_storage`` keeps values with ``|d| > 1`` in f32. The degree of a gradient follows from
-the same rules applied to the backward graph (the loss's seed is the constant 1, or the loss
-scale, taken as degree 0: ``degrees(loss_scale=...)``).
+the same rules applied to the backward graph (the loss's seed is the constant 1; a loss
+scale's seed, the node marked ``seed=True`` by ``compile``, has degree 0: the scale exists to
+bring the gradients into f16's range, and an overflow trips the non-finite guard).
 
 For ``exp``, a sign analysis knows which values are <= 0: ``-relu``, ``-abs``, ``-x*x``,
 ``x * -x``, ``log_softmax``, ``clamp(max<=0)``, products and sums by the rule of signs, and
@@ -198,15 +199,11 @@ def _degree(graph: Graph, node: Node, deg: dict[int, float], sign: dict[int, Sig
     return top
 
 
-def degrees(graph: Graph, loss_scale: float = 1.0) -> dict[int, float]:
+def degrees(graph: Graph) -> dict[int, float]:
     """The magnitude degree of every value of ``graph`` (module docstring: the rules).
 
     Args:
         graph: a verified graph.
-        loss_scale: the backward's seed (``CompileOptions.loss_scale``): constants of this
-            value have degree 0, so the gradients it scales stay f16 candidates (the scale
-            exists to move them into f16's range; an overflow trips the non-finite guard). A
-            forward value multiplied by the same constant is taken as unscaled too.
 
     Returns:
         ``{node id: degree}``; ``math.inf`` for unbounded values, 0 for non-floating ones.
@@ -216,7 +213,7 @@ def degrees(graph: Graph, loss_scale: float = 1.0) -> dict[int, float]:
     sign: dict[int, Sign] = {}
     for node in graph.nodes:
         sign[node.id] = _sign(graph, node, sign)
-        if loss_scale != 1.0 and node.op == "constant" and node.attr("value") == loss_scale:
+        if node.attr("seed"):  # a loss scale's seed: its gradients are meant for f16
             deg[node.id] = 0.0
             continue
         d = _degree(graph, node, deg, sign)

@@ -23,6 +23,7 @@ from ..graph.ir import Graph
 from ..io.checkpoint import check_count, load_checkpoint, save_checkpoint
 from ..optim import HYPER_INPUT, Optimizer
 from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE
+from ..optim.scaler import SCALER_STATES
 from ..schedule.program import Program
 from .batches import check_optimizer
 from .guard import StepGuard, StepRun, check_finite_feeds, check_mode, guard_outputs
@@ -238,7 +239,8 @@ class GraphTrainer:
         self._live()
         self.check_nonfinite()
         sd = self.session.state_dict()
-        sd.pop(GUARD_STATE, None)
+        for name in (GUARD_STATE, *SCALER_STATES):  # per-run counters, a dynamic loss scale
+            sd.pop(name, None)
         return {**sd, **{k: v.copy() for k, v in self._unused.items()}}
 
     def save(self, path: str | Path, metadata: Mapping | None = None) -> None:
@@ -270,7 +272,7 @@ class GraphTrainer:
         expected = {
             k: (s.shape, s.host.numpy)
             for k, s in {**self.program.parameters, **self.program.state}.items()
-            if k != GUARD_STATE
+            if k != GUARD_STATE and k not in SCALER_STATES
         }
         expected.update({k: (v.shape, v.dtype) for k, v in self._unused.items()})
         tensors, meta = load_checkpoint(path, expected)
@@ -279,8 +281,9 @@ class GraphTrainer:
         if "skipped_steps" in meta:
             skipped = check_count(path, meta, "skipped_steps", "the number of skipped steps")
         check_optimizer(path, meta, self.optimizer)
-        if GUARD_STATE in self.program.state:  # the count restarts with the next step
-            tensors = {**tensors, GUARD_STATE: np.zeros((), np.float32)}
+        for name in (GUARD_STATE, *SCALER_STATES):  # restart: the count, init_scale
+            if name in self.program.state:
+                tensors = {**tensors, name: np.zeros((), np.float32)}
         self.session.load_state_dict({k: v for k, v in tensors.items() if k not in self._unused})
         self._unused.update({k: tensors[k] for k in self._unused})
         self.step_count = step

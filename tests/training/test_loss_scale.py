@@ -140,11 +140,21 @@ def test_an_overflowing_scale_trips_the_guard_and_keeps_the_parameters(gpu_devic
             np.testing.assert_array_equal(session.read(k), params[k])
 
 
-@pytest.mark.parametrize("scale", [3.0, 0.0, -2.0, float("inf"), float("nan"), True, "2"])
-def test_loss_scale_must_be_a_power_of_two(scale):
-    with pytest.raises(ValueError, match="loss_scale must be a positive power of two"):
+@pytest.mark.parametrize(
+    "scale", [3.0, 0.0, -2.0, float("inf"), float("nan"), True, "2", 2.0**128, 2.0**-127]
+)
+def test_loss_scale_must_be_a_power_of_two_f32_holds(scale):
+    with pytest.raises(ValueError, match="loss_scale must be a power of two from 2..-126"):
         CompileOptions(loss="loss", loss_scale=scale)
-    CompileOptions(loss="loss", loss_scale=2.0**-3)  # below one, a power of two is fine
+
+
+def test_loss_scale_takes_numpy_scalars_and_scales_below_one():
+    assert CompileOptions(loss="loss", loss_scale=np.float32(1024)).loss_scale == 1024.0
+    assert type(CompileOptions(loss="loss", loss_scale=np.int64(8)).loss_scale) is float
+    CompileOptions(loss="loss", loss_scale=2.0**-3)
+    assert GradScaler(init_scale=np.float32(256), growth_interval=np.int64(10)) == GradScaler(
+        init_scale=256.0, growth_interval=10
+    )
 
 
 @pytest.mark.gpu
@@ -185,13 +195,13 @@ def test_distributed_trainer_refuses_a_scale():
 # ---- dynamic: GradScaler's policy on the GPU (optim.scaler) --------------------------------
 
 
-def _run(graph, params, feeds, device, loss_scale, steps):
+def _run(graph, params, feeds, device, loss_scale, steps, max_grad_norm=1e9):
     """(parameters after each step, the ``loss_scale`` output of each step, guard counts)."""
     opt = SGD(lr=0.1)
     options = CompileOptions(
         loss="loss",
         optimizer=opt,
-        max_grad_norm=1e9,  # no clipping, but the sum of squares: S**2 overflows it first
+        max_grad_norm=max_grad_norm,  # 1e9: no clipping, but S**2 overflows the sum of squares
         loss_scale=loss_scale,
         nonfinite_guard="raise",
     )
@@ -269,6 +279,10 @@ def test_trainer_takes_a_dynamic_scale_in_fast_mode(gpu_device):
         {"backoff_factor": 0.3},
         {"growth_interval": 0},
         {"growth_interval": 2.5},
+        {"growth_interval": 2**24 + 1},
+        {"init_scale": 2.0**128},
+        {"growth_factor": 2.0**128},
+        {"backoff_factor": 2.0**-127},
     ],
     ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()),
 )
@@ -363,3 +377,45 @@ def test_a_step_the_scaler_skips_does_not_count_for_adam(gpu_device, on_nonfinit
     assert scaled_counts == [0, 1, 2, 3] and plain_counts == [1, 2, 3]
     for k in plain:
         np.testing.assert_array_equal(scaled[k], plain[k])
+
+
+@pytest.mark.gpu
+def test_the_scale_does_not_grow_past_float32(gpu_device):
+    # GradScaler applies a growth only where the grown scale is finite: 2**127 stays
+    mn.manual_seed(8)
+    model = _MLP()
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    y = rng.standard_normal((16, 8)).astype(np.float32) * 0.01
+    graph = nn.trace(model, x, y, fn=lambda x, y: {"loss": F.mse_loss(model(x), y) * 0.01})
+    params = {k: np.array(v) for k, v in model.state_dict().items()}
+    scaler = GradScaler(init_scale=2.0**126, growth_interval=1)
+    after, scales, skipped = _run(graph, params, {"x": x, "y": y}, gpu_device, scaler, 4, None)
+    assert [np.log2(s) for s in scales] == [127, 127, 127, 127]
+    assert not any(np.array_equal(after[0][k], params[k]) for k in params)  # step 0 applied
+
+
+@pytest.mark.gpu
+def test_graph_trainer_checkpoints_move_between_scaled_and_unscaled(gpu_device, tmp_path):
+    # the scale is not in the checkpoint (a resume starts from init_scale), so loss scaling
+    # can be switched on or off when resuming
+    graph, params, feeds = _case(9)
+    scaled = GradScaler(init_scale=2.0**20)
+    trainers = {
+        s: mn.Trainer(graph, SGD(lr=1e6), loss_scale=s, device=gpu_device) for s in (1.0, scaled)
+    }
+    for s, tr in trainers.items():
+        tr.load_parameters(params)
+        out = tr.step(feeds, ["loss"] + (["loss_scale"] if s is scaled else []))
+        assert "_scaler.scale" not in tr.state_dict()
+        tr.save(tmp_path / f"{s is scaled}.ckpt")
+    assert float(out["loss_scale"]) == 2.0**20  # no overflow, no growth yet
+    for s, tr in trainers.items():
+        other = tmp_path / f"{s is not scaled}.ckpt"
+        tr.load(other)
+        assert tr.step_count == 1
+        np.testing.assert_array_equal(
+            tr.parameters()["fc1.bias"], trainers[1.0].parameters()["fc1.bias"]
+        )
+    for tr in trainers.values():
+        tr.close()
