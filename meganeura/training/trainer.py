@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 
@@ -45,7 +44,6 @@ from .. import random as mn_random
 from ..compile import CompileOptions, grad_output
 from ..graph.builder import Tensor
 from ..graph.ir import Graph
-from ..io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..nn.compiled import (
     DEFAULT_MAX_PROGRAMS,
     CacheEntry,
@@ -55,14 +53,14 @@ from ..nn.compiled import (
     flatten_arguments,
     trace_call,
 )
-from ..nn.module import Module, StateDictError
+from ..nn.module import Module
 from ..nn.parameter import Buffer, Parameter
 from ..optim import HYPER_INPUT, Optimizer
 from ..optim.accumulate import ACCUM_FIRST_INPUT, LOSS_ACCUMULATOR, grad_accumulator
 from ..optim.guard import GUARD_OUTPUT, GUARD_RESET_INPUT, GUARD_STATE, PENDING_SUFFIX
 from ..optim.scaler import SCALER_STATES, SKIPPED_OUTPUT, SKIPPED_STATE
 from .batches import bind_model, check_loss, fn_name, split_batch
-from .checkpoints import OPTIMIZER_PREFIX, check_trainer_checkpoint
+from .checkpoints import TrainerCheckpoints
 from .graph import GraphTrainer
 from .guard import StepGuard, StepRun, check_finite_feeds, check_mode, guard_outputs
 
@@ -81,7 +79,7 @@ class _Program:
 _EVAL = dict(loss=None, optimizer=None, max_grad_norm=None, accumulation_steps=1, loss_scale=1.0)
 
 
-class Trainer:
+class Trainer(TrainerCheckpoints):
     """Trains ``model`` with ``optimizer`` on ``loss_fn(model, *batch)``.
 
     ``Trainer(graph, optimizer, loss="loss", ...)`` with a Graph returns a
@@ -517,81 +515,6 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """The model's state dict (PyTorch names) and, under ``optimizer/<param>.<suffix>``
-        (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), the optimizer state of every
-        parameter the trainer has updated; NumPy copies.
-
-        Raises:
-            NonFiniteError: an unread step was skipped (``check_nonfinite``).
-            RuntimeError: the trainer is closed.
-        """
-        self._live()
-        self.check_nonfinite()
-        sd = dict(self.model.state_dict())
-        for name, p in self.model.named_parameters():
-            for suffix, buf in self._moments.get(p, {}).items():
-                sd[f"{OPTIMIZER_PREFIX}{name}.{suffix}"] = buf.data
-        return sd
-
-    def save(self, path: str | Path, metadata: Mapping | None = None) -> None:
-        """Write the model, the optimizer state, the step counter, the global RNG state
-        (``meganeura.random``), the count of skipped steps and ``metadata`` atomically
-        (``io.checkpoint``).
-
-        Raises:
-            NonFiniteError: an unread step was skipped (``check_nonfinite``); nothing is
-                written.
-        """
-        self.check_nonfinite()
-        meta = {
-            "step": self.step_count,
-            "skipped_steps": self.skipped_steps,
-            "optimizer": self.optimizer.config(),
-            "rng": mn_random.get_rng_state(),
-            "accumulation_steps": self.accumulation_steps,
-            **(metadata or {}),
-        }
-        save_checkpoint(path, self.state_dict(), meta)
-
-    def load(self, path: str | Path) -> dict:
-        """Restore a checkpoint written by :meth:`save`; returns its metadata.
-
-        The training that follows continues bit-identically to the one that saved. Everything
-        is checked before anything is applied: on any error the model, the optimizer state,
-        the step counter and the RNG are as they were.
-
-        Raises:
-            CheckpointError: missing or corrupt file; ``optimizer`` metadata missing or of
-                another type; a ``step`` that is not an int >= 0; an ``rng`` that is not a
-                generator state (``io.checkpoint.check_rng_state``); optimizer state for
-                unknown parameters or of the wrong shape or dtype; model keys missing,
-                unexpected, or of another shape or dtype than the model's. The message names
-                the key, the expected and the actual value. Other metadata keys are the
-                caller's (``save(metadata=...)``) and are returned unchecked.
-            RuntimeError: the trainer is closed.
-        """
-        self._live()
-        tensors, meta = load_checkpoint(path)
-        checked = check_trainer_checkpoint(path, tensors, meta, self.model, self.optimizer)
-        step, skipped, rng, model_sd, moments = checked
-        try:  # checks every key and shape before it writes any
-            self.model.load_state_dict(model_sd, strict=True)
-        except StateDictError as e:
-            raise CheckpointError(f"{path}: {e}") from e
-        for p, slots in self._moments.items():
-            for suffix, buf in slots.items():
-                if (p, suffix) not in moments:  # never updated in the saved run: zero
-                    buf.copy_(np.zeros(p.shape, p.dtype.numpy))
-        for (p, suffix), value in moments.items():
-            self._moment(p, suffix).copy_(value)
-        self.step_count = step
-        self._guard.skipped_steps = skipped
-        self._guard.forget()  # steps run before the load no longer matter
-        mn_random.set_rng_state(rng)
-        return meta
 
     def __repr__(self) -> str:
         return (
