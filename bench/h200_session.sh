@@ -31,7 +31,8 @@
 #   splits-short    the dq and dkv half splits at W1's and W2's short sequences (~3 min)
 #   strict          the ten headline cells, strict f32, with warm-cache compile times
 #   fast            the ten headline cells, fast mode, with warm-cache compile times
-#   matrix          the rest of the matrix, resumable (strict first)
+#   matrix          the rest of the matrix, resumable (strict first); compile threads 4 a child
+#                   (TORCHINDUCTOR_COMPILE_THREADS) for --overlap-compile's concurrent compiles
 #   data-parallel   2 ranks sharing the GPU (the machine's Open MPI), SmolLM2 and ResNet-50
 # environment: CASES overrides the headline cells of strict / fast (workloads.py --cases);
 # WL_ARGS adds arguments to every workloads.py call (e.g. "--no-warm --modes reduce_overhead")
@@ -106,7 +107,7 @@ case "$step" in
   fast)
     "${wl[@]}" --precision fast --cases "$headline" 2>&1 | tee "$log" ;;
   matrix)
-    "${wl[@]}" --no-warm 2>&1 | tee "$log" ;;
+    TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4} "${wl[@]}" --no-warm 2>&1 | tee -a "$log" ;;
   data-parallel)
     MPI4PY_MPIABI=openmpi OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
       /usr/bin/orterun --allow-run-as-root --oversubscribe -np 2 -x PATH -x PYTHONPATH \

@@ -22,6 +22,11 @@ flight (PyTorch queues kernels asynchronously); it drains during the measured ch
 warm-up (``--warm-seconds``, 2 s), before the timed calls, but can fall into the first call's
 compile time. Untimed on the H200 so far.
 
+With ``workloads.py --overlap-compile`` torch.compile's first call (its compilation) runs
+outside the quiet section too: the matrix's compiles then overlap each other instead of
+taking turns (~30 of the ~85 s a cell took in the quiet sections of 2026-12-04's run), and
+their times are not compile figures (the headline cells give those).
+
 A child starting during a quiet section waits before its imports (:func:`started`). The
 others' start then overlaps only the unmeasured parts: the gates, the profile, process start
 and exit. The parent continues every child whenever one exits (a child that dies inside
@@ -74,10 +79,20 @@ def write_pids(path: str, pids) -> None:
 
 
 def signal_all(pids, sig) -> None:
-    """Send ``sig`` to each pid, ignoring those that have exited."""
+    """Send ``sig`` to each pid's process group where the pid leads one (the parent starts
+    each child in a session of its own, so the workers it spawns, such as torch.compile's
+    compile pool, stop and continue with it), else to the pid alone; pids that have exited
+    are ignored."""
     for p in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, sig)
+            try:
+                leads = os.getpgid(p) == p
+            except ProcessLookupError:
+                continue
+            if leads:
+                os.killpg(p, sig)
+            else:
+                os.kill(p, sig)
 
 
 def _flock(path: str, mode: int):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -115,7 +116,10 @@ def estimate_seconds(items, args) -> float:
             if m in ("eager", "eager_bf16"):
                 total += EST_EAGER
             else:
-                total += first * (1.0 if case.trains else 0.6) + 20
+                compiling = first * (1.0 if case.trains else 0.6)
+                if getattr(args, "overlap_compile", False):  # overlaps the other children's
+                    compiling /= max(1, getattr(args, "jobs", 1))
+                total += compiling + 20
                 if args.warm:
                     total += first * 0.4 + 10
         if args.warm:
@@ -168,18 +172,26 @@ def child(cell: str, args, env: dict, compile_only: bool = False) -> dict:
     cmd += ["--compile-only"] * compile_only
     cmd += ["--allow-cpu-compile"] * bool(args.allow_cpu_compile)
     cmd += ["--loss-scale", repr(args.loss_scale)] * (args.loss_scale != 1.0)
+    cmd += ["--overlap-compile"] * bool(getattr(args, "overlap_compile", False))
     t = time.perf_counter()
     registry = _REGISTRY.get(env.get(gpu_lock.PIDS_ENV))
     try:
+        # a session of its own: its process group (pgid = pid) holds the workers it starts
+        # (torch.compile's compile pool), which the quiet sections stop with it
         p = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         if registry is not None:
             registry.add(p.pid)
         try:
             _, stderr = p.communicate(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            p.kill()
+            gpu_lock.signal_all([p.pid], signal.SIGKILL)  # the child and its workers
             p.communicate()
             raise
         finally:
@@ -211,6 +223,7 @@ def _child_args(cell, args, compile_only):
         compile_only=compile_only,
         allow_cpu_compile=args.allow_cpu_compile,
         loss_scale=args.loss_scale,
+        overlap_compile=getattr(args, "overlap_compile", False),
     )
 
 

@@ -186,3 +186,128 @@ def test_gpu_overlap_names_no_lock_but_keeps_quiet_sections(monkeypatch):
     assert locked[gpu_lock.ENV] == "/tmp/x/gpu.lock"
     assert locked[gpu_lock.PIDS_ENV] == overlapped[gpu_lock.PIDS_ENV] == "/tmp/x/gpu.lock.pids"
     assert gpu_lock.ENV not in overlapped
+
+
+_PARENT_OF_TICKER = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+    time.sleep(600)
+    """
+)
+
+
+def test_quiet_section_stops_the_workers_a_child_spawned(tmp_path, monkeypatch):
+    """A child in a session of its own (as ``runner.child`` starts it) is stopped with the
+    processes it started, as torch.compile's compile pool is; a pid that leads no group is
+    signalled alone."""
+    pids = tmp_path / "gpu.lock.pids"
+    tick = tmp_path / "grandchild"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT_OF_TICKER, _TICKER, str(tick)], start_new_session=True
+    )
+    try:
+        gpu_lock.write_pids(str(pids), [parent.pid, os.getpid()])
+        monkeypatch.setenv(gpu_lock.PIDS_ENV, str(pids))
+        deadline = time.time() + 30
+        while not _ticks(tick) and time.time() < deadline:
+            time.sleep(0.02)
+        assert _ticks(tick), "the grandchild never ran"
+        with gpu_lock.quiet():
+            time.sleep(0.1)
+            before = _ticks(tick)
+            time.sleep(0.3)
+            assert _ticks(tick) == before  # the grandchild stopped with its parent
+        time.sleep(0.3)
+        assert _ticks(tick) != before
+    finally:
+        gpu_lock.signal_all([parent.pid], 9)
+        parent.wait()
+
+
+def _fake_torch_cell(monkeypatch, overlap: bool, mode: str):
+    """``cell.run_torch`` with a stand-in model and side: where the first call and the timed
+    calls ran, inside the quiet section or not."""
+    import contextlib
+
+    import numpy as np
+    import torch
+
+    from bench.workloads_lib import cell, torch_side
+
+    inside, where = [False], []
+
+    @contextlib.contextmanager
+    def fake_quiet():
+        inside[0] = True
+        yield 0
+        inside[0] = False
+
+    class Wl:
+        def torch_model(self, case, quick):
+            return torch.nn.Identity()
+
+        def batch(self, case, quick):
+            return (np.zeros(2, np.float32),)
+
+    def fake_steps(wl, case, m, batch, mode, dev):
+        return {
+            "first": lambda: where.append(("first", inside[0])),
+            "run": lambda: where.append(("run", inside[0])),
+        }
+
+    monkeypatch.setattr(cell, "quiet", fake_quiet)
+    monkeypatch.setattr(torch_side, "setup", lambda precision: (torch, "cpu"))
+    monkeypatch.setattr(torch_side, "steps", fake_steps)
+    args = argparse.Namespace(
+        allow_cpu_compile=True,
+        compile_only=False,
+        overlap_compile=overlap,
+        quick=True,
+        warm_seconds=0,
+        warmup=1,
+        repeats=2,
+    )
+    case = _Case("fwd_x")
+    case.kind = "fwd"
+    doc = cell.run_torch(Wl(), case, "strict", mode, args)
+    return doc, where
+
+
+def test_overlap_compile_moves_only_the_compiled_first_call_out_of_the_quiet_section(
+    monkeypatch,
+):
+    doc, where = _fake_torch_cell(monkeypatch, True, "compile")
+    assert where[0] == ("first", False) and doc["first_call_overlapped"] is True
+    assert all(inside for _, inside in where[1:]) and len(where) == 1 + 1 + 2
+    doc, where = _fake_torch_cell(monkeypatch, False, "compile")
+    assert all(inside for _, inside in where) and "first_call_overlapped" not in doc
+    doc, where = _fake_torch_cell(monkeypatch, True, "eager")  # nothing to compile
+    assert all(inside for _, inside in where) and "first_call_overlapped" not in doc
+
+
+def test_rows_of_an_overlapped_compile_give_no_compile_figure():
+    from bench.workloads_lib import rows
+
+    class Wl:
+        id, name = "w9", "toy"
+        paper = {}
+
+    case = _Case("fwd_x")
+    case.kind = "fwd"
+    ours = {"metrics": {"ms": {"median": 1.0, "min": 1.0, "n": 10}}, "gate": "PASS"}
+    ours["first_call_s"] = 2.0
+    for overlapped in (False, True):
+        theirs = {"metrics": {"ms": {"median": 2.0, "min": 2.0, "n": 10}}, "first_call_s": 30.0}
+        if overlapped:
+            theirs["first_call_overlapped"] = True
+        out = rows.rows_for(Wl(), case, "strict", {"ours": ours, "compile": theirs}, quick=True)
+        timing = [r for r in out if r["metric"] == "ms"]
+        compile_rows = [r for r in out if r["metric"] == "s"]
+        assert len(timing) == 1 and timing[0]["speedup"] == 2.0
+        cs = timing[0]["compile_s"]
+        if overlapped:
+            assert compile_rows == [] and cs["torch_cold"] is None
+            assert cs["torch_cold_overlapped"] == 30.0
+        else:
+            assert [r["torch"] for r in compile_rows] == [30.0] and cs["torch_cold"] == 30.0
