@@ -65,6 +65,14 @@ class Workload:
     def cases(self, quick: bool) -> list[Case]:
         raise NotImplementedError
 
+    def headline(self, quick: bool) -> set[str]:
+        """The cases the paper's table gives (its forward and training step, ``paper``), by
+        their name at this size: the full-size case's place in :meth:`cases`."""
+        full = [c.name for c in self.cases(False)]
+        names = {v[0] for k, v in self.paper.items() if k in ("fwd", "train")}
+        at = [c.name for c in self.cases(quick)]
+        return {at[full.index(n)] for n in names if n in full}
+
     def case(self, name: str, quick: bool) -> Case:
         for c in self.cases(quick):
             if c.name == name:

@@ -58,6 +58,7 @@ def rows_for(wl, case, precision, docs: dict, quick: bool = False) -> list[dict]
                 "workload": wl.id,
                 "cell": case.name,
                 "kind": case.kind,
+                "headline": case.name in wl.headline(quick),
                 "precision": precision,
                 "mode": mode,
                 "ours_min": mine["min"] if mine else None,
@@ -176,18 +177,27 @@ def _clean(v):
     return v
 
 
+def _cell_mode(r: dict) -> tuple:
+    return (r.get("workload"), r.get("cell"), r.get("precision"), r.get("mode"))
+
+
 def merge_write(path: Path, rows: list[dict], header: dict, fresh: bool) -> Path:
-    """Merge ``rows`` into the result file at ``path`` (same case ids replaced; rows of
+    """Merge ``rows`` into the result file at ``path`` (same case ids replaced, and every
+    row of a (workload, cell, precision, mode) that ``rows`` measure again; rows of
     workloads now available replace their "not available" row), atomically."""
     doc = {"results": []}
     if path.exists() and not fresh:
         doc = json.loads(path.read_text())
     new = {r["case"] for r in rows}
+    # a re-measured (cell, mode) replaces every row it had, so one whose metrics changed
+    # (an ERROR row, "ms", against decode's "ms_per_token" and "ttft_ms") leaves none behind
+    measured = {_cell_mode(r) for r in rows if r.get("metric") != "n/a"}
     workloads = {r.get("workload") for r in rows if r.get("metric") != "n/a"}
     kept = [
         r
         for r in doc.get("results", [])
         if r["case"] not in new
+        and not (r.get("metric") != "n/a" and _cell_mode(r) in measured)
         and not (r.get("metric") == "n/a" and r.get("workload") in workloads)
     ]
     doc.update(header)

@@ -64,7 +64,7 @@ def priority(item) -> tuple:
     wl, case, p, _ = item
     if case is None:
         return (0, 0, 0, wl.id)
-    headline = case.name in {v[0] for k, v in wl.paper.items() if k in ("fwd", "train")}
+    headline = case.name in wl.headline(False)
     return (1, p != "strict", not headline, case.name.startswith("train_adam"), wl.id)
 
 

@@ -293,6 +293,9 @@ def test_rows_of_an_overlapped_compile_give_no_compile_figure():
         id, name = "w9", "toy"
         paper = {}
 
+        def headline(self, quick):
+            return {"fwd_x"}
+
     case = _Case("fwd_x")
     case.kind = "fwd"
     ours = {"metrics": {"ms": {"median": 1.0, "min": 1.0, "n": 10}}, "gate": "PASS"}

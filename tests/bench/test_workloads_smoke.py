@@ -33,6 +33,9 @@ SMOKE = [
     "w5:fwd_small_b2",
     "w5:train_small_b2",
 ]
+SMOKE_HEADLINE = {c.split(":")[1] for c in SMOKE}
+# the cases whose sides are the workload's own (greedy decode, the unrolled denoising loop)
+SMOKE_CUSTOM = ["w1:decode32", "w2:denoise10"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def results(tmp_path_factory, request):
     request.getfixturevalue("gpu_device")
     out = tmp_path_factory.mktemp("workloads") / "workloads_smoke.json"
     common = ["--quick", "--in-process", "--modes", "eager", "--out", str(out)]
-    main([*common, "--precision", "strict", "--cases", ",".join(SMOKE)])
+    main([*common, "--precision", "strict", "--cases", ",".join(SMOKE + SMOKE_CUSTOM)])
     main([*common, "--precision", "fast", "--cases", "w5:fwd_small_b2"])
     return json.loads(out.read_text())
 
@@ -60,6 +63,9 @@ def test_workloads_smoke_every_gate_passes(results):
         if WORKLOADS[wid].missing() is None:
             assert (wid, case, "strict") in ran, entry
     assert ("w5", "fwd_small_b2", "fast") in ran
+    figures = {(r["workload"], r.get("cell"), r["metric"]) for r in rows}
+    assert {("w1", "decode32", "ms_per_token"), ("w1", "decode32", "ttft_ms")} <= figures
+    assert ("w2", "denoise10", "ms") in figures
 
 
 def test_workloads_smoke_rows_carry_gate_figures_and_memory(results):
@@ -89,7 +95,13 @@ def test_workloads_table_and_chart_from_the_smoke_results(results, tmp_path):
     text = markdown(path)
     assert "| w5 fwd_small_b2 | fast | PASS |" in text
     s = summary(results["results"])
-    assert s["strict_inference_cells"] >= 2 and s["median_training_gap"] > 0
+    # the paper's cells at CPU size: each workload's forward and training step
+    assert s["strict_inference_cells"] == 5 and s["median_training_gap"] > 0
+    assert all(r["headline"] == (r["cell"] in SMOKE_HEADLINE) for r in results["results"]
+               if r["metric"] != "n/a")  # fmt: skip
+    m = s["matrix"]["strict"]
+    # decode gives two timed figures (ms per token, time to the first token)
+    assert m["passed"] + m["failed"] == len(SMOKE) + 3 and m["training_cells"] == 5
     png = plot(path, tmp_path / "speedup.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -161,3 +173,28 @@ def test_result_file_merges_runs_and_resume_skips_measured_cells(results, tmp_pa
     assert key not in done_cells(path, {key: ["eager"]}, ["bbb"])
     # --done-commits: rows of any commit listed count
     assert key in done_cells(path, {key: ["eager"]}, ["bbb", "aaa"])
+
+
+def test_a_remeasured_cell_mode_leaves_none_of_its_old_rows(tmp_path):
+    """An ERROR row (metric "ms", as a failed decode child leaves) is replaced by the cell's
+    later rows under other metrics; the other modes' and cells' rows stay."""
+    from bench.workloads_lib.rows import merge_write
+
+    def row(cell, mode, metric, gate="PASS"):
+        case = f"w1_x_{cell}{'' if metric == 'ms' else '_' + metric}_strict_vs_{mode}"
+        return {"case": case, "workload": "w1", "cell": cell, "precision": "strict",
+                "mode": mode, "metric": metric, "gate": gate}  # fmt: skip
+
+    path = tmp_path / "w.json"
+    old = [row("decode32", "eager", "ms", "ERROR"), row("decode32", "compile", "ms", "ERROR")]
+    old.append(row("fwd_seq1", "eager", "ms"))
+    merge_write(path, old, {"machine": {}}, fresh=True)
+    new = [row("decode32", "eager", "ms_per_token"), row("decode32", "eager", "ttft_ms")]
+    merge_write(path, new, {"machine": {}}, fresh=False)
+    got = {(r["cell"], r["mode"], r["metric"]) for r in json.loads(path.read_text())["results"]}
+    assert got == {
+        ("decode32", "eager", "ms_per_token"),
+        ("decode32", "eager", "ttft_ms"),
+        ("decode32", "compile", "ms"),  # not re-measured: kept
+        ("fwd_seq1", "eager", "ms"),
+    }
