@@ -31,6 +31,8 @@
 #   splits-short    the dq and dkv half splits at W1's and W2's short sequences (~3 min)
 #   strict          the ten headline cells, strict f32, with warm-cache compile times
 #   fast            the ten headline cells, fast mode, with warm-cache compile times
+#   compile-warm    the warm-cache first calls of the headline cells, strict (--compile-warm:
+#                   a priming child per compiling side, then a compile-only one, ~5 min)
 #   matrix          the rest of the matrix, resumable (strict first); compile threads 4 a child
 #                   (TORCHINDUCTOR_COMPILE_THREADS) for --overlap-compile's concurrent compiles
 #   data-parallel   2 ranks sharing the GPU (the machine's Open MPI), SmolLM2 and ResNet-50
@@ -106,6 +108,10 @@ case "$step" in
     "${wl[@]}" --precision strict --cases "$headline" 2>&1 | tee "$log" ;;
   fast)
     "${wl[@]}" --precision fast --cases "$headline" 2>&1 | tee "$log" ;;
+  compile-warm)
+    python bench/workloads.py --machine h200 --commit "$commit" --jobs 4 --gpu-overlap \
+      --compile-warm --precision strict --cases "$headline" --stop-after "$minutes" \
+      ${WL_ARGS:-} 2>&1 | tee "$log" ;;
   matrix)
     TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4} "${wl[@]}" --no-warm 2>&1 | tee -a "$log" ;;
   data-parallel)

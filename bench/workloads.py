@@ -99,6 +99,13 @@ def parse(argv=None):
         " compile figures the headline cells give",
     )
     ap.add_argument(
+        "--compile-warm",
+        action="store_true",
+        help="only the warm-cache first-call figures of the cells asked, for rows the result"
+        " file has: per compiling side a child that fills fresh caches (outside the quiet"
+        " sections, no figure) then a compile-only child on them; eager modes skipped",
+    )
+    ap.add_argument(
         "--skip-done",
         action="store_true",
         help="skip cells the result file already has for every requested mode (resume)",
@@ -122,6 +129,7 @@ def parse(argv=None):
     ap.add_argument("--cell", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--prime", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
         "--allow-cpu-compile",
         action="store_true",
@@ -213,6 +221,11 @@ def run(args) -> Path:
     from bench.workloads_lib.runner import done_cells
 
     items = plan(args)
+    if args.compile_warm:  # the compiling sides only; the figures attach to existing rows
+        if args.in_process or args.skip_done:
+            raise SystemExit("--compile-warm runs children (no --in-process) and resumes nothing")
+        compiling = ("compile", "reduce_overhead")
+        items = [(w, c, p, [m for m in ms if m in compiling]) for w, c, p, ms in items]
     if args.skip_done:
         want = {(wl.id, c.name, p): m for wl, c, p, m in items if c is not None}
         commits = args.done_commits.split(",") if args.done_commits else [args.commit]
@@ -235,7 +248,7 @@ def run(args) -> Path:
     def write(rows):
         nonlocal first
         for r in rows:
-            r["measured"] = stamp
+            r.setdefault("measured", stamp)  # --compile-warm's copies keep their own
         R.merge_write(path, rows, header(args), fresh=args.fresh and first)
         first = False
 
@@ -252,6 +265,10 @@ def run(args) -> Path:
         cells, args, lambda s: print(s, flush=True), deadline
     ):
         n_done += 1
+        if args.compile_warm:
+            existing = json.loads(path.read_text())["results"] if path.exists() else []
+            write(R.warm_rows(wl, case, p, docs, existing, args.quick))
+            continue
         rows = R.rows_for(wl, case, p, docs, args.quick)
         if args.profile:
             prof = R.write_profiles(

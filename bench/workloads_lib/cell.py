@@ -20,6 +20,7 @@ nor run while one is measured.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import traceback
@@ -264,7 +265,9 @@ def run_ours(wl, case, precision, args) -> dict:
     if scale != 1.0:
         doc["loss_scale"] = scale
     doc["lock_wait_s"] = gpu_phase()
-    with quiet():  # the measured section: no other child of the parent runs
+    # --compile-warm's priming child fills the caches and gives no figure: not quiet
+    section = contextlib.nullcontext() if getattr(args, "prime", False) else quiet()
+    with section:  # the measured section: no other child of the parent runs
         side = _ours_side(wl, case, model, batch, precision, args.quick, scale)
         t = time.perf_counter()
         side["first"]()
@@ -345,7 +348,7 @@ def run_torch(wl, case, precision, mode, args) -> dict:
     side: dict = {}
     # --overlap-compile: the compilation overlaps the other children (not a compile figure)
     overlapped = bool(getattr(args, "overlap_compile", False)) and mode != "eager"
-    overlapped = overlapped and not args.compile_only
+    overlapped = overlapped and not args.compile_only or bool(getattr(args, "prime", False))
     if overlapped:
         first()
         doc["first_call_overlapped"] = True

@@ -109,26 +109,62 @@ def rows_for(wl, case, precision, docs: dict, quick: bool = False) -> list[dict]
                 t = doc.get("first_call_s" if when == "cold" else "warm_first_call_s")
                 if o is None and t is None:
                     continue
-                out.append(
-                    {
-                        "case": case_id(wl, case.name, f"{precision}_compile_{when}", mode),
-                        "metric": "s",
-                        "ours": o,
-                        "torch": t,
-                        "speedup": t / o if o and t and gate == "PASS" else None,
-                        "gate": gate,
-                        "gate_figures": {},
-                        "peak_bytes": None,
-                        "workload": wl.id,
-                        "cell": case.name,
-                        "precision": precision,
-                        "mode": mode,
-                        "paper_torch_first_s": _paper_first(wl, case, precision, mode, when, quick),
-                        "note": "first call: ours trace + compile + Session setup + first run "
-                        "(driver shader compile); torch the first compiled call, "
-                        f"{'fresh' if when == 'cold' else 'reused'} caches",
-                    }
-                )
+                out.append(_compile_row(wl, case, precision, mode, when, o, t, gate, quick))
+    return out
+
+
+def _compile_row(wl, case, precision, mode, when, ours, torch, gate, quick) -> dict:
+    """The first-call row (metric "s") of a cell's compiling mode, ``when`` "cold" or
+    "warm"."""
+    return {
+        "case": case_id(wl, case.name, f"{precision}_compile_{when}", mode),
+        "metric": "s",
+        "ours": ours,
+        "torch": torch,
+        "speedup": torch / ours if ours and torch and gate == "PASS" else None,
+        "gate": gate,
+        "gate_figures": {},
+        "peak_bytes": None,
+        "workload": wl.id,
+        "cell": case.name,
+        "precision": precision,
+        "mode": mode,
+        "paper_torch_first_s": _paper_first(wl, case, precision, mode, when, quick),
+        "note": "first call: ours trace + compile + Session setup + first run "
+        "(driver shader compile); torch the first compiled call, "
+        f"{'fresh' if when == 'cold' else 'reused'} caches",
+    }
+
+
+def warm_rows(wl, case, precision, docs: dict, existing: list[dict], quick: bool) -> list[dict]:
+    """``--compile-warm``: the rows of the cell's compiling modes in ``existing`` (the result
+    file's), copied with the warm first-call figures of ``docs`` in ``compile_s``, and a
+    warm row (metric "s") per mode; the timing rows keep their ``measured`` stamp. A mode
+    whose cell has no timing row in ``existing`` gives none (nothing to attach it to)."""
+    ours = docs.get("ours", {}).get("warm_first_call_s")
+    out = []
+    for mode, doc in docs.items():
+        if mode == "ours":
+            continue
+        mine = [
+            r
+            for r in existing
+            if (r.get("workload"), r.get("cell"), r.get("precision"), r.get("mode"))
+            == (wl.id, case.name, precision, mode)
+            and not (r.get("metric") == "s" and "_compile_warm_" in r["case"])
+        ]
+        timing = [r for r in mine if r.get("metric") not in ("s", "n/a")]
+        if not timing:
+            continue
+        theirs = doc.get("warm_first_call_s")
+        for r in mine:
+            r = json.loads(json.dumps(r))
+            if r.get("metric") != "s":
+                r["compile_s"] = {**(r.get("compile_s") or {}), "ours_warm": ours}
+                r["compile_s"]["torch_warm"] = theirs
+            out.append(r)
+        gate = timing[0].get("gate")
+        out.append(_compile_row(wl, case, precision, mode, "warm", ours, theirs, gate, quick))
     return out
 
 

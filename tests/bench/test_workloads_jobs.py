@@ -314,3 +314,47 @@ def test_rows_of_an_overlapped_compile_give_no_compile_figure():
             assert cs["torch_cold_overlapped"] == 30.0
         else:
             assert [r["torch"] for r in compile_rows] == [30.0] and cs["torch_cold"] == 30.0
+
+
+def test_compile_warm_rows_attach_to_the_measured_rows_and_keep_their_stamp():
+    from bench.workloads_lib import rows
+
+    class Wl:
+        id, name = "w9", "toy"
+        paper = {}
+
+        def headline(self, quick):
+            return {"fwd_x"}
+
+    case = _Case("fwd_x")
+    case.kind = "fwd"
+    ours = {"metrics": {"ms": {"median": 1.0, "min": 1.0, "n": 10}}, "gate": "PASS"}
+    ours["first_call_s"] = 4.0
+    docs = {"ours": ours}
+    for mode in ("eager", "compile"):
+        docs[mode] = {"metrics": {"ms": {"median": 2.0, "min": 2.0, "n": 10}}}
+        docs[mode]["first_call_s"] = 30.0 if mode == "compile" else 0.1
+    old = rows.rows_for(Wl(), case, "strict", docs, quick=True)
+    for r in old:
+        r["measured"] = {"commit": "aaa"}
+    warm = {"ours": {"warm_first_call_s": 1.0}, "compile": {"warm_first_call_s": 6.0}}
+    new = rows.warm_rows(Wl(), case, "strict", warm, old, quick=True)
+    by = {r["case"]: r for r in new}
+    assert set(by) == {
+        "w9_toy_fwd_x_strict_vs_compile",
+        "w9_toy_fwd_x_strict_compile_cold_vs_compile",
+        "w9_toy_fwd_x_strict_compile_warm_vs_compile",
+    }  # the eager row is not touched
+    timing = by["w9_toy_fwd_x_strict_vs_compile"]
+    assert timing["compile_s"] == {
+        "ours_cold": 4.0,
+        "ours_warm": 1.0,
+        "torch_cold": 30.0,
+        "torch_warm": 6.0,
+    }
+    assert timing["measured"] == {"commit": "aaa"} and timing["ours"] == 1.0
+    w = by["w9_toy_fwd_x_strict_compile_warm_vs_compile"]
+    assert (w["ours"], w["torch"], w["speedup"]) == (1.0, 6.0, 6.0) and "measured" not in w
+    assert old[1]["compile_s"]["ours_warm"] is None  # the file's rows are copied, not changed
+    # no timing row to attach to: nothing
+    assert rows.warm_rows(Wl(), case, "fast", warm, old, quick=True) == []
