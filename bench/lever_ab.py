@@ -81,6 +81,9 @@ LEVERS = {
     # off: every kernel its own dispatch instead of independent neighbours packed into one
     # (meganeura.schedule.pack: W1 train 919 -> 739 dispatches, W3 train 588 -> 355)
     "pack": ("meganeura.schedule.pack", "set_enabled"),
+    # off: runs pack neighbours only, instead of also taking members from up to 4 dispatches
+    # on that commute with those they pass (W3 train 355 -> 346 dispatches, W4 train 158 -> 141)
+    "pack_lookahead": ("meganeura.schedule.pack", "set_lookahead"),
     # off: a long forward (and, since the eighth session, its query gradient) runs the plain
     # lane kernel instead of its keys split over workgroups plus a merge (W4 fwd: 283 -> 225
     # us a layer in isolation)

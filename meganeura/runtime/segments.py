@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import wgpu
 
-from ..schedule.program import Program
+from ..schedule.program import Program, commute, overlapping, read_write_ranges
 from . import fastpath
 from .slots import ceil_to
 
@@ -54,20 +54,6 @@ class SegmentPlan:
     final: dict[str, int]
     groups: tuple[tuple[str, ...], ...]
     cuts: tuple[int, ...]
-
-
-def _ranges(program: Program, i: int) -> tuple[list, list]:
-    """(read ranges, written ranges) of dispatch ``i``: (buffer id, start, end) bytes."""
-    d = program.dispatches[i]
-    reads, writes = [], []
-    for k, (b, w) in enumerate(zip(d.bindings, d.writes, strict=True)):
-        off, size = d.span(k, program.buffers[b].size)
-        (writes if w else reads).append((b, off, off + size))
-    return reads, writes
-
-
-def _overlap(a: list, b: list) -> bool:
-    return any(x == y and s < e2 and s2 < e for x, s, e in a for y, s2, e2 in b)
 
 
 def _slot_range(program: Program, name: str) -> tuple[int, int, int]:
@@ -96,10 +82,10 @@ def plan_segments(
     """
     n = len(program.dispatches)
     want = {name: _slot_range(program, name) for name in slots}
-    rw = [_ranges(program, i) for i in range(n)]
+    rw = [read_write_ranges(program, program.dispatches[i]) for i in range(n)]
     # a dispatch that writes nothing but asked-for slots is hoisted (the accumulates)
     ranges = list(want.values())
-    movable = {i for i in range(n) if rw[i][1] and all(_overlap([w], ranges) for w in rw[i][1])}
+    movable = {i for i in range(n) if rw[i][1] and all(overlapping([w], ranges) for w in rw[i][1])}
     order: list[int] = []
     for i in range(n):
         if i not in movable:
@@ -108,14 +94,15 @@ def plan_segments(
         reads, writes = rw[i]
         at = len(order)
         while at > 0:
-            r2, w2 = rw[order[at - 1]]
-            if _overlap(writes, r2) or _overlap(writes, w2) or _overlap(reads, w2):
+            if not commute((reads, writes), rw[order[at - 1]]):
                 break
             at -= 1
         order.insert(at, i)
     final = {}
     for name, rng in want.items():
-        final[name] = max((p for p, i in enumerate(order) if _overlap(rw[i][1], [rng])), default=-1)
+        final[name] = max(
+            (p for p, i in enumerate(order) if overlapping(rw[i][1], [rng])), default=-1
+        )
     by_final = sorted(slots, key=lambda s: (final[s], list(slots).index(s)))
     groups, cuts, current, used = [], [], [], 0
     for s in by_final:

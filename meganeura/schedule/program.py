@@ -96,6 +96,28 @@ def binding_conflict(ranges: Sequence[tuple[int, int, int]], writes: Sequence[bo
     return None
 
 
+def read_write_ranges(program: Program, d: Dispatch) -> tuple[list, list]:
+    """(read ranges, written ranges) of dispatch ``d`` of ``program``: ``(buffer id, start
+    byte, end byte)`` of each binding it only reads, and of each it writes."""
+    reads, writes = [], []
+    for k, (b, w) in enumerate(zip(d.bindings, d.writes, strict=True)):
+        off, size = d.span(k, program.buffers[b].size)
+        (writes if w else reads).append((b, off, off + size))
+    return reads, writes
+
+
+def overlapping(a: Sequence[tuple[int, int, int]], b: Sequence[tuple[int, int, int]]) -> bool:
+    """Whether a range of ``a`` and one of ``b`` share a byte of one buffer."""
+    return any(x == y and s < e2 and s2 < e for x, s, e in a for y, s2, e2 in b)
+
+
+def commute(a: tuple[list, list], b: tuple[list, list]) -> bool:
+    """Whether two dispatches, as their :func:`read_write_ranges`, may run in either order
+    with the same results: neither writes a byte the other reads or writes."""
+    (ra, wa), (rb, wb) = a, b
+    return not (overlapping(wa, rb) or overlapping(wa, wb) or overlapping(ra, wb))
+
+
 @dataclass(frozen=True)
 class TensorSlot:
     """Where a named tensor lives: buffer id, byte offset, shape and dtype.

@@ -67,8 +67,64 @@ def _spans(program, d):
     return out
 
 
+def _resnet_step():
+    """A tiny bottleneck ResNet's training step graph (SGD): a block's shortcut conv is
+    independent of its main branch, a few dispatches on in program order."""
+    import meganeura as mn
+    from meganeura.models.resnet import ResNet, ResNetConfig
+    from meganeura.nn.compiled import trace_call
+
+    mn.manual_seed(0)
+    model = ResNet(ResNetConfig("bottleneck", (1, 1, 1, 1), 5, width=4)).train()
+    x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    y = np.array([1, 4], np.int32)
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    traced = trace_call(model, loss, (x, y), {}, "loss")
+    return traced.graph, CompileOptions(loss="loss", optimizer=mn.optim.SGD(lr=0.1)), model, x, y
+
+
+def _unpacked_order(on, off):
+    """Positions in ``off``'s dispatches of the members of ``on``'s, in the order they run."""
+    at = {d.name: i for i, d in enumerate(off.dispatches)}
+    return [at[n] for d in on.dispatches for n in d.name.split(SEP)]
+
+
 # ---- planning (no GPU) ------------------------------------------------------------------------
-def test_packed_members_are_the_unpacked_dispatches_in_order():
+def test_lookahead_moves_only_dispatches_that_commute_with_those_they_pass():
+    """With the lookahead a run takes members from a few dispatches on; each runs before the
+    dispatches it passed, so it must neither write what they bind nor read what they write."""
+    from meganeura.schedule.program import commute, read_write_ranges
+
+    graph, options = _resnet_step()[:2]
+    on, off = compile_both(pack.set_enabled, graph, options, H200_LIMITS)
+    pack.set_lookahead(0)
+    try:
+        neighbours = compile(graph, options, H200_LIMITS)
+    finally:
+        pack.set_lookahead(True)
+    assert len(on.dispatches) < len(neighbours.dispatches) < len(off.dispatches)
+    order = _unpacked_order(on, off)
+    assert sorted(order) == list(range(len(off.dispatches)))  # nothing lost, nothing twice
+    assert order != sorted(order)  # and something moved
+    rw = [read_write_ranges(off, d) for d in off.dispatches]
+    moved = 0
+    for p, i in enumerate(order):
+        for j in order[p + 1 :]:
+            if j < i:  # j came before i in program order and now runs after it
+                moved += 1
+                assert commute(rw[i], rw[j]), (off.dispatches[i].name, off.dispatches[j].name)
+    assert moved > 0
+    at = {d.name: i for i, d in enumerate(off.dispatches)}
+    for d in on.dispatches:  # a run's members keep their program order
+        pos = [at[n] for n in d.name.split(SEP)]
+        assert pos == sorted(pos)
+
+
+def test_packed_members_are_the_unpacked_dispatches_in_order(monkeypatch):
+    monkeypatch.setattr(pack, "LOOKAHEAD", 0)  # neighbours only: order never changes
     on, off = compile_both(pack.set_enabled, *_llama_step(), H200_LIMITS)
     packed = [d for d in on.dispatches if SEP in d.name]
     assert packed and len(on.dispatches) < len(off.dispatches)
@@ -261,6 +317,49 @@ def test_tiny_llama_training_steps_bit_identical(gpu_device, monkeypatch):
         np.testing.assert_array_equal(g, grads_off[name], err_msg=name)
     for name, p in params_on.items():
         np.testing.assert_array_equal(p, params_off[name], err_msg=name)
+
+
+@pytest.mark.gpu
+def test_resnet_training_step_with_the_lookahead_bit_identical(gpu_device):
+    """A tiny ResNet's Trainer step (BatchNorm in train mode, SGD): the loss, the gradients,
+    the parameters and the running statistics after it, packed with the lookahead (members
+    taken past other dispatches) and unpacked."""
+    import meganeura as mn
+    from meganeura.models.resnet import ResNet, ResNetConfig
+    from meganeura.training import device_limits
+
+    graph, options = _resnet_step()[:2]
+    counts = []
+    for look in (0, True):  # on this adapter too, the lookahead packs more
+        pack.set_lookahead(look)
+        counts.append(len(compile(graph, options, device_limits(gpu_device)).dispatches))
+    assert counts[1] < counts[0]
+    x = np.random.default_rng(1).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    y = np.array([1, 4], np.int32)
+    got = []
+    try:
+        for on in (True, False):
+            pack.set_enabled(on)
+            mn.manual_seed(3)
+            model = ResNet(ResNetConfig("bottleneck", (1, 1, 1, 1), 5, width=4)).train()
+            tr = mn.Trainer(
+                model,
+                mn.optim.SGD(lr=0.05),
+                lambda m, a, b: F.cross_entropy(m(a), b),
+                device=gpu_device,
+            )
+            loss, grads = tr.step(x, y, return_grads=True)
+            got.append((loss, grads, {k: np.asarray(v) for k, v in tr.state_dict().items()}))
+            tr.close()
+    finally:
+        pack.set_enabled(True)
+    (loss_on, grads_on, state_on), (loss_off, grads_off, state_off) = got
+    assert np.isfinite(loss_on) and loss_on == loss_off
+    assert grads_on.keys() == grads_off.keys() and state_on.keys() == state_off.keys()
+    for name, g in grads_on.items():
+        np.testing.assert_array_equal(g, grads_off[name], err_msg=name)
+    for name, v in state_on.items():
+        np.testing.assert_array_equal(v, state_off[name], err_msg=name)
 
 
 @pytest.mark.gpu
