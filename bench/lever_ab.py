@@ -84,6 +84,9 @@ LEVERS = {
     # off: runs pack neighbours only, instead of also taking members from up to 4 dispatches
     # on that commute with those they pass (W3 train 355 -> 346 dispatches, W4 train 158 -> 141)
     "pack_lookahead": ("meganeura.schedule.pack", "set_lookahead"),
+    # off: the non-finite guard's pass over every gradient loads one element a thread per
+    # iteration instead of four strides at once (W2 train: 147 us, 2.7 TB/s, with one)
+    "found_inf_unroll": ("meganeura.codegen.wgsl.optim", "set_found_inf_unroll"),
     # off: a long forward (and, since the eighth session, its query gradient) runs the plain
     # lane kernel instead of its keys split over workgroups plus a merge (W4 fwd: 283 -> 225
     # us a layer in isolation)

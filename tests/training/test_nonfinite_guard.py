@@ -370,33 +370,49 @@ def test_guard_ops_reference():
     assert np.isnan(raise_) and skip == 0.5
 
 
+_BIG = {"lane0": 5, "lane1": 262_144 + 7, "lane2": 524_288 + 11, "lane3": 786_432 + 13}
+_BIG["after_lanes"] = 1_048_576 + 99  # the strides left one at a time
+
+
 @pytest.mark.parametrize(
-    "where", ["finite", "nan_last", "inf_first", "neg_inf_middle"], ids=lambda w: w
+    "where",
+    ["finite", "nan_last", "inf_first", "neg_inf_middle", *_BIG],
+    ids=lambda w: w,
 )
 def test_found_inf_kernel_checks_every_element(gpu_device, where):
     """found_inf over operands larger than its 1024 x 256 threads (each thread strides), one
-    of them tiny: inf when any element is non-finite, 0 for the largest finite floats."""
+    of them tiny: inf when any element is non-finite, 0 for the largest finite floats. The
+    largest operand (1.1M elements) has every thread take 4 strides at once (``UNROLL``)
+    and then the strides left one by one: a non-finite value is found in each of the four
+    loads and after them."""
     from meganeura.compile import compile
     from meganeura.runtime import Session
     from meganeura.training import device_limits
 
-    sizes = (300_001, 3, 70_000)
+    sizes = (300_001, 3, 70_000, 1_100_000)
     b = GraphBuilder()
     xs = [b.input(f"x{k}", (n,)) for k, n in enumerate(sizes)]
     b.output("found", b.add("found_inf", xs))
-    prog = compile(b.build(), limits=device_limits(gpu_device))
+    from meganeura.codegen.wgsl import optim
+
+    progs = []
+    for unroll in (False, True):  # the lever's two kernels (bench/lever_ab.py)
+        optim.set_found_inf_unroll(unroll)
+        progs.append(compile(b.build(), limits=device_limits(gpu_device)))
     r = np.random.default_rng(2)
     feeds = {f"x{k}": r.standard_normal(n).astype(np.float32) for k, n in enumerate(sizes)}
     feeds["x1"][1] = np.finfo(np.float32).max
     feeds["x0"][7] = -np.finfo(np.float32).max
     bad = {"nan_last": ("x0", -1, np.nan), "inf_first": ("x1", 0, np.inf)}
     bad["neg_inf_middle"] = ("x2", 35_001, -np.inf)
+    bad |= {k: ("x3", i, np.nan if i % 2 else -np.inf) for k, i in _BIG.items()}
     if where in bad:
         name, i, v = bad[where]
         feeds[name][i] = v
-    with Session(prog, gpu_device) as sess:
-        for _ in range(3):  # repeated runs: nothing left over from the last one
-            got = sess.run(feeds, ["found"])["found"]
-            assert got == (0.0 if where == "finite" else np.inf)
+    for prog in progs:
+        with Session(prog, gpu_device) as sess:
+            for _ in range(3):  # repeated runs: nothing left over from the last one
+                got = sess.run(feeds, ["found"])["found"]
+                assert got == (0.0 if where == "finite" else np.inf)
     vals, _, _ = interpret(prog_graph := b.build(), feeds)
     assert vals[prog_graph.output_dict["found"]] == got

@@ -38,8 +38,18 @@ def is_nonfinite(expr: str) -> str:
     return f"((bitcast<u32>({expr}) & {EXP_MASK}) == {EXP_MASK})"
 
 
-# found_inf's first pass: at most this many workgroups, each thread striding over the elements.
+# found_inf's first pass: at most this many workgroups, each thread striding over the elements,
+# UNROLL loads at a time (a read-only pass over every gradient: on the H200, SmolVLA's 399 MB
+# took 147 us, 2.7 TB/s, with one load a thread per iteration)
 FOUND_INF_GROUPS = 1024
+UNROLL = 4
+
+
+def set_found_inf_unroll(on: bool) -> None:
+    """found_inf's first pass loads ``UNROLL`` = 4 strides at a time (True, the default) or
+    one (False: as before 2026-12-04's tenth session; lever ``found_inf_unroll``)."""
+    global UNROLL
+    UNROLL = 4 if on else 1
 # Workgroup memory is not zeroed for us (pipelines may be created without wgpu's zero
 # initialization): one thread clears the workgroup's maximum before anyone uses it.
 ZERO_WORST = ["  if (lid == 0u) { atomicStore(&worst, 0u); }", "  workgroupBarrier();"]
@@ -47,9 +57,10 @@ ZERO_WORST = ["  if (lid == 0u) { atomicStore(&worst, 0u); }", "  workgroupBarri
 
 def lower_found_inf(graph: Graph, node_id: int, limits: Limits) -> list[KernelSource]:
     """``found_inf(*xs)`` (``ops/update.py``) in two kernels: workgroups stride over every
-    element of every operand and keep the largest exponent field (``bits & 0x7f800000``, a
-    workgroup ``atomicMax``) in scratch; one workgroup reduces those and writes inf when it is
-    all ones, else 0. Integer max is exact and order-free, so the result is deterministic."""
+    element of every operand (``UNROLL`` strides at a time, then one) and keep the largest
+    exponent field (``bits & 0x7f800000``, a workgroup ``atomicMax``) in scratch; one
+    workgroup reduces those and writes inf when it is all ones, else 0. Integer max is exact
+    and order-free, so the result is deterministic."""
     node = graph[node_id]
     total = sum(graph[x].type.numel for x in node.inputs)
     groups = max(1, min(FOUND_INF_GROUPS, -(-total // (PER_THREAD * WG))))
@@ -58,16 +69,31 @@ def lower_found_inf(graph: Graph, node_id: int, limits: Limits) -> list[KernelSo
     kb = KernelBuilder(graph, node, limits)
     srcs = [(kb.read(x, f"x{k}"), graph[x].type.numel) for k, x in enumerate(node.inputs)]
     part = kb.scratch("part", groups, DType.u32, "part")
-    lines = [*ZERO_WORST, "  var e = 0u;", f"  let gid = wg * {u(WG)} + lid;"]
+    lines = [*ZERO_WORST, f"  let gid = wg * {u(WG)} + lid;"]
+    lines += [f"  var e{k} = 0u;" for k in range(UNROLL)]
     for src, n in srcs:
-        if n == 0:
+        if n == 0 or src.literal is not None:  # constants are finite
             continue
-        value = "f32(0.0)" if src.literal is not None else src.at("i")  # constants are finite
-        lines.append(
-            f"  for (var i = gid; i < {u(n)}; i = i + {u(stride)}) "
-            f"{{ e = max(e, bitcast<u32>({value}) & {EXP_MASK}); }}"
-        )
+
+        def exponent(k: int, at: str, src=src) -> str:
+            return f"e{k} = max(e{k}, bitcast<u32>({src.at(at)}) & {EXP_MASK});"
+
+        # UNROLL independent loads in flight a thread (one loop-carried max each), then the
+        # elements left one at a time
+        lines += ["  {", "    var i = gid;"]
+        if (UNROLL - 1) * stride < n:  # else no thread has UNROLL strides of this operand
+            at = ["i", *(f"i + {u(k * stride)}" for k in range(1, UNROLL))]
+            body = " ".join(exponent(k, a) for k, a in enumerate(at))
+            lines.append(
+                f"    for (; i + {u((UNROLL - 1) * stride)} < {u(n)}; "
+                f"i = i + {u(UNROLL * stride)}) {{ {body} }}"
+            )
+        lines += [f"    for (; i < {u(n)}; i = i + {u(stride)}) {{ {exponent(0, 'i')} }}", "  }"]
+    e = "e0"
+    for k in range(1, UNROLL):
+        e = f"max({e}, e{k})"
     lines += [
+        f"  let e = {e};",
         "  atomicMax(&worst, e);",
         "  workgroupBarrier();",
         f"  if (lid == 0u) {{ {part}[wg] = atomicLoad(&worst); }}",
@@ -150,7 +176,8 @@ def lower_update(graph: Graph, node_id: int, limits: Limits) -> list[KernelSourc
     load_g = lambda e: g.at(f"j{e}")  # noqa: E731
     lines = [slots.rstrip(), *_preamble(node.op, hyper, clip, bool(st))]
     lines += _elements(kb, node.attr_dict, node.op, p, load_g, st, guard, "i")
-    nbytes = graph[p_id].type.nbytes * (2 + 2 * len(state))
+    # p and g read, p written, each state read and written (Adam: 7 x 4 bytes an element)
+    nbytes = graph[p_id].type.nbytes * (3 + 2 * len(state))
     return [kb.finish("", "\n".join(lines), WG, groups, flops=10 * n, nbytes=nbytes)]
 
 
@@ -235,7 +262,7 @@ def lower_update_group(graph: Graph, group: UpdateGroup, limits: Limits) -> Kern
     load_g = lambda e: kb.load(g, f"j{e}")  # noqa: E731
     lines += _elements(kb, node.attr_dict, node.op, p, load_g, st, guard, "k")
     total = sum(numels)
-    nbytes = total * dtype.itemsize * (2 + 2 * len(state))
+    nbytes = total * dtype.itemsize * (3 + 2 * len(state))  # as lower_update's
     suffix = f"group of {len(group.members)}"
     return kb.finish(suffix, "\n".join(lines), WG, first_wg[-1], flops=10 * total, nbytes=nbytes)
 
