@@ -286,19 +286,26 @@ def test_overlap_compile_moves_only_the_compiled_first_call_out_of_the_quiet_sec
     assert all(inside for _, inside in where) and "first_call_overlapped" not in doc
 
 
-def test_rows_of_an_overlapped_compile_give_no_compile_figure():
-    from bench.workloads_lib import rows
+class _ToyWorkload:
+    id, name = "w9", "toy"
+    paper: dict = {}
 
-    class Wl:
-        id, name = "w9", "toy"
-        paper = {}
+    def headline(self, quick):
+        return {"fwd_x"}
 
-        def headline(self, quick):
-            return {"fwd_x"}
 
+def _toy_cell():
+    """(workload class, its fwd case, our side's document with a passing gate)."""
     case = _Case("fwd_x")
     case.kind = "fwd"
     ours = {"metrics": {"ms": {"median": 1.0, "min": 1.0, "n": 10}}, "gate": "PASS"}
+    return _ToyWorkload, case, ours
+
+
+def test_rows_of_an_overlapped_compile_give_no_compile_figure():
+    from bench.workloads_lib import rows
+
+    Wl, case, ours = _toy_cell()
     ours["first_call_s"] = 2.0
     for overlapped in (False, True):
         theirs = {"metrics": {"ms": {"median": 2.0, "min": 2.0, "n": 10}}, "first_call_s": 30.0}
@@ -319,16 +326,7 @@ def test_rows_of_an_overlapped_compile_give_no_compile_figure():
 def test_compile_warm_rows_attach_to_the_measured_rows_and_keep_their_stamp():
     from bench.workloads_lib import rows
 
-    class Wl:
-        id, name = "w9", "toy"
-        paper = {}
-
-        def headline(self, quick):
-            return {"fwd_x"}
-
-    case = _Case("fwd_x")
-    case.kind = "fwd"
-    ours = {"metrics": {"ms": {"median": 1.0, "min": 1.0, "n": 10}}, "gate": "PASS"}
+    Wl, case, ours = _toy_cell()
     ours["first_call_s"] = 4.0
     docs = {"ours": ours}
     for mode in ("eager", "compile"):
