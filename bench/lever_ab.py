@@ -87,6 +87,9 @@ LEVERS = {
     # off: the non-finite guard's pass over every gradient loads one element a thread per
     # iteration instead of four strides at once (W2 train: 147 us, 2.7 TB/s, with one)
     "found_inf_unroll": ("meganeura.codegen.wgsl.optim", "set_found_inf_unroll"),
+    # off: SwiGLU's silu_backward keeps its own dispatch (W1 train 738 -> 768 dispatches,
+    # W2 train 361 -> 377) instead of being hoisted into the dh matmul's epilogue group
+    "fusion_hoist": ("meganeura.passes.hoist", "set_enabled"),
     # off: a long forward (and, since the eighth session, its query gradient) runs the plain
     # lane kernel instead of its keys split over workgroups plus a merge (W4 fwd: 283 -> 225
     # us a layer in isolation)

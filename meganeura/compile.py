@@ -1,7 +1,8 @@
 """The pipeline in one place: graph -> (differentiate -> apply_optimizer) -> simplify ->
+hoist (elementwise nodes a fusion group could take, moved next to it, ``passes.hoist``) ->
 (narrow_storage, fast mode) -> split_bindings (tensors over one storage binding, in row
 blocks) -> schedule -> plan_memory -> lower to WGSL -> Program -> pack (independent
-neighbouring dispatches as one, ``schedule.pack``).
+dispatches a few positions apart as one, ``schedule.pack``).
 
 Every stage is a pure function; ``compile`` only strings them together, times each stage and
 assembles the Program's buffer table. Nothing here touches a GPU: adapter limits come in as
@@ -19,6 +20,7 @@ from typing import Literal
 from .autodiff import differentiate, missing_loss
 from .codegen.kernel import ArenaRef, Limits, ScratchRef, ValueRef
 from .codegen.wgsl.conv.gemm import record_choices
+from .codegen.wgsl.elementwise.maps import FUSIBLE
 from .codegen.wgsl.matmul.lowering import matmul_choices
 from .dtypes import DType
 from .graph.builder import GraphBuilder
@@ -30,6 +32,7 @@ from .optim.guard import GUARD_MODES, defer_update_stats
 from .optim.scaler import GradScaler, current_scale, is_power_of_two
 from .passes import cse, dce, fold_permutes
 from .passes.fold_batch_norm import fold_batch_norm
+from .passes.hoist import hoist_fusible
 from .passes.precision import narrow_storage
 from .passes.split_bindings import split_bindings
 from .schedule.pack import pack_program
@@ -339,6 +342,10 @@ def compile(
     if options.fold_batch_norm and not options.differentiates:
         graph = fold_batch_norm(graph)[0]
     graph, master = simplify_program(graph, master)
+    if options.fuse:  # blocked elementwise nodes next to their operands, for fusion
+        bound = limits.max_storage_buffers_per_shader_stage
+        graph, id_map = hoist_fusible(graph, FUSIBLE, bound)
+        master = frozenset(id_map[i] for i in master)
     precision = options.precision
     if precision == "fast" and not limits.shader_f16:
         warnings.warn(

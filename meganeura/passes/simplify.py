@@ -41,6 +41,28 @@ def renumber(
     return Graph(tuple(nodes), outs), new_id
 
 
+def reorder(graph: Graph, order: list[int]) -> tuple[Graph, dict[int, int]]:
+    """``graph`` with its nodes in ``order`` (every node id once, each after its inputs),
+    renumbered; and old id -> new id.
+
+    Raises:
+        ValueError: ``order`` is not a permutation of the node ids, or puts a node before one
+            of its inputs.
+    """
+    if sorted(order) != list(range(len(graph.nodes))):
+        raise ValueError(f"reorder: not a permutation of the {len(graph.nodes)} node ids")
+    new_id = {old: k for k, old in enumerate(order)}
+    nodes = []
+    for old in order:
+        n = graph[old]
+        ins = tuple(new_id[i] for i in n.inputs)
+        if any(i >= len(nodes) for i in ins):
+            raise ValueError(f"reorder: %{old} ({n.op}) would come before one of its inputs")
+        nodes.append(dataclasses.replace(n, id=len(nodes), inputs=ins))
+    outs = tuple((k, new_id[v]) for k, v in graph.outputs)
+    return Graph(tuple(nodes), outs), new_id
+
+
 def _is_effect(n: Node) -> bool:
     d = OPS.get(n.op)
     return d is not None and bool(d.writes)

@@ -53,8 +53,9 @@ def test_transformer_block_step_runs_its_updates_as_one_kernel():
     # weight gradients of q/k/v and gate/up one dispatch each (matmul.tiled_rgroup: 44); the
     # products summed into the attention's input gradient one dispatch (matmul.split_group's
     # sum groups: 43); the 2 residual adds stored by the rms_norm input gradients' kernels
-    # (fuse_norm.RESIDUAL: 41); the attention's delta computed by its dq kernel (dq_delta: 40)
-    assert len(p.dispatches) == 40
+    # (fuse_norm.RESIDUAL: 41); the attention's delta computed by its dq kernel (dq_delta: 40);
+    # SwiGLU's silu_backward in the dh matmul's epilogue (passes.hoist: 39)
+    assert len(p.dispatches) == 39
 
 
 @pytest.mark.parametrize("align", [256, 64])

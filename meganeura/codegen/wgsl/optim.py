@@ -50,6 +50,8 @@ def set_found_inf_unroll(on: bool) -> None:
     one (False: as before 2026-12-04's tenth session; lever ``found_inf_unroll``)."""
     global UNROLL
     UNROLL = 4 if on else 1
+
+
 # Workgroup memory is not zeroed for us (pipelines may be created without wgpu's zero
 # initialization): one thread clears the workgroup's maximum before anyone uses it.
 ZERO_WORST = ["  if (lid == 0u) { atomicStore(&worst, 0u); }", "  workgroupBarrier();"]
