@@ -346,9 +346,12 @@ def run_torch(wl, case, precision, mode, args) -> dict:
         doc["first_call_s"] = time.perf_counter() - t
 
     side: dict = {}
+    if getattr(args, "prime", False):  # --compile-warm's priming child: caches, no figure
+        first()
+        return doc
     # --overlap-compile: the compilation overlaps the other children (not a compile figure)
-    overlapped = bool(getattr(args, "overlap_compile", False)) and mode != "eager"
-    overlapped = overlapped and not args.compile_only or bool(getattr(args, "prime", False))
+    overlapped = getattr(args, "overlap_compile", False) and mode != "eager"
+    overlapped = overlapped and not args.compile_only
     if overlapped:
         first()
         doc["first_call_overlapped"] = True

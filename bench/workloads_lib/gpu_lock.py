@@ -85,11 +85,7 @@ def signal_all(pids, sig) -> None:
     are ignored."""
     for p in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            try:
-                leads = os.getpgid(p) == p
-            except ProcessLookupError:
-                continue
-            if leads:
+            if os.getpgid(p) == p:
                 os.killpg(p, sig)
             else:
                 os.kill(p, sig)

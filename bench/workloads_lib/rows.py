@@ -3,6 +3,7 @@ cells where we are slower than the best PyTorch mode."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -158,7 +159,7 @@ def warm_rows(wl, case, precision, docs: dict, existing: list[dict], quick: bool
             continue
         theirs = doc.get("warm_first_call_s")
         for r in mine:
-            r = json.loads(json.dumps(r))
+            r = copy.deepcopy(r)
             if r.get("metric") != "s":
                 r["compile_s"] = {**(r.get("compile_s") or {}), "ours_warm": ours}
                 r["compile_s"]["torch_warm"] = theirs

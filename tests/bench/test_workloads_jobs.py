@@ -225,7 +225,7 @@ def test_quiet_section_stops_the_workers_a_child_spawned(tmp_path, monkeypatch):
         parent.wait()
 
 
-def _fake_torch_cell(monkeypatch, overlap: bool, mode: str):
+def _fake_torch_cell(monkeypatch, overlap: bool, mode: str, prime: bool = False):
     """``cell.run_torch`` with a stand-in model and side: where the first call and the timed
     calls ran, inside the quiet section or not."""
     import contextlib
@@ -263,6 +263,7 @@ def _fake_torch_cell(monkeypatch, overlap: bool, mode: str):
         allow_cpu_compile=True,
         compile_only=False,
         overlap_compile=overlap,
+        prime=prime,
         quick=True,
         warm_seconds=0,
         warmup=1,
@@ -284,6 +285,9 @@ def test_overlap_compile_moves_only_the_compiled_first_call_out_of_the_quiet_sec
     assert all(inside for _, inside in where) and "first_call_overlapped" not in doc
     doc, where = _fake_torch_cell(monkeypatch, True, "eager")  # nothing to compile
     assert all(inside for _, inside in where) and "first_call_overlapped" not in doc
+    # --compile-warm's priming child: the first call alone, outside the quiet section
+    doc, where = _fake_torch_cell(monkeypatch, False, "compile", prime=True)
+    assert where == [("first", False)] and "metrics" not in doc
 
 
 class _ToyWorkload:

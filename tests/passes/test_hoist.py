@@ -105,27 +105,9 @@ def test_tiny_llama_training_steps_match_with_hoisting_off(gpu_device):
     """Two Trainer steps (forward, backward, SGD) of a tiny Llama, hoisting on and off: the
     losses, gradients and parameters agree to float32 rounding (the silu_backward computed in
     the epilogue from a register, not re-read from memory)."""
-    import meganeura as mn
-    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
+    from ..schedule.test_pack import llama_steps_on_off
 
-    from ..schedule.test_pack import CFG
-
-    tokens = np.random.default_rng(4).integers(0, 96, (2, 13))
-    got = []
-    try:
-        for on in (True, False):
-            hoist.set_enabled(on)
-            mn.manual_seed(11)
-            model = LlamaForCausalLM(LlamaConfig(**CFG))
-            tr = mn.Trainer(model, mn.optim.SGD(lr=0.05), lm_loss, device=gpu_device)
-            first = tr.step(tokens[:, :-1], tokens[:, 1:].copy(), return_grads=True)
-            second = tr.step(tokens[:, 1:], tokens[:, :-1].copy())
-            programs = [p.entry.runner.program for p in tr._cache.values()]
-            names = [d.name for prog in programs for d in prog.dispatches]
-            got.append((first, second, tr.state_dict(), names))
-            tr.close()
-    finally:
-        hoist.set_enabled(True)
+    got = llama_steps_on_off(gpu_device, hoist.set_enabled, seed=11, token_seed=4)
     (loss_on, grads_on), second_on, params_on, names_on = got[0]
     (loss_off, grads_off), second_off, params_off, names_off = got[1]
     assert sum("silu_backward" in n for n in names_off) > 0
@@ -135,6 +117,4 @@ def test_tiny_llama_training_steps_match_with_hoisting_off(gpu_device):
     for name, g in grads_on.items():
         np.testing.assert_allclose(g, grads_off[name], rtol=1e-5, atol=1e-7, err_msg=name)
     for name, p in params_on.items():
-        np.testing.assert_allclose(
-            np.asarray(p), np.asarray(params_off[name]), rtol=1e-6, atol=1e-8, err_msg=name
-        )
+        np.testing.assert_allclose(p, params_off[name], rtol=1e-6, atol=1e-8, err_msg=name)

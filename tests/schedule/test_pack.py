@@ -59,6 +59,40 @@ def _llama_step():
     return traced.graph, CompileOptions(loss="loss", optimizer=mn.optim.SGD(lr=0.1))
 
 
+def llama_steps_on_off(device, switch, seed: int, token_seed: int) -> list[tuple]:
+    """Two Trainer steps (forward, backward, SGD) of the tiny Llama, with ``switch(True)``
+    then ``switch(False)`` (True again after): per run the first step's (loss, gradients),
+    the second step's loss, the parameters after them and the dispatch names compiled."""
+    import meganeura as mn
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
+
+    tokens = np.random.default_rng(token_seed).integers(0, 96, (2, 13))
+    got = []
+    try:
+        for on in (True, False):
+            switch(on)
+            mn.manual_seed(seed)
+            model = LlamaForCausalLM(LlamaConfig(**CFG))
+            tr = mn.Trainer(model, mn.optim.SGD(lr=0.05), lm_loss, device=device)
+            first = tr.step(tokens[:, :-1], tokens[:, 1:].copy(), return_grads=True)
+            second = tr.step(tokens[:, 1:], tokens[:, :-1].copy())
+            programs = [p.entry.runner.program for p in tr._cache.values()]
+            names = [d.name for prog in programs for d in prog.dispatches]
+            state = {k: np.asarray(v) for k, v in tr.state_dict().items()}
+            got.append((first, second, state, names))
+            tr.close()
+    finally:
+        switch(True)
+    return got
+
+
+def _assert_same_bits(got: dict, want: dict) -> None:
+    """The same names, each array equal bit for bit."""
+    assert got.keys() == want.keys()
+    for name, v in got.items():
+        np.testing.assert_array_equal(v, want[name], err_msg=name)
+
+
 def _spans(program, d):
     out = []
     for i, b in enumerate(d.bindings):
@@ -291,32 +325,14 @@ def test_nonfinite_constants_stay_opaque(gpu_device):
 def test_tiny_llama_training_steps_bit_identical(gpu_device, monkeypatch):
     """Two Trainer steps (forward, backward, SGD): losses, gradients and the parameters
     after them, packing on and off."""
-    import meganeura as mn
-    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, lm_loss
-
     seen = _record_packs(monkeypatch)
-    tokens = np.random.default_rng(6).integers(0, 96, (2, 13))
-    got = []
-    try:
-        for on in (True, False):
-            pack.set_enabled(on)
-            mn.manual_seed(13)
-            model = LlamaForCausalLM(LlamaConfig(**CFG))
-            tr = mn.Trainer(model, mn.optim.SGD(lr=0.05), lm_loss, device=gpu_device)
-            first = tr.step(tokens[:, :-1], tokens[:, 1:].copy(), return_grads=True)
-            second = tr.step(tokens[:, 1:], tokens[:, :-1].copy())
-            got.append((first, second, {k: np.asarray(v) for k, v in tr.state_dict().items()}))
-    finally:
-        pack.set_enabled(True)
+    got = llama_steps_on_off(gpu_device, pack.set_enabled, seed=13, token_seed=6)
     assert seen[0] > 0 and seen[-1] == 0  # packed on, nothing packed off
-    (loss_on, grads_on), second_on, params_on = got[0]
-    (loss_off, grads_off), second_off, params_off = got[1]
+    (loss_on, grads_on), second_on, params_on, _ = got[0]
+    (loss_off, grads_off), second_off, params_off, _ = got[1]
     assert loss_on == loss_off and second_on == second_off
-    assert grads_on.keys() == grads_off.keys() and params_on.keys() == params_off.keys()
-    for name, g in grads_on.items():
-        np.testing.assert_array_equal(g, grads_off[name], err_msg=name)
-    for name, p in params_on.items():
-        np.testing.assert_array_equal(p, params_off[name], err_msg=name)
+    _assert_same_bits(grads_on, grads_off)
+    _assert_same_bits(params_on, params_off)
 
 
 @pytest.mark.gpu
@@ -355,11 +371,8 @@ def test_resnet_training_step_with_the_lookahead_bit_identical(gpu_device):
         pack.set_enabled(True)
     (loss_on, grads_on, state_on), (loss_off, grads_off, state_off) = got
     assert np.isfinite(loss_on) and loss_on == loss_off
-    assert grads_on.keys() == grads_off.keys() and state_on.keys() == state_off.keys()
-    for name, g in grads_on.items():
-        np.testing.assert_array_equal(g, grads_off[name], err_msg=name)
-    for name, v in state_on.items():
-        np.testing.assert_array_equal(v, state_off[name], err_msg=name)
+    _assert_same_bits(grads_on, grads_off)
+    _assert_same_bits(state_on, state_off)
 
 
 @pytest.mark.gpu
