@@ -8,19 +8,18 @@ the median over ``repeats`` profiled submissions of ``REPLAYS`` steps each (back
 every step a sample), after ``warmup`` ordinary steps; on a device without
 ``timestamp-query``, the host clock around ``REPLAYS`` steps per synchronization
 (``TuneReport.timing`` says which); on a GPU adapter a ``Heater`` runs first and before
-each plan. The H200 timed
-SmolVLA's products at 30-114 us here (bench/results/tune_workloads_h200.txt) where its
-training step runs them at 9-42 us a dispatch (that cell's profile), and one step a
-submission or ``REPLAYS`` gave the same times; the tune ran first on a fresh machine, without
-the warm-up the benchmarks do, so an idle GPU's clocks are the suspect (unverified). Until the
-tuner's times match the workloads' profiles its plans are checked there: the LM head plans it
-recorded for SmolLM2 (128 x 576 x 49152) ran 24 and 94 us slower inside the training step,
-and were dropped. The default plan (the choice without the device cache) is checked against
-NumPy, and every candidate against the default's result: a plan whose result differs is
-rejected, never recorded. The best candidate is recorded in the device's tuning cache only
-when it beats the default by ``MIN_GAIN`` (3%) in the sweep and again when the two are timed
-once more (the fastest of many noisy medians is biased low); otherwise any old entry of that
-shape is removed, since the default measured as good.
+each plan, and a clock gate (``Heater.settle``) heats before each plan until a profiled
+heater step runs at the speed it had after the warm-up. Without the gate the H200 timed the
+workloads' products 3.8-4.7x slower than their in-step profiles (1500 x 384 x 384 nt 153 us
+against 39; SmolLM2's LM head 1177 against 224): compiling each plan leaves the GPU nearly
+idle, and its SM clock falls from 1980 to 345 MHz within ~1.5 s of a light load
+(``bench/tuner_timing.py --clocks``), which a queued kick of a few milliseconds did not undo.
+The default plan (the choice without the device cache) is checked against NumPy, and every
+candidate against the default's result: a plan whose result differs is rejected, never
+recorded. The best candidate is recorded in the device's tuning cache only when it beats the
+default by ``MIN_GAIN`` (3%) in the sweep and again when the two are timed once more (the
+fastest of many noisy medians is biased low); otherwise any old entry of that shape is removed,
+since the default measured as good.
 
 Invariants:
   * the forced plan is reset whatever happens (a failing compile, run or check);
@@ -62,6 +61,16 @@ WARM_SECONDS = 3.0
 
 # Warm steps queued (no wait) right before each plan is timed, ~8 ms of GPU work on the H200.
 KICK_STEPS = 16
+# The clock gate (``Heater.settle``): before each plan, one heater step is profiled and, while
+# it takes more than SETTLE_SLACK x the fastest heater step seen, the heater runs SETTLE_RUN_S
+# more, for at most SETTLE_MAX_S. The H200 drops its SM clock from 1980 to 345 MHz within
+# ~1.5 s of a light load (nvidia-smi, bench/results/tuner_timing_h200.json), and the queued
+# kick alone did not bring it back: the tune of 2026-12-04 timed 1500 x 384 x 384 nt at 153 us
+# and the LM head at 1177 where the same `_time_plan` after 2 s of heat gave 37 and 226 (the
+# workloads' in-step profiles: 39 and 224).
+SETTLE_SLACK = 1.05
+SETTLE_RUN_S = 0.05
+SETTLE_MAX_S = 2.0
 
 
 class Heater:
@@ -80,6 +89,8 @@ class Heater:
         self.session.load_state_dict(
             {"a": np.full(a_shape, 1e-3, np.float32), "b": np.full(b_shape, 1e-3, np.float32)}
         )
+        self.reference_us: float | None = None  # the fastest heater step profiled
+        self.settled_s = 0.0  # extra heat ``settle`` has run in all
 
     def run(self, seconds: float) -> int:
         """Steps back to back for ``seconds`` (nothing when <= 0); returns the steps run (a
@@ -91,6 +102,33 @@ class Heater:
             self.session.synchronize()
             steps += 8
         return steps
+
+    def step_us(self) -> float | None:
+        """GPU microseconds of one heater step, profiled now (None without timestamp
+        queries); the fastest seen is kept as ``reference_us``."""
+        if "timestamp-query" not in self.session.device.features:
+            return None
+        prof = self.session.profile({}, repeats=1, warmup=0)
+        us = sum(t.duration_ns for t in prof.timings) / 1e3
+        if self.reference_us is None or us < self.reference_us:
+            self.reference_us = us
+        return us
+
+    def settle(self, max_seconds: float = SETTLE_MAX_S) -> float:
+        """Heat until a profiled heater step runs within ``SETTLE_SLACK`` of the fastest seen
+        (the GPU back at its working clocks), for at most ``max_seconds``. Returns the seconds
+        of extra heat it took (0.0 when the first step passed or there are no timestamps)."""
+        heated, end = 0.0, time.perf_counter() + max_seconds
+        while True:
+            us = self.step_us()
+            if us is None or us <= SETTLE_SLACK * self.reference_us:
+                break
+            if time.perf_counter() > end:
+                break
+            self.run(SETTLE_RUN_S)
+            heated += SETTLE_RUN_S
+        self.settled_s += heated
+        return heated
 
     def kick(self, steps: int = KICK_STEPS) -> None:
         """Queue ``steps`` steps without waiting for them."""
@@ -142,6 +180,7 @@ class TuneReport:
     results: list[ShapeResult]
     path: str | None
     seconds: float
+    settled_s: float = 0.0  # extra heat the clock gate ran before plans (``Heater.settle``)
 
     def table(self) -> str:
         """One line per shape: shape, default plan and µs, best plan and µs, gain."""
@@ -161,6 +200,7 @@ class TuneReport:
             f"* recorded (>= {MIN_GAIN:.2f}x over the default); times: "
             f"{'GPU, timestamp queries' if self.timing == 'timestamps' else 'wall clock'}, "
             f"{self.seconds:.1f} s"
+            + (f", {self.settled_s:.1f} s of it heat for the clocks" if self.settled_s else "")
         )
         if self.path:
             lines.append(f"cache: {self.path}")
@@ -320,11 +360,12 @@ def tune_matmuls(
     t0 = time.perf_counter()
     if warm_seconds is None:
         warm_seconds = 0.0 if limits.cpu else WARM_SECONDS
-    results, path = [], None
+    results, path, settled = [], None, 0.0
     heater = Heater(device) if warm_seconds > 0 else None
     try:
         if heater is not None:
             heater.run(warm_seconds)
+            heater.step_us()  # the reference of ``settle``: a step at working clocks
         for i, shape in enumerate(keys):
             deadline = None if budget_s is None else t0 + budget_s * (i + 1) / len(keys)
             result = _tune_one(
@@ -337,8 +378,9 @@ def tune_matmuls(
                 shape_done(i, len(keys), result, time.perf_counter() - t0)
     finally:
         if heater is not None:
+            settled = heater.settled_s
             heater.close()
-    return TuneReport(device.name, timing, results, path, time.perf_counter() - t0)
+    return TuneReport(device.name, timing, results, path, time.perf_counter() - t0, settled)
 
 
 def _store(store, shape, result, timing, directory) -> str:
@@ -454,7 +496,8 @@ def _time_plan(name, shape, graph, a, b, device, limits, repeats, warmup, heater
         sess.load_state_dict({"a": a, "b": b})
         y = sess.run({}, fetch=("y",))["y"]
         if heater is not None:
-            heater.kick()  # the timed steps follow queued work, not an idle GPU
+            heater.settle()  # the GPU back at its working clocks (the compile left it idle)
+            heater.kick()  # and the timed steps follow queued work, not an idle GPU
         if "timestamp-query" in device.features:
             prof = sess.profile({}, repeats=repeats, warmup=warmup, replays=REPLAYS)
             per = [0.0] * prof.repeats

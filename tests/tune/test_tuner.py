@@ -3,7 +3,10 @@ whose results match are recorded, and the next compile uses them and stays right
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -188,6 +191,8 @@ def test_heater_runs_its_time_and_is_kicked_before_each_plan(gpu_device, monkeyp
     events = []
 
     class Fake:
+        settled_s = 0.0
+
         def __init__(self, device):
             events.append("new")
 
@@ -196,6 +201,13 @@ def test_heater_runs_its_time_and_is_kicked_before_each_plan(gpu_device, monkeyp
 
         def kick(self):
             events.append("kick")
+
+        def step_us(self):
+            events.append("step_us")
+
+        def settle(self):
+            events.append("settle")
+            return 0.0
 
         def close(self):
             events.append("close")
@@ -206,11 +218,63 @@ def test_heater_runs_its_time_and_is_kicked_before_each_plan(gpu_device, monkeyp
     if device_limits(gpu_device).cpu:  # a CPU adapter runs no heater by default
         assert events == []
     else:
-        assert events[:2] == ["new", ("run", tm.WARM_SECONDS)] and events[-1] == "close"
+        assert events[:3] == ["new", ("run", tm.WARM_SECONDS), "step_us"]
+        assert events[-1] == "close"
     events.clear()
     report = tm.tune_matmuls(
         [SHAPES[0]], gpu_device, repeats=1, warmup=0, plans=plans, save=False, warm_seconds=0.25
     )
     timed = len(report.results[0].times)
-    assert events[:2] == ["new", ("run", 0.25)] and events[-1] == "close"
+    assert events[:3] == ["new", ("run", 0.25), "step_us"] and events[-1] == "close"
     assert events.count("kick") >= timed  # every timed plan (and any re-timing) after a kick
+    # ... and after the clock gate, right before its kick
+    kicks = [i for i, e in enumerate(events) if e == "kick"]
+    assert all(events[i - 1] == "settle" for i in kicks)
+
+
+def _fake_heater(step_times_us, features=("timestamp-query",)):
+    """A Heater whose profiled steps take ``step_times_us`` in turn and whose ``run`` only
+    records how long it was asked to heat (no GPU)."""
+    times = iter(step_times_us)
+    session = SimpleNamespace(
+        device=SimpleNamespace(features=set(features)),
+        profile=lambda feeds, repeats, warmup: SimpleNamespace(
+            timings=[SimpleNamespace(duration_ns=next(times) * 1e3)]
+        ),
+    )
+    heater = tm.Heater.__new__(tm.Heater)
+    heater.session, heater.reference_us, heater.settled_s = session, None, 0.0
+    heater.heats = []
+    heater.run = heater.heats.append
+    return heater
+
+
+def test_settle_heats_until_a_step_runs_at_the_reference_speed():
+    # reference 100 us; then a step at 345 MHz-like speed, a slower ramp, one within 5%
+    heater = _fake_heater([100.0, 480.0, 210.0, 104.9, 999.0])
+    assert heater.step_us() == 100.0 and heater.reference_us == 100.0
+    assert heater.settle() == pytest.approx(2 * tm.SETTLE_RUN_S)
+    assert heater.heats == [tm.SETTLE_RUN_S] * 2
+    assert heater.settled_s == pytest.approx(2 * tm.SETTLE_RUN_S)
+    assert heater.reference_us == 100.0  # slower steps never move the reference
+
+
+def test_settle_keeps_a_faster_step_as_the_reference_and_stops_at_its_limit():
+    heater = _fake_heater([100.0, 90.0])
+    heater.step_us()
+    assert heater.settle() == 0.0 and heater.reference_us == 90.0 and heater.heats == []
+    # a GPU that never comes back: heat until the limit, then give up
+    slow = _fake_heater(itertools.chain([100.0], itertools.repeat(400.0)))
+    slow.step_us()
+    assert slow.settle(max_seconds=0.0) == 0.0 and slow.heats == []
+    slow.run = lambda seconds: (slow.heats.append(seconds), time.sleep(0.005))
+    t = time.perf_counter()
+    heated = slow.settle(max_seconds=0.02)
+    assert time.perf_counter() - t < 1.0
+    assert 1 <= len(slow.heats) <= 10 and heated == pytest.approx(len(slow.heats) * tm.SETTLE_RUN_S)
+    assert slow.settled_s == heated
+
+
+def test_settle_is_a_no_op_without_timestamps():
+    heater = _fake_heater([], features=())
+    assert heater.step_us() is None and heater.settle() == 0.0 and heater.heats == []
