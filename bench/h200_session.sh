@@ -32,7 +32,8 @@
 #   strict          the ten headline cells, strict f32, with warm-cache compile times
 #   fast            the ten headline cells, fast mode, with warm-cache compile times
 #   compile-warm    the warm-cache first calls of the headline cells, strict (--compile-warm:
-#                   a priming child per compiling side, then a compile-only one, ~5 min)
+#                   a priming child per compiling side, then a compile-only one: 30 children,
+#                   ~14 min at --jobs 4-6, so split the cells over calls with CASES)
 #   matrix          the rest of the matrix, resumable (strict first); compile threads 4 a child
 #                   (TORCHINDUCTOR_COMPILE_THREADS) for --overlap-compile's concurrent compiles
 #   data-parallel   2 ranks sharing the GPU (the machine's Open MPI), SmolLM2 and ResNet-50
