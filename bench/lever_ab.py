@@ -90,6 +90,10 @@ LEVERS = {
     # off: SwiGLU's silu_backward keeps its own dispatch (W1 train 738 -> 768 dispatches,
     # W2 train 361 -> 377) instead of being hoisted into the dh matmul's epilogue group
     "fusion_hoist": ("meganeura.passes.hoist", "set_enabled"),
+    # off: each call records its step's command buffers itself instead of ending and
+    # submitting those recorded while the GPU ran the call before (Session, read at its
+    # creation; W5 fwd's host share was 34%, W4 fwd's 8.9%)
+    "pre_encode": ("meganeura.runtime.session", "set_pre_encode"),
     # off: a long forward (and, since the eighth session, its query gradient) runs the plain
     # lane kernel instead of its keys split over workgroups plus a merge (W4 fwd: 283 -> 225
     # us a layer in isolation)

@@ -4,8 +4,10 @@ A Session creates every buffer, pipeline and bind group once. ``run`` validates 
 host, uploads the inputs, replays the prebuilt dispatch list (:class:`.fastpath.Recorder`)
 followed by copies of the fetched outputs into a persistent staging buffer, and maps the staging
 buffer to read the outputs. A long step is submitted in chunks (:data:`SUBMIT_CHUNKS`), so the
-GPU starts on the first dispatches while the host still encodes the rest. The host side
-goes through direct wgpu-native calls (:mod:`.fastpath`).
+GPU starts on the first dispatches while the host still encodes the rest, and each step's
+chunks are recorded right after the step before is submitted (:data:`PRE_ENCODE`), so a call
+only ends, finishes and submits them. The host side goes through direct wgpu-native calls
+(:mod:`.fastpath`).
 Host-side checks of feeds live in :mod:`.slots`; ``profile`` checks and uploads the feeds as
 ``run`` does, then times the dispatches with :mod:`.profiler`, and leaves ``run`` uninstrumented.
 
@@ -49,6 +51,18 @@ _STAGING_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
 #: (903) 13.74 -> 9.56, SmolLM2 prefill 128 (663) 6.52 -> 5.04; (16, 64) was best or within 1% of
 #: the best of (16, 128), (32, 256), (8, 32) in each.
 SUBMIT_CHUNKS = (16, 64)
+
+#: Record each step's command buffers right after the previous step is submitted, while the
+#: GPU runs it (:meth:`.fastpath.Recorder.prepare`), so that a call only ends, finishes and
+#: submits them. Read when a Session is created (:func:`set_pre_encode`); results do not
+#: depend on it. Untimed on the H200 so far (bench/lever_ab.py, lever ``pre_encode``).
+PRE_ENCODE = True
+
+
+def set_pre_encode(on: bool) -> None:
+    """Switch :data:`PRE_ENCODE` for Sessions created from now on."""
+    global PRE_ENCODE
+    PRE_ENCODE = bool(on)
 
 
 def submit_chunks() -> tuple[int, int]:
@@ -156,6 +170,8 @@ class Session:
         compiled, hits = cache.compiled, cache.hits
         self._plan = fastpath.Recorder(self._build_plan())
         self._chunks = fastpath.chunk_bounds(len(self._plan), *submit_chunks())
+        self._pre_encode = PRE_ENCODE
+        self._ready: list[tuple] | None = None  # the next step, recorded (PRE_ENCODE)
         self.pipelines_compiled = cache.compiled - compiled
         self.pipelines_reused = cache.hits - hits
         t3 = time.perf_counter()
@@ -397,6 +413,7 @@ class Session:
         if first < 0 or size < 0:
             raise ValueError(f"need first >= 0 and size >= 0, got {first} and {size}")
         self._chunks = fastpath.chunk_bounds(len(self._plan), first, size)
+        self._ready = None  # recorded with the old chunks; dropping it frees nothing needed
 
     def _submit(self, fetch: tuple[str, ...], dry: bool = False) -> None:
         def copy_outputs(enc: wgpu.GPUCommandEncoder) -> None:
@@ -407,12 +424,21 @@ class Session:
                 chunk, off = self._stage_at[name]
                 enc.copy_buffer_to_buffer(b.buffer, b.start, self._staging[chunk], off, b.length)
 
+        ready = None
+        if not dry:
+            ready, self._ready = self._ready, None
         try:
-            self._plan.submit(self._gpu, self._queue, self._chunks, copy_outputs, dry)
+            if ready is not None:
+                self._plan.submit_prepared(self._queue, ready, copy_outputs)
+            else:
+                self._plan.submit(self._gpu, self._queue, self._chunks, copy_outputs, dry)
         except wgpu.GPUError as e:
             raise find_invalid_dispatch(
                 self.device.pipelines, self.program.dispatches, self._bind_groups, e
             ) from e
+        if self._pre_encode and not dry:
+            # the next step, recorded while the GPU runs this one (before any read-back wait)
+            self._ready = self._plan.prepare(self._gpu, self._chunks)
 
     def _read_staged(self, fetch: tuple[str, ...]) -> dict:
         out: dict[str, np.ndarray] = {}
@@ -535,6 +561,7 @@ class Session:
         nothing."""
         if not self._closed:
             self._closed = True
+            self._ready = None  # a recorded step must not outlive the buffers it binds
             for buf in (*(self._buffers[i] for i in self._own), *self._staging):
                 buf.destroy()
             self._buffers, self._staging, self._bound = [], [], {}

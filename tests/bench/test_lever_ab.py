@@ -94,6 +94,8 @@ def test_resident_side_uploads_and_reopens_nothing_per_call(monkeypatch):
     monkeypatch.setattr(fastpath, "write", counted("write", fastpath.write))
     monkeypatch.setattr(fastpath, "map_read", counted("map_read", fastpath.map_read))
     monkeypatch.setattr(fastpath.Recorder, "submit", counted("submit", fastpath.Recorder.submit))
+    prepared = counted("submit", fastpath.Recorder.submit_prepared)  # a step recorded ahead
+    monkeypatch.setattr(fastpath.Recorder, "submit_prepared", staticmethod(prepared))
     monkeypatch.setattr(session.Session, "__init__", counted("open", session.Session.__init__))
     monkeypatch.setattr(session.Session, "read", counted("read", session.Session.read))
     sessions = {id(s) for side in (on, off) for s in side["sessions"]()}
