@@ -98,7 +98,8 @@ def _description() -> str:
         "($MEGANEURA_CACHE_DIR/tuning, default ~/.cache/meganeura/tuning), which every later "
         "compile on this device reads. A model is compiled (never run) for a training step "
         "and a forward; its sizes default to those of the bench/workloads.py cells. On a GPU "
-        "the timings start after 3 s of back-to-back matmuls that keep it at working clocks."
+        "the timings start after 3 s of back-to-back matmuls that keep it at working clocks, "
+        "and before each plan more run until one runs as fast as after those 3 s."
     )
     lines = [textwrap.fill(head, 88), "", "models:"]
     lines += [wrap.fill(f"  {k}: {v}") for k, v in MODELS.items()]
