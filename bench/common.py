@@ -18,6 +18,7 @@ overwrite the GPU machine's results.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -84,7 +85,17 @@ def write(
     path = (RESULTS / "quick" if quick else RESULTS) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"machine": machine(device), "versions": versions(), "results": results, **(extra or {})}
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return write_json(path, doc, indent=2)
+
+
+def write_json(path: Path, doc: dict, indent: int = 1) -> Path:
+    """Write ``doc`` to ``path`` as JSON through a temporary name and a rename, so that an
+    interrupted run never leaves a half-written result file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=indent) + "\n")
+    os.replace(tmp, path)
     return path
 
 

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import os
 import statistics
 import sys
 import time
@@ -312,9 +310,9 @@ def main() -> None:
         "warm_seconds": args.warm_seconds,
         "rows": rows,
     }
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, out)
+    from bench.common import write_json
+
+    write_json(out, doc)
     print(f"wrote {out}")
 
 

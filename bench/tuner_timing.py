@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -201,9 +200,9 @@ def main() -> None:
         "clocks": clocks,
         "start_unix": t_start,
     }
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, out)
+    from bench.common import write_json
+
+    write_json(out, doc)
     print(f"wrote {out}")
 
 
