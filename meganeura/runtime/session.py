@@ -437,8 +437,13 @@ class Session:
                 self.device.pipelines, self.program.dispatches, self._bind_groups, e
             ) from e
         if self._pre_encode and not dry:
-            # the next step, recorded while the GPU runs this one (before any read-back wait)
-            self._ready = self._plan.prepare(self._gpu, self._chunks)
+            # the next step, recorded while the GPU runs this one (before any read-back wait);
+            # this step is submitted, so a failure here must not fail the call: the next call
+            # records its step itself (and raises there if recording really fails)
+            try:
+                self._ready = self._plan.prepare(self._gpu, self._chunks)
+            except Exception:  # noqa: BLE001
+                self._ready = None
 
     def _read_staged(self, fetch: tuple[str, ...]) -> dict:
         out: dict[str, np.ndarray] = {}

@@ -8,8 +8,8 @@ the median over ``repeats`` profiled submissions of ``REPLAYS`` steps each (back
 every step a sample), after ``warmup`` ordinary steps; on a device without
 ``timestamp-query``, the host clock around ``REPLAYS`` steps per synchronization
 (``TuneReport.timing`` says which); on a GPU adapter a ``Heater`` runs first and before
-each plan, and a clock gate (``Heater.settle``) heats before each plan until a profiled
-heater step runs at the speed it had after the warm-up. Without the gate the H200 timed the
+each plan, and a clock gate (``Heater.settle``) heats before each plan until profiled
+heater steps run at the speed they had after the warm-up. Without the gate the H200 timed the
 workloads' products 3.8-4.7x slower than their in-step profiles (1500 x 384 x 384 nt 153 us
 against 39; SmolLM2's LM head 1177 against 224): compiling each plan leaves the GPU nearly
 idle, and its SM clock falls from 1980 to 345 MHz within ~1.5 s of a light load
@@ -61,14 +61,18 @@ WARM_SECONDS = 3.0
 
 # Warm steps queued (no wait) right before each plan is timed, ~8 ms of GPU work on the H200.
 KICK_STEPS = 16
-# The clock gate (``Heater.settle``): before each plan, one heater step is profiled and, while
-# it takes more than SETTLE_SLACK x the fastest heater step seen, the heater runs SETTLE_RUN_S
-# more, for at most SETTLE_MAX_S. The H200 drops its SM clock from 1980 to 345 MHz within
-# ~1.5 s of a light load (nvidia-smi, bench/results/tuner_timing_h200.json), and the queued
+# The clock gate (``Heater.settle``): before each plan, SETTLE_STEPS heater steps are profiled
+# back to back and, while their median takes more than SETTLE_SLACK x the reference (the
+# median of REFERENCE_STEPS profiled right after the warm-up, at working clocks, never lowered
+# afterwards, so noise cannot ratchet it down), the heater runs SETTLE_RUN_S more, for at most
+# SETTLE_MAX_S of heat. The H200 drops its SM clock from 1980 to 345 MHz within
+# ~2 s of a light load (nvidia-smi, bench/results/tuner_timing_h200.json), and the queued
 # kick alone did not bring it back: the tune of 2026-12-04 timed 1500 x 384 x 384 nt at 153 us
 # and the LM head at 1177 where the same `_time_plan` after 2 s of heat gave 37 and 226 (the
 # workloads' in-step profiles: 39 and 224).
 SETTLE_SLACK = 1.05
+SETTLE_STEPS = 3
+REFERENCE_STEPS = 7
 SETTLE_RUN_S = 0.05
 SETTLE_MAX_S = 2.0
 
@@ -89,7 +93,7 @@ class Heater:
         self.session.load_state_dict(
             {"a": np.full(a_shape, 1e-3, np.float32), "b": np.full(b_shape, 1e-3, np.float32)}
         )
-        self.reference_us: float | None = None  # the fastest heater step profiled
+        self.reference_us: float | None = None  # a step at working clocks (``calibrate``)
         self.settled_s = 0.0  # extra heat ``settle`` has run in all
 
     def run(self, seconds: float) -> int:
@@ -103,30 +107,38 @@ class Heater:
             steps += 8
         return steps
 
-    def step_us(self) -> float | None:
-        """GPU microseconds of one heater step, profiled now (None without timestamp
-        queries); the fastest seen is kept as ``reference_us``."""
+    def step_us(self, steps: int = SETTLE_STEPS) -> float | None:
+        """Median GPU microseconds of ``steps`` heater steps profiled back to back in one
+        submission, now (None without timestamp queries)."""
         if "timestamp-query" not in self.session.device.features:
             return None
-        prof = self.session.profile({}, repeats=1, warmup=0)
-        us = sum(t.duration_ns for t in prof.timings) / 1e3
-        if self.reference_us is None or us < self.reference_us:
-            self.reference_us = us
-        return us
+        prof = self.session.profile({}, repeats=1, warmup=0, replays=steps)
+        per = [0.0] * prof.repeats
+        for t in prof.timings:
+            per[t.repeat] += t.duration_ns / 1e3
+        return statistics.median(per)
+
+    def calibrate(self) -> float | None:
+        """Set ``reference_us``, the heater step's time at working clocks: call it right after
+        :meth:`run` has heated the GPU. Returns it (None without timestamp queries)."""
+        self.reference_us = self.step_us(REFERENCE_STEPS)
+        return self.reference_us
 
     def settle(self, max_seconds: float = SETTLE_MAX_S) -> float:
-        """Heat until a profiled heater step runs within ``SETTLE_SLACK`` of the fastest seen
-        (the GPU back at its working clocks), for at most ``max_seconds``. Returns the seconds
-        of extra heat it took (0.0 when the first step passed or there are no timestamps)."""
-        heated, end = 0.0, time.perf_counter() + max_seconds
+        """Heat until the heater's steps run within ``SETTLE_SLACK`` of ``reference_us`` (the
+        GPU back at its working clocks), stopping once ``max_seconds`` of heat have run.
+        Returns the wall seconds of extra heat (0.0 when the first check passed, without
+        timestamp queries, or before :meth:`calibrate`)."""
+        if self.reference_us is None:
+            return 0.0
+        heated = 0.0
         while True:
             us = self.step_us()
-            if us is None or us <= SETTLE_SLACK * self.reference_us:
+            if us is None or us <= SETTLE_SLACK * self.reference_us or heated >= max_seconds:
                 break
-            if time.perf_counter() > end:
-                break
+            t = time.perf_counter()
             self.run(SETTLE_RUN_S)
-            heated += SETTLE_RUN_S
+            heated += time.perf_counter() - t
         self.settled_s += heated
         return heated
 
@@ -365,7 +377,7 @@ def tune_matmuls(
     try:
         if heater is not None:
             heater.run(warm_seconds)
-            heater.step_us()  # the reference of ``settle``: a step at working clocks
+            heater.calibrate()  # the reference of ``settle``: steps at working clocks
         for i, shape in enumerate(keys):
             deadline = None if budget_s is None else t0 + budget_s * (i + 1) / len(keys)
             result = _tune_one(

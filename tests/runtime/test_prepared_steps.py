@@ -146,3 +146,26 @@ def test_a_session_dropped_or_closed_with_a_step_prepared_frees_its_buffers(gpu_
             before = _rss_mib()
     # 16 Sessions of 8 MiB each: pinned buffers would add ~128 MiB
     assert _rss_mib() - before < 48
+
+
+def test_a_failure_recording_ahead_does_not_fail_the_submitted_step(
+    gpu_device, pre_encode, monkeypatch
+):
+    from meganeura.runtime import fastpath
+
+    pre_encode(True)
+    w = np.eye(3, 4, dtype=np.float32)
+    with _affine(gpu_device) as sess:
+        sess.load_state_dict({"w": w, "b": np.zeros(4, np.float32)})
+        real = fastpath.Recorder.prepare
+
+        def broken(self, gpu, chunks):
+            raise RuntimeError("recording failed")
+
+        monkeypatch.setattr(fastpath.Recorder, "prepare", broken)
+        x = np.arange(15, dtype=np.float32).reshape(5, 3)
+        np.testing.assert_array_equal(sess.run({"x": x}, "y")["y"], x @ w)  # the step ran
+        assert sess._ready is None
+        monkeypatch.setattr(fastpath.Recorder, "prepare", real)
+        np.testing.assert_array_equal(sess.run({"x": 2 * x}, "y")["y"], 2 * x @ w)
+        assert sess._ready is not None
