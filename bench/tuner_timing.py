@@ -41,10 +41,7 @@ DEFAULT_SHAPES = "1500,384,384,nt;128,576,49152,nt;128,576,1536,nt"
 
 def per_step_us(prof) -> list[float]:
     """GPU microseconds of each profiled step (every dispatch of the step summed)."""
-    per = [0.0] * prof.repeats
-    for t in prof.timings:
-        per[t.repeat] += t.duration_ns / 1e3
-    return per
+    return [ns / 1e3 for ns in prof.repeat_ns()]
 
 
 def chain_graph(key, copies: int):

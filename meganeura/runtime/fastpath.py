@@ -145,13 +145,14 @@ class Recorder:
         return self._encode_range(gpu, 0, len(self._plan), tail, dry)
 
     def _encode_range(self, gpu, start: int, stop: int, tail, dry: bool) -> wgpu.GPUCommandBuffer:
+        return _finish(*self._open(gpu, start, stop, dry), tail)
+
+    def _open(self, gpu, start: int, stop: int, dry: bool = False) -> tuple:
+        """(encoder, its compute pass holding dispatches ``[start, stop)``, left open)."""
         enc = gpu.create_command_encoder()
         cp = enc.begin_compute_pass()
         self.record(cp, dry, start, stop)
-        cp.end()
-        if tail is not None:
-            tail(enc)
-        return enc.finish()
+        return enc, cp
 
     def submit(
         self,
@@ -190,13 +191,7 @@ class Recorder:
         finish 1.6, submit 0.13), and recorded while the GPU runs the step before, it leaves
         only end, finish and submit between a call and the GPU's start.
         """
-        parts = []
-        for start, stop in chunks:
-            enc = gpu.create_command_encoder()
-            cp = enc.begin_compute_pass()
-            self.record(cp, False, start, stop)
-            parts.append((enc, cp))
-        return parts
+        return [self._open(gpu, start, stop) for start, stop in chunks]
 
     @staticmethod
     def submit_prepared(queue: wgpu.GPUQueue, parts: Sequence[tuple], tail=None) -> None:
@@ -208,10 +203,15 @@ class Recorder:
         """
         last = len(parts) - 1
         for i, (enc, cp) in enumerate(parts):
-            cp.end()
-            if i == last and tail is not None:
-                tail(enc)
-            queue.submit([enc.finish()])
+            queue.submit([_finish(enc, cp, tail if i == last else None)])
+
+
+def _finish(enc, cp, tail) -> wgpu.GPUCommandBuffer:
+    """End the open pass ``cp`` of ``enc``, encode ``tail(enc)`` (when given), finish."""
+    cp.end()
+    if tail is not None:
+        tail(enc)
+    return enc.finish()
 
 
 def chunk_bounds(n: int, first: int, size: int) -> tuple[tuple[int, int], ...]:

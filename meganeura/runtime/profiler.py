@@ -134,6 +134,13 @@ class Profile:
         """Mean over repeats of the summed dispatch durations (gaps between passes excluded)."""
         return sum(t.duration_ns for t in self.timings) / self.repeats
 
+    def repeat_ns(self) -> list[float]:
+        """Each repeat's summed dispatch durations, in repeat order."""
+        per = [0.0] * self.repeats
+        for t in self.timings:
+            per[t.repeat] += t.duration_ns
+        return per
+
     def span_ns(self) -> float:
         """Mean over repeats of first pass beginning to last pass end (gaps included)."""
         spans = []

@@ -113,10 +113,7 @@ class Heater:
         if "timestamp-query" not in self.session.device.features:
             return None
         prof = self.session.profile({}, repeats=1, warmup=0, replays=steps)
-        per = [0.0] * prof.repeats
-        for t in prof.timings:
-            per[t.repeat] += t.duration_ns / 1e3
-        return statistics.median(per)
+        return statistics.median(prof.repeat_ns()) / 1e3
 
     def calibrate(self) -> float | None:
         """Set ``reference_us``, the heater step's time at working clocks: call it right after
@@ -512,9 +509,7 @@ def _time_plan(name, shape, graph, a, b, device, limits, repeats, warmup, heater
             heater.kick()  # and the timed steps follow queued work, not an idle GPU
         if "timestamp-query" in device.features:
             prof = sess.profile({}, repeats=repeats, warmup=warmup, replays=REPLAYS)
-            per = [0.0] * prof.repeats
-            for t in prof.timings:
-                per[t.repeat] += t.duration_ns / 1e3
+            per = [ns / 1e3 for ns in prof.repeat_ns()]
         else:
             for _ in range(warmup):
                 sess.run({})

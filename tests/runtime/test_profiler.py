@@ -56,6 +56,8 @@ def test_stats_sorted_with_shares_and_rates():
     assert top.gflop_per_s == pytest.approx(2000.0)
     assert p.step_ns() == pytest.approx(4500.0)
     assert p.span_ns() == pytest.approx(5000.0)
+    slow = Profile((*p.timings, _timing(1, "%2 relu", 1, 15_000.0, 700.0)), 2, "a", 1.0, "given")
+    assert slow.repeat_ns() == [4500.0, 5200.0]  # each repeat's own sum, in repeat order
 
     by_op = {k.name: k for k in p.stats(by="op")}
     assert set(by_op) == {"matmul", "relu"}

@@ -242,8 +242,7 @@ def _fake_heater(checks_us, features=("timestamp-query",)):
         c = next(checks)
         times = list(c) if isinstance(c, (list, tuple)) else [c] * replays
         assert len(times) == replays
-        timings = [SimpleNamespace(repeat=i, duration_ns=us * 1e3) for i, us in enumerate(times)]
-        return SimpleNamespace(repeats=replays, timings=timings)
+        return SimpleNamespace(repeat_ns=lambda: [us * 1e3 for us in times])
 
     session = SimpleNamespace(device=SimpleNamespace(features=set(features)), profile=profile)
     heater = tm.Heater.__new__(tm.Heater)
