@@ -152,7 +152,7 @@ def warm_rows(wl, case, precision, docs: dict, existing: list[dict], quick: bool
             for r in existing
             if (r.get("workload"), r.get("cell"), r.get("precision"), r.get("mode"))
             == (wl.id, case.name, precision, mode)
-            and not (r.get("metric") == "s" and "_compile_warm_" in r["case"])
+            and not _is_warm(r)
         ]
         timing = [r for r in mine if r.get("metric") not in ("s", "n/a")]
         if not timing:
@@ -218,6 +218,10 @@ def _cell_mode(r: dict) -> tuple:
     return (r.get("workload"), r.get("cell"), r.get("precision"), r.get("mode"))
 
 
+def _is_warm(r: dict) -> bool:
+    return r.get("metric") == "s" and "_compile_warm_" in r.get("case", "")
+
+
 def merge_write(path: Path, rows: list[dict], header: dict, fresh: bool) -> Path:
     """Merge ``rows`` into the result file at ``path`` (same case ids replaced, and every
     row of a (workload, cell, precision, mode) that ``rows`` measure again; rows of
@@ -230,11 +234,18 @@ def merge_write(path: Path, rows: list[dict], header: dict, fresh: bool) -> Path
     # (an ERROR row, "ms", against decode's "ms_per_token" and "ttft_ms") leaves none behind
     measured = {_cell_mode(r) for r in rows if r.get("metric") != "n/a"}
     workloads = {r.get("workload") for r in rows if r.get("metric") != "n/a"}
+    # a warm first-call row survives a re-measure that took no warm figure (``--no-warm``):
+    # it is still the cell's latest, with its own ``measured`` stamp
+    warm_again = {_cell_mode(r) for r in rows if _is_warm(r)}
     kept = [
         r
         for r in doc.get("results", [])
         if r["case"] not in new
-        and not (r.get("metric") != "n/a" and _cell_mode(r) in measured)
+        and not (
+            r.get("metric") != "n/a"
+            and _cell_mode(r) in measured
+            and not (_is_warm(r) and _cell_mode(r) not in warm_again)
+        )
         and not (r.get("metric") == "n/a" and r.get("workload") in workloads)
     ]
     doc.update(header)
