@@ -106,6 +106,10 @@ LEVERS = {
     "narrow_strided_rows": ("meganeura.codegen.wgsl.rowwise.rows", "set_narrow_strided"),
     # off: the chunks of split attention kernels (fwd, dq) never prefetch their next key tile
     # (W4 train, the rule's dq plan: 9.67 ms with, 10.99 without; lever_ab_h200_splits.json)
+    # off: an erf GELU (and its gradient) joins its matmul's epilogue like any elementwise op
+    # instead of a kernel of its own (W4 fc1 with it: 111.7 us a layer on the H200, the bare
+    # product 87.3)
+    "erf_apart": ("meganeura.passes.fuse", "set_erf_apart"),
     "attention_split_prefetch": (
         "meganeura.codegen.wgsl.attention.tile_loads",
         "set_split_prefetch",

@@ -67,6 +67,25 @@ class FusionGroup:
         return self.members[-1]
 
 
+# Whether an erf GELU (or its gradient) stays out of matmul epilogues. Its exact erfc
+# (``core.mathlib``: three branches of rational polynomials and two exps) inlined once per
+# accumulator of a tile grows the kernel past what its loop needs and costs more there than in
+# a kernel of its own: W4's fc1 (1500 x 384 x 1536 nt, bias and GELU in the epilogue) ran 111.7
+# us a layer in the H200 step against 87.3 for the bare product (bench/lever_ab.py
+# --levers erf_apart times both).
+_ERF_APART = [True]
+
+
+def set_erf_apart(on: bool) -> None:
+    """Keep erf GELUs (and their gradients) out of matmul epilogues (True, the default) or let
+    them join like any elementwise op (False). Read when a program compiles."""
+    _ERF_APART[0] = bool(on)
+
+
+def _erf_heavy(node) -> bool:
+    return node.op in ("gelu", "gelu_backward") and node.attr("approximate", "none") == "none"
+
+
 def _broadcasts(src: Sequence[int], dst: Sequence[int]) -> bool:
     if len(src) > len(dst):
         return False
@@ -144,6 +163,12 @@ class _Planner:
                 continue
             members = mine | theirs
             anchor = a if a is not None else b
+            if (
+                anchor is not None
+                and _ERF_APART[0]
+                and any(_erf_heavy(self.graph[m]) for m in members)
+            ):
+                continue
             if not all(_broadcasts(self.graph[m].type.shape, shape) for m in members):
                 continue
             if not self.valid(members, shape, anchor):

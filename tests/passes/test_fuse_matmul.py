@@ -374,8 +374,19 @@ def test_fast_mode_reads_and_writes_f16_through_prologue_and_epilogue(gpu_device
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
 
 
+@pytest.fixture
+def erf_fused():
+    """An erf GELU joins its matmul's epilogue (``passes.fuse.set_erf_apart(False)``): the
+    fused code path stays covered although the compiler keeps it apart by default."""
+    from meganeura.passes.fuse import set_erf_apart
+
+    set_erf_apart(False)
+    yield
+    set_erf_apart(True)
+
+
 @pytest.mark.gpu
-def test_segments_with_different_epilogues_and_shared_helpers(gpu_device):
+def test_segments_with_different_epilogues_and_shared_helpers(gpu_device, erf_fused):
     # sigmoid alone in one segment, silu (which calls the same helper) and gelu in others
     b = GraphBuilder()
     x = b.input("x", (3, 40))
