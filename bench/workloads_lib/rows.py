@@ -234,18 +234,14 @@ def merge_write(path: Path, rows: list[dict], header: dict, fresh: bool) -> Path
     # (an ERROR row, "ms", against decode's "ms_per_token" and "ttft_ms") leaves none behind
     measured = {_cell_mode(r) for r in rows if r.get("metric") != "n/a"}
     workloads = {r.get("workload") for r in rows if r.get("metric") != "n/a"}
-    # a warm first-call row survives a re-measure that took no warm figure (``--no-warm``):
-    # it is still the cell's latest, with its own ``measured`` stamp
-    warm_again = {_cell_mode(r) for r in rows if _is_warm(r)}
+    # a first-call row (metric "s", cold or warm) is replaced only by a row of its own case
+    # id: a re-measure that took no such figure (``--no-warm``, ``--overlap-compile``) leaves
+    # the cell's latest one, with its own ``measured`` stamp
     kept = [
         r
         for r in doc.get("results", [])
         if r["case"] not in new
-        and not (
-            r.get("metric") != "n/a"
-            and _cell_mode(r) in measured
-            and not (_is_warm(r) and _cell_mode(r) not in warm_again)
-        )
+        and not (r.get("metric") not in ("n/a", "s") and _cell_mode(r) in measured)
         and not (r.get("metric") == "n/a" and r.get("workload") in workloads)
     ]
     doc.update(header)

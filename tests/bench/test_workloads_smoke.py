@@ -201,20 +201,24 @@ def test_a_remeasured_cell_mode_leaves_none_of_its_old_rows(tmp_path):
 
 
 def test_a_remeasure_without_warm_figures_keeps_the_warm_first_call_row(tmp_path):
-    """``--no-warm`` re-measures a cell's timing but not its warm first call: the old warm row
-    stays; a re-measure with a warm row replaces it."""
+    """``--no-warm`` re-measures a cell's timing but not its warm first call (nor, with
+    ``--overlap-compile``, its cold one): the old first-call rows stay; a re-measure with a
+    first-call row replaces that row."""
     from bench.workloads_lib.rows import merge_write
 
-    def row(metric, value, warm=False):
-        case = "w4_x_fwd_strict" + ("_compile_warm" if warm else "") + "_vs_compile"
+    def row(metric, value, warm=False, cold=False):
+        kind = "_compile_warm" if warm else "_compile_cold" if cold else ""
+        case = "w4_x_fwd_strict" + kind + "_vs_compile"
         return {"case": case, "workload": "w4", "cell": "fwd", "precision": "strict",
                 "mode": "compile", "metric": metric, "ours": value}  # fmt: skip
 
     path = tmp_path / "w.json"
-    merge_write(path, [row("ms", 2.6), row("s", 2.3, warm=True)], {"machine": {}}, fresh=True)
+    first = [row("ms", 2.6), row("s", 2.3, warm=True), row("s", 3.1, cold=True)]
+    merge_write(path, first, {"machine": {}}, fresh=True)
     merge_write(path, [row("ms", 2.5)], {"machine": {}}, fresh=False)
     got = {(r["metric"], r["ours"]) for r in json.loads(path.read_text())["results"]}
-    assert got == {("ms", 2.5), ("s", 2.3)}
-    merge_write(path, [row("ms", 2.4), row("s", 2.0, warm=True)], {"machine": {}}, fresh=False)
+    assert got == {("ms", 2.5), ("s", 2.3), ("s", 3.1)}
+    again = [row("ms", 2.4), row("s", 2.0, warm=True)]
+    merge_write(path, again, {"machine": {}}, fresh=False)
     got = {(r["metric"], r["ours"]) for r in json.loads(path.read_text())["results"]}
-    assert got == {("ms", 2.4), ("s", 2.0)}
+    assert got == {("ms", 2.4), ("s", 2.0), ("s", 3.1)}
