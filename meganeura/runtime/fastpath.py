@@ -214,14 +214,23 @@ def _finish(enc, cp, tail) -> wgpu.GPUCommandBuffer:
     return enc.finish()
 
 
-def chunk_bounds(n: int, first: int, size: int) -> tuple[tuple[int, int], ...]:
+def chunk_bounds(
+    n: int, first: int, size: int, split_short: bool = False
+) -> tuple[tuple[int, int], ...]:
     """``(start, stop)`` ranges covering ``n`` dispatches: ``first`` dispatches (none when 0),
     then ``size`` at a time (the last chunk takes the remainder, merged into the previous one
-    when it would be shorter than ``first``). ``size`` <= 0 or ``n`` <= ``first + size``: one chunk.
+    when it would be shorter than ``first``). ``size`` <= 0 or ``n`` <= ``first + size``: one
+    chunk, except with ``split_short``, where a step of ``2 * first`` to ``first + size``
+    dispatches is ``first`` and the rest.
 
     A small first chunk starts the GPU soon; later chunks are long enough that encoding one
     (host) takes less than running the one before it (GPU), so the GPU never waits again.
+    ``split_short`` is for steps recorded ahead (``prepare``): what is left of a call's host
+    work is ending and finishing each chunk, ~3 us a dispatch on the H200
+    (``bench/call_phases.py``), so a short step too starts sooner as two.
     """
+    if size > 0 and split_short and first > 0 and 2 * first <= n <= first + size:
+        return ((0, first), (first, n))
     if size <= 0 or n <= first + size:
         return ((0, n),)
     bounds = [(0, first)] if first > 0 else []

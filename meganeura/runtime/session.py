@@ -59,6 +59,19 @@ SUBMIT_CHUNKS = (16, 64)
 PRE_ENCODE = True
 
 
+#: With :data:`PRE_ENCODE`, a step of ``2 * first`` to ``first + size`` dispatches (one
+#: command buffer otherwise) is submitted as its first ``first`` and the rest
+#: (``chunk_bounds(split_short=True)``): a call's host work before the GPU starts is then
+#: finishing ``first`` dispatches, not all of them. Read when a Session is created.
+SPLIT_SHORT = True
+
+
+def set_split_short(on: bool) -> None:
+    """Switch :data:`SPLIT_SHORT` for Sessions created from now on."""
+    global SPLIT_SHORT
+    SPLIT_SHORT = bool(on)
+
+
 def set_pre_encode(on: bool) -> None:
     """Switch :data:`PRE_ENCODE` for Sessions created from now on."""
     global PRE_ENCODE
@@ -169,8 +182,9 @@ class Session:
         cache = self.device.pipelines
         compiled, hits = cache.compiled, cache.hits
         self._plan = fastpath.Recorder(self._build_plan())
-        self._chunks = fastpath.chunk_bounds(len(self._plan), *submit_chunks())
         self._pre_encode = PRE_ENCODE
+        self._split_short = PRE_ENCODE and SPLIT_SHORT
+        self._chunks = fastpath.chunk_bounds(len(self._plan), *submit_chunks(), self._split_short)
         self._ready: list[tuple] | None = None  # the next step, recorded (PRE_ENCODE)
         self.pipelines_compiled = cache.compiled - compiled
         self.pipelines_reused = cache.hits - hits
@@ -412,7 +426,7 @@ class Session:
         """
         if first < 0 or size < 0:
             raise ValueError(f"need first >= 0 and size >= 0, got {first} and {size}")
-        self._chunks = fastpath.chunk_bounds(len(self._plan), first, size)
+        self._chunks = fastpath.chunk_bounds(len(self._plan), first, size, self._split_short)
         self._ready = None  # recorded with the old chunks; dropping it frees nothing needed
 
     def _submit(self, fetch: tuple[str, ...], dry: bool = False) -> None:

@@ -86,6 +86,22 @@ def test_chunk_bounds_cover_the_plan_in_order(n, first, size, want):
     assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
 
 
+@pytest.mark.parametrize(
+    "n,want",
+    [
+        (31, [(0, 31)]),
+        (32, [(0, 16), (16, 32)]),
+        (80, [(0, 16), (16, 80)]),
+        (81, [(0, 16), (16, 81)]),
+        (150, [(0, 16), (16, 80), (80, 150)]),
+    ],
+    ids=["below", "at_twice_first", "at_bound", "one_past", "long"],
+)
+def test_split_short_gives_a_short_step_its_first_chunk(n, want):
+    assert list(fastpath.chunk_bounds(n, 16, 64, split_short=True)) == want
+    assert list(fastpath.chunk_bounds(n, 16, 0, split_short=True)) == [(0, n)]  # size 0: one
+
+
 def test_submit_chunks_environment(monkeypatch):
     monkeypatch.delenv("MEGANEURA_SUBMIT_CHUNKS", raising=False)
     assert submit_chunks() == SUBMIT_CHUNKS
