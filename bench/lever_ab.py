@@ -91,10 +91,10 @@ LEVERS = {
     # off: each call records its step's command buffers itself instead of ending and
     # submitting those recorded while the GPU ran the call before (Session, read at its
     # creation; W5 fwd's host share was 34%, W4 fwd's 8.9%)
-    "pre_encode": ("meganeura.runtime.session", "set_pre_encode"),
+    "pre_encode": ("meganeura.runtime.stepping", "set_pre_encode"),
     # off: a step recorded ahead of 32 to 80 dispatches goes as one command buffer instead of
     # its first 16 and the rest (finishing costs ~3 us a dispatch on the H200: W4 fwd 122 us)
-    "split_short": ("meganeura.runtime.session", "set_split_short"),
+    "split_short": ("meganeura.runtime.stepping", "set_split_short"),
     # off: a long forward (and, since the eighth session, its query gradient) runs the plain
     # lane kernel instead of its keys split over workgroups plus a merge (W4 fwd: 283 -> 225
     # us a layer in isolation)

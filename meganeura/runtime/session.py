@@ -3,10 +3,10 @@
 A Session creates every buffer, pipeline and bind group once. ``run`` validates every feed on the
 host, uploads the inputs, replays the prebuilt dispatch list (:class:`.fastpath.Recorder`)
 followed by copies of the fetched outputs into a persistent staging buffer, and maps the staging
-buffer to read the outputs. A long step is submitted in chunks (:data:`SUBMIT_CHUNKS`), so the
-GPU starts on the first dispatches while the host still encodes the rest, and each step's
-chunks are recorded right after the step before is submitted (:data:`PRE_ENCODE`), so a call
-only ends, finishes and submits them. The host side goes through direct wgpu-native calls
+buffer to read the outputs. A long step is submitted in chunks, so the GPU starts on the first
+dispatches while the host still encodes the rest, and each step's chunks are recorded right
+after the step before is submitted, so a call only ends, finishes and submits them (the
+settings: :mod:`.stepping`). The host side goes through direct wgpu-native calls
 (:mod:`.fastpath`).
 Host-side checks of feeds live in :mod:`.slots`; ``profile`` checks and uploads the feeds as
 ``run`` does, then times the dispatches with :mod:`.profiler`, and leaves ``run`` uninstrumented.
@@ -25,7 +25,6 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping, Sequence
 
@@ -33,73 +32,24 @@ import numpy as np
 import wgpu
 
 from ..schedule.program import Program
-from . import fastpath
+from . import fastpath, stepping
 from .device import Device, get_device
 from .pipelines import check_limits, find_invalid_dispatch
 from .profiler import Method, Profile, choose_method, profile_dispatches
 from .slots import BoundSlot, InputError, bind_slots, ceil_to, check_labels, checked, decode
+from .stepping import SUBMIT_CHUNKS, set_pre_encode, set_split_short, submit_chunks
+
+__all__ = [
+    "SUBMIT_CHUNKS",
+    "InputError",
+    "Session",
+    "set_pre_encode",
+    "set_split_short",
+    "submit_chunks",
+]
 
 _USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 _STAGING_USAGE = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
-
-#: ``(first, size)`` of the step's submissions (:func:`.fastpath.chunk_bounds`): the first
-#: ``first`` dispatches, then ``size`` at a time; ``size`` 0 submits the step as one command
-#: buffer. ``MEGANEURA_SUBMIT_CHUNKS="first,size"`` (or ``"0"``) overrides it when a Session is
-#: created. Measured on the H200 machine (``bench/submit_chunks.py``,
-#: ``bench/results/submit_chunks_h200.json``, settings interleaved in one process): against one
-#: command buffer, ResNet-50 train batch 4 (670 dispatches) 12.78 -> 10.65 ms, SmolVLA expert train
-#: (903) 13.74 -> 9.56, SmolLM2 prefill 128 (663) 6.52 -> 5.04; (16, 64) was best or within 1% of
-#: the best of (16, 128), (32, 256), (8, 32) in each.
-SUBMIT_CHUNKS = (16, 64)
-
-#: Record each step's command buffers right after the previous step is submitted, while the
-#: GPU runs it (:meth:`.fastpath.Recorder.prepare`), so that a call only ends, finishes and
-#: submits them. Read when a Session is created (:func:`set_pre_encode`); results do not
-#: depend on it. Untimed on the H200 so far (bench/lever_ab.py, lever ``pre_encode``).
-PRE_ENCODE = True
-
-
-#: With :data:`PRE_ENCODE`, a step of ``2 * first`` to ``first + size`` dispatches (one
-#: command buffer otherwise) is submitted as its first ``first`` and the rest
-#: (``chunk_bounds(split_short=True)``): a call's host work before the GPU starts is then
-#: finishing ``first`` dispatches, not all of them. Read when a Session is created.
-SPLIT_SHORT = True
-
-
-def set_split_short(on: bool) -> None:
-    """Switch :data:`SPLIT_SHORT` for Sessions created from now on."""
-    global SPLIT_SHORT
-    SPLIT_SHORT = bool(on)
-
-
-def set_pre_encode(on: bool) -> None:
-    """Switch :data:`PRE_ENCODE` for Sessions created from now on."""
-    global PRE_ENCODE
-    PRE_ENCODE = bool(on)
-
-
-def submit_chunks() -> tuple[int, int]:
-    """``(first, size)`` from ``MEGANEURA_SUBMIT_CHUNKS`` or :data:`SUBMIT_CHUNKS`.
-
-    Raises:
-        ValueError: the variable is not ``"0"`` or two non-negative integers ``"first,size"``.
-    """
-    raw = os.environ.get("MEGANEURA_SUBMIT_CHUNKS")
-    if raw is None:
-        return SUBMIT_CHUNKS
-    parts = raw.replace(" ", "").split(",")
-    try:
-        vals = [int(x) for x in parts]
-    except ValueError:
-        vals = []
-    if vals == [0]:
-        return (0, 0)
-    if len(vals) != 2 or min(vals) < 0:
-        raise ValueError(
-            f'MEGANEURA_SUBMIT_CHUNKS must be "0" or "first,size" (non-negative integers), '
-            f"got {raw!r}"
-        )
-    return vals[0], vals[1]
 
 
 class Session:
@@ -182,8 +132,8 @@ class Session:
         cache = self.device.pipelines
         compiled, hits = cache.compiled, cache.hits
         self._plan = fastpath.Recorder(self._build_plan())
-        self._pre_encode = PRE_ENCODE
-        self._split_short = PRE_ENCODE and SPLIT_SHORT
+        self._pre_encode = stepping.PRE_ENCODE
+        self._split_short = stepping.PRE_ENCODE and stepping.SPLIT_SHORT
         self._chunks = fastpath.chunk_bounds(len(self._plan), *submit_chunks(), self._split_short)
         self._ready: list[tuple] | None = None  # the next step, recorded (PRE_ENCODE)
         self.pipelines_compiled = cache.compiled - compiled
@@ -414,12 +364,12 @@ class Session:
 
     @property
     def submissions(self) -> int:
-        """Command buffers one step is submitted as (:data:`SUBMIT_CHUNKS`)."""
+        """Command buffers one step is submitted as (:data:`.stepping.SUBMIT_CHUNKS`)."""
         return len(self._chunks)
 
     def set_submit_chunks(self, first: int, size: int) -> None:
         """Submit later steps as ``first`` dispatches, then ``size`` at a time (``size`` 0: one
-        command buffer); see :data:`SUBMIT_CHUNKS`. Results do not depend on it.
+        command buffer); see :data:`.stepping.SUBMIT_CHUNKS`. Results do not depend on it.
 
         Raises:
             ValueError: a negative ``first`` or ``size``.

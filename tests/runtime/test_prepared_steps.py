@@ -1,4 +1,4 @@
-"""Steps recorded ahead of their call (``session.PRE_ENCODE``, ``Recorder.prepare``): a
+"""Steps recorded ahead of their call (``stepping.PRE_ENCODE``, ``Recorder.prepare``): a
 prepared step sees every feed, ``write`` and fetch of the call that submits it, gives the
 values of a step recorded at its call bit for bit (AdamW steps, chunked or not), and a Session
 closed or dropped with a step prepared frees its buffers."""
@@ -16,7 +16,7 @@ from meganeura.compile import compile
 from meganeura.graph.builder import GraphBuilder
 from meganeura.nn import Linear, Module
 from meganeura.runtime import Session
-from meganeura.runtime import session as session_mod
+from meganeura.runtime import stepping as session_mod
 from meganeura.training import device_limits
 
 pytestmark = pytest.mark.gpu
