@@ -71,8 +71,9 @@ class FusionGroup:
 # (``core.mathlib``: three branches of rational polynomials and two exps) inlined once per
 # accumulator of a tile grows the kernel past what its loop needs and costs more there than in
 # a kernel of its own: W4's fc1 (1500 x 384 x 1536 nt, bias and GELU in the epilogue) ran 111.7
-# us a layer in the H200 step against 87.3 for the bare product (bench/lever_ab.py
-# --levers erf_apart times both).
+# us a layer in the H200 step against 87.3 for the bare product. Apart, timed interleaved
+# (``bench/results/lever_ab_h200_erf_apart.json``, off / on): W4 train 1.021 (9.04 -> 8.85 ms),
+# W4 fwd 0.990 (2.563 -> 2.588: the GELU's own pass costs about what the epilogue did).
 _ERF_APART = [True]
 
 

@@ -20,14 +20,18 @@ SUBMIT_CHUNKS = (16, 64)
 #: Record each step's command buffers right after the previous step is submitted, while the
 #: GPU runs it (:meth:`.fastpath.Recorder.prepare`), so that a call only ends, finishes and
 #: submits them. Read when a Session is created (:func:`set_pre_encode`); results do not
-#: depend on it. Untimed on the H200 so far (bench/lever_ab.py, lever ``pre_encode``).
+#: depend on it. Measured on the H200 (``bench/results/lever_ab_h200_pre_encode.json``,
+#: interleaved, off / on): W5 fwd 1.245, W2 fwd 1.187, W3 train 1.065, W4 fwd 1.031.
 PRE_ENCODE = True
 
 
 #: With :data:`PRE_ENCODE`, a step of ``2 * first`` to ``first + size`` dispatches (one
 #: command buffer otherwise) is submitted as its first ``first`` and the rest
 #: (``chunk_bounds(split_short=True)``): a call's host work before the GPU starts is then
-#: finishing ``first`` dispatches, not all of them. Read when a Session is created.
+#: finishing ``first`` dispatches, not all of them (finishing costs ~3 us a dispatch on the H200:
+#: ``bench/results/call_phases_h200.json``). Read when a Session is created. Measured on the
+#: H200 (``lever_ab_h200_split_short.json``, off / on): W5 fwd (49 dispatches) 1.091, W4 fwd
+#: (44) 1.001.
 SPLIT_SHORT = True
 
 
