@@ -32,6 +32,14 @@ def _times(expr: str, n: int) -> str:
     return expr if n == 1 else f"{expr} * {u(n)}"
 
 
+def _quad(kb: KernelBuilder, op, index: str) -> str:
+    """vec4<f32> of elements ``index .. index + 3``: one load from a vec4 binding, or four
+    scalar loads where the value is bound as scalars."""
+    if op.vec:
+        return op.vec4(kb, index)
+    return "vec4<f32>(" + ", ".join(op.scalar(kb, f"{index} + {u(t)}") for t in range(4)) + ")"
+
+
 def emit_simd(
     kb: KernelBuilder, p: Problem, plan: Plan, splits: int, chunk: int, store: Store
 ) -> tuple[str, str, int]:
@@ -48,7 +56,10 @@ def emit_simd(
     want_b = p.b.rows == 1 and vec_ok(p.b, p.k, p.b.cols)
     p = bind_operands(kb, p, want_a and want_b, want_a and want_b)
     a, b = p.a, p.b
-    vec = want_a and want_b and a.vec and b.vec
+    # dot products of 4 K positions whenever both operands allow it, also when one is bound as
+    # scalars (the epilogue reads it element by element, ``linear(h, w) + h``): the sum then
+    # rounds as the unfused product's does (four scalar loads make the vec4)
+    vec = want_a and want_b
     bn = SIMD * TN
     blocks_n, blocks_m = -(-p.n // bn), -(-p.m // bm)
     per = bm // SIMD
@@ -78,10 +89,10 @@ def emit_simd(
         step, count = "q", p.k // 4
 
         def a_at(row: str) -> str:
-            return a.vec4(kb, f"{row} + q * 4u")
+            return _quad(kb, a, f"{row} + q * 4u")
 
         def b_at(j: int) -> str:
-            return b.vec4(kb, f"bc{j} + q * 4u")
+            return _quad(kb, b, f"bc{j} + q * 4u")
 
         def mac(x: str, y: str) -> str:
             return f"dot({x}, {y})"
