@@ -21,6 +21,9 @@ from meganeura.ops import functional as F
 from meganeura.runtime import Session, fastpath, stepping
 from meganeura.training import device_limits
 
+from .test_prepared_steps import _rss_mib
+from .test_submit_chunks import Net
+
 pytestmark = pytest.mark.gpu
 
 
@@ -205,21 +208,10 @@ def test_split_short_bounds_cover_the_plan(n, first, size):
         assert got == plain
 
 
-class _Net(Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = Linear(12, 16)
-        self.fc2 = Linear(16, 16)
-        self.fc3 = Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc3(NF.gelu(self.fc2(NF.relu(self.fc1(x)))))
-
-
 def _train(levers, split: bool, chunks: tuple[int, int] | None, steps: int = 4):
     levers(True, split)
     mn.manual_seed(3)
-    tr = mn.Trainer(_Net(), mn.optim.AdamW(lr=1e-2), lambda m, x, y: NF.cross_entropy(m(x), y))
+    tr = mn.Trainer(Net(), mn.optim.AdamW(lr=1e-2), lambda m, x, y: NF.cross_entropy(m(x), y))
     rng = np.random.default_rng(7)
     losses, parts = [], []
     for i in range(steps):
@@ -245,11 +237,6 @@ def test_adamw_steps_equal_with_and_without_split_short(levers, chunks):
     assert got_p.keys() == base_p.keys()
     for k in base_p:
         np.testing.assert_array_equal(got_p[k], base_p[k], err_msg=k)
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
 
 
 def test_sessions_dropped_or_closed_with_a_split_step_prepared_free_their_buffers(
